@@ -1,0 +1,5 @@
+"""Everything that runs inside a training rank: config, model, data, FSDP2, checkpoints, loop.
+
+Nothing here creates distributed state at import time; `python -m trainer` is the entry
+point a launcher (torchrun today, ft_launcher later) starts once per rank.
+"""

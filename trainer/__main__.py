@@ -1,0 +1,73 @@
+"""`python -m trainer`: what the launcher starts once per rank.
+
+Parses the flags into a TrainConfig, joins the process group from the launcher's
+environment, trains, and exits non-zero with a one-line reason on a user error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from trainer.config import PRESETS, ConfigError, TrainConfig, build_config
+from trainer.data import DataError
+
+
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by `python -m trainer` and `rtp train-local` (same names as the config)."""
+    parser.add_argument("--preset", default="tiny-cpu", choices=sorted(PRESETS), help="model/optimizer preset (default: %(default)s)")
+    parser.add_argument("--dataset-dir", required=True, help="staged dataset snapshot (folder with manifest.json)")
+    parser.add_argument("--workdir", default="rtp-work/train", help="checkpoints, events.jsonl and summary.json go here (default: %(default)s)")
+    parser.add_argument("--steps", type=int, help="total optimizer steps; a resumed run continues up to this (config run.steps)")
+    parser.add_argument("--checkpoint-every", type=int, help="save a checkpoint every N steps (config checkpoint.every_steps)")
+    parser.add_argument("--checkpoint-dir", help="where step_<N>/ checkpoints go (default: <workdir>/checkpoints)")
+    parser.add_argument("--seed", type=int, help="random seed (config run.seed)")
+    parser.add_argument("--stop-after", type=int, help="stop cleanly after this step's checkpoint, to resume later (config run.stop_after_steps)")
+    parser.add_argument(
+        "--override", action="append", default=[], metavar="KEY=VALUE",
+        help="any config field, e.g. optimizer.lr=1e-3 or model.n_layers=4; repeatable",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    overrides = [f"data.dataset_dir={args.dataset_dir}", f"run.workdir={args.workdir}"]
+    named = {
+        "run.steps": args.steps,
+        "checkpoint.every_steps": args.checkpoint_every,
+        "checkpoint.dir": args.checkpoint_dir,
+        "run.seed": args.seed,
+        "run.stop_after_steps": args.stop_after,
+    }
+    overrides += [f"{key}={value}" for key, value in named.items() if value is not None]
+    return build_config(args.preset, overrides + list(args.override))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer",
+        description="One training rank (FSDP2 over gloo on CPU, NCCL on GPU). Start it through "
+        "a launcher (torchrun, ft_launcher) or `rtp train-local`, which set RANK/WORLD_SIZE.",
+    )
+    add_training_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    from trainer.loop import train  # torch.distributed imports only once arguments are valid
+    from trainer.parallelize import shutdown_distributed
+
+    try:
+        train(config)
+    except (DataError, ConfigError) as exc:
+        print(f"trainer: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        shutdown_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

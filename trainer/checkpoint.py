@@ -1,0 +1,228 @@
+"""Distributed checkpoints in torch DCP format with an atomic commit and a verified manifest.
+
+Layout of one checkpoint (a DCP folder, so N-rank saves load on M ranks or one process):
+
+    step_<N>/            committed: renamed from step_<N>.tmp/ only after every rank wrote
+      .metadata          DCP metadata (rank 0 writes it last inside dcp.save)
+      __<r>_0.distcp     DCP shards: model + optimizer
+      rank_state/rank_<r>.pt   per-rank RNG states and loader position
+      meta.json          step, config, scheduler state, world size
+      manifest.json      every file above with its size and SHA-256
+      COMMITTED          marker written last, before the rename
+
+`latest_committed_checkpoint()` only ever returns a folder whose marker, DCP metadata and
+manifest check out; a torn or tampered one is skipped with a warning naming the bad file.
+This module holds the storage logic; the loop decides when to save.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+log = logging.getLogger(__name__)
+
+COMMIT_MARKER = "COMMITTED"
+MANIFEST = "manifest.json"
+META = "meta.json"
+DCP_METADATA = ".metadata"
+RANK_STATE_DIR = "rank_state"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used; the message names the folder or file and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class SaveResult:
+    path: Path
+    step: int
+    blocked_s: float
+    bytes_total: int
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step}"
+
+
+def committed_steps(root: str | Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every folder that looks committed, newest first (not verified)."""
+    base = Path(root)
+    if not base.is_dir():
+        return []
+    found = []
+    for child in base.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir():
+            found.append((int(match.group(1)), child))
+    return sorted(found, reverse=True)
+
+
+def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_checkpoint(path: str | Path, verify_hashes: bool = False) -> None:
+    """Raise CheckpointError naming the first problem: marker, DCP metadata, manifest, a file."""
+    folder = Path(path)
+    for required in (COMMIT_MARKER, DCP_METADATA, MANIFEST, META):
+        if not (folder / required).is_file():
+            raise CheckpointError(f"{folder / required} is missing: the checkpoint is incomplete")
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        entries = manifest["files"]
+    except (ValueError, KeyError) as exc:
+        raise CheckpointError(f"{folder / MANIFEST} is unreadable: {exc}") from exc
+    for entry in entries:
+        file_path = folder / entry["path"]
+        if not file_path.is_file():
+            raise CheckpointError(f"{file_path} is listed in the manifest but missing")
+        size = file_path.stat().st_size
+        if size != entry["size"]:
+            raise CheckpointError(f"{file_path} has {size} bytes, the manifest says {entry['size']}")
+        if verify_hashes and sha256_file(file_path) != entry["sha256"]:
+            raise CheckpointError(f"{file_path} does not match its SHA-256 in the manifest")
+
+
+def latest_committed_checkpoint(root: str | Path, verify_hashes: bool = False) -> Path | None:
+    """The newest checkpoint under `root` that verifies; older ones are tried in turn."""
+    for _, folder in committed_steps(root):
+        try:
+            verify_checkpoint(folder, verify_hashes=verify_hashes)
+        except CheckpointError as exc:
+            log.warning("skipping checkpoint %s: %s", folder, exc)
+            continue
+        return folder
+    return None
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    return json.loads((Path(path) / META).read_text())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durable(path: Path, data: bytes) -> None:
+    with path.open("wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _build_manifest(folder: Path) -> dict[str, Any]:
+    files = []
+    for file_path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        relative = file_path.relative_to(folder).as_posix()
+        if relative in (MANIFEST, COMMIT_MARKER):
+            continue
+        files.append({"path": relative, "size": file_path.stat().st_size, "sha256": sha256_file(file_path)})
+    return {"version": 1, "files": files}
+
+
+def _rank_state(extra: dict[str, Any]) -> dict[str, Any]:
+    state = {"torch_rng": torch.get_rng_state(), **extra}
+    if torch.cuda.is_available():
+        state["cuda_rng"] = torch.cuda.get_rng_state()
+    return state
+
+
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    meta: dict[str, Any],
+    rank_extra: dict[str, Any],
+) -> SaveResult:
+    """Collective: every rank calls it. Returns once the checkpoint is committed everywhere."""
+    started = time.perf_counter()
+    base = Path(root)
+    rank = dist.get_rank()
+    final = step_dir(base, step)
+    staging = final.with_name(final.name + ".tmp")
+    if rank == 0:
+        base.mkdir(parents=True, exist_ok=True)
+        if staging.exists():  # left by a run that died mid-save: never resumed from
+            shutil.rmtree(staging)
+        if final.exists():  # re-saving a step after a resume from an older checkpoint
+            shutil.rmtree(final)
+        (staging / RANK_STATE_DIR).mkdir(parents=True)
+    dist.barrier()
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(staging))
+    torch.save(_rank_state(rank_extra), staging / RANK_STATE_DIR / f"rank_{rank}.pt")
+    dist.barrier()
+
+    if rank == 0:
+        full_meta = {**meta, "step": step, "world_size": dist.get_world_size(), "saved_at": time.time()}
+        _write_durable(staging / META, json.dumps(full_meta, indent=2, sort_keys=True).encode())
+        manifest = _build_manifest(staging)
+        _write_durable(staging / MANIFEST, json.dumps(manifest, indent=2).encode())
+        _write_durable(staging / COMMIT_MARKER, f"step {step}\n".encode())
+        os.replace(staging, final)
+        _fsync_dir(base)
+    dist.barrier()
+    bytes_total = sum(p.stat().st_size for p in final.rglob("*") if p.is_file())
+    return SaveResult(path=final, step=step, blocked_s=time.perf_counter() - started, bytes_total=bytes_total)
+
+
+def apply_retention(root: str | Path, keep_last: int) -> list[Path]:
+    """Delete committed checkpoints beyond the newest `keep_last`; never touches *.tmp."""
+    removed = []
+    for _, folder in committed_steps(root)[max(1, keep_last) :]:
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
+def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Collective: restore model and optimizer shards and this rank's RNG; return meta + rank state."""
+    folder = Path(path)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(folder))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rank_file = folder / RANK_STATE_DIR / f"rank_{dist.get_rank()}.pt"
+    rank_state: dict[str, Any] = {}
+    if rank_file.is_file():  # absent when resharding to more ranks than were saved
+        rank_state = torch.load(rank_file, weights_only=False)
+        torch.set_rng_state(rank_state["torch_rng"])
+        if "cuda_rng" in rank_state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rank_state["cuda_rng"])
+    return {"meta": read_meta(folder), "rank_state": rank_state}
+
+
+def load_model_weights(path: str | Path, model: nn.Module) -> None:
+    """Load the model part of a DCP checkpoint into a plain module, in one process, no group."""
+    state = {"model": model.state_dict()}
+    try:
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    except Exception as exc:  # DCP raises a bare CheckpointException listing rank errors
+        raise CheckpointError(f"cannot load model weights from {path}: {exc}") from exc
+    model.load_state_dict(state["model"])

@@ -1,0 +1,201 @@
+"""The training configuration: one tree of dataclasses, named presets, `key=value` overrides.
+
+A setting has one name everywhere: `checkpoint.every_steps` here is `--checkpoint-every`
+on the command line and `checkpoint_every` in the pipeline. The whole tree round-trips
+through JSON so it can be stored inside every checkpoint and compared on resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value a user supplied is wrong; the message says how to fix it."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    vocab_size: int = 256
+    """Byte-level vocabulary: every byte value is a token, so no tokenizer is needed."""
+    seq_len: int = 64
+    """Context length in tokens."""
+    d_model: int = 64
+    """Width of the residual stream."""
+    n_layers: int = 2
+    """Number of transformer blocks; each block is one FSDP unit."""
+    n_heads: int = 4
+    """Attention heads; must divide d_model."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    dataset_dir: str = ""
+    """A staged dataset snapshot (folder with manifest.json), as written by the stage step."""
+    batch_size: int = 8
+    """Sequences per rank per step."""
+    holdout_fraction: float = 0.1
+    """Share of the dataset's files reserved for validation, chosen deterministically by key."""
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerConfig:
+    lr: float = 3e-3
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.01
+    warmup_steps: int = 5
+    """Linear warm-up steps before the cosine decay."""
+    min_lr_ratio: float = 0.1
+    """The cosine decays to lr * min_lr_ratio at the last step."""
+    grad_clip_norm: float = 1.0
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    dir: str = ""
+    """Folder holding step_<N>/ checkpoints; empty means <workdir>/checkpoints."""
+    every_steps: int = 10
+    """Save a checkpoint every N steps (and always after the last step)."""
+    keep_last: int = 3
+    """Committed checkpoints to keep; older ones are deleted after a new one commits."""
+    verify_hashes: bool = False
+    """Also verify SHA-256 of every file when choosing the checkpoint to resume from."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    steps: int = 40
+    """Total optimizer steps of the run (a resumed run continues up to this number)."""
+    seed: int = 1234
+    workdir: str = "rtp-work/train"
+    """Where checkpoints, logs and summary.json go."""
+    log_every_steps: int = 5
+    stop_after_steps: int = 0
+    """Stop (exit cleanly) once this step is reached and checkpointed; 0 = never. Lets a
+    test or an operator interrupt a run at a known step and resume it later."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, indent=2)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> TrainConfig:
+        config = cls()
+        for section_name, values in raw.items():
+            for key, value in values.items():
+                _set(config, f"{section_name}.{key}", value)
+        return config
+
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or f"{self.run.workdir}/checkpoints"
+
+    def model_hash(self) -> str:
+        """Identifies the architecture: checkpoints of a different architecture cannot resume."""
+        blob = json.dumps(dataclasses.asdict(self.model), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-cpu": {},
+    "small-cpu": {
+        "model": {"d_model": 128, "n_layers": 4, "n_heads": 4, "seq_len": 128},
+        "data": {"batch_size": 8},
+    },
+    "gpu-125m": {
+        "model": {"d_model": 768, "n_layers": 12, "n_heads": 12, "seq_len": 1024},
+        "data": {"batch_size": 16},
+        "optimizer": {"lr": 6e-4, "warmup_steps": 200},
+        "checkpoint": {"every_steps": 500},
+    },
+}
+"""Named starting points. tiny-cpu trains in seconds on 2 cores (demo and tests)."""
+
+
+def _set(config: TrainConfig, dotted_key: str, value: Any) -> None:
+    section_name, _, key = dotted_key.partition(".")
+    section = getattr(config, section_name, None)
+    if section is None or not dataclasses.is_dataclass(section) or not key:
+        sections = ", ".join(f.name for f in dataclasses.fields(config))
+        raise ConfigError(f"unknown config key {dotted_key!r}: use <section>.<field>, sections are {sections}")
+    fields = {f.name: f for f in dataclasses.fields(section)}
+    if key not in fields:
+        raise ConfigError(
+            f"unknown config key {dotted_key!r}: {section_name} has {', '.join(sorted(fields))}"
+        )
+    current = getattr(section, key)
+    setattr(section, key, _coerce(dotted_key, value, type(current)))
+
+
+def _coerce(dotted_key: str, value: Any, target: type) -> Any:
+    if not isinstance(value, str):
+        if target is float and isinstance(value, int):
+            return float(value)
+        if isinstance(value, target):
+            return value
+        raise ConfigError(f"{dotted_key} must be {target.__name__}, got {value!r}")
+    try:
+        if target is bool:
+            lowered = value.strip().lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        return target(value)
+    except ValueError:
+        raise ConfigError(f"{dotted_key} must be {target.__name__}, got {value!r}") from None
+
+
+def parse_overrides(text: str) -> list[str]:
+    """Split a free-form overrides string ('a.b=1 c.d=2' or comma-separated) into items."""
+    return [item for item in text.replace(",", " ").split() if item]
+
+
+def build_config(preset: str = "tiny-cpu", overrides: list[str] | None = None) -> TrainConfig:
+    """A preset with `section.field=value` overrides applied, validated."""
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    config = TrainConfig.from_dict(PRESETS[preset])
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r} is not key=value (e.g. optimizer.lr=1e-3)")
+        _set(config, key.strip(), value.strip())
+    validate(config)
+    return config
+
+
+def validate(config: TrainConfig) -> None:
+    m = config.model
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
+    positive = {
+        "run.steps": config.run.steps,
+        "checkpoint.every_steps": config.checkpoint.every_steps,
+        "checkpoint.keep_last": config.checkpoint.keep_last,
+        "data.batch_size": config.data.batch_size,
+        "model.seq_len": m.seq_len,
+        "model.n_layers": m.n_layers,
+    }
+    for name, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{name} must be at least 1, got {value}")
+    if not 0.0 < config.data.holdout_fraction < 1.0:
+        raise ConfigError("data.holdout_fraction must be between 0 and 1 (exclusive)")
+    if config.run.stop_after_steps < 0:
+        raise ConfigError("run.stop_after_steps must be 0 (never) or a step number")

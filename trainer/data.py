@@ -1,0 +1,105 @@
+"""Training and holdout data from a staged dataset snapshot, with an exactly resumable position.
+
+A snapshot is a folder with `manifest.json` (written by the stage step) listing the files
+copied from S3. Files are split into train and holdout by a hash of their S3 key, so the
+split is deterministic, independent of listing order, and the same in every step of the
+pipeline. The sampler draws batch `step` of rank `rank` from a generator seeded by
+`(seed, step, rank)`: the loader's position is the step number, so resuming at step N
+replays exactly the batches an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+MANIFEST_NAME = "manifest.json"
+
+
+class DataError(ValueError):
+    """The dataset folder is missing, empty or malformed."""
+
+
+@dataclass(frozen=True, slots=True)
+class DatasetFile:
+    key: str
+    path: Path
+    size: int
+
+
+def read_manifest(dataset_dir: str | Path) -> dict:
+    manifest_path = Path(dataset_dir) / MANIFEST_NAME
+    if not manifest_path.is_file():
+        raise DataError(
+            f"{manifest_path} not found: point data.dataset_dir at a snapshot written by "
+            "`rtp stage` (a folder holding manifest.json)"
+        )
+    return json.loads(manifest_path.read_text())
+
+
+def is_holdout(key: str, holdout_fraction: float) -> bool:
+    bucket = int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "big") / 2**32
+    return bucket < holdout_fraction
+
+
+def split_files(dataset_dir: str | Path, holdout_fraction: float) -> tuple[list[DatasetFile], list[DatasetFile]]:
+    """(train, holdout) files of a snapshot; both are non-empty when it holds >= 2 files."""
+    root = Path(dataset_dir)
+    entries = read_manifest(root)["files"]
+    files = sorted(
+        (DatasetFile(key=e["key"], path=root / e["path"], size=int(e["size"])) for e in entries),
+        key=lambda f: f.key,
+    )
+    files = [f for f in files if f.size > 0]
+    if len(files) < 2:
+        raise DataError(f"{root} holds {len(files)} non-empty file(s); need at least 2 (train + holdout)")
+    holdout = [f for f in files if is_holdout(f.key, holdout_fraction)]
+    if not holdout:  # tiny datasets: still hold one file out, the same one every time
+        holdout = [min(files, key=lambda f: hashlib.sha256(f.key.encode()).hexdigest())]
+    if len(holdout) == len(files):
+        holdout = holdout[:-1]
+    held = {f.key for f in holdout}
+    return [f for f in files if f.key not in held], holdout
+
+
+def load_tokens(files: list[DatasetFile]) -> torch.Tensor:
+    """All bytes of the files, in key order, separated by a newline, as a uint8 tensor."""
+    chunks = [np.frombuffer(f.path.read_bytes() + b"\n", dtype=np.uint8) for f in files]
+    return torch.from_numpy(np.concatenate(chunks).copy())
+
+
+class StepSampler:
+    """Random windows of `seq_len + 1` bytes; batch for (step, rank) is a pure function."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, batch_size: int, seed: int, rank: int) -> None:
+        if tokens.numel() < seq_len + 2:
+            raise DataError(f"dataset has {tokens.numel()} bytes; need more than seq_len + 1 = {seq_len + 1}")
+        self.tokens = tokens
+        self.window = seq_len + 1
+        self.batch_size = batch_size
+        self.seed = seed
+        self.rank = rank
+
+    def batch(self, step: int) -> torch.Tensor:
+        # An explicit mix (not hash()) so the stream is the same in every Python process.
+        mixed = ((self.seed * 1_000_003 + step) * 1_009 + self.rank) % (2**63)
+        generator = torch.Generator().manual_seed(mixed)
+        starts = torch.randint(0, self.tokens.numel() - self.window, (self.batch_size,), generator=generator)
+        return torch.stack([self.tokens[s : s + self.window] for s in starts.tolist()]).long()
+
+    def state_dict(self, next_step: int) -> dict[str, int]:
+        return {"next_step": next_step, "seed": self.seed, "rank": self.rank}
+
+
+def holdout_batches(tokens: torch.Tensor, seq_len: int, max_windows: int = 64, batch_size: int = 16) -> list[torch.Tensor]:
+    """Evenly spaced, non-random windows over the holdout bytes: the same for every model."""
+    window = seq_len + 1
+    count = max(1, min(max_windows, (tokens.numel() - 1) // window))
+    starts = np.linspace(0, tokens.numel() - window, num=count, dtype=np.int64).tolist()
+    rows = [tokens[s : s + window].long() for s in starts]
+    return [torch.stack(rows[i : i + batch_size]) for i in range(0, len(rows), batch_size)]
