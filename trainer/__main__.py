@@ -11,7 +11,6 @@ import logging
 import sys
 
 from trainer.config import PRESETS, ConfigError, TrainConfig, build_config
-from trainer.data import DataError
 
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
     except ConfigError as exc:
         parser.error(str(exc))
-    from trainer.loop import train  # torch.distributed imports only once arguments are valid
+    from trainer.data import DataError  # torch imports only once arguments are valid
+    from trainer.loop import train
     from trainer.parallelize import shutdown_distributed
 
     try:

@@ -1,0 +1,49 @@
+"""Where every step reads and writes on the shared volume (the FSx for Lustre PVC).
+
+    <mount>/rtp/datasets/<dataset>/snapshots/<snapshot-id>/   immutable, complete
+    <mount>/rtp/datasets/<dataset>/current -> snapshots/<id>   switched atomically
+    <mount>/rtp/datasets/<dataset>/.staging/<id>/              in progress, resumable
+    <mount>/rtp/runs/<run>/checkpoints/step_<N>/               committed DCP checkpoints
+    <mount>/rtp/runs/<run>/steps/<step>.json                   each step's record
+
+`<run>` is the run name when one is given, else the KFP run id, so a retried train task
+of the same run resumes from that run's checkpoints.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from trainer.events import write_json_atomic
+
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_name(kind: str, value: str) -> str:
+    if not _SAFE_NAME.match(value):
+        raise ValueError(
+            f"{kind} {value!r} is not a safe folder name: use letters, digits, '.', '_' or '-' "
+            "(at most 128, not starting with a symbol)"
+        )
+    return value
+
+
+def dataset_root(mount: str | Path, dataset: str) -> Path:
+    return Path(mount) / "rtp" / "datasets" / check_name("dataset name", dataset)
+
+
+def run_dir(mount: str | Path, run_name: str, job_id: str = "") -> Path:
+    name = run_name or job_id
+    if not name:
+        raise ValueError("no run name and no KFP run id: pass --run-name")
+    return Path(mount) / "rtp" / "runs" / check_name("run name", name)
+
+
+def record_step(run_folder: Path, pipeline_step: str, started_at: float, /, **fields: Any) -> dict[str, Any]:
+    """Write steps/<step>.json (elapsed seconds + outputs) so a driver can summarize the run."""
+    record = {**fields, "pipeline_step": pipeline_step, "elapsed_s": round(time.time() - started_at, 3)}
+    write_json_atomic(run_folder / "steps" / f"{pipeline_step}.json", record)
+    return record

@@ -1,0 +1,51 @@
+"""KFP interface of the register step: a validated checkpoint -> an MLflow model version."""
+
+from typing import NamedTuple
+
+from kfp.dsl import Dataset, Input, Model
+
+
+def register_model(
+    model: Input[Model],
+    dataset: Input[Dataset],
+    decision: str,
+    model_name: str,
+    fsx_mount_path: str,
+    run_name: str,
+    run_id: str,
+) -> NamedTuple("Outputs", [("model_uri", str), ("version", str)]):  # noqa: UP014
+    """Log the checkpoint to MLflow as a servable model, register a version, and set its alias.
+
+    The tracking server comes from MLFLOW_TRACKING_URI (a Kubernetes secret on a cluster).
+
+    Args:
+        model: the train step's checkpoint.
+        dataset: the staged snapshot (recorded as lineage).
+        decision: the validate step's decision; it becomes the version's alias.
+        model_name: registered model name in MLflow.
+        fsx_mount_path: where the FSx PVC is mounted in the pod.
+        run_name: run folder name; empty uses the KFP run id.
+        run_id: the KFP run id (filled in by the pipeline).
+
+    Returns:
+        model_uri: models:/<name>/<version>; version: the registered version.
+    """
+    import logging
+    import time
+    from collections import namedtuple
+
+    from components.layout import record_step, run_dir
+    from components.register_model.register import register_checkpoint
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    started = time.time()
+    lineage = {
+        "rtp.kfp_run_id": run_id,
+        "rtp.dataset_snapshot_id": str(dataset.metadata.get("snapshot_id", "")),
+        "rtp.dataset_manifest_sha256": str(dataset.metadata.get("manifest_sha256", "")),
+        "rtp.config_sha256": str(model.metadata.get("config_sha256", "")),
+    }
+    result = register_checkpoint(model.metadata["checkpoint_dir"], model_name, decision, lineage)
+    record_step(run_dir(fsx_mount_path, run_name, run_id), "register", started, **result.as_dict())
+    outputs = namedtuple("Outputs", ["model_uri", "version"])
+    return outputs(result.model_uri, result.version)

@@ -1,0 +1,48 @@
+"""The MLflow pyfunc that serves a registered model: prompts in, generated text out.
+
+Logged as "models from code": MLflow runs this file when loading the model, so nothing is
+pickled. Its artifacts are `weights` (a consolidated state dict) and `config` (the
+ModelConfig as JSON); the `trainer` package travels with it as code.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import mlflow
+from mlflow.pyfunc import PythonModel, PythonModelContext
+
+
+class ByteLMPyfunc(PythonModel):
+    def load_context(self, context: PythonModelContext) -> None:
+        import torch
+
+        from trainer.config import ModelConfig
+        from trainer.model import ByteLM
+
+        with open(context.artifacts["config"]) as handle:
+            config = ModelConfig(**json.load(handle))
+        self.model = ByteLM(config)
+        self.model.load_state_dict(torch.load(context.artifacts["weights"], weights_only=True))
+        self.model.eval()
+
+    # No type hints on predict: MLflow would try to derive a schema from them; the logged
+    # signature (prompt column in, text out, generation params) is the contract.
+    def predict(self, context, model_input, params=None):  # type: ignore[no-untyped-def]
+        from trainer.model import generate
+
+        params = params or {}
+        prompts = list(model_input["prompt"]) if hasattr(model_input, "columns") else list(model_input)
+        return [
+            generate(
+                self.model,
+                str(prompt).encode(),
+                max_new_tokens=int(params.get("max_new_tokens", 64)),
+                temperature=float(params.get("temperature", 0.0)),
+            ).decode("utf-8", errors="replace")
+            for prompt in prompts
+        ]
+
+
+mlflow.models.set_model(ByteLMPyfunc())

@@ -1,0 +1,40 @@
+"""Run training for one pipeline run on this pod (or machine) and describe the result.
+
+The run's folder on the shared volume holds its checkpoints, so a retried train task of
+the same run resumes from the latest committed checkpoint instead of starting over.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from trainer.config import build_config, parse_overrides
+from trainer.launch import run_local_training, trainer_arguments
+
+
+def train_in_pod(
+    *,
+    dataset_dir: str,
+    run_folder: str | Path,
+    steps: int,
+    nproc: int,
+    checkpoint_every: int,
+    seed: int,
+    preset: str,
+    overrides: str = "",
+    echo: bool = True,
+) -> dict[str, Any]:
+    """Train with `nproc` local ranks; returns the trainer's summary plus the config used."""
+    override_items = parse_overrides(overrides)
+    workdir = str(Path(run_folder) / "train")
+    args = trainer_arguments(
+        dataset_dir=dataset_dir, workdir=workdir, steps=steps, checkpoint_every=checkpoint_every,
+        seed=seed, preset=preset, checkpoint_dir=str(Path(run_folder) / "checkpoints"),
+        overrides=override_items,
+    )
+    # Validate here so a bad override fails in one line before any rank starts.
+    config = build_config(preset, [*override_items, f"run.steps={steps}", f"checkpoint.every_steps={checkpoint_every}"])
+    summary = run_local_training(nproc, args, workdir, echo=echo)
+    return {**summary, "preset": preset, "config_sha256": hashlib.sha256(config.to_json().encode()).hexdigest(), "model_config": config.to_dict()["model"]}

@@ -1,0 +1,1 @@
+"""The pipeline wiring, its compilation, the `rtp` command line, and `rtp local`."""

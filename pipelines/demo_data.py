@@ -1,0 +1,46 @@
+"""The demo corpus: Python standard-library sources that ship with the interpreter.
+
+No downloads: the text is already on every machine that runs Python. The selection is
+deterministic (sorted top-level modules up to a byte budget), so a given Python version
+always produces the same corpus, and therefore the same dataset snapshot id.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+DEFAULT_BUDGET_BYTES = 1_500_000
+
+
+def demo_corpus(budget_bytes: int = DEFAULT_BUDGET_BYTES) -> list[tuple[str, Path]]:
+    """(S3 key suffix, file) pairs of stdlib sources, sorted, up to `budget_bytes` in total."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    chosen: list[tuple[str, Path]] = []
+    total = 0
+    for path in sorted(stdlib.glob("*.py")):
+        size = path.stat().st_size
+        if size == 0 or size > 200_000:
+            continue  # skip empty stubs and a few giant modules that would dominate the corpus
+        if total + size > budget_bytes:
+            break
+        chosen.append((path.name, path))
+        total += size
+    if len(chosen) < 2:
+        raise RuntimeError(f"found too few standard-library sources under {stdlib} for a demo corpus")
+    return chosen
+
+
+def upload_demo_corpus(client: object, bucket: str, prefix: str, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> int:
+    """Create `bucket` if needed and upload the corpus under `prefix`; returns the object count."""
+    from botocore.exceptions import ClientError
+
+    try:
+        client.create_bucket(Bucket=bucket)  # type: ignore[attr-defined]
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+            raise
+    files = demo_corpus(budget_bytes)
+    for name, path in files:
+        client.put_object(Bucket=bucket, Key=f"{prefix}{name}", Body=path.read_bytes())  # type: ignore[attr-defined]
+    return len(files)

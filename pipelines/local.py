@@ -1,0 +1,164 @@
+"""`rtp local`: the whole pipeline on this machine, with no cluster and no cloud account.
+
+Starts an embedded S3 endpoint seeded with the demo corpus (unless `--source` names a real
+bucket), points MLflow at a sqlite file in the work dir (unless `--mlflow-uri`), runs the
+compiled pipeline through `kfp.local` (SubprocessRunner, tasks in this environment), and
+summarizes what each step did into `<workdir>/summary.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from components.layout import run_dir
+from trainer.events import write_json_atomic
+
+log = logging.getLogger(__name__)
+
+DEMO_BUCKET = "rtp-demo"
+DEMO_PREFIX = "corpus/"
+
+
+class LocalRunError(RuntimeError):
+    """The local pipeline run failed; the message says which step and where its log is."""
+
+
+@dataclass(kw_only=True)
+class LocalOptions:
+    workdir: str = "rtp-work"
+    steps: int = 40
+    nproc: int = 2
+    checkpoint_every: int = 10
+    seed: int = 1234
+    preset: str = "tiny-cpu"
+    overrides: str = ""
+    source: str = ""
+    s3_endpoint_url: str = ""
+    mlflow_uri: str = ""
+    model_name: str = "rtp-byte-lm"
+    max_loss: float = 4.0
+    run_name: str = ""
+    dataset_name: str = "demo-corpus"
+
+
+def _read_step_records(folder: Path) -> dict[str, dict[str, Any]]:
+    records = {}
+    for path in sorted((folder / "steps").glob("*.json")):
+        records[path.stem] = json.loads(path.read_text())
+    return records
+
+
+def build_summary(options: LocalOptions, folder: Path, tracking_uri: str, source: str, elapsed_s: float) -> dict[str, Any]:
+    steps = _read_step_records(folder)
+    train = steps.get("train", {})
+    validate = steps.get("validate", {})
+    register = steps.get("register", {})
+    return {
+        "run_name": folder.name,
+        "run_dir": str(folder),
+        "source": source,
+        "dataset_snapshot": steps.get("stage", {}).get("snapshot_dir"),
+        "steps": train.get("steps"),
+        "final_loss": train.get("final_loss"),
+        "checkpoint": train.get("checkpoint"),
+        "model_sha256": train.get("model_sha256"),
+        "holdout_loss": validate.get("holdout_loss"),
+        "decision": validate.get("decision"),
+        "mlflow": {
+            "tracking_uri": tracking_uri,
+            "model_name": register.get("model_name"),
+            "version": register.get("version"),
+            "alias": register.get("alias"),
+            "model_uri": register.get("model_uri"),
+        },
+        "elapsed_s": {name: record.get("elapsed_s") for name, record in steps.items()},
+        "total_elapsed_s": round(elapsed_s, 3),
+    }
+
+
+def run_local(options: LocalOptions) -> dict[str, Any]:
+    from kfp import local
+
+    from pipelines.pipeline import build_pipeline
+
+    started = time.time()
+    workdir = Path(options.workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    fsx = workdir / "fsx"
+    run_name = options.run_name or time.strftime("local-%Y%m%d-%H%M%S")
+    folder = run_dir(fsx, run_name)
+    tracking_uri = options.mlflow_uri or f"sqlite:///{workdir / 'mlflow.db'}"
+    os.environ["MLFLOW_TRACKING_URI"] = tracking_uri  # the register task reads it, as on a cluster
+
+    embedded = None
+    source, endpoint = options.source, options.s3_endpoint_url
+    if not source:
+        from components.stage_data.stage import s3_client
+        from pipelines.demo_data import upload_demo_corpus
+        from pipelines.services import DEMO_CREDENTIALS, EmbeddedS3
+
+        embedded = EmbeddedS3().start()
+        os.environ.update(DEMO_CREDENTIALS)
+        endpoint = embedded.endpoint_url
+        count = upload_demo_corpus(s3_client(endpoint), DEMO_BUCKET, DEMO_PREFIX)
+        source = f"s3://{DEMO_BUCKET}/{DEMO_PREFIX}"
+        print(f"rtp local: embedded S3 (moto) at {endpoint}, seeded {count} demo files into {source}", flush=True)
+    try:
+        local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(workdir / "kfp-local"))
+        pipeline = build_pipeline()
+        try:
+            pipeline(
+                source=source, s3_endpoint_url=endpoint, fsx_mount_path=str(fsx),
+                dataset_name=options.dataset_name, run_name=run_name, steps=options.steps,
+                nproc=options.nproc, checkpoint_every=options.checkpoint_every, seed=options.seed,
+                preset=options.preset, overrides=options.overrides, max_loss=options.max_loss,
+                model_name=options.model_name,
+            )
+        except RuntimeError as exc:
+            done = sorted(_read_step_records(folder))
+            raise LocalRunError(
+                f"the pipeline failed after steps {done or 'none'}: {exc}\n"
+                f"task logs are above; task outputs are under {workdir / 'kfp-local'}"
+            ) from exc
+    finally:
+        if embedded:
+            embedded.stop()
+    summary = build_summary(options, folder, tracking_uri, source, time.time() - started)
+    write_json_atomic(workdir / "summary.json", summary)
+    write_json_atomic(folder / "summary.json", summary)
+    return summary
+
+
+def format_summary(summary: dict[str, Any], workdir: str) -> str:
+    mlflow_info = summary["mlflow"]
+    lines = [
+        "",
+        "rtp local: pipeline finished",
+        f"  dataset snapshot : {summary['dataset_snapshot']}",
+        f"  training         : {summary['steps']} steps, final loss {_fmt(summary['final_loss'])}",
+        f"  checkpoint       : {summary['checkpoint']}",
+        f"  validation       : holdout loss {_fmt(summary['holdout_loss'])} -> {summary['decision']}",
+    ]
+    if mlflow_info["version"]:
+        lines.append(f"  MLflow model     : {mlflow_info['model_name']} version {mlflow_info['version']} "
+                     f"(alias {mlflow_info['alias']}, {mlflow_info['model_uri']})")
+    else:
+        lines.append("  MLflow model     : not registered (validation rejected the checkpoint)")
+    timing = ", ".join(f"{k} {v:.1f}s" for k, v in summary["elapsed_s"].items() if v is not None)
+    lines += [
+        f"  time             : {timing}; total {summary['total_elapsed_s']:.1f}s",
+        f"  summary          : {Path(workdir).resolve() / 'summary.json'}",
+    ]
+    if mlflow_info["tracking_uri"].startswith("sqlite:"):
+        lines.append(f"  MLflow UI        : mlflow ui --backend-store-uri {mlflow_info['tracking_uri']}")
+    return "\n".join(lines)
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
