@@ -1,0 +1,101 @@
+"""Fixtures shared by the suite: a small dataset snapshot, a one-rank process group, a real
+MLflow server on loopback, and the path of ../shared/specs (skipped when absent)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pipelines.demo_data import demo_corpus
+from pipelines.services import free_port
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+SHARED_SPECS = PROJECT_ROOT.parent / "shared" / "specs"
+
+
+def write_dataset(folder: Path, budget_bytes: int = 300_000) -> Path:
+    """A dataset snapshot in the stage step's format, made from stdlib sources."""
+    files = []
+    for name, source in demo_corpus(budget_bytes):
+        data = source.read_bytes()
+        target = folder / "files" / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+        files.append({"key": f"corpus/{name}", "size": len(data), "etag": hashlib.md5(data).hexdigest(),
+                      "path": f"files/{name}"})
+    (folder / "manifest.json").write_text(json.dumps({"snapshot_id": "test", "files": files}))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def dataset_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_dataset(tmp_path_factory.mktemp("dataset"))
+
+
+@pytest.fixture(scope="session")
+def shared_specs() -> Path:
+    if not SHARED_SPECS.is_dir():
+        pytest.skip(f"{SHARED_SPECS} is absent (it exists only in the development workspace)")
+    return SHARED_SPECS
+
+
+@pytest.fixture
+def single_rank_group() -> Iterator[None]:
+    """A real one-rank gloo process group, so collective code runs in-process."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real `mlflow server` (sqlite backend, proxied artifacts) on a free loopback port."""
+    root = tmp_path_factory.mktemp("mlflow")
+    port = free_port()
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    log_file = (root / "server.log").open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+         "--artifacts-destination", str(root / "artifacts"), "--serve-artifacts",
+         "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+        start_new_session=True,  # its own process group: the server's workers end with it
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    try:
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"mlflow server exited with {process.returncode}: {(root / 'server.log').read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=1) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("mlflow server did not answer /health within 90 s")
+            time.sleep(0.3)
+        yield url
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        log_file.close()

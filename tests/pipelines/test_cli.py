@@ -1,0 +1,62 @@
+import subprocess
+import sys
+
+import pytest
+
+from pipelines.cli import build_parser, main
+
+SUBCOMMANDS = {
+    "local": ["--workdir", "--steps", "--nproc", "--checkpoint-every", "--source", "--s3-endpoint-url", "--mlflow-uri"],
+    "compile": ["--output", "--image"],
+    "train-local": ["--nproc", "--steps", "--checkpoint-every", "--seed", "--workdir", "--dataset-dir"],
+    "stage": ["--source", "--fsx-mount-path"],
+    "validate": ["--checkpoint", "--dataset-dir", "--max-loss"],
+    "register": ["--checkpoint", "--model-name", "--alias"],
+}
+
+
+def test_top_level_help_lists_every_subcommand(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for name in SUBCOMMANDS:
+        assert name in out
+
+
+@pytest.mark.parametrize(("command", "flags"), SUBCOMMANDS.items())
+def test_subcommand_help_documents_its_flags(command, flags, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([command, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for flag in flags:
+        assert flag in out, f"{command} --help does not mention {flag}"
+
+
+def test_installed_console_script_runs():
+    result = subprocess.run([sys.executable, "-m", "pipelines.cli", "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    assert "rtp local" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["local", "--overrides", "optimizer.nope=1"], "optimizer has"),
+        (["local", "--nproc", "0"], "--nproc must be at least 1"),
+        (["local", "--source", "/data"], "s3://bucket/prefix"),
+        (["train-local", "--dataset-dir", "x", "--override", "model.n_heads=3"], "divisible"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_compile_writes_the_requested_image(tmp_path, capsys):
+    target = tmp_path / "out.yaml"
+    assert main(["compile", "-o", str(target), "--image", "registry.example/rtp:1"]) == 0
+    assert "image: registry.example/rtp:1" in target.read_text()

@@ -1,0 +1,115 @@
+import logging
+
+import pytest
+import torch
+
+from trainer import checkpoint
+from trainer.checkpoint import (
+    COMMIT_MARKER,
+    CheckpointError,
+    apply_retention,
+    latest_committed_checkpoint,
+    load_checkpoint,
+    load_model_weights,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from trainer.config import ModelConfig
+from trainer.model import ByteLM, next_token_loss
+
+pytestmark = pytest.mark.usefixtures("single_rank_group")
+
+
+def _trained_model(seed: int = 0) -> tuple[ByteLM, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = ByteLM(ModelConfig(d_model=32, n_layers=1, n_heads=2, seq_len=16))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    next_token_loss(model, torch.randint(0, 256, (2, 17))).backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _save(root, step, model, optimizer):
+    return save_checkpoint(root, step, model, optimizer, meta={"note": "test"}, rank_extra={"position": step})
+
+
+def test_commit_leaves_only_the_final_folder_with_marker_and_manifest(tmp_path):
+    model, optimizer = _trained_model()
+    result = _save(tmp_path, 3, model, optimizer)
+    assert result.path == tmp_path / "step_3"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3"]
+    for name in (COMMIT_MARKER, ".metadata", "manifest.json", "meta.json", "rank_state/rank_0.pt"):
+        assert (result.path / name).is_file(), name
+    verify_checkpoint(result.path, verify_hashes=True)
+    assert checkpoint.read_meta(result.path)["step"] == 3
+
+
+def test_load_restores_weights_optimizer_and_rng(tmp_path):
+    model, optimizer = _trained_model(seed=0)
+    torch.manual_seed(42)
+    _save(tmp_path, 1, model, optimizer)
+    expected_rng_draw = torch.rand(3)
+
+    fresh, fresh_optimizer = _trained_model(seed=1)
+    assert not torch.equal(fresh.tok_emb.weight, model.tok_emb.weight)
+    restored = load_checkpoint(tmp_path / "step_1", fresh, fresh_optimizer)
+    assert restored["rank_state"]["position"] == 1
+    assert torch.equal(torch.rand(3), expected_rng_draw)
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    exp_avg = next(iter(optimizer.state.values()))["exp_avg"]
+    assert torch.equal(next(iter(fresh_optimizer.state.values()))["exp_avg"], exp_avg)
+
+
+def test_latest_skips_uncommitted_and_torn_checkpoints(tmp_path, caplog):
+    model, optimizer = _trained_model()
+    _save(tmp_path, 2, model, optimizer)
+    _save(tmp_path, 4, model, optimizer)
+    (tmp_path / "step_6.tmp").mkdir()  # a save that never committed
+    assert latest_committed_checkpoint(tmp_path) == tmp_path / "step_4"
+
+    shard = next((tmp_path / "step_4").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-10])  # torn write
+    with caplog.at_level(logging.WARNING):
+        assert latest_committed_checkpoint(tmp_path) == tmp_path / "step_2"
+    assert shard.name in caplog.text
+
+
+def test_hash_verification_catches_same_size_corruption(tmp_path):
+    model, optimizer = _trained_model()
+    _save(tmp_path, 1, model, optimizer)
+    shard = next((tmp_path / "step_1").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert latest_committed_checkpoint(tmp_path, verify_hashes=False) == tmp_path / "step_1"
+    assert latest_committed_checkpoint(tmp_path, verify_hashes=True) is None
+    with pytest.raises(CheckpointError, match=shard.name):
+        verify_checkpoint(tmp_path / "step_1", verify_hashes=True)
+
+
+def test_missing_marker_means_not_committed(tmp_path):
+    model, optimizer = _trained_model()
+    _save(tmp_path, 1, model, optimizer)
+    (tmp_path / "step_1" / COMMIT_MARKER).unlink()
+    assert latest_committed_checkpoint(tmp_path) is None
+
+
+def test_retention_keeps_the_newest(tmp_path):
+    model, optimizer = _trained_model()
+    for step in (1, 2, 3, 4):
+        _save(tmp_path, step, model, optimizer)
+    (tmp_path / "step_5.tmp").mkdir()
+    removed = apply_retention(tmp_path, keep_last=2)
+    assert sorted(p.name for p in removed) == ["step_1", "step_2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3", "step_4", "step_5.tmp"]
+    apply_retention(tmp_path, keep_last=0)  # never deletes the newest committed one
+    assert (tmp_path / "step_4").is_dir()
+
+
+def test_load_model_weights_into_a_plain_module(tmp_path):
+    model, optimizer = _trained_model()
+    _save(tmp_path, 1, model, optimizer)
+    plain = ByteLM(model.cfg)
+    load_model_weights(tmp_path / "step_1", plain)
+    assert torch.equal(plain.blocks[0].qkv.weight, model.blocks[0].qkv.weight)

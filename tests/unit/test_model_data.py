@@ -1,0 +1,62 @@
+import math
+
+import pytest
+import torch
+
+from trainer.config import ModelConfig
+from trainer.data import DataError, StepSampler, holdout_batches, load_tokens, split_files
+from trainer.model import ByteLM, generate, next_token_loss
+
+
+def test_untrained_model_predicts_near_uniform_bytes():
+    torch.manual_seed(0)
+    model = ByteLM(ModelConfig())
+    batch = torch.randint(0, 256, (4, 65))
+    assert model(batch[:, :-1]).shape == (4, 64, 256)
+    assert abs(next_token_loss(model, batch).item() - math.log(256)) < 0.3
+
+
+def test_generate_returns_the_requested_number_of_bytes():
+    model = ByteLM(ModelConfig())
+    assert len(generate(model, b"def ", max_new_tokens=7)) == 7
+    assert len(generate(model, b"", max_new_tokens=3, temperature=1.0)) == 3
+
+
+def test_split_is_deterministic_disjoint_and_complete(dataset_dir):
+    train, holdout = split_files(dataset_dir, 0.1)
+    again_train, again_holdout = split_files(dataset_dir, 0.1)
+    assert [f.key for f in train] == [f.key for f in again_train]
+    assert [f.key for f in holdout] == [f.key for f in again_holdout]
+    assert train and holdout
+    assert not {f.key for f in train} & {f.key for f in holdout}
+
+
+def test_sampler_batch_depends_only_on_step_and_rank(dataset_dir):
+    tokens = load_tokens(split_files(dataset_dir, 0.1)[0])
+    a = StepSampler(tokens, seq_len=16, batch_size=4, seed=1, rank=0)
+    b = StepSampler(tokens, seq_len=16, batch_size=4, seed=1, rank=0)
+    other_rank = StepSampler(tokens, seq_len=16, batch_size=4, seed=1, rank=1)
+    assert torch.equal(a.batch(5), b.batch(5))  # a resumed loader replays the same batch
+    assert not torch.equal(a.batch(5), a.batch(6))
+    assert not torch.equal(a.batch(5), other_rank.batch(5))
+    assert a.batch(5).shape == (4, 17)
+
+
+def test_holdout_batches_cover_the_holdout_evenly():
+    tokens = torch.arange(1000, dtype=torch.uint8)
+    batches = holdout_batches(tokens, seq_len=9, max_windows=20, batch_size=8)
+    rows = torch.cat(batches)
+    assert rows.shape == (20, 10)
+    assert rows[0, 0] == 0 and rows[-1, -1] == tokens[-1]
+
+
+def test_missing_manifest_says_what_to_do(tmp_path):
+    with pytest.raises(DataError, match="rtp stage"):
+        split_files(tmp_path, 0.1)
+
+
+def test_dataset_needs_two_files(tmp_path):
+    (tmp_path / "a").write_text("x" * 100)
+    (tmp_path / "manifest.json").write_text('{"files": [{"key": "a", "size": 100, "etag": "", "path": "a"}]}')
+    with pytest.raises(DataError, match="at least 2"):
+        split_files(tmp_path, 0.1)

@@ -1,0 +1,125 @@
+"""Staging against moto's S3 server over real HTTP on loopback (fast unit level)."""
+
+import io
+import json
+import os
+
+import pytest
+
+from components.stage_data.stage import (
+    SourceObject,
+    StageError,
+    _download,
+    parse_s3_uri,
+    relative_paths,
+    s3_client,
+    stage_dataset,
+)
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    from moto.server import ThreadedMotoServer
+
+    os.environ.update({"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"})
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def bucket(s3_endpoint, request):
+    client = s3_client(s3_endpoint)
+    name = request.node.name.lower().replace("_", "-")[:60]
+    client.create_bucket(Bucket=name)
+    for i in range(5):
+        client.put_object(Bucket=name, Key=f"data/file{i}.txt", Body=f"contents {i}\n".encode() * 100)
+    return client, name
+
+
+def _snapshot_files(result):
+    return sorted(e["key"] for e in json.loads(open(f"{result.snapshot_dir}/manifest.json").read())["files"])
+
+
+def test_stage_copies_verifies_and_writes_manifest(bucket, tmp_path, s3_endpoint):
+    client, name = bucket
+    result = stage_dataset(f"s3://{name}/data/", str(tmp_path), "ds", endpoint_url=s3_endpoint)
+    assert result.files == 5 and result.bytes_downloaded == result.bytes_total > 0
+    assert _snapshot_files(result) == [f"data/file{i}.txt" for i in range(5)]
+    assert (tmp_path / "rtp/datasets/ds/current/file3.txt").read_bytes() == b"contents 3\n" * 100
+    assert not list((tmp_path / "rtp/datasets/ds/.staging").iterdir())
+
+
+def test_restaging_an_unchanged_prefix_transfers_nothing(bucket, tmp_path, s3_endpoint):
+    _, name = bucket
+    first = stage_dataset(f"s3://{name}/data/", str(tmp_path), "ds", endpoint_url=s3_endpoint)
+    second = stage_dataset(f"s3://{name}/data/", str(tmp_path), "ds", endpoint_url=s3_endpoint)
+    assert second.snapshot_id == first.snapshot_id
+    assert second.bytes_downloaded == 0
+
+
+def test_changed_prefix_makes_a_new_snapshot_reusing_unchanged_files(bucket, tmp_path, s3_endpoint):
+    client, name = bucket
+    first = stage_dataset(f"s3://{name}/data/", str(tmp_path), "ds", endpoint_url=s3_endpoint)
+    client.put_object(Bucket=name, Key="data/file0.txt", Body=b"changed\n")
+    client.delete_object(Bucket=name, Key="data/file4.txt")
+    second = stage_dataset(f"s3://{name}/data/", str(tmp_path), "ds", endpoint_url=s3_endpoint)
+    assert second.snapshot_id != first.snapshot_id
+    assert second.bytes_downloaded == len(b"changed\n")
+    assert second.files_reused == 3
+    assert "data/file4.txt" not in _snapshot_files(second)
+    current = tmp_path / "rtp/datasets/ds/current"
+    assert (current / "file0.txt").read_bytes() == b"changed\n"
+    # readers of the previous snapshot are undisturbed
+    assert (tmp_path / "rtp/datasets/ds/snapshots" / first.snapshot_id / "file4.txt").is_file()
+
+
+def test_missing_bucket_and_empty_prefix_are_clear(s3_endpoint, tmp_path, bucket):
+    _, name = bucket
+    with pytest.raises(StageError, match="does not exist"):
+        stage_dataset("s3://no-such-bucket-rtp/x/", str(tmp_path), "ds", endpoint_url=s3_endpoint)
+    with pytest.raises(StageError, match="holds no objects"):
+        stage_dataset(f"s3://{name}/nothing-here/", str(tmp_path), "ds", endpoint_url=s3_endpoint)
+
+
+@pytest.mark.parametrize("uri", ["data/x", "s3://", "https://bucket/x"])
+def test_bad_source_uri(uri):
+    with pytest.raises(StageError, match="s3://bucket/prefix"):
+        parse_s3_uri(uri)
+
+
+def test_keys_that_escape_or_collide_are_refused():
+    assert relative_paths(["p/a/b.txt", "p/c.txt"], "p/") == {"p/a/b.txt": "a/b.txt", "p/c.txt": "c.txt"}
+    with pytest.raises(StageError, match="outside"):
+        relative_paths(["p/../../etc/passwd"], "p/")
+    with pytest.raises(StageError, match="same file"):
+        relative_paths(["p/A.txt", "p/a.txt"], "p/")
+    with pytest.raises(StageError, match="manifest"):
+        relative_paths(["p/manifest.json"], "p/")
+
+
+class CorruptingS3Stub:
+    """Stand-in client whose GET bodies never match the listed ETag (a bad transfer)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def get_object(self, Bucket, Key):  # noqa: N803 - boto3's parameter names
+        self.calls += 1
+
+        class Body(io.BytesIO):
+            def iter_chunks(self, size):
+                yield self.read()
+
+        return {"Body": Body(b"garbage!")}
+
+
+def test_mismatching_download_is_retried_then_fails_naming_the_key(tmp_path):
+    stub = CorruptingS3Stub()
+    obj = SourceObject("data/f.txt", 8, "0123456789abcdef0123456789abcdef")
+    with pytest.raises(StageError, match="data/f.txt"):
+        _download(stub, "b", obj, tmp_path / "f.txt", attempts=3)
+    assert stub.calls == 3
+    assert list(tmp_path.iterdir()) == []  # nothing half-written left behind
