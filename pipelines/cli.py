@@ -27,25 +27,52 @@ EPILOG = """examples:
 def _add_local(sub: argparse._SubParsersAction) -> None:
     defaults = LocalOptions()
     p = sub.add_parser(
-        "local", help="run the whole pipeline on this machine with kfp.local",
+        "local",
+        help="run the whole pipeline on this machine with kfp.local",
         description="Compile the pipeline and run it with kfp.local: stage (embedded S3 seeded with "
         "a demo corpus unless --source), train (FSDP, gloo on CPU), validate, register (MLflow sqlite "
         "file in the work dir unless --mlflow-uri). Writes <workdir>/summary.json.",
     )
     p.add_argument("--workdir", default=defaults.workdir, help="all outputs go here (default: %(default)s)")
     p.add_argument("--steps", type=int, default=defaults.steps, help="training steps (default: %(default)s)")
-    p.add_argument("--nproc", type=int, default=defaults.nproc, help="training processes (default: %(default)s)")
-    p.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every, help="checkpoint every N steps (default: %(default)s)")
+    p.add_argument(
+        "--nproc", type=int, default=defaults.nproc, help="training processes (default: %(default)s)"
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=defaults.checkpoint_every,
+        help="checkpoint every N steps (default: %(default)s)",
+    )
     p.add_argument("--seed", type=int, default=defaults.seed, help="random seed (default: %(default)s)")
     p.add_argument("--preset", default=defaults.preset, help="model preset (default: %(default)s)")
-    p.add_argument("--overrides", default="", help="extra trainer config, e.g. 'optimizer.lr=1e-3 model.n_layers=3'")
-    p.add_argument("--source", default="", help="s3://bucket/prefix to stage instead of the embedded demo corpus; "
-                   "credentials come from the standard AWS chain")
+    p.add_argument(
+        "--overrides", default="", help="extra trainer config, e.g. 'optimizer.lr=1e-3 model.n_layers=3'"
+    )
+    p.add_argument(
+        "--source",
+        default="",
+        help="s3://bucket/prefix to stage instead of the embedded demo corpus; "
+        "credentials come from the standard AWS chain",
+    )
     p.add_argument("--s3-endpoint-url", default="", help="S3-compatible endpoint for --source (default: AWS)")
-    p.add_argument("--mlflow-uri", default="", help="MLflow tracking URI (default: sqlite:///<workdir>/mlflow.db)")
-    p.add_argument("--model-name", default=defaults.model_name, help="registered model name (default: %(default)s)")
-    p.add_argument("--max-loss", type=float, default=defaults.max_loss, help="highest holdout loss to register (default: %(default)s)")
-    p.add_argument("--run-name", default="", help="run folder name; reuse one to resume its checkpoints (default: local-<time>)")
+    p.add_argument(
+        "--mlflow-uri", default="", help="MLflow tracking URI (default: sqlite:///<workdir>/mlflow.db)"
+    )
+    p.add_argument(
+        "--model-name", default=defaults.model_name, help="registered model name (default: %(default)s)"
+    )
+    p.add_argument(
+        "--max-loss",
+        type=float,
+        default=defaults.max_loss,
+        help="highest holdout loss to register (default: %(default)s)",
+    )
+    p.add_argument(
+        "--run-name",
+        default="",
+        help="run folder name; reuse one to resume its checkpoints (default: local-<time>)",
+    )
     p.set_defaults(handler=_cmd_local)
 
 
@@ -55,32 +82,55 @@ def _cmd_local(args: argparse.Namespace) -> int:
     if args.source and not args.source.startswith("s3://"):
         raise UserError(f"--source {args.source!r} must look like s3://bucket/prefix")
     options = LocalOptions(
-        workdir=args.workdir, steps=args.steps, nproc=args.nproc, checkpoint_every=args.checkpoint_every,
-        seed=args.seed, preset=args.preset, overrides=args.overrides, source=args.source,
-        s3_endpoint_url=args.s3_endpoint_url, mlflow_uri=args.mlflow_uri, model_name=args.model_name,
-        max_loss=args.max_loss, run_name=args.run_name,
+        workdir=args.workdir,
+        steps=args.steps,
+        nproc=args.nproc,
+        checkpoint_every=args.checkpoint_every,
+        seed=args.seed,
+        preset=args.preset,
+        overrides=args.overrides,
+        source=args.source,
+        s3_endpoint_url=args.s3_endpoint_url,
+        mlflow_uri=args.mlflow_uri,
+        model_name=args.model_name,
+        max_loss=args.max_loss,
+        run_name=args.run_name,
     )
-    _check_training_options(options.steps, options.nproc, options.checkpoint_every, options.preset, options.overrides)
+    _check_training_options(
+        options.steps, options.nproc, options.checkpoint_every, options.preset, options.overrides
+    )
     summary = run_local(options)
     print(format_summary(summary, args.workdir))
     return 0
 
 
-def _check_training_options(steps: int, nproc: int, checkpoint_every: int, preset: str, overrides: str) -> None:
+def _check_training_options(
+    steps: int, nproc: int, checkpoint_every: int, preset: str, overrides: str
+) -> None:
     from trainer.config import build_config, parse_overrides
 
     if nproc < 1:
         raise UserError(f"--nproc must be at least 1, got {nproc}")
-    build_config(preset, [*parse_overrides(overrides), f"run.steps={steps}", f"checkpoint.every_steps={checkpoint_every}"])
+    build_config(
+        preset,
+        [*parse_overrides(overrides), f"run.steps={steps}", f"checkpoint.every_steps={checkpoint_every}"],
+    )
 
 
 def _add_compile(sub: argparse._SubParsersAction) -> None:
     from components import DEFAULT_IMAGE
 
-    p = sub.add_parser("compile", help="write the pipeline's KFP IR YAML",
-                       description="Compile the pipeline to KFP IR YAML for upload to Kubeflow Pipelines.")
+    p = sub.add_parser(
+        "compile",
+        help="write the pipeline's KFP IR YAML",
+        description="Compile the pipeline to KFP IR YAML for upload to Kubeflow Pipelines.",
+    )
     p.add_argument("-o", "--output", default="pipeline.yaml", help="output file (default: %(default)s)")
-    p.add_argument("--image", default=DEFAULT_IMAGE, help="component image built from the Dockerfile (default: %(default)s)")
+    p.add_argument(
+        "--image",
+        default=DEFAULT_IMAGE,
+        help="component image built from the Dockerfile (default: %(default)s)",
+    )
     p.set_defaults(handler=_cmd_compile)
 
 
@@ -95,9 +145,12 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 def _add_train_local(sub: argparse._SubParsersAction) -> None:
     from trainer.__main__ import add_training_arguments
 
-    p = sub.add_parser("train-local", help="train on this machine with N local processes",
-                       description="Start N training ranks with torchrun on this machine; resumes from the "
-                       "latest committed checkpoint in the checkpoint dir. Writes <workdir>/summary.json.")
+    p = sub.add_parser(
+        "train-local",
+        help="train on this machine with N local processes",
+        description="Start N training ranks with torchrun on this machine; resumes from the "
+        "latest committed checkpoint in the checkpoint dir. Writes <workdir>/summary.json.",
+    )
     p.add_argument("--nproc", type=int, default=2, help="training processes (default: %(default)s)")
     add_training_arguments(p)
     p.set_defaults(handler=_cmd_train_local)
@@ -111,21 +164,34 @@ def _cmd_train_local(args: argparse.Namespace) -> int:
         raise UserError(f"--nproc must be at least 1, got {args.nproc}")
     config = config_from_args(args)  # fail fast on bad flags, before any process starts
     trainer_args = trainer_arguments(
-        dataset_dir=args.dataset_dir, workdir=args.workdir, steps=config.run.steps,
-        checkpoint_every=config.checkpoint.every_steps, seed=config.run.seed, preset=args.preset,
-        checkpoint_dir=args.checkpoint_dir, stop_after=args.stop_after, overrides=args.override,
+        dataset_dir=args.dataset_dir,
+        workdir=args.workdir,
+        steps=config.run.steps,
+        checkpoint_every=config.checkpoint.every_steps,
+        seed=config.run.seed,
+        preset=args.preset,
+        checkpoint_dir=args.checkpoint_dir,
+        stop_after=args.stop_after,
+        overrides=args.override,
     )
     summary = run_local_training(args.nproc, trainer_args, args.workdir)
-    print(json.dumps({k: summary[k] for k in ("steps", "final_loss", "checkpoint", "model_sha256")}, indent=2))
+    print(
+        json.dumps({k: summary[k] for k in ("steps", "final_loss", "checkpoint", "model_sha256")}, indent=2)
+    )
     return 0
 
 
 def _add_stage(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("stage", help="copy an S3 prefix into a dataset snapshot",
-                       description="Copy s3://bucket/prefix into <fsx-mount-path>/rtp/datasets/<name>/snapshots/<id>/, "
-                       "verified against ETags; unchanged prefixes transfer nothing.")
+    p = sub.add_parser(
+        "stage",
+        help="copy an S3 prefix into a dataset snapshot",
+        description="Copy s3://bucket/prefix into <fsx-mount-path>/rtp/datasets/<name>/snapshots/<id>/, "
+        "verified against ETags; unchanged prefixes transfer nothing.",
+    )
     p.add_argument("--source", required=True, help="s3://bucket/prefix")
-    p.add_argument("--s3-endpoint-url", default="", help="S3-compatible endpoint (default: AWS, or AWS_ENDPOINT_URL)")
+    p.add_argument(
+        "--s3-endpoint-url", default="", help="S3-compatible endpoint (default: AWS, or AWS_ENDPOINT_URL)"
+    )
     p.add_argument("--fsx-mount-path", required=True, help="root of the shared volume (a local folder works)")
     p.add_argument("--dataset-name", default="demo-corpus", help="dataset folder name (default: %(default)s)")
     p.set_defaults(handler=_cmd_stage)
@@ -134,18 +200,29 @@ def _add_stage(sub: argparse._SubParsersAction) -> None:
 def _cmd_stage(args: argparse.Namespace) -> int:
     from components.stage_data.stage import stage_dataset
 
-    result = stage_dataset(args.source, args.fsx_mount_path, args.dataset_name, endpoint_url=args.s3_endpoint_url or None)
+    result = stage_dataset(
+        args.source, args.fsx_mount_path, args.dataset_name, endpoint_url=args.s3_endpoint_url or None
+    )
     print(json.dumps(result.as_dict(), indent=2))
     return 0
 
 
 def _add_validate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("validate", help="check a checkpoint and score it on the holdout split",
-                       description="Verify a committed checkpoint (manifest, SHA-256, loadable on one CPU process, "
-                       "finite) and compute its holdout loss. Exit code 1 when the decision is reject.")
-    p.add_argument("--checkpoint", required=True, help="a step_<N> folder, or a checkpoints folder (its latest is used)")
-    p.add_argument("--dataset-dir", required=True, help="the staged dataset snapshot the model was trained on")
-    p.add_argument("--max-loss", type=float, default=4.0, help="highest acceptable holdout loss (default: %(default)s)")
+    p = sub.add_parser(
+        "validate",
+        help="check a checkpoint and score it on the holdout split",
+        description="Verify a committed checkpoint (manifest, SHA-256, loadable on one CPU process, "
+        "finite) and compute its holdout loss. Exit code 1 when the decision is reject.",
+    )
+    p.add_argument(
+        "--checkpoint", required=True, help="a step_<N> folder, or a checkpoints folder (its latest is used)"
+    )
+    p.add_argument(
+        "--dataset-dir", required=True, help="the staged dataset snapshot the model was trained on"
+    )
+    p.add_argument(
+        "--max-loss", type=float, default=4.0, help="highest acceptable holdout loss (default: %(default)s)"
+    )
     p.set_defaults(handler=_cmd_validate)
 
 
@@ -170,12 +247,19 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _add_register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("register", help="log a checkpoint to MLflow and register a version",
-                       description="Log a validated checkpoint as an MLflow pyfunc model, register a version and "
-                       "set its alias. The tracking server comes from MLFLOW_TRACKING_URI.")
-    p.add_argument("--checkpoint", required=True, help="a step_<N> folder, or a checkpoints folder (its latest is used)")
+    p = sub.add_parser(
+        "register",
+        help="log a checkpoint to MLflow and register a version",
+        description="Log a validated checkpoint as an MLflow pyfunc model, register a version and "
+        "set its alias. The tracking server comes from MLFLOW_TRACKING_URI.",
+    )
+    p.add_argument(
+        "--checkpoint", required=True, help="a step_<N> folder, or a checkpoints folder (its latest is used)"
+    )
     p.add_argument("--model-name", default="rtp-byte-lm", help="registered model name (default: %(default)s)")
-    p.add_argument("--alias", default="champion", choices=["champion", "challenger"], help="alias for the new version")
+    p.add_argument(
+        "--alias", default="champion", choices=["champion", "challenger"], help="alias for the new version"
+    )
     p.set_defaults(handler=_cmd_register)
 
 
@@ -196,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rtp",
         description="rtp — the resilient training pipeline: Kubeflow Pipelines components that stage data "
         "from S3 to FSx, train with FSDP and resilient checkpoints, validate, and register in MLflow.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -214,13 +299,24 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from trainer.data import DataError
     from trainer.launch import TrainingFailed
 
-    return (UserError, ConfigError, DataError, CheckpointError, StageError, TrainingFailed, LocalRunError, ValueError)
+    return (
+        UserError,
+        ConfigError,
+        DataError,
+        CheckpointError,
+        StageError,
+        TrainingFailed,
+        LocalRunError,
+        ValueError,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
         return handler(args)

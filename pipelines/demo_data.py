@@ -31,14 +31,19 @@ def demo_corpus(budget_bytes: int = DEFAULT_BUDGET_BYTES) -> list[tuple[str, Pat
     return chosen
 
 
-def upload_demo_corpus(client: object, bucket: str, prefix: str, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> int:
+def upload_demo_corpus(
+    client: object, bucket: str, prefix: str, budget_bytes: int = DEFAULT_BUDGET_BYTES
+) -> int:
     """Create `bucket` if needed and upload the corpus under `prefix`; returns the object count."""
     from botocore.exceptions import ClientError
 
     try:
         client.create_bucket(Bucket=bucket)  # type: ignore[attr-defined]
     except ClientError as exc:
-        if exc.response.get("Error", {}).get("Code") not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+        if exc.response.get("Error", {}).get("Code") not in (
+            "BucketAlreadyOwnedByYou",
+            "BucketAlreadyExists",
+        ):
             raise
     files = demo_corpus(budget_bytes)
     for name, path in files:

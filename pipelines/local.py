@@ -54,7 +54,9 @@ def _read_step_records(folder: Path) -> dict[str, dict[str, Any]]:
     return records
 
 
-def build_summary(options: LocalOptions, folder: Path, tracking_uri: str, source: str, elapsed_s: float) -> dict[str, Any]:
+def build_summary(
+    options: LocalOptions, folder: Path, tracking_uri: str, source: str, elapsed_s: float
+) -> dict[str, Any]:
     steps = _read_step_records(folder)
     train = steps.get("train", {})
     validate = steps.get("validate", {})
@@ -108,16 +110,27 @@ def run_local(options: LocalOptions) -> dict[str, Any]:
         endpoint = embedded.endpoint_url
         count = upload_demo_corpus(s3_client(endpoint), DEMO_BUCKET, DEMO_PREFIX)
         source = f"s3://{DEMO_BUCKET}/{DEMO_PREFIX}"
-        print(f"rtp local: embedded S3 (moto) at {endpoint}, seeded {count} demo files into {source}", flush=True)
+        print(
+            f"rtp local: embedded S3 (moto) at {endpoint}, seeded {count} demo files into {source}",
+            flush=True,
+        )
     try:
         local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(workdir / "kfp-local"))
         pipeline = build_pipeline()
         try:
             pipeline(
-                source=source, s3_endpoint_url=endpoint, fsx_mount_path=str(fsx),
-                dataset_name=options.dataset_name, run_name=run_name, steps=options.steps,
-                nproc=options.nproc, checkpoint_every=options.checkpoint_every, seed=options.seed,
-                preset=options.preset, overrides=options.overrides, max_loss=options.max_loss,
+                source=source,
+                s3_endpoint_url=endpoint,
+                fsx_mount_path=str(fsx),
+                dataset_name=options.dataset_name,
+                run_name=run_name,
+                steps=options.steps,
+                nproc=options.nproc,
+                checkpoint_every=options.checkpoint_every,
+                seed=options.seed,
+                preset=options.preset,
+                overrides=options.overrides,
+                max_loss=options.max_loss,
                 model_name=options.model_name,
             )
         except RuntimeError as exc:
@@ -146,8 +159,10 @@ def format_summary(summary: dict[str, Any], workdir: str) -> str:
         f"  validation       : holdout loss {_fmt(summary['holdout_loss'])} -> {summary['decision']}",
     ]
     if mlflow_info["version"]:
-        lines.append(f"  MLflow model     : {mlflow_info['model_name']} version {mlflow_info['version']} "
-                     f"(alias {mlflow_info['alias']}, {mlflow_info['model_uri']})")
+        lines.append(
+            f"  MLflow model     : {mlflow_info['model_name']} version {mlflow_info['version']} "
+            f"(alias {mlflow_info['alias']}, {mlflow_info['model_uri']})"
+        )
     else:
         lines.append("  MLflow model     : not registered (validation rejected the checkpoint)")
     timing = ", ".join(f"{k} {v:.1f}s" for k, v in summary["elapsed_s"].items() if v is not None)

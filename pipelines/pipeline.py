@@ -28,8 +28,11 @@ def build_pipeline(image: str = DEFAULT_IMAGE) -> Any:
     validate_op = as_component(validate_checkpoint, image)
     register_op = as_component(register_model, image)
 
-    @dsl.pipeline(name=PIPELINE_NAME, description="Stage data from S3 to FSx, train with FSDP and "
-                  "resilient checkpoints, validate the checkpoint, register the model in MLflow.")
+    @dsl.pipeline(
+        name=PIPELINE_NAME,
+        description="Stage data from S3 to FSx, train with FSDP and "
+        "resilient checkpoints, validate the checkpoint, register the model in MLflow.",
+    )
     def rtp_pipeline(
         source: str = DEFAULT_SOURCE,
         s3_endpoint_url: str = "",
@@ -64,17 +67,32 @@ def build_pipeline(image: str = DEFAULT_IMAGE) -> Any:
         """
         run_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER
         stage = stage_op(
-            source=source, s3_endpoint_url=s3_endpoint_url, fsx_mount_path=fsx_mount_path,
-            dataset_name=dataset_name, run_name=run_name, run_id=run_id,
+            source=source,
+            s3_endpoint_url=s3_endpoint_url,
+            fsx_mount_path=fsx_mount_path,
+            dataset_name=dataset_name,
+            run_name=run_name,
+            run_id=run_id,
         ).set_display_name("Stage the dataset from S3 onto FSx")
         train = train_op(
-            dataset=stage.outputs["dataset"], fsx_mount_path=fsx_mount_path, run_name=run_name,
-            run_id=run_id, steps=steps, nproc=nproc, checkpoint_every=checkpoint_every, seed=seed,
-            preset=preset, overrides=overrides,
+            dataset=stage.outputs["dataset"],
+            fsx_mount_path=fsx_mount_path,
+            run_name=run_name,
+            run_id=run_id,
+            steps=steps,
+            nproc=nproc,
+            checkpoint_every=checkpoint_every,
+            seed=seed,
+            preset=preset,
+            overrides=overrides,
         ).set_display_name("Train the model with FSDP and checkpoints")
         validate = validate_op(
-            model=train.outputs["model"], dataset=stage.outputs["dataset"],
-            fsx_mount_path=fsx_mount_path, run_name=run_name, run_id=run_id, max_loss=max_loss,
+            model=train.outputs["model"],
+            dataset=stage.outputs["dataset"],
+            fsx_mount_path=fsx_mount_path,
+            run_name=run_name,
+            run_id=run_id,
+            max_loss=max_loss,
         ).set_display_name("Validate the checkpoint on held-out data")
         for task in (stage, train, validate):
             # Each step writes to the shared volume: a cached result could point at a
@@ -82,9 +100,13 @@ def build_pipeline(image: str = DEFAULT_IMAGE) -> Any:
             task.set_caching_options(False)
         with dsl.If(validate.outputs["Output"] != "reject", name="model-is-good-enough"):
             register_op(
-                model=train.outputs["model"], dataset=stage.outputs["dataset"],
-                decision=validate.outputs["Output"], model_name=model_name,
-                fsx_mount_path=fsx_mount_path, run_name=run_name, run_id=run_id,
+                model=train.outputs["model"],
+                dataset=stage.outputs["dataset"],
+                decision=validate.outputs["Output"],
+                model_name=model_name,
+                fsx_mount_path=fsx_mount_path,
+                run_name=run_name,
+                run_id=run_id,
             ).set_display_name("Register the model in MLflow").set_caching_options(False)
 
     return rtp_pipeline

@@ -41,21 +41,27 @@ class EmbeddedS3:
         port = free_port()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
         )
         self.endpoint_url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"the embedded S3 server (moto) exited with code {self.process.returncode}; "
-                                   "is moto[server] installed? (`make demo` installs it)")
+                raise RuntimeError(
+                    f"the embedded S3 server (moto) exited with code {self.process.returncode}; "
+                    "is moto[server] installed? (`make demo` installs it)"
+                )
             try:
                 urllib.request.urlopen(f"{self.endpoint_url}/moto-api/", timeout=1).close()
                 return self
             except (urllib.error.URLError, ConnectionError, OSError):
                 time.sleep(0.1)
         self.stop()
-        raise RuntimeError(f"the embedded S3 server did not answer on {self.endpoint_url} within {self.start_timeout_s}s")
+        raise RuntimeError(
+            f"the embedded S3 server did not answer on {self.endpoint_url} within {self.start_timeout_s}s"
+        )
 
     def stop(self) -> None:
         if self.process and self.process.poll() is None:
@@ -69,5 +75,7 @@ class EmbeddedS3:
     def __enter__(self) -> EmbeddedS3:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()

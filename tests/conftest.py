@@ -31,8 +31,14 @@ def write_dataset(folder: Path, budget_bytes: int = 300_000) -> Path:
         target = folder / "files" / name
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data)
-        files.append({"key": f"corpus/{name}", "size": len(data), "etag": hashlib.md5(data).hexdigest(),
-                      "path": f"files/{name}"})
+        files.append(
+            {
+                "key": f"corpus/{name}",
+                "size": len(data),
+                "etag": hashlib.md5(data).hexdigest(),
+                "path": f"files/{name}",
+            }
+        )
     (folder / "manifest.json").write_text(json.dumps({"snapshot_id": "test", "files": files}))
     return folder
 
@@ -69,10 +75,27 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     log_file = (root / "server.log").open("w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-         "--artifacts-destination", str(root / "artifacts"), "--serve-artifacts",
-         "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-        stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{root / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(root / "artifacts"),
+            "--serve-artifacts",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ],
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
         start_new_session=True,  # its own process group: the server's workers end with it
     )
     url = f"http://127.0.0.1:{port}"
@@ -80,7 +103,9 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     try:
         while True:
             if process.poll() is not None:
-                pytest.fail(f"mlflow server exited with {process.returncode}: {(root / 'server.log').read_text()[-2000:]}")
+                pytest.fail(
+                    f"mlflow server exited with {process.returncode}: {(root / 'server.log').read_text()[-2000:]}"
+                )
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=1) as response:
                     if response.status == 200:

@@ -15,16 +15,42 @@ from trainer.config import PRESETS, ConfigError, TrainConfig, build_config
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared by `python -m trainer` and `rtp train-local` (same names as the config)."""
-    parser.add_argument("--preset", default="tiny-cpu", choices=sorted(PRESETS), help="model/optimizer preset (default: %(default)s)")
-    parser.add_argument("--dataset-dir", required=True, help="staged dataset snapshot (folder with manifest.json)")
-    parser.add_argument("--workdir", default="rtp-work/train", help="checkpoints, events.jsonl and summary.json go here (default: %(default)s)")
-    parser.add_argument("--steps", type=int, help="total optimizer steps; a resumed run continues up to this (config run.steps)")
-    parser.add_argument("--checkpoint-every", type=int, help="save a checkpoint every N steps (config checkpoint.every_steps)")
-    parser.add_argument("--checkpoint-dir", help="where step_<N>/ checkpoints go (default: <workdir>/checkpoints)")
-    parser.add_argument("--seed", type=int, help="random seed (config run.seed)")
-    parser.add_argument("--stop-after", type=int, help="stop cleanly after this step's checkpoint, to resume later (config run.stop_after_steps)")
     parser.add_argument(
-        "--override", action="append", default=[], metavar="KEY=VALUE",
+        "--preset",
+        default="tiny-cpu",
+        choices=sorted(PRESETS),
+        help="model/optimizer preset (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--dataset-dir", required=True, help="staged dataset snapshot (folder with manifest.json)"
+    )
+    parser.add_argument(
+        "--workdir",
+        default="rtp-work/train",
+        help="checkpoints, events.jsonl and summary.json go here (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        help="total optimizer steps; a resumed run continues up to this (config run.steps)",
+    )
+    parser.add_argument(
+        "--checkpoint-every", type=int, help="save a checkpoint every N steps (config checkpoint.every_steps)"
+    )
+    parser.add_argument(
+        "--checkpoint-dir", help="where step_<N>/ checkpoints go (default: <workdir>/checkpoints)"
+    )
+    parser.add_argument("--seed", type=int, help="random seed (config run.seed)")
+    parser.add_argument(
+        "--stop-after",
+        type=int,
+        help="stop cleanly after this step's checkpoint, to resume later (config run.stop_after_steps)",
+    )
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="any config field, e.g. optimizer.lr=1e-3 or model.n_layers=4; repeatable",
     )
 

@@ -205,7 +205,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     """Collective: restore model and optimizer shards and this rank's RNG; return meta + rank state."""
     folder = Path(path)
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
+    state: dict[str, Any] = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(folder))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rank_file = folder / RANK_STATE_DIR / f"rank_{dist.get_rank()}.pt"

@@ -131,7 +131,9 @@ def _set(config: TrainConfig, dotted_key: str, value: Any) -> None:
     section = getattr(config, section_name, None)
     if section is None or not dataclasses.is_dataclass(section) or not key:
         sections = ", ".join(f.name for f in dataclasses.fields(config))
-        raise ConfigError(f"unknown config key {dotted_key!r}: use <section>.<field>, sections are {sections}")
+        raise ConfigError(
+            f"unknown config key {dotted_key!r}: use <section>.<field>, sections are {sections}"
+        )
     fields = {f.name: f for f in dataclasses.fields(section)}
     if key not in fields:
         raise ConfigError(

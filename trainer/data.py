@@ -47,7 +47,9 @@ def is_holdout(key: str, holdout_fraction: float) -> bool:
     return bucket < holdout_fraction
 
 
-def split_files(dataset_dir: str | Path, holdout_fraction: float) -> tuple[list[DatasetFile], list[DatasetFile]]:
+def split_files(
+    dataset_dir: str | Path, holdout_fraction: float
+) -> tuple[list[DatasetFile], list[DatasetFile]]:
     """(train, holdout) files of a snapshot; both are non-empty when it holds >= 2 files."""
     root = Path(dataset_dir)
     entries = read_manifest(root)["files"]
@@ -96,7 +98,9 @@ class StepSampler:
         return {"next_step": next_step, "seed": self.seed, "rank": self.rank}
 
 
-def holdout_batches(tokens: torch.Tensor, seq_len: int, max_windows: int = 64, batch_size: int = 16) -> list[torch.Tensor]:
+def holdout_batches(
+    tokens: torch.Tensor, seq_len: int, max_windows: int = 64, batch_size: int = 16
+) -> list[torch.Tensor]:
     """Evenly spaced, non-random windows over the holdout bytes: the same for every model."""
     window = seq_len + 1
     count = max(1, min(max_windows, (tokens.numel() - 1) // window))

@@ -25,9 +25,14 @@ def build_launch_command(nproc: int, trainer_args: list[str], python: str = sys.
     if nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {nproc}")
     return [
-        python, "-m", "torch.distributed.run",
-        "--standalone", f"--nproc-per-node={nproc}",
-        "-m", "trainer", *trainer_args,
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "trainer",
+        *trainer_args,
     ]
 
 
@@ -44,8 +49,12 @@ def trainer_arguments(
     overrides: list[str] | None = None,
 ) -> list[str]:
     args = [
-        f"--preset={preset}", f"--dataset-dir={dataset_dir}", f"--workdir={workdir}",
-        f"--steps={steps}", f"--checkpoint-every={checkpoint_every}", f"--seed={seed}",
+        f"--preset={preset}",
+        f"--dataset-dir={dataset_dir}",
+        f"--workdir={workdir}",
+        f"--steps={steps}",
+        f"--checkpoint-every={checkpoint_every}",
+        f"--seed={seed}",
     ]
     if checkpoint_dir:
         args.append(f"--checkpoint-dir={checkpoint_dir}")
@@ -55,7 +64,9 @@ def trainer_arguments(
     return args
 
 
-def run_local_training(nproc: int, trainer_args: list[str], workdir: str | Path, echo: bool = True) -> dict[str, Any]:
+def run_local_training(
+    nproc: int, trainer_args: list[str], workdir: str | Path, echo: bool = True
+) -> dict[str, Any]:
     """Run the ranks to completion; raise TrainingFailed with the log's tail on failure."""
     work = Path(workdir)
     (work / "logs").mkdir(parents=True, exist_ok=True)
@@ -71,7 +82,9 @@ def run_local_training(nproc: int, trainer_args: list[str], workdir: str | Path,
     with log_path.open("a") as log_file:
         log_file.write("$ " + " ".join(command) + "\n")
         log_file.flush()
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+        process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True
+        )
         assert process.stdout is not None
         for line in process.stdout:
             log_file.write(line)

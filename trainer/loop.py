@@ -43,7 +43,9 @@ def model_sha256(model: torch.nn.Module) -> str:
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
     digest = hashlib.sha256()
     for key in sorted(full):
-        tensor = full[key].detach().to("cpu").contiguous()
+        value = full[key]
+        assert isinstance(value, torch.Tensor), key
+        tensor = value.detach().to("cpu").contiguous()
         digest.update(key.encode())
         digest.update(tensor.numpy().tobytes())
     return digest.hexdigest()

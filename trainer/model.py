@@ -49,9 +49,7 @@ class ByteLM(nn.Module):
 
     def reset_parameters(self) -> None:
         for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=0.02)
-            elif isinstance(module, nn.Embedding):
+            if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ def register_model(
     fsx_mount_path: str,
     run_name: str,
     run_id: str,
-) -> NamedTuple("Outputs", [("model_uri", str), ("version", str)]):  # noqa: UP014
+) -> NamedTuple("Outputs", [("model_uri", str), ("version", str)]):  # type: ignore[valid-type]  # the form KFP reads
     """Log the checkpoint to MLflow as a servable model, register a version, and set its alias.
 
     The tracking server comes from MLFLOW_TRACKING_URI (a Kubernetes secret on a cluster).
@@ -47,5 +47,5 @@ def register_model(
     }
     result = register_checkpoint(model.metadata["checkpoint_dir"], model_name, decision, lineage)
     record_step(run_dir(fsx_mount_path, run_name, run_id), "register", started, **result.as_dict())
-    outputs = namedtuple("Outputs", ["model_uri", "version"])
-    return outputs(result.model_uri, result.version)
+    Outputs = namedtuple("Outputs", ["model_uri", "version"])
+    return Outputs(result.model_uri, result.version)

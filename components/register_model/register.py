@@ -75,23 +75,36 @@ def register_checkpoint(
     client = mlflow.MlflowClient()
     sha = checkpoint_sha256(checkpoint_dir)
     if client.search_registered_models(filter_string=f"name = '{model_name}'"):
-        existing = client.search_model_versions(f"name = '{model_name}' and tags.`rtp.checkpoint_sha256` = '{sha}'")
+        existing = client.search_model_versions(
+            f"name = '{model_name}' and tags.`rtp.checkpoint_sha256` = '{sha}'"
+        )
         if existing:
             version = existing[0]
             log.info("checkpoint already registered as %s version %s", model_name, version.version)
             client.set_registered_model_alias(model_name, alias, version.version)
-            return RegisterResult(model_name, str(version.version), alias, f"models:/{model_name}/{version.version}", False)
+            return RegisterResult(
+                model_name, str(version.version), alias, f"models:/{model_name}/{version.version}", False
+            )
 
     model, config, meta = load_validated_model(checkpoint_dir)
-    tags = {"rtp.checkpoint_sha256": sha, "rtp.checkpoint_dir": str(checkpoint_dir),
-            "rtp.checkpoint_step": str(meta["step"]), **(lineage or {})}
+    tags = {
+        "rtp.checkpoint_sha256": sha,
+        "rtp.checkpoint_dir": str(checkpoint_dir),
+        "rtp.checkpoint_step": str(meta["step"]),
+        **(lineage or {}),
+    }
     _ensure_experiment(mlflow, mlflow.get_tracking_uri())
     signature = ModelSignature(
         inputs=Schema([ColSpec("string", "prompt")]),
         outputs=Schema([ColSpec("string")]),
-        params=ParamSchema([ParamSpec("max_new_tokens", "long", 64), ParamSpec("temperature", "double", 0.0)]),
+        params=ParamSchema(
+            [ParamSpec("max_new_tokens", "long", 64), ParamSpec("temperature", "double", 0.0)]
+        ),
     )
-    with tempfile.TemporaryDirectory() as tmp, mlflow.start_run(run_name=f"register-step-{meta['step']}") as run:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        mlflow.start_run(run_name=f"register-step-{meta['step']}") as run,
+    ):
         weights = Path(tmp) / "weights.pt"
         torch.save(model.state_dict(), weights)
         config_file = Path(tmp) / "config.json"
@@ -111,4 +124,6 @@ def register_checkpoint(
         log.info("logged model %s in MLflow run %s", info.model_uri, run.info.run_id)
     version = mlflow.register_model(info.model_uri, model_name, tags=tags)
     client.set_registered_model_alias(model_name, alias, version.version)
-    return RegisterResult(model_name, str(version.version), alias, f"models:/{model_name}/{version.version}", True)
+    return RegisterResult(
+        model_name, str(version.version), alias, f"models:/{model_name}/{version.version}", True
+    )

@@ -8,7 +8,6 @@ ModelConfig as JSON); the `trainer` package travels with it as code.
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import mlflow
 from mlflow.pyfunc import PythonModel, PythonModelContext

@@ -127,7 +127,9 @@ def list_objects(client: Any, bucket: str, prefix: str) -> list[SourceObject]:
             ) from exc
         raise StageError(f"listing s3://{bucket}/{prefix} failed: {exc}") from exc
     except NoCredentialsError as exc:
-        raise StageError("no AWS credentials found: use IRSA on EKS, or AWS_PROFILE / AWS_ACCESS_KEY_ID locally") from exc
+        raise StageError(
+            "no AWS credentials found: use IRSA on EKS, or AWS_PROFILE / AWS_ACCESS_KEY_ID locally"
+        ) from exc
     except EndpointConnectionError as exc:
         raise StageError(f"cannot reach the S3 endpoint: {exc}; check --s3-endpoint-url") from exc
     if not objects:
@@ -248,7 +250,9 @@ def stage_dataset(
     return _result(final, snap, objects, downloaded, reused, started)
 
 
-def _result(folder: Path, snap: str, objects: list[SourceObject], downloaded: int, reused: int, started: float) -> StageResult:
+def _result(
+    folder: Path, snap: str, objects: list[SourceObject], downloaded: int, reused: int, started: float
+) -> StageResult:
     return StageResult(
         snapshot_dir=str(folder),
         snapshot_id=snap,

@@ -42,17 +42,25 @@ def train_model(
     started = time.time()
     folder = run_dir(fsx_mount_path, run_name, run_id)
     summary = train_in_pod(
-        dataset_dir=dataset.metadata["snapshot_dir"], run_folder=folder, steps=steps, nproc=nproc,
-        checkpoint_every=checkpoint_every, seed=seed, preset=preset, overrides=overrides,
+        dataset_dir=dataset.metadata["snapshot_dir"],
+        run_folder=folder,
+        steps=steps,
+        nproc=nproc,
+        checkpoint_every=checkpoint_every,
+        seed=seed,
+        preset=preset,
+        overrides=overrides,
     )
-    model.metadata.update({
-        "checkpoint_dir": summary["checkpoint"],
-        "step": summary["steps"],
-        "model_config": summary["model_config"],
-        "model_sha256": summary["model_sha256"],
-        "config_sha256": summary["config_sha256"],
-        "dataset_snapshot_id": dataset.metadata.get("snapshot_id", ""),
-    })
+    model.metadata.update(
+        {
+            "checkpoint_dir": summary["checkpoint"],
+            "step": summary["steps"],
+            "model_config": summary["model_config"],
+            "model_sha256": summary["model_sha256"],
+            "config_sha256": summary["config_sha256"],
+            "dataset_snapshot_id": dataset.metadata.get("snapshot_id", ""),
+        }
+    )
     with open(model.path, "w") as handle:
         json.dump({"checkpoint_dir": summary["checkpoint"], "step": summary["steps"]}, handle)
     if summary["final_loss"] is not None:
@@ -60,6 +68,11 @@ def train_model(
     metrics.log_metric("steps", summary["steps"])
     metrics.log_metric("train_seconds", round(summary["train_seconds"], 3))
     record_step(
-        folder, "train", started, steps=summary["steps"], final_loss=summary["final_loss"],
-        checkpoint=summary["checkpoint"], model_sha256=summary["model_sha256"],
+        folder,
+        "train",
+        started,
+        steps=summary["steps"],
+        final_loss=summary["final_loss"],
+        checkpoint=summary["checkpoint"],
+        model_sha256=summary["model_sha256"],
     )

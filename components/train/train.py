@@ -30,11 +30,23 @@ def train_in_pod(
     override_items = parse_overrides(overrides)
     workdir = str(Path(run_folder) / "train")
     args = trainer_arguments(
-        dataset_dir=dataset_dir, workdir=workdir, steps=steps, checkpoint_every=checkpoint_every,
-        seed=seed, preset=preset, checkpoint_dir=str(Path(run_folder) / "checkpoints"),
+        dataset_dir=dataset_dir,
+        workdir=workdir,
+        steps=steps,
+        checkpoint_every=checkpoint_every,
+        seed=seed,
+        preset=preset,
+        checkpoint_dir=str(Path(run_folder) / "checkpoints"),
         overrides=override_items,
     )
     # Validate here so a bad override fails in one line before any rank starts.
-    config = build_config(preset, [*override_items, f"run.steps={steps}", f"checkpoint.every_steps={checkpoint_every}"])
+    config = build_config(
+        preset, [*override_items, f"run.steps={steps}", f"checkpoint.every_steps={checkpoint_every}"]
+    )
     summary = run_local_training(nproc, args, workdir, echo=echo)
-    return {**summary, "preset": preset, "config_sha256": hashlib.sha256(config.to_json().encode()).hexdigest(), "model_config": config.to_dict()["model"]}
+    return {
+        **summary,
+        "preset": preset,
+        "config_sha256": hashlib.sha256(config.to_json().encode()).hexdigest(),
+        "model_config": config.to_dict()["model"],
+    }

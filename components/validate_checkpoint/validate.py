@@ -65,8 +65,10 @@ def holdout_loss(model: ByteLM, dataset_dir: str, holdout_fraction: float) -> tu
 def validate_checkpoint(checkpoint_dir: str, dataset_dir: str, max_loss: float) -> ValidationResult:
     model, config, meta = load_validated_model(checkpoint_dir)
     loss, holdout_bytes = holdout_loss(model, dataset_dir, config.data.holdout_fraction)
-    reasons = [f"checkpoint step {meta['step']} committed; all manifest files match their SHA-256",
-               f"all {len(model.state_dict())} tensors finite"]
+    reasons = [
+        f"checkpoint step {meta['step']} committed; all manifest files match their SHA-256",
+        f"all {len(model.state_dict())} tensors finite",
+    ]
     if loss <= max_loss:
         decision = "champion"
         reasons.append(f"holdout loss {loss:.4f} <= max_loss {max_loss}")
@@ -74,8 +76,13 @@ def validate_checkpoint(checkpoint_dir: str, dataset_dir: str, max_loss: float) 
         decision = "reject"
         reasons.append(f"holdout loss {loss:.4f} > max_loss {max_loss}")
     return ValidationResult(
-        checkpoint_dir=str(checkpoint_dir), step=int(meta["step"]), holdout_loss=loss,
-        perplexity=math.exp(min(loss, 50.0)), holdout_bytes=holdout_bytes, decision=decision, reasons=reasons,
+        checkpoint_dir=str(checkpoint_dir),
+        step=int(meta["step"]),
+        holdout_loss=loss,
+        perplexity=math.exp(min(loss, 50.0)),
+        holdout_bytes=holdout_bytes,
+        decision=decision,
+        reasons=reasons,
     )
 
 

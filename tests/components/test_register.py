@@ -17,8 +17,9 @@ def tracking(mlflow_server, monkeypatch):
 
 
 def test_register_creates_a_servable_version_with_alias_and_lineage(tracking, trained_run):
-    result = register_checkpoint(trained_run["checkpoint"], "rtp-test-register", "champion",
-                                 lineage={"rtp.kfp_run_id": "run-123"})
+    result = register_checkpoint(
+        trained_run["checkpoint"], "rtp-test-register", "champion", lineage={"rtp.kfp_run_id": "run-123"}
+    )
     assert result.created and result.version == "1" and result.alias == "champion"
     version = tracking.get_model_version_by_alias("rtp-test-register", "champion")
     assert version.version == "1"
@@ -36,7 +37,9 @@ def test_registering_the_same_checkpoint_again_returns_the_existing_version(trac
     assert second.version == first.version
     assert len(tracking.search_model_versions("name = 'rtp-test-idempotent'")) == 1
     assert tracking.get_model_version_by_alias("rtp-test-idempotent", "champion").version == first.version
-    other = register_checkpoint(trained_run["checkpoint"].replace("step_20", "step_10"), "rtp-test-idempotent", "challenger")
+    other = register_checkpoint(
+        trained_run["checkpoint"].replace("step_20", "step_10"), "rtp-test-idempotent", "challenger"
+    )
     assert other.created and other.version == "2"
 
 

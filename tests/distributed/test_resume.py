@@ -14,8 +14,9 @@ STEPS = 12
 
 
 def _train(dataset_dir, workdir, **extra):
-    args = trainer_arguments(dataset_dir=str(dataset_dir), workdir=str(workdir), steps=STEPS,
-                             checkpoint_every=4, seed=7, **extra)
+    args = trainer_arguments(
+        dataset_dir=str(dataset_dir), workdir=str(workdir), steps=STEPS, checkpoint_every=4, seed=7, **extra
+    )
     return run_local_training(2, args, workdir, echo=False)
 
 
@@ -55,5 +56,15 @@ def test_stopped_and_resumed_run_matches_uninterrupted(dataset_dir, tmp_path, un
 def test_rank_failure_surfaces_with_the_log(dataset_dir, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(TrainingFailed, match=r"train\.log"):
-        run_local_training(2, trainer_arguments(dataset_dir=str(tmp_path / "empty"), workdir=str(tmp_path),
-                                                steps=2, checkpoint_every=1, seed=1), tmp_path, echo=False)
+        run_local_training(
+            2,
+            trainer_arguments(
+                dataset_dir=str(tmp_path / "empty"),
+                workdir=str(tmp_path),
+                steps=2,
+                checkpoint_every=1,
+                seed=1,
+            ),
+            tmp_path,
+            echo=False,
+        )

@@ -15,9 +15,26 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 @pytest.fixture(scope="module")
 def local_run(tmp_path_factory, mlflow_server):
     workdir = tmp_path_factory.mktemp("rtp-local")
-    command = [sys.executable, "-m", "pipelines.cli", "local", "--workdir", str(workdir), "--steps", "12",
-               "--checkpoint-every", "6", "--mlflow-uri", mlflow_server, "--model-name", "rtp-e2e",
-               "--max-loss", "5.0", "--run-name", "e2e"]
+    command = [
+        sys.executable,
+        "-m",
+        "pipelines.cli",
+        "local",
+        "--workdir",
+        str(workdir),
+        "--steps",
+        "12",
+        "--checkpoint-every",
+        "6",
+        "--mlflow-uri",
+        mlflow_server,
+        "--model-name",
+        "rtp-e2e",
+        "--max-loss",
+        "5.0",
+        "--run-name",
+        "e2e",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=800, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return workdir, result.stdout, json.loads((workdir / "summary.json").read_text())

@@ -6,7 +6,15 @@ import pytest
 from pipelines.cli import build_parser, main
 
 SUBCOMMANDS = {
-    "local": ["--workdir", "--steps", "--nproc", "--checkpoint-every", "--source", "--s3-endpoint-url", "--mlflow-uri"],
+    "local": [
+        "--workdir",
+        "--steps",
+        "--nproc",
+        "--checkpoint-every",
+        "--source",
+        "--s3-endpoint-url",
+        "--mlflow-uri",
+    ],
     "compile": ["--output", "--image"],
     "train-local": ["--nproc", "--steps", "--checkpoint-every", "--seed", "--workdir", "--dataset-dir"],
     "stage": ["--source", "--fsx-mount-path"],
@@ -35,7 +43,9 @@ def test_subcommand_help_documents_its_flags(command, flags, capsys):
 
 
 def test_installed_console_script_runs():
-    result = subprocess.run([sys.executable, "-m", "pipelines.cli", "--help"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0
     assert "rtp local" in result.stdout
 

@@ -12,7 +12,9 @@ def test_every_preset_builds_and_validates():
 
 
 def test_overrides_set_typed_values():
-    config = build_config("tiny-cpu", ["optimizer.lr=0.01", "model.n_layers=3", "checkpoint.verify_hashes=true"])
+    config = build_config(
+        "tiny-cpu", ["optimizer.lr=0.01", "model.n_layers=3", "checkpoint.verify_hashes=true"]
+    )
     assert config.optimizer.lr == 0.01
     assert config.model.n_layers == 3
     assert config.checkpoint.verify_hashes is True

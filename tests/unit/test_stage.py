@@ -21,7 +21,9 @@ from components.stage_data.stage import (
 def s3_endpoint():
     from moto.server import ThreadedMotoServer
 
-    os.environ.update({"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"})
+    os.environ.update(
+        {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+    )
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
     server.start()
     host, port = server.get_host_and_port()
@@ -44,7 +46,7 @@ def _snapshot_files(result):
 
 
 def test_stage_copies_verifies_and_writes_manifest(bucket, tmp_path, s3_endpoint):
-    client, name = bucket
+    _, name = bucket
     result = stage_dataset(f"s3://{name}/data/", str(tmp_path), "ds", endpoint_url=s3_endpoint)
     assert result.files == 5 and result.bytes_downloaded == result.bytes_total > 0
     assert _snapshot_files(result) == [f"data/file{i}.txt" for i in range(5)]
@@ -106,7 +108,7 @@ class CorruptingS3Stub:
     def __init__(self):
         self.calls = 0
 
-    def get_object(self, Bucket, Key):  # noqa: N803 - boto3's parameter names
+    def get_object(self, Bucket, Key):
         self.calls += 1
 
         class Body(io.BytesIO):
@@ -119,7 +121,7 @@ class CorruptingS3Stub:
 def test_mismatching_download_is_retried_then_fails_naming_the_key(tmp_path):
     stub = CorruptingS3Stub()
     obj = SourceObject("data/f.txt", 8, "0123456789abcdef0123456789abcdef")
-    with pytest.raises(StageError, match="data/f.txt"):
+    with pytest.raises(StageError, match=r"data/f\.txt"):
         _download(stub, "b", obj, tmp_path / "f.txt", attempts=3)
     assert stub.calls == 3
     assert list(tmp_path.iterdir()) == []  # nothing half-written left behind

@@ -1,0 +1,51 @@
+# The README's commands. Each creates .venv on first use (Python 3.11: the CPU build of
+# torch 2.13.0 on this kind of machine is for 3.11) and reinstalls when setup.cfg changes.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.rtp-installed
+PYTEST_ARGS ?=
+DEMO_ARGS ?=
+
+.PHONY: help demo test lint format golden bench clean
+
+help:
+	@echo "make demo   - set up .venv and run the whole pipeline locally (rtp local)"
+	@echo "make test   - set up .venv and run the test suite"
+	@echo "make lint   - ruff + mypy"
+	@echo "make golden - regenerate the compiled-pipeline golden file after an intended change"
+	@echo "make clean  - remove .venv and rtp-work"
+
+$(STAMP): setup.cfg pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] >= (3, 11) else "rtp needs Python >= 3.11; set PYTHON=python3.11")'
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/rtp local $(DEMO_ARGS)
+
+# pytest exits 5 when it collected nothing: a suite that ran no test must not pass.
+test: $(STAMP)
+	@$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5); check PYTEST_ARGS='$(PYTEST_ARGS)'" >&2; exit 1; fi; \
+	exit $$rc
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+golden: $(STAMP)
+	RTP_UPDATE_GOLDEN=1 $(BIN)/python -m pytest -q tests/pipelines/test_compile.py -k golden
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.demo_pipeline
+
+clean:
+	rm -rf $(VENV) rtp-work
