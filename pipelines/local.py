@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,10 @@ def run_local(options: LocalOptions) -> dict[str, Any]:
             flush=True,
         )
     try:
+        # Expected locally and said once in the README: the project image and display
+        # names only matter on a cluster. Hiding these keeps the task logs readable.
+        warnings.filterwarnings("ignore", message=".*non-Python base image.*")
+        warnings.filterwarnings("ignore", message=".*have no effect in the current local runner.*")
         local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(workdir / "kfp-local"))
         pipeline = build_pipeline()
         try:

@@ -2,6 +2,8 @@
 an uninterrupted run, and a checkpoint that never committed is never resumed from."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -22,7 +24,31 @@ def _train(dataset_dir, workdir, **extra):
 
 @pytest.fixture(scope="module")
 def uninterrupted(dataset_dir, tmp_path_factory):
-    return _train(dataset_dir, tmp_path_factory.mktemp("uninterrupted"))
+    """Trained through the user's command, `rtp train-local`."""
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    command = [
+        sys.executable,
+        "-m",
+        "pipelines.cli",
+        "train-local",
+        "--nproc",
+        "2",
+        "--dataset-dir",
+        str(dataset_dir),
+        "--workdir",
+        str(workdir),
+        "--steps",
+        str(STEPS),
+        "--checkpoint-every",
+        "4",
+        "--seed",
+        "7",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=500, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert json.loads(result.stdout[result.stdout.rindex("{") :])["model_sha256"] == summary["model_sha256"]
+    return summary
 
 
 def test_uninterrupted_run_trains_and_checkpoints(uninterrupted):

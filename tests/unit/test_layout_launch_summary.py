@@ -1,0 +1,91 @@
+import itertools
+import json
+
+import pytest
+
+from components.layout import check_name, dataset_root, record_step, run_dir
+from pipelines.local import LocalOptions, build_summary, format_summary
+from trainer.events import EventLog, write_json_atomic
+from trainer.launch import build_launch_command, trainer_arguments
+from trainer.loop import lr_factor
+
+
+def test_run_dir_prefers_run_name_then_job_id(tmp_path):
+    assert run_dir(tmp_path, "nightly", "123") == tmp_path / "rtp/runs/nightly"
+    assert run_dir(tmp_path, "", "123") == tmp_path / "rtp/runs/123"
+    with pytest.raises(ValueError, match="run name"):
+        run_dir(tmp_path, "", "")
+    assert dataset_root(tmp_path, "corpus") == tmp_path / "rtp/datasets/corpus"
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", "", ".hidden", "x" * 200])
+def test_unsafe_folder_names_are_refused(name):
+    with pytest.raises(ValueError, match="safe folder name"):
+        check_name("run name", name)
+
+
+def test_launch_command_runs_the_trainer_module_under_torchrun():
+    args = trainer_arguments(
+        dataset_dir="d",
+        workdir="w",
+        steps=5,
+        checkpoint_every=2,
+        seed=1,
+        stop_after=3,
+        overrides=["optimizer.lr=0.1"],
+    )
+    command = build_launch_command(4, args, python="py")
+    assert command[:5] == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
+    assert command[5:7] == ["-m", "trainer"]
+    assert "--stop-after=3" in command and "--override=optimizer.lr=0.1" in command
+    with pytest.raises(ValueError):
+        build_launch_command(0, args)
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    factors = [lr_factor(step, 20, 5, 0.1) for step in range(21)]
+    assert factors[0] == pytest.approx(0.2) and factors[4] == pytest.approx(1.0)
+    assert factors[5] == pytest.approx(1.0)
+    assert all(a >= b for a, b in itertools.pairwise(factors[5:]))
+    assert factors[20] == pytest.approx(0.1)
+
+
+def test_events_and_atomic_json(tmp_path):
+    log = EventLog(tmp_path, enabled=True)
+    log.emit("step", step=1, loss=2.0)
+    EventLog(tmp_path / "other", enabled=False).emit("step", step=1)
+    assert json.loads((tmp_path / "events.jsonl").read_text())["loss"] == 2.0
+    assert not (tmp_path / "other").exists()
+    write_json_atomic(tmp_path / "s.json", {"a": 1})
+    assert json.loads((tmp_path / "s.json").read_text()) == {"a": 1}
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_summary_collects_each_step_record(tmp_path):
+    import time
+
+    folder = run_dir(tmp_path, "r1")
+    start = time.time()
+    record_step(folder, "stage", start, snapshot_dir="/snap")
+    record_step(folder, "train", start, steps=12, final_loss=2.5, checkpoint="/ck/step_12", model_sha256="ab")
+    record_step(folder, "validate", start, holdout_loss=2.4, decision="champion", step=12)
+    record_step(
+        folder, "register", start, model_name="m", version="3", alias="champion", model_uri="models:/m/3"
+    )
+    summary = build_summary(LocalOptions(), folder, "sqlite:///x.db", "s3://b/p/", 9.5)
+    assert summary["steps"] == 12 and summary["checkpoint"] == "/ck/step_12"
+    assert summary["mlflow"]["version"] == "3" and summary["decision"] == "champion"
+    assert set(summary["elapsed_s"]) == {"stage", "train", "validate", "register"}
+    text = format_summary(summary, str(tmp_path))
+    assert "m version 3" in text and "mlflow ui --backend-store-uri sqlite:///x.db" in text
+
+
+def test_summary_of_a_rejected_run_says_so(tmp_path):
+    import time
+
+    folder = run_dir(tmp_path, "r2")
+    record_step(folder, "train", time.time(), steps=2, final_loss=5.0, checkpoint="/c", model_sha256="x")
+    record_step(folder, "validate", time.time(), holdout_loss=5.0, decision="reject", step=2)
+    summary = build_summary(LocalOptions(), folder, "http://mlflow", "s3://b/", 1.0)
+    assert summary["mlflow"]["version"] is None
+    assert "not registered" in format_summary(summary, str(tmp_path))
