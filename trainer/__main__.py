@@ -7,10 +7,28 @@ environment, trains, and exits non-zero with a one-line reason on a user error.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import logging
+import signal
 import sys
 
 from trainer.config import PRESETS, ConfigError, TrainConfig, build_config
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (no-op elsewhere).
+
+    torchrun starts every rank in a session of its own, so a launcher killed hard (OOM,
+    SIGKILL) would otherwise leave its ranks training on, writing checkpoints nobody asked
+    for. (The ranks' own NVRx writer and Manager processes are not covered: in a pod they
+    die with the container; see docs/checkpointing.md.)
+    """
+    if sys.platform != "linux":
+        return
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
 
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_training_arguments(parser)
     args = parser.parse_args(argv)
+    die_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args)

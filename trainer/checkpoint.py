@@ -151,6 +151,47 @@ def _rank_state(extra: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
+def prepare_staging(root: str | Path, step: int, rank_extra: dict[str, Any]) -> tuple[Path, Path]:
+    """Collective: an empty `step_<N>.tmp/` with this rank's RNG/loader state in it.
+
+    Returns (staging, final). A leftover staging folder (a save that died) is discarded,
+    and so is a committed folder of the same step (re-saving after resuming from older).
+    """
+    base = Path(root)
+    rank = dist.get_rank()
+    final = step_dir(base, step)
+    staging = final.with_name(final.name + ".tmp")
+    if rank == 0:
+        base.mkdir(parents=True, exist_ok=True)
+        for stale in (staging, final):
+            if stale.exists():
+                shutil.rmtree(stale)
+        (staging / RANK_STATE_DIR).mkdir(parents=True)
+    dist.barrier()
+    torch.save(_rank_state(rank_extra), staging / RANK_STATE_DIR / f"rank_{rank}.pt")
+    return staging, final
+
+
+def commit(staging: Path, final: Path, step: int, meta: dict[str, Any]) -> int:
+    """Collective, after every rank's DCP write finished: make the checkpoint visible.
+
+    Rank 0 writes meta.json, the SHA-256 manifest and the marker, then renames the folder;
+    the barriers make sure no rank reads or deletes around a half-committed folder.
+    Returns the checkpoint's size in bytes.
+    """
+    dist.barrier()
+    if dist.get_rank() == 0:
+        full_meta = {**meta, "step": step, "world_size": dist.get_world_size(), "saved_at": time.time()}
+        _write_durable(staging / META, json.dumps(full_meta, indent=2, sort_keys=True).encode())
+        manifest = _build_manifest(staging)
+        _write_durable(staging / MANIFEST, json.dumps(manifest, indent=2).encode())
+        _write_durable(staging / COMMIT_MARKER, f"step {step}\n".encode())
+        os.replace(staging, final)
+        _fsync_dir(final.parent)
+    dist.barrier()
+    return sum(p.stat().st_size for p in final.rglob("*") if p.is_file())
+
+
 def save_checkpoint(
     root: str | Path,
     step: int,
@@ -159,43 +200,22 @@ def save_checkpoint(
     meta: dict[str, Any],
     rank_extra: dict[str, Any],
 ) -> SaveResult:
-    """Collective: every rank calls it. Returns once the checkpoint is committed everywhere."""
+    """Collective, synchronous: returns once the checkpoint is committed everywhere."""
     started = time.perf_counter()
-    base = Path(root)
-    rank = dist.get_rank()
-    final = step_dir(base, step)
-    staging = final.with_name(final.name + ".tmp")
-    if rank == 0:
-        base.mkdir(parents=True, exist_ok=True)
-        if staging.exists():  # left by a run that died mid-save: never resumed from
-            shutil.rmtree(staging)
-        if final.exists():  # re-saving a step after a resume from an older checkpoint
-            shutil.rmtree(final)
-        (staging / RANK_STATE_DIR).mkdir(parents=True)
-    dist.barrier()
-
+    staging, final = prepare_staging(root, step, rank_extra)
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(staging))
-    torch.save(_rank_state(rank_extra), staging / RANK_STATE_DIR / f"rank_{rank}.pt")
-    dist.barrier()
-
-    if rank == 0:
-        full_meta = {**meta, "step": step, "world_size": dist.get_world_size(), "saved_at": time.time()}
-        _write_durable(staging / META, json.dumps(full_meta, indent=2, sort_keys=True).encode())
-        manifest = _build_manifest(staging)
-        _write_durable(staging / MANIFEST, json.dumps(manifest, indent=2).encode())
-        _write_durable(staging / COMMIT_MARKER, f"step {step}\n".encode())
-        os.replace(staging, final)
-        _fsync_dir(base)
-    dist.barrier()
-    bytes_total = sum(p.stat().st_size for p in final.rglob("*") if p.is_file())
+    bytes_total = commit(staging, final, step, meta)
     return SaveResult(path=final, step=step, blocked_s=time.perf_counter() - started, bytes_total=bytes_total)
 
 
-def apply_retention(root: str | Path, keep_last: int) -> list[Path]:
-    """Delete committed checkpoints beyond the newest `keep_last`; never touches *.tmp."""
+def apply_retention(root: str | Path, keep_last: int, keep_every: int = 0) -> list[Path]:
+    """Delete committed checkpoints beyond the newest `keep_last`, except every
+    `keep_every`-th step (0 = none); never touches the newest one or *.tmp folders."""
     removed = []
-    for _, folder in committed_steps(root)[max(1, keep_last) :]:
+    for step, folder in committed_steps(root)[max(1, keep_last) :]:
+        if keep_every > 0 and step % keep_every == 0:
+            continue
         shutil.rmtree(folder, ignore_errors=True)
         removed.append(folder)
     return removed

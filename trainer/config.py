@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+CHECKPOINT_MODES = ("off", "sync", "torch-async", "async")
+
 
 class ConfigError(ValueError):
     """A configuration value a user supplied is wrong; the message says how to fix it."""
@@ -56,12 +58,19 @@ class OptimizerConfig:
 
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
+    mode: str = "async"
+    """off | sync (torch dcp.save) | torch-async (dcp.async_save) | async (NVRx persistent worker)."""
     dir: str = ""
     """Folder holding step_<N>/ checkpoints; empty means <workdir>/checkpoints."""
     every_steps: int = 10
     """Save a checkpoint every N steps (and always after the last step)."""
     keep_last: int = 3
     """Committed checkpoints to keep; older ones are deleted after a new one commits."""
+    keep_every_steps: int = 0
+    """Also keep every checkpoint whose step is a multiple of this (0 = none)."""
+    record_weight_hashes: bool = False
+    """Log the SHA-256 of the full weights at every save (events.jsonl), to prove async saves
+    never tear. Costs a full gather per save: for tests and drills."""
     verify_hashes: bool = False
     """Also verify SHA-256 of every file when choosing the checkpoint to resume from."""
 
@@ -199,5 +208,11 @@ def validate(config: TrainConfig) -> None:
             raise ConfigError(f"{name} must be at least 1, got {value}")
     if not 0.0 < config.data.holdout_fraction < 1.0:
         raise ConfigError("data.holdout_fraction must be between 0 and 1 (exclusive)")
+    if config.checkpoint.mode not in CHECKPOINT_MODES:
+        raise ConfigError(
+            f"checkpoint.mode {config.checkpoint.mode!r} is not one of {', '.join(CHECKPOINT_MODES)}"
+        )
+    if config.checkpoint.keep_every_steps < 0:
+        raise ConfigError("checkpoint.keep_every_steps must be 0 (off) or a positive step count")
     if config.run.stop_after_steps < 0:
         raise ConfigError("run.stop_after_steps must be 0 (never) or a step number")

@@ -9,10 +9,14 @@ caller's stdout, and returns the run's summary.json.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +68,29 @@ def trainer_arguments(
     return args
 
 
+@contextlib.contextmanager
+def _forward_sigterm(process: subprocess.Popen[str]) -> Iterator[None]:
+    """Pass SIGTERM on to the launcher and keep waiting for it.
+
+    In a pod, kubelet sends SIGTERM to the component's process only; the launcher and its
+    ranks must hear it to write their final checkpoint within the grace period, and this
+    process must outlive them so nothing is orphaned.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum: int, frame: object) -> None:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_local_training(
     nproc: int, trainer_args: list[str], workdir: str | Path, echo: bool = True
 ) -> dict[str, Any]:
@@ -85,13 +112,14 @@ def run_local_training(
         process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True
         )
-        assert process.stdout is not None
-        for line in process.stdout:
-            log_file.write(line)
-            if echo:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-        returncode = process.wait()
+        with _forward_sigterm(process):
+            assert process.stdout is not None
+            for line in process.stdout:
+                log_file.write(line)
+                if echo:
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+            returncode = process.wait()
     if returncode != 0:
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-20:])
         raise TrainingFailed(f"training exited with code {returncode}; full log: {log_path}\n{tail}")

@@ -1,9 +1,14 @@
 """The training loop of one rank: build, resume, step, checkpoint, summarize.
 
-Everything distributed — model shards, optimizer, sampler — is created inside `train()`,
-so a restart (a new call) starts from a clean slate and the latest committed checkpoint.
-The loop is deterministic on CPU for a given seed and world size: a run stopped after a
-checkpoint and resumed reaches the same weights as one that never stopped.
+Everything distributed — model shards, optimizer, sampler, the checkpoint writer — is
+created inside `train()`, so a restart (a new call) starts from a clean slate and the
+latest committed checkpoint. The loop is deterministic on CPU for a given seed and world
+size: a run stopped after a checkpoint and resumed reaches the same weights as one that
+never stopped, whatever the checkpoint mode.
+
+SIGTERM (pod eviction, preemption, `kubectl delete`) does not kill the loop: the ranks
+agree on it at the next step, write a final checkpoint, and exit cleanly, so the
+Kubernetes grace period is spent saving instead of losing the steps since the last save.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from trainer import checkpoint
+from trainer.checkpointer import Checkpointer, SaveRecord, efficiency_pct
 from trainer.config import TrainConfig
 from trainer.data import StepSampler, load_tokens, split_files
 from trainer.events import EventLog, write_json_atomic
@@ -38,17 +45,41 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float) 
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def model_sha256(model: torch.nn.Module) -> str:
-    """SHA-256 over the full (unsharded) state dict in sorted key order. Collective."""
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+def state_dict_sha256(state: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over tensors in sorted key order: equal exactly when the weights are equal."""
     digest = hashlib.sha256()
-    for key in sorted(full):
-        value = full[key]
-        assert isinstance(value, torch.Tensor), key
-        tensor = value.detach().to("cpu").contiguous()
+    for key in sorted(state):
         digest.update(key.encode())
-        digest.update(tensor.numpy().tobytes())
+        digest.update(state[key].detach().to("cpu").contiguous().numpy().tobytes())
     return digest.hexdigest()
+
+
+def model_sha256(model: torch.nn.Module) -> str:
+    """`state_dict_sha256` of the full (unsharded) model state. Collective."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    tensors = {}
+    for key, value in full.items():
+        assert isinstance(value, torch.Tensor), key
+        tensors[key] = value
+    return state_dict_sha256(tensors)
+
+
+class _StopRequest:
+    """Remembers a SIGTERM until the ranks agree to act on it at a step boundary."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def install(self) -> None:
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
 
 
 def train(config: TrainConfig) -> dict[str, Any]:
@@ -60,6 +91,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
     workdir = Path(config.run.workdir)
     events = EventLog(workdir, enabled=rank == 0)
     ckpt_root = Path(config.checkpoint_dir())
+    ckpt_cfg = config.checkpoint
 
     torch.manual_seed(config.run.seed)  # identical initial weights on every rank
     model = ByteLM(config.model).to(device)
@@ -77,7 +109,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
 
     last_step = 0
     resumed_from = None
-    latest = checkpoint.latest_committed_checkpoint(ckpt_root, config.checkpoint.verify_hashes)
+    latest = checkpoint.latest_committed_checkpoint(ckpt_root, ckpt_cfg.verify_hashes)
     if latest is not None:
         restored = checkpoint.load_checkpoint(latest, model, optimizer)
         meta = restored["meta"]
@@ -92,67 +124,109 @@ def train(config: TrainConfig) -> dict[str, Any]:
         if rank == 0:
             log.info("resumed from %s at step %d", latest, last_step)
 
+    def on_commit(record: SaveRecord) -> None:
+        events.emit("checkpoint_committed", **record.as_dict())
+        if rank == 0:
+            log.info(
+                "checkpoint step %d committed (blocked %.3fs, write %.3fs)",
+                record.step,
+                record.blocked_s,
+                record.write_s or 0.0,
+            )
+
+    checkpointer = Checkpointer(
+        ckpt_root, ckpt_cfg.mode, ckpt_cfg.keep_last, ckpt_cfg.keep_every_steps, on_commit
+    )
+    checkpointer.start()
+    stop = _StopRequest()
+    stop.install()
+
+    def save(step: int, loss_value: float) -> None:
+        record = checkpointer.save(
+            step,
+            model,
+            optimizer,
+            meta={
+                "config": config.to_dict(),
+                "model_hash": config.model_hash(),
+                "scheduler": scheduler.state_dict(),
+                "loss": loss_value,
+            },
+            rank_extra={"sampler": sampler.state_dict(next_step=step + 1)},
+        )
+        if record is not None:
+            fields = {"weights_sha256": model_sha256(model)} if ckpt_cfg.record_weight_hashes else {}
+            events.emit(
+                "checkpoint_queued", step=step, mode=record.mode, blocked_s=record.blocked_s, **fields
+            )
+
     losses: list[tuple[int, float]] = []
-    saves: list[dict[str, Any]] = []
-    last_checkpoint = latest
     stop_at = config.run.stop_after_steps or config.run.steps
+    stopped_by_signal = False
     step_seconds = 0.0
     steps_run = 0
-    for step in range(last_step + 1, config.run.steps + 1):
-        step_start = time.perf_counter()
-        batch = sampler.batch(step).to(device)
-        loss = next_token_loss(model, batch)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), opt_cfg.grad_clip_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss)
-        loss_value = mean_loss.item() / world
-        if not math.isfinite(loss_value):
-            raise FloatingPointError(f"loss became {loss_value} at step {step}; lower optimizer.lr")
-        step_seconds += time.perf_counter() - step_start
-        steps_run += 1
-        losses.append((step, loss_value))
-        events.emit("step", step=step, loss=loss_value, lr=scheduler.get_last_lr()[0])
-        if rank == 0 and (step % config.run.log_every_steps == 0 or step == last_step + 1):
-            log.info("step %d/%d loss %.4f", step, config.run.steps, loss_value)
+    loop_start = time.perf_counter()
+    try:
+        for step in range(last_step + 1, config.run.steps + 1):
+            step_start = time.perf_counter()
+            batch = sampler.batch(step).to(device)
+            loss = next_token_loss(model, batch)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), opt_cfg.grad_clip_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            # One collective per step carries the mean loss and whether any rank got SIGTERM.
+            reduced = torch.stack([loss.detach().float().cpu(), torch.tensor(float(stop.requested))])
+            dist.all_reduce(reduced)
+            loss_value = reduced[0].item() / world
+            if not math.isfinite(loss_value):
+                raise FloatingPointError(f"loss became {loss_value} at step {step}; lower optimizer.lr")
+            step_seconds += time.perf_counter() - step_start
+            steps_run += 1
+            losses.append((step, loss_value))
+            events.emit("step", step=step, loss=loss_value, lr=scheduler.get_last_lr()[0])
+            if rank == 0 and (step % config.run.log_every_steps == 0 or step == last_step + 1):
+                log.info("step %d/%d loss %.4f", step, config.run.steps, loss_value)
 
-        if step % config.checkpoint.every_steps == 0 or step == stop_at:
-            result = checkpoint.save_checkpoint(
-                ckpt_root,
-                step,
-                model,
-                optimizer,
-                meta={
-                    "config": config.to_dict(),
-                    "model_hash": config.model_hash(),
-                    "scheduler": scheduler.state_dict(),
-                    "loss": loss_value,
-                },
-                rank_extra={"sampler": sampler.state_dict(next_step=step + 1)},
-            )
-            last_checkpoint = result.path
-            saves.append({"step": step, "blocked_s": result.blocked_s, "bytes": result.bytes_total})
-            events.emit("checkpoint", step=step, path=str(result.path), blocked_s=result.blocked_s)
-            if rank == 0:
-                checkpoint.apply_retention(ckpt_root, config.checkpoint.keep_last)
-                log.info("checkpoint step %d committed in %.2fs: %s", step, result.blocked_s, result.path)
-        if step >= stop_at:
-            break
+            stopped_by_signal = reduced[1].item() > 0
+            if stopped_by_signal or step % ckpt_cfg.every_steps == 0 or step == stop_at:
+                save(step, loss_value)
+            checkpointer.poll()
+            if stopped_by_signal:
+                if rank == 0:
+                    log.warning("SIGTERM received: saved step %d, stopping", step)
+                events.emit("stopped_by_signal", step=step)
+                break
+            if step >= stop_at:
+                break
+        loop_wall_s = time.perf_counter() - loop_start
+        drain_start = time.perf_counter()
+        checkpointer.close()
+        final_drain_s = time.perf_counter() - drain_start
+    finally:
+        stop.restore()
 
+    saves = [record.as_dict() for record in checkpointer.records]
+    blocked_total = sum(record.blocked_s for record in checkpointer.records)
+    latest_now = checkpoint.latest_committed_checkpoint(ckpt_root)
     final_step = losses[-1][0] if losses else last_step
     summary = {
         "steps": final_step,
         "target_steps": config.run.steps,
         "completed": final_step >= config.run.steps,
+        "stopped_by_signal": stopped_by_signal,
         "steps_run": steps_run,
         "final_loss": losses[-1][1] if losses else None,
         "losses": [{"step": s, "loss": v} for s, v in losses],
-        "checkpoint": str(last_checkpoint) if last_checkpoint else None,
+        "checkpoint": str(latest_now) if latest_now else None,
+        "checkpoint_mode": ckpt_cfg.mode,
         "resumed_from": resumed_from,
         "checkpoint_saves": saves,
+        "checkpoint_blocked_s": blocked_total,
+        "efficiency_pct": efficiency_pct(blocked_total, loop_wall_s),
+        "final_drain_s": final_drain_s,
+        "loop_wall_s": loop_wall_s,
         "world_size": world,
         "device": device.type,
         "model_sha256": model_sha256(model),

@@ -1,5 +1,5 @@
-"""Two ranks over gloo: a run stopped after a checkpoint and resumed ends bit-identical to
-an uninterrupted run, and a checkpoint that never committed is never resumed from."""
+"""Two ranks over gloo: stop-and-resume is bit-identical in every checkpoint mode, and
+checkpoints reshard between world sizes."""
 
 import json
 import subprocess
@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from tests.distributed.conftest import events, train
 from trainer.checkpoint import latest_committed_checkpoint
 from trainer.launch import TrainingFailed, run_local_training, trainer_arguments
 
@@ -15,16 +16,9 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 STEPS = 12
 
 
-def _train(dataset_dir, workdir, **extra):
-    args = trainer_arguments(
-        dataset_dir=str(dataset_dir), workdir=str(workdir), steps=STEPS, checkpoint_every=4, seed=7, **extra
-    )
-    return run_local_training(2, args, workdir, echo=False)
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(dataset_dir, tmp_path_factory):
-    """Trained through the user's command, `rtp train-local`."""
+    """Trained through the user's command, `rtp train-local` (default mode: async)."""
     workdir = tmp_path_factory.mktemp("uninterrupted")
     command = [
         sys.executable,
@@ -52,16 +46,21 @@ def uninterrupted(dataset_dir, tmp_path_factory):
 
 
 def test_uninterrupted_run_trains_and_checkpoints(uninterrupted):
-    assert uninterrupted["world_size"] == 2
+    assert uninterrupted["world_size"] == 2 and uninterrupted["checkpoint_mode"] == "async"
     assert uninterrupted["steps"] == STEPS and uninterrupted["completed"]
     losses = [entry["loss"] for entry in uninterrupted["losses"]]
     assert losses[-1] < losses[0] - 0.5  # it learns
-    assert [save["step"] for save in uninterrupted["checkpoint_saves"]] == [4, 8, 12]
+    saves = uninterrupted["checkpoint_saves"]
+    assert [save["step"] for save in saves] == [4, 8, 12]
+    assert all(save["write_s"] is not None and save["bytes_total"] > 0 for save in saves)
+    assert 0 < uninterrupted["efficiency_pct"] <= 100
 
 
-def test_stopped_and_resumed_run_matches_uninterrupted(dataset_dir, tmp_path, uninterrupted):
-    first = _train(dataset_dir, tmp_path, stop_after=6)
+@pytest.mark.parametrize("mode", ["sync", "torch-async", "async"])
+def test_stopped_and_resumed_run_matches_uninterrupted(mode, dataset_dir, tmp_path, uninterrupted):
+    first = train(dataset_dir, tmp_path, overrides=[f"checkpoint.mode={mode}"], stop_after=6)
     assert first["steps"] == 6 and not first["completed"]
+    assert first["checkpoint"].endswith("step_6")
     assert first["model_sha256"] != uninterrupted["model_sha256"]
 
     # A save that died before committing must be ignored on resume.
@@ -69,28 +68,29 @@ def test_stopped_and_resumed_run_matches_uninterrupted(dataset_dir, tmp_path, un
     torn.mkdir()
     (torn / "__0_0.distcp").write_bytes(b"partial")
 
-    resumed = _train(dataset_dir, tmp_path)
+    resumed = train(dataset_dir, tmp_path, overrides=[f"checkpoint.mode={mode}"])
     assert resumed["resumed_from"].endswith("step_6")
     assert resumed["steps_run"] == STEPS - 6
     assert resumed["model_sha256"] == uninterrupted["model_sha256"]
     assert resumed["final_loss"] == uninterrupted["final_loss"]
     assert latest_committed_checkpoint(tmp_path / "checkpoints") == tmp_path / "checkpoints" / f"step_{STEPS}"
-    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
-    assert any(e["kind"] == "resume" and e["step"] == 6 for e in events)
+    assert any(e["kind"] == "resume" and e["step"] == 6 for e in events(tmp_path))
+
+
+@pytest.mark.parametrize(("saved_with", "loaded_with"), [(2, 1), (1, 2)])
+def test_checkpoint_reshards_between_world_sizes(saved_with, loaded_with, dataset_dir, tmp_path):
+    saved = train(dataset_dir, tmp_path, nproc=saved_with, stop_after=4)
+    # Resuming at the target step runs no step: the weights are exactly what was loaded.
+    loaded = train(dataset_dir, tmp_path, nproc=loaded_with, steps=4)
+    assert loaded["world_size"] == loaded_with and loaded["steps_run"] == 0
+    assert loaded["resumed_from"].endswith("step_4")
+    assert loaded["model_sha256"] == saved["model_sha256"]
 
 
 def test_rank_failure_surfaces_with_the_log(dataset_dir, tmp_path):
     (tmp_path / "empty").mkdir()
+    args = trainer_arguments(
+        dataset_dir=str(tmp_path / "empty"), workdir=str(tmp_path), steps=2, checkpoint_every=1, seed=1
+    )
     with pytest.raises(TrainingFailed, match=r"train\.log"):
-        run_local_training(
-            2,
-            trainer_arguments(
-                dataset_dir=str(tmp_path / "empty"),
-                workdir=str(tmp_path),
-                steps=2,
-                checkpoint_every=1,
-                seed=1,
-            ),
-            tmp_path,
-            echo=False,
-        )
+        run_local_training(2, args, tmp_path, echo=False)

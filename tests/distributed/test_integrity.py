@@ -1,0 +1,174 @@
+"""Two ranks over gloo: async saves never tear, retention keeps what it promises, a killed
+or corrupted save is never resumed from, and SIGTERM ends with a final checkpoint."""
+
+import contextlib
+import logging
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from tests.distributed.conftest import events, train
+from trainer.checkpoint import committed_steps, latest_committed_checkpoint, load_model_weights, read_meta
+from trainer.config import TrainConfig
+from trainer.loop import state_dict_sha256
+from trainer.model import ByteLM
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants (ranks run in sessions of their own)."""
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(processes, timeout=30)
+
+
+@pytest.mark.parametrize("mode", ["async", "torch-async"])
+def test_async_saves_hold_the_weights_of_their_step(mode, dataset_dir, tmp_path):
+    train(
+        dataset_dir,
+        tmp_path,
+        steps=10,
+        every=2,
+        overrides=[
+            f"checkpoint.mode={mode}",
+            "checkpoint.keep_last=100",
+            "checkpoint.record_weight_hashes=true",
+        ],
+    )
+    at_save = {e["step"]: e["weights_sha256"] for e in events(tmp_path) if e["kind"] == "checkpoint_queued"}
+    assert sorted(at_save) == [2, 4, 6, 8, 10]
+    for step, folder in committed_steps(tmp_path / "checkpoints"):
+        model = ByteLM(TrainConfig.from_dict(read_meta(folder)["config"]).model)
+        load_model_weights(folder, model)
+        assert state_dict_sha256(model.state_dict()) == at_save[step], f"step {step} checkpoint is torn"
+
+
+def test_retention_keeps_the_last_k_and_every_mth(dataset_dir, tmp_path):
+    train(
+        dataset_dir,
+        tmp_path,
+        steps=12,
+        every=2,
+        overrides=["checkpoint.keep_last=2", "checkpoint.keep_every_steps=4", "checkpoint.mode=sync"],
+    )
+    assert [step for step, _ in committed_steps(tmp_path / "checkpoints")] == [12, 10, 8, 4]
+    assert not list((tmp_path / "checkpoints").glob("*.tmp"))
+
+
+def test_killed_run_leaves_only_verifiable_checkpoints_and_resumes(dataset_dir, tmp_path, caplog):
+    """SIGKILL the whole job while it saves every step; whatever was mid-write is ignored."""
+    command = [
+        sys.executable,
+        "-m",
+        "pipelines.cli",
+        "train-local",
+        "--nproc",
+        "2",
+        "--dataset-dir",
+        str(dataset_dir),
+        "--workdir",
+        str(tmp_path),
+        "--steps",
+        "400",
+        "--checkpoint-every",
+        "1",
+        "--seed",
+        "7",
+        "--override",
+        "checkpoint.keep_last=1000",
+    ]
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while len(committed_steps(tmp_path / "checkpoints")) < 5:
+            assert process.poll() is None, "training ended before it could be killed"
+            assert time.monotonic() < deadline, "no checkpoints appeared"
+            time.sleep(0.05)
+    finally:
+        kill_tree(process.pid)  # like a pod's death: every process of the job at once
+        process.wait()
+    root = tmp_path / "checkpoints"
+    latest = latest_committed_checkpoint(root, verify_hashes=True)
+    assert latest is not None
+    newest_step = committed_steps(root)[0][0]
+
+    # Corrupt the newest committed checkpoint: resume must fall back and say why.
+    shard = next((root / f"step_{newest_step}").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-1])
+    with caplog.at_level(logging.WARNING):
+        fallback = latest_committed_checkpoint(root)
+    assert fallback is not None and fallback.name != f"step_{newest_step}"
+    assert shard.name in caplog.text
+
+    resumed = train(dataset_dir, tmp_path, steps=newest_step + 2, every=1)
+    assert resumed["resumed_from"] == str(fallback)
+    assert resumed["completed"]
+
+
+def test_sigterm_saves_a_final_checkpoint_and_exits_cleanly(dataset_dir, tmp_path):
+    command = [
+        sys.executable,
+        "-m",
+        "pipelines.cli",
+        "train-local",
+        "--nproc",
+        "2",
+        "--dataset-dir",
+        str(dataset_dir),
+        "--workdir",
+        str(tmp_path),
+        "--steps",
+        "100000",
+        "--checkpoint-every",
+        "100000",
+        "--seed",
+        "7",
+    ]
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while (
+            not (tmp_path / "events.jsonl").exists()
+            or '"step": 3,' not in (tmp_path / "events.jsonl").read_text()
+        ):
+            assert process.poll() is None, process.stdout.read() if process.stdout else ""
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        process.send_signal(signal.SIGTERM)  # to the launcher, as kubelet does to PID 1
+        output, _ = process.communicate(timeout=120)
+    finally:
+        kill_tree(process.pid)
+    assert "SIGTERM received" in output
+    latest = latest_committed_checkpoint(tmp_path / "checkpoints", verify_hashes=True)
+    assert latest is not None
+    stopped = [e for e in events(tmp_path) if e["kind"] == "stopped_by_signal"]
+    assert stopped and latest.name == f"step_{stopped[0]['step']}"
+    assert (
+        torch.load(latest / "rank_state" / "rank_1.pt", weights_only=False)["sampler"]["next_step"]
+        == stopped[0]["step"] + 1
+    )

@@ -1,0 +1,257 @@
+"""When and how a running job writes checkpoints: the four `checkpoint.mode`s.
+
+- `off`: never saves.
+- `sync`: torch DCP `dcp.save`; the loop waits for the whole write.
+- `torch-async`: torch's `dcp.async_save` (stage to CPU, write in a thread over a
+  dedicated gloo group): the in-project baseline.
+- `async`: NVRx — a persistent writer process per rank (`AsyncCallsQueue`), the DCP
+  plan / background write / finalize split with `FileSystemWriterAsync`.
+
+All modes write the same torch DCP folders through `trainer.checkpoint`'s staging and
+commit, so a checkpoint saved in any mode with N ranks loads with M ranks. An async save
+is committed only after every rank's write finished and was finalized: `poll()` (every
+step, on every rank) commits it as soon as all ranks agree, and the next `save()` or
+`drain()` waits for it. Every save records how long the loop was blocked and how long the
+background write took.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from trainer import checkpoint
+from trainer.config import CHECKPOINT_MODES
+
+log = logging.getLogger(__name__)
+
+MODES = CHECKPOINT_MODES
+
+
+@dataclass(slots=True)
+class SaveRecord:
+    step: int
+    mode: str
+    blocked_s: float
+    """Time the training loop waited: for the previous save, building (and on CPU
+    snapshotting) the state dict, planning, copying, queueing."""
+    write_s: float | None = None
+    """From queueing to commit (background write + finalize); the blocked time for sync."""
+    bytes_total: int | None = None
+    path: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class _Pending:
+    record: SaveRecord
+    staging: Path
+    final: Path
+    meta: dict[str, Any]
+    queued_at: float
+    future: Any = None
+
+
+class Checkpointer:
+    """Collective object: every rank creates it, and calls save/poll/drain at the same steps."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        mode: str,
+        keep_last: int,
+        keep_every: int = 0,
+        on_commit: Callable[[SaveRecord], None] | None = None,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"checkpoint mode {mode!r} is not one of {', '.join(MODES)}")
+        self.root = Path(root)
+        self.mode = mode
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.on_commit = on_commit
+        self.records: list[SaveRecord] = []
+        self._pending: _Pending | None = None
+        self._calls: Any = None
+        self._group: Any = None
+
+    def start(self) -> None:
+        """Collective: create what the mode needs up front, so the first save is not slower."""
+        if self.mode == "torch-async":
+            # A group of its own: the writer thread's collectives must not interleave with
+            # the training loop's on the default group.
+            self._group = dist.new_group(backend="gloo")
+        elif self.mode == "async":
+            from trainer import nvrx_compat
+
+            self._calls = nvrx_compat.new_calls_queue()
+            with _children_ignore_sigterm():
+                nvrx_compat.warm_up(self._calls, self.root / ".warm-up")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        meta: dict[str, Any],
+        rank_extra: dict[str, Any],
+    ) -> SaveRecord | None:
+        """Collective. Sync: returns once committed. Async modes: returns once queued."""
+        if not self.enabled:
+            return None
+        started = time.perf_counter()
+        self.drain()
+        staging, final = checkpoint.prepare_staging(self.root, step, rank_extra)
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        record = SaveRecord(step=step, mode=self.mode, blocked_s=0.0, path=str(final))
+        pending = _Pending(record, staging, final, meta, queued_at=started)
+        if self.mode == "sync":
+            dcp.save(state, checkpoint_id=str(staging))
+            self._commit(pending)
+        elif self.mode == "torch-async":
+            pending.future = dcp.async_save(state, checkpoint_id=str(staging), process_group=self._group)
+            pending.queued_at = time.perf_counter()
+            self._pending = pending
+        else:
+            self._queue_nvrx(state, pending)
+        if self.mode != "sync":
+            record.blocked_s = time.perf_counter() - started
+        self.records.append(record)
+        return record
+
+    def _queue_nvrx(self, state: dict[str, Any], pending: _Pending) -> None:
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import (
+            save_state_dict_async_finalize,
+            save_state_dict_async_plan,
+        )
+
+        from trainer import nvrx_compat
+
+        writer = FileSystemWriterAsync(str(pending.staging))
+        writer, metadata, dist_wrapper = save_state_dict_async_plan(
+            nvrx_compat.snapshot_state_dict(state), writer
+        )
+        save_fn, preload_fn, save_args = writer.get_save_function_and_args()
+        request = nvrx_compat.CpuSafeAsyncRequest(
+            save_fn,
+            save_args,
+            [
+                partial(save_state_dict_async_finalize, writer, metadata, dist_wrapper),
+                partial(self._commit, pending),
+            ],
+            preload_fn=nvrx_compat.preload_fn_for_device(preload_fn),
+        )
+        self._pending = pending
+        self._calls.schedule_async_request(request)
+        pending.queued_at = time.perf_counter()
+
+    def poll(self) -> None:
+        """Collective, cheap: commit the pending save if every rank's write has finished."""
+        if self._pending is None:
+            return
+        if self.mode == "async":
+            self._calls.maybe_finalize_async_calls(blocking=False)  # commits via finalize fns
+            return
+        not_done = torch.tensor([0 if self._pending.future.done() else 1], dtype=torch.int)
+        dist.all_reduce(not_done)
+        if not_done.item() == 0:
+            self._finish_torch_async()
+
+    def drain(self) -> None:
+        """Collective: wait for the pending save and commit it."""
+        if self._pending is None:
+            return
+        if self.mode == "async":
+            self._calls.maybe_finalize_async_calls(blocking=True)
+        else:
+            self._finish_torch_async()
+
+    def _finish_torch_async(self) -> None:
+        pending = self._pending
+        assert pending is not None
+        pending.future.result()  # re-raises a failed background write
+        self._commit(pending)
+
+    def _commit(self, pending: _Pending) -> None:
+        pending.record.bytes_total = checkpoint.commit(
+            pending.staging, pending.final, pending.record.step, pending.meta
+        )
+        pending.record.write_s = time.perf_counter() - pending.queued_at
+        if self.mode == "sync":  # the loop waited for all of it
+            pending.record.blocked_s = pending.record.write_s
+        self._pending = None
+        if dist.get_rank() == 0:
+            checkpoint.apply_retention(self.root, self.keep_last, self.keep_every)
+        if self.on_commit:
+            self.on_commit(pending.record)
+
+    def close(self) -> None:
+        """Collective: drain, then stop the writer process (safe to call twice)."""
+        self.drain()
+        if self._calls is not None:
+            self._calls.close()
+            self._calls = None
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+            self._group = None
+
+    def abandon(self) -> None:
+        """Not collective: drop pending work without finalizing (its process group is gone,
+        e.g. before an in-process restart). The staging folder is never committed."""
+        self._pending = None
+        if self._calls is not None:
+            self._calls.async_calls.clear()
+            if self._calls.persistent_caller is not None:
+                process = self._calls.persistent_caller.process
+                if process is not None and process.is_alive():
+                    process.terminate()
+                self._calls.persistent_caller.process = None
+            self._calls = None
+        self._group = None
+
+
+@contextlib.contextmanager
+def _children_ignore_sigterm() -> Iterator[None]:
+    """Processes started inside inherit an ignored SIGTERM.
+
+    The NVRx writer and its Manager live in the rank's process group, and launchers stop a
+    rank by signalling the whole group (torchrun: killpg SIGTERM). They must outlive that
+    signal so the rank can finish its final save; they end when the rank closes them.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def efficiency_pct(blocked_s_total: float, wall_s: float) -> float:
+    """AWS's definition: 100 - 100 * (time the loop was blocked by checkpointing) / wall time."""
+    if wall_s <= 0:
+        return 100.0
+    return 100.0 - 100.0 * blocked_s_total / wall_s

@@ -1,0 +1,115 @@
+"""What NVRx 0.4.1's asynchronous checkpointing needs on a CPU build of torch; no-ops on CUDA.
+
+NVRx 0.4.1 assumes CUDA in four places. Each adjustment lives here, with its reason, so
+the checkpointer itself reads the same on CPU and GPU:
+
+1. Collectives on CUDA tensors. `AsyncCaller.sync_all_async_calls` and
+   `AsyncRequest.execute_finalize_fns` build their all-reduce tensor on
+   `torch.cuda.current_device()`, which raises on a CPU build. gloo reduces CPU tensors
+   fine, so the subclasses below build them on the CPU. (`no_dist=True` would also avoid
+   the error but drops the cross-rank agreement that every rank finished the same save.)
+2. The preload step. The writer's `preload_fn` calls `torch.cuda.synchronize()` inside
+   the persistent worker; on CPU that kills the worker and the trainer then waits forever.
+   There is nothing to copy off a device on CPU, so no preload function is passed.
+3. Torn checkpoints. On CUDA the device-to-host copy is the snapshot. CPU tensors are
+   handed to the worker in place (moved to shared memory) and written while the optimizer
+   keeps changing them, so a saved step would mix weights from later steps. On CPU the
+   state dict is cloned before the request is queued.
+4. Warm-up. 0.4.1 has no warm-up API: the first save pays for spawning the worker and the
+   write-results Manager (1.6-2.3 s measured), and the first real write for the worker's
+   first fork of writer processes. `warm_up` writes a one-tensor DCP checkpoint into a
+   scratch folder at start-up (all ranks, like a real save), then deletes it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from nvidia_resiliency_ext.checkpointing.async_ckpt import core, filesystem_async
+from torch.utils._pytree import tree_map
+
+
+def needs_cpu_adjustments() -> bool:
+    return not torch.cuda.is_available()
+
+
+class CpuSafeAsyncRequest(core.AsyncRequest):
+    """(1) `execute_finalize_fns` with the call-index agreement reduced on a CPU tensor."""
+
+    def execute_finalize_fns(self, validate_matching_call_idx: bool = True) -> int:
+        if not needs_cpu_adjustments():
+            return super().execute_finalize_fns(validate_matching_call_idx)
+        for finalize_fn in self.finalize_fns:
+            finalize_fn()
+        if validate_matching_call_idx:
+            agreed = torch.tensor([self.call_idx], dtype=torch.int)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            if agreed.item() != self.call_idx:
+                raise RuntimeError(
+                    f"ranks finalized different checkpoint requests ({agreed.item()} vs {self.call_idx}): "
+                    "every rank must save at the same steps"
+                )
+        return self.call_idx
+
+
+class CpuSafePersistentAsyncCaller(core.PersistentAsyncCaller):
+    """(1) `sync_all_async_calls` with the is-alive reduction on a CPU tensor."""
+
+    def sync_all_async_calls(self, is_alive: int) -> bool:
+        if not needs_cpu_adjustments():
+            return super().sync_all_async_calls(is_alive)
+        alive = torch.tensor([int(is_alive)], dtype=torch.int)
+        dist.all_reduce(alive)
+        return bool(alive.item() == 0)
+
+
+def new_calls_queue() -> core.AsyncCallsQueue:
+    """A persistent-worker queue whose caller is safe on CPU (and unchanged on CUDA)."""
+    calls = core.AsyncCallsQueue(persistent=True)
+    calls.persistent_caller = CpuSafePersistentAsyncCaller()
+    return calls
+
+
+def preload_fn_for_device(preload_fn: Any) -> Any:
+    """(2) Keep NVRx's device-to-host preload on CUDA; none on CPU."""
+    return None if needs_cpu_adjustments() else preload_fn
+
+
+def snapshot_state_dict(state: dict[str, Any]) -> dict[str, Any]:
+    """(3) On CPU, clone every tensor (DTensors stay DTensors) so training can go on."""
+    if not needs_cpu_adjustments():
+        return state
+    return tree_map(lambda value: value.detach().clone() if isinstance(value, torch.Tensor) else value, state)
+
+
+def warm_up(calls: core.AsyncCallsQueue, scratch_dir: Path) -> None:
+    """(4) Collective: run one tiny save end to end so the first real save costs what the
+    others do. `scratch_dir` must be the same path on every rank; it is removed after."""
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import (
+        save_state_dict_async_finalize,
+        save_state_dict_async_plan,
+    )
+
+    if dist.get_rank() == 0:
+        shutil.rmtree(scratch_dir, ignore_errors=True)
+        scratch_dir.mkdir(parents=True)
+    dist.barrier()
+    writer = filesystem_async.FileSystemWriterAsync(str(scratch_dir))
+    # A key per rank: DCP writes a replicated tensor from one rank only, and a rank with
+    # nothing to write would not start its worker.
+    tiny_state = {f"warm_up_rank_{dist.get_rank()}": torch.zeros(1)}
+    writer, metadata, dist_wrapper = save_state_dict_async_plan(tiny_state, writer)
+    save_fn, preload_fn, save_args = writer.get_save_function_and_args()
+    finalize = partial(save_state_dict_async_finalize, writer, metadata, dist_wrapper)
+    calls.schedule_async_request(
+        CpuSafeAsyncRequest(save_fn, save_args, [finalize], preload_fn=preload_fn_for_device(preload_fn))
+    )
+    calls.maybe_finalize_async_calls(blocking=True)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(scratch_dir, ignore_errors=True)
