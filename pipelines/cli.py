@@ -44,6 +44,12 @@ def _add_local(sub: argparse._SubParsersAction) -> None:
         default=defaults.checkpoint_every,
         help="checkpoint every N steps (default: %(default)s)",
     )
+    p.add_argument(
+        "--checkpoint-mode",
+        default=defaults.checkpoint_mode,
+        choices=["off", "sync", "torch-async", "async"],
+        help="how checkpoints are written: async (NVRx) overlaps the write with training (default: %(default)s)",
+    )
     p.add_argument("--seed", type=int, default=defaults.seed, help="random seed (default: %(default)s)")
     p.add_argument("--preset", default=defaults.preset, help="model preset (default: %(default)s)")
     p.add_argument(
@@ -86,6 +92,7 @@ def _cmd_local(args: argparse.Namespace) -> int:
         steps=args.steps,
         nproc=args.nproc,
         checkpoint_every=args.checkpoint_every,
+        checkpoint_mode=args.checkpoint_mode,
         seed=args.seed,
         preset=args.preset,
         overrides=args.overrides,
@@ -96,24 +103,25 @@ def _cmd_local(args: argparse.Namespace) -> int:
         max_loss=args.max_loss,
         run_name=args.run_name,
     )
-    _check_training_options(
-        options.steps, options.nproc, options.checkpoint_every, options.preset, options.overrides
-    )
+    _check_training_options(options)
     summary = run_local(options)
     print(format_summary(summary, args.workdir))
     return 0
 
 
-def _check_training_options(
-    steps: int, nproc: int, checkpoint_every: int, preset: str, overrides: str
-) -> None:
+def _check_training_options(options: LocalOptions) -> None:
     from trainer.config import build_config, parse_overrides
 
-    if nproc < 1:
-        raise UserError(f"--nproc must be at least 1, got {nproc}")
+    if options.nproc < 1:
+        raise UserError(f"--nproc must be at least 1, got {options.nproc}")
     build_config(
-        preset,
-        [*parse_overrides(overrides), f"run.steps={steps}", f"checkpoint.every_steps={checkpoint_every}"],
+        options.preset,
+        [
+            *parse_overrides(options.overrides),
+            f"run.steps={options.steps}",
+            f"checkpoint.every_steps={options.checkpoint_every}",
+            f"checkpoint.mode={options.checkpoint_mode}",
+        ],
     )
 
 
@@ -168,6 +176,7 @@ def _cmd_train_local(args: argparse.Namespace) -> int:
         workdir=args.workdir,
         steps=config.run.steps,
         checkpoint_every=config.checkpoint.every_steps,
+        checkpoint_mode=config.checkpoint.mode,
         seed=config.run.seed,
         preset=args.preset,
         checkpoint_dir=args.checkpoint_dir,
@@ -271,6 +280,25 @@ def _cmd_register(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from benchmarks import checkpoint as bench_checkpoint
+
+    p = sub.add_parser(
+        "bench",
+        help="side-by-side benchmarks (JSON + table)",
+        description="Benchmarks that compare alternatives in one run and print JSON and a table.",
+    )
+    kinds = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    ckpt = kinds.add_parser(
+        "checkpoint",
+        help="the same training under every checkpoint mode",
+        description=bench_checkpoint.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench_checkpoint.add_arguments(ckpt)
+    ckpt.set_defaults(handler=bench_checkpoint.main)
+
+
 class UserError(Exception):
     """Bad input from the command line."""
 
@@ -285,7 +313,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for add in (_add_local, _add_compile, _add_train_local, _add_stage, _add_validate, _add_register):
+    for add in (
+        _add_local,
+        _add_compile,
+        _add_train_local,
+        _add_stage,
+        _add_validate,
+        _add_register,
+        _add_bench,
+    ):
         add(sub)
     return parser
 

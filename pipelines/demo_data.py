@@ -49,3 +49,26 @@ def upload_demo_corpus(
     for name, path in files:
         client.put_object(Bucket=bucket, Key=f"{prefix}{name}", Body=path.read_bytes())  # type: ignore[attr-defined]
     return len(files)
+
+
+def write_local_dataset(folder: Path, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> Path:
+    """The demo corpus as a dataset snapshot folder (the stage step's format), no S3 needed."""
+    import hashlib
+    import json
+
+    files = []
+    for name, source in demo_corpus(budget_bytes):
+        data = source.read_bytes()
+        target = folder / "files" / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+        files.append(
+            {
+                "key": f"corpus/{name}",
+                "size": len(data),
+                "etag": hashlib.md5(data).hexdigest(),
+                "path": f"files/{name}",
+            }
+        )
+    (folder / "manifest.json").write_text(json.dumps({"snapshot_id": "local-demo", "files": files}))
+    return folder

@@ -36,6 +36,7 @@ class LocalOptions:
     steps: int = 40
     nproc: int = 2
     checkpoint_every: int = 10
+    checkpoint_mode: str = "async"
     seed: int = 1234
     preset: str = "tiny-cpu"
     overrides: str = ""
@@ -132,6 +133,7 @@ def run_local(options: LocalOptions) -> dict[str, Any]:
                 steps=options.steps,
                 nproc=options.nproc,
                 checkpoint_every=options.checkpoint_every,
+                checkpoint_mode=options.checkpoint_mode,
                 seed=options.seed,
                 preset=options.preset,
                 overrides=options.overrides,

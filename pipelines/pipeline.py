@@ -42,6 +42,7 @@ def build_pipeline(image: str = DEFAULT_IMAGE) -> Any:
         steps: int = 40,
         nproc: int = 2,
         checkpoint_every: int = 10,
+        checkpoint_mode: str = "async",
         seed: int = 1234,
         preset: str = "tiny-cpu",
         overrides: str = "",
@@ -59,6 +60,7 @@ def build_pipeline(image: str = DEFAULT_IMAGE) -> Any:
             steps: Total training steps.
             nproc: Training processes in the train pod (GPUs per node, or CPU processes).
             checkpoint_every: Save a checkpoint every N steps.
+            checkpoint_mode: How checkpoints are written: async (NVRx, overlaps the write with training), torch-async, sync, or off.
             seed: Random seed for weights and data order.
             preset: Model size preset: tiny-cpu, small-cpu or gpu-125m.
             overrides: Extra trainer config as 'section.field=value' items separated by spaces, e.g. 'optimizer.lr=1e-3'.
@@ -82,6 +84,7 @@ def build_pipeline(image: str = DEFAULT_IMAGE) -> Any:
             steps=steps,
             nproc=nproc,
             checkpoint_every=checkpoint_every,
+            checkpoint_mode=checkpoint_mode,
             seed=seed,
             preset=preset,
             overrides=overrides,

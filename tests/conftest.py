@@ -3,8 +3,6 @@ MLflow server on loopback, and the path of ../shared/specs (skipped when absent)
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import signal
 import subprocess
@@ -16,36 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.demo_data import demo_corpus
+from pipelines.demo_data import write_local_dataset
 from pipelines.services import free_port
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 SHARED_SPECS = PROJECT_ROOT.parent / "shared" / "specs"
 
 
-def write_dataset(folder: Path, budget_bytes: int = 300_000) -> Path:
-    """A dataset snapshot in the stage step's format, made from stdlib sources."""
-    files = []
-    for name, source in demo_corpus(budget_bytes):
-        data = source.read_bytes()
-        target = folder / "files" / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
-        files.append(
-            {
-                "key": f"corpus/{name}",
-                "size": len(data),
-                "etag": hashlib.md5(data).hexdigest(),
-                "path": f"files/{name}",
-            }
-        )
-    (folder / "manifest.json").write_text(json.dumps({"snapshot_id": "test", "files": files}))
-    return folder
-
-
 @pytest.fixture(scope="session")
 def dataset_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_dataset(tmp_path_factory.mktemp("dataset"))
+    return write_local_dataset(tmp_path_factory.mktemp("dataset"), budget_bytes=300_000)
 
 
 @pytest.fixture(scope="session")

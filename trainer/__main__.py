@@ -13,7 +13,7 @@ import logging
 import signal
 import sys
 
-from trainer.config import PRESETS, ConfigError, TrainConfig, build_config
+from trainer.config import CHECKPOINT_MODES, PRESETS, ConfigError, TrainConfig, build_config
 
 
 def die_with_parent() -> None:
@@ -56,6 +56,11 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
         "--checkpoint-every", type=int, help="save a checkpoint every N steps (config checkpoint.every_steps)"
     )
     parser.add_argument(
+        "--checkpoint-mode",
+        choices=CHECKPOINT_MODES,
+        help="off | sync | torch-async | async (NVRx, the default) (config checkpoint.mode)",
+    )
+    parser.add_argument(
         "--checkpoint-dir", help="where step_<N>/ checkpoints go (default: <workdir>/checkpoints)"
     )
     parser.add_argument("--seed", type=int, help="random seed (config run.seed)")
@@ -78,6 +83,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     named = {
         "run.steps": args.steps,
         "checkpoint.every_steps": args.checkpoint_every,
+        "checkpoint.mode": args.checkpoint_mode,
         "checkpoint.dir": args.checkpoint_dir,
         "run.seed": args.seed,
         "run.stop_after_steps": args.stop_after,

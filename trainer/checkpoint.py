@@ -134,13 +134,37 @@ def _write_durable(path: Path, data: bytes) -> None:
         os.fsync(handle.fileno())
 
 
+HASH_SIDECAR = ".sha256"
+
+
+def write_hash_sidecars(staging: str | Path, rank: int) -> None:
+    """Hash this rank's DCP shards into `<file>.sha256` files, off the training loop.
+
+    Run by the background writer right after it wrote the shards, so the commit on rank 0
+    does not re-read hundreds of MB on the training thread.
+    """
+    for shard in Path(staging).glob(f"__{rank}_*.distcp"):
+        shard.with_name(shard.name + HASH_SIDECAR).write_text(sha256_file(shard))
+
+
 def _build_manifest(folder: Path) -> dict[str, Any]:
+    """Sizes and SHA-256 of every file; a shard's hash comes from its sidecar when present
+    (the sidecars are then removed: they are not part of the checkpoint)."""
     files = []
+    sidecars = []
     for file_path in sorted(p for p in folder.rglob("*") if p.is_file()):
         relative = file_path.relative_to(folder).as_posix()
-        if relative in (MANIFEST, COMMIT_MARKER):
+        if relative in (MANIFEST, COMMIT_MARKER) or relative.endswith(HASH_SIDECAR):
             continue
-        files.append({"path": relative, "size": file_path.stat().st_size, "sha256": sha256_file(file_path)})
+        sidecar = file_path.with_name(file_path.name + HASH_SIDECAR)
+        if sidecar.is_file():
+            digest = sidecar.read_text().strip()
+            sidecars.append(sidecar)
+        else:
+            digest = sha256_file(file_path)
+        files.append({"path": relative, "size": file_path.stat().st_size, "sha256": digest})
+    for sidecar in sidecars:
+        sidecar.unlink()
     return {"version": 1, "files": files}
 
 

@@ -23,6 +23,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -49,6 +50,11 @@ class SaveRecord:
     blocked_s: float
     """Time the training loop waited: for the previous save, building (and on CPU
     snapshotting) the state dict, planning, copying, queueing."""
+    queue_s: float = 0.0
+    """The part of `blocked_s` spent inside save(): previous save, state dict, copy, queue."""
+    finalize_s: float = 0.0
+    """The part of `blocked_s` spent in later steps agreeing that the write finished,
+    finalizing and committing it."""
     write_s: float | None = None
     """From queueing to commit (background write + finalize); the blocked time for sync."""
     bytes_total: int | None = None
@@ -90,6 +96,9 @@ class Checkpointer:
         self._pending: _Pending | None = None
         self._calls: Any = None
         self._group: Any = None
+        self._snapshots: Any = None
+        self._hasher: ThreadPoolExecutor | None = None
+        self._retention: threading.Thread | None = None
 
     def start(self) -> None:
         """Collective: create what the mode needs up front, so the first save is not slower."""
@@ -97,10 +106,12 @@ class Checkpointer:
             # A group of its own: the writer thread's collectives must not interleave with
             # the training loop's on the default group.
             self._group = dist.new_group(backend="gloo")
+            self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rtp-ckpt-hash")
         elif self.mode == "async":
             from trainer import nvrx_compat
 
             self._calls = nvrx_compat.new_calls_queue()
+            self._snapshots = nvrx_compat.SnapshotBuffers()
             with _children_ignore_sigterm():
                 nvrx_compat.warm_up(self._calls, self.root / ".warm-up")
 
@@ -130,13 +141,15 @@ class Checkpointer:
             dcp.save(state, checkpoint_id=str(staging))
             self._commit(pending)
         elif self.mode == "torch-async":
-            pending.future = dcp.async_save(state, checkpoint_id=str(staging), process_group=self._group)
+            assert self._hasher is not None, "Checkpointer.start() was not called"
+            write = dcp.async_save(state, checkpoint_id=str(staging), process_group=self._group)
+            pending.future = self._hasher.submit(_wait_then_hash, write, str(staging), dist.get_rank())
             pending.queued_at = time.perf_counter()
             self._pending = pending
         else:
             self._queue_nvrx(state, pending)
         if self.mode != "sync":
-            record.blocked_s = time.perf_counter() - started
+            record.queue_s = record.blocked_s = time.perf_counter() - started
         self.records.append(record)
         return record
 
@@ -150,12 +163,10 @@ class Checkpointer:
         from trainer import nvrx_compat
 
         writer = FileSystemWriterAsync(str(pending.staging))
-        writer, metadata, dist_wrapper = save_state_dict_async_plan(
-            nvrx_compat.snapshot_state_dict(state), writer
-        )
+        writer, metadata, dist_wrapper = save_state_dict_async_plan(self._snapshots.snapshot(state), writer)
         save_fn, preload_fn, save_args = writer.get_save_function_and_args()
         request = nvrx_compat.CpuSafeAsyncRequest(
-            save_fn,
+            partial(_write_then_hash, save_fn, str(pending.staging), dist.get_rank()),
             save_args,
             [
                 partial(save_state_dict_async_finalize, writer, metadata, dist_wrapper),
@@ -168,16 +179,25 @@ class Checkpointer:
         pending.queued_at = time.perf_counter()
 
     def poll(self) -> None:
-        """Collective, cheap: commit the pending save if every rank's write has finished."""
-        if self._pending is None:
+        """Collective, cheap: commit the pending save if every rank's write has finished.
+
+        Its time (the agreement all-reduce, finalize, commit) blocks the loop, so it is
+        added to the pending save's `blocked_s`.
+        """
+        pending = self._pending
+        if pending is None:
             return
+        started = time.perf_counter()
         if self.mode == "async":
             self._calls.maybe_finalize_async_calls(blocking=False)  # commits via finalize fns
-            return
-        not_done = torch.tensor([0 if self._pending.future.done() else 1], dtype=torch.int)
-        dist.all_reduce(not_done)
-        if not_done.item() == 0:
-            self._finish_torch_async()
+        else:
+            not_done = torch.tensor([0 if pending.future.done() else 1], dtype=torch.int)
+            dist.all_reduce(not_done)
+            if not_done.item() == 0:
+                self._finish_torch_async()
+        elapsed = time.perf_counter() - started
+        pending.record.finalize_s += elapsed
+        pending.record.blocked_s += elapsed
 
     def drain(self) -> None:
         """Collective: wait for the pending save and commit it."""
@@ -203,19 +223,32 @@ class Checkpointer:
             pending.record.blocked_s = pending.record.write_s
         self._pending = None
         if dist.get_rank() == 0:
-            checkpoint.apply_retention(self.root, self.keep_last, self.keep_every)
+            # Deleting hundreds of MB is slow on some file systems; it need not block a step.
+            if self._retention is not None:
+                self._retention.join()
+            self._retention = threading.Thread(
+                target=checkpoint.apply_retention,
+                args=(self.root, self.keep_last, self.keep_every),
+                name="rtp-ckpt-retention",
+            )
+            self._retention.start()
         if self.on_commit:
             self.on_commit(pending.record)
 
     def close(self) -> None:
         """Collective: drain, then stop the writer process (safe to call twice)."""
         self.drain()
+        if self._retention is not None:
+            self._retention.join()
         if self._calls is not None:
             self._calls.close()
             self._calls = None
         if self._group is not None:
             dist.destroy_process_group(self._group)
             self._group = None
+        if self._hasher is not None:
+            self._hasher.shutdown()
+            self._hasher = None
 
     def abandon(self) -> None:
         """Not collective: drop pending work without finalizing (its process group is gone,
@@ -230,6 +263,18 @@ class Checkpointer:
                 self._calls.persistent_caller.process = None
             self._calls = None
         self._group = None
+
+
+def _write_then_hash(save_fn: Callable[..., None], staging: str, rank: int, *args: Any) -> None:
+    """The NVRx writer's job plus the shard hashes (runs in the background worker)."""
+    save_fn(*args)
+    checkpoint.write_hash_sidecars(staging, rank)
+
+
+def _wait_then_hash(write: Any, staging: str, rank: int) -> None:
+    """torch-async's write plus the shard hashes (runs in a background thread)."""
+    write.result()
+    checkpoint.write_hash_sidecars(staging, rank)
 
 
 @contextlib.contextmanager

@@ -125,6 +125,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         "model": {"d_model": 128, "n_layers": 4, "n_heads": 4, "seq_len": 128},
         "data": {"batch_size": 8},
     },
+    "bench-cpu": {
+        "model": {"d_model": 512, "n_layers": 5, "n_heads": 8, "seq_len": 64},
+        "data": {"batch_size": 4},
+    },
     "gpu-125m": {
         "model": {"d_model": 768, "n_layers": 12, "n_heads": 12, "seq_len": 1024},
         "data": {"batch_size": 16},
@@ -132,7 +136,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "checkpoint": {"every_steps": 500},
     },
 }
-"""Named starting points. tiny-cpu trains in seconds on 2 cores (demo and tests)."""
+"""Named starting points. tiny-cpu trains in seconds on 2 cores (demo and tests); bench-cpu
+holds ~190 MB of checkpoint state (16M parameters + AdamW) for `rtp bench checkpoint`."""
 
 
 def _set(config: TrainConfig, dotted_key: str, value: Any) -> None:

@@ -48,6 +48,7 @@ def trainer_arguments(
     checkpoint_every: int,
     seed: int,
     preset: str = "tiny-cpu",
+    checkpoint_mode: str | None = None,
     checkpoint_dir: str | None = None,
     stop_after: int | None = None,
     overrides: list[str] | None = None,
@@ -60,6 +61,8 @@ def trainer_arguments(
         f"--checkpoint-every={checkpoint_every}",
         f"--seed={seed}",
     ]
+    if checkpoint_mode:
+        args.append(f"--checkpoint-mode={checkpoint_mode}")
     if checkpoint_dir:
         args.append(f"--checkpoint-dir={checkpoint_dir}")
     if stop_after:

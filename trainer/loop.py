@@ -204,6 +204,10 @@ def train(config: TrainConfig) -> dict[str, Any]:
         drain_start = time.perf_counter()
         checkpointer.close()
         final_drain_s = time.perf_counter() - drain_start
+    except BaseException:
+        # The pending save never commits; its writer process must not keep this one alive.
+        checkpointer.abandon()
+        raise
     finally:
         stop.restore()
 

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from nvidia_resiliency_ext.checkpointing.async_ckpt import core, filesystem_async
-from torch.utils._pytree import tree_map
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves, tree_map
 
 
 def needs_cpu_adjustments() -> bool:
@@ -80,11 +81,46 @@ def preload_fn_for_device(preload_fn: Any) -> Any:
     return None if needs_cpu_adjustments() else preload_fn
 
 
-def snapshot_state_dict(state: dict[str, Any]) -> dict[str, Any]:
-    """(3) On CPU, clone every tensor (DTensors stay DTensors) so training can go on."""
-    if not needs_cpu_adjustments():
-        return state
-    return tree_map(lambda value: value.detach().clone() if isinstance(value, torch.Tensor) else value, state)
+class SnapshotBuffers:
+    """(3) On CPU, copy the state dict into shared-memory buffers that are reused per save.
+
+    The copy is the snapshot that keeps training from tearing the checkpoint. Allocating
+    the buffers once, in shared memory, makes each save a plain memcpy: a fresh clone
+    would be copied again into shared memory when the request is pickled for the worker.
+    Reuse is safe because a save always waits for the previous one to be finalized.
+    DTensors stay DTensors (their local shards are the shared buffers). On CUDA this
+    returns the state dict unchanged: NVRx's preload does the device-to-host copy.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, Any] | None = None
+        self._layout: list[tuple[torch.Size, torch.dtype]] | None = None
+
+    def snapshot(self, state: dict[str, Any]) -> dict[str, Any]:
+        if not needs_cpu_adjustments():
+            return state
+        layout = [(t.shape, t.dtype) for t in _tensors(state)]
+        if self._buffers is None or layout != self._layout:
+            self._buffers = tree_map(_clone_into_shared_memory, state)
+            self._layout = layout
+            return self._buffers
+        for source, target in zip(_tensors(state), _tensors(self._buffers), strict=True):
+            with torch.no_grad():
+                target.copy_(source)
+        return self._buffers
+
+
+def _tensors(state: dict[str, Any]) -> list[torch.Tensor]:
+    return [leaf for leaf in tree_leaves(state) if isinstance(leaf, torch.Tensor)]
+
+
+def _clone_into_shared_memory(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    copy = value.detach().clone()  # a compact storage, also for FSDP2's views into padded buffers
+    local = copy.to_local() if isinstance(copy, DTensor) else copy
+    local.share_memory_()
+    return copy
 
 
 def warm_up(calls: core.AsyncCallsQueue, scratch_dir: Path) -> None:

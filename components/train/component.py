@@ -11,6 +11,7 @@ def train_model(
     steps: int,
     nproc: int,
     checkpoint_every: int,
+    checkpoint_mode: str,
     seed: int,
     preset: str,
     overrides: str,
@@ -27,6 +28,7 @@ def train_model(
         steps: total optimizer steps.
         nproc: training processes in this pod (GPUs, or CPU processes).
         checkpoint_every: save a checkpoint every N steps.
+        checkpoint_mode: async (NVRx), torch-async, sync or off.
         seed: random seed.
         preset: model/optimizer preset (tiny-cpu, small-cpu, gpu-125m).
         overrides: extra config as 'section.field=value' items separated by spaces.
@@ -47,6 +49,7 @@ def train_model(
         steps=steps,
         nproc=nproc,
         checkpoint_every=checkpoint_every,
+        checkpoint_mode=checkpoint_mode,
         seed=seed,
         preset=preset,
         overrides=overrides,

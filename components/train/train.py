@@ -21,6 +21,7 @@ def train_in_pod(
     steps: int,
     nproc: int,
     checkpoint_every: int,
+    checkpoint_mode: str = "async",
     seed: int,
     preset: str,
     overrides: str = "",
@@ -34,6 +35,7 @@ def train_in_pod(
         workdir=workdir,
         steps=steps,
         checkpoint_every=checkpoint_every,
+        checkpoint_mode=checkpoint_mode,
         seed=seed,
         preset=preset,
         checkpoint_dir=str(Path(run_folder) / "checkpoints"),
@@ -41,7 +43,13 @@ def train_in_pod(
     )
     # Validate here so a bad override fails in one line before any rank starts.
     config = build_config(
-        preset, [*override_items, f"run.steps={steps}", f"checkpoint.every_steps={checkpoint_every}"]
+        preset,
+        [
+            *override_items,
+            f"run.steps={steps}",
+            f"checkpoint.every_steps={checkpoint_every}",
+            f"checkpoint.mode={checkpoint_mode}",
+        ],
     )
     summary = run_local_training(nproc, args, workdir, echo=echo)
     return {

@@ -11,15 +11,25 @@ SUBCOMMANDS = {
         "--steps",
         "--nproc",
         "--checkpoint-every",
+        "--checkpoint-mode",
         "--source",
         "--s3-endpoint-url",
         "--mlflow-uri",
     ],
     "compile": ["--output", "--image"],
-    "train-local": ["--nproc", "--steps", "--checkpoint-every", "--seed", "--workdir", "--dataset-dir"],
+    "train-local": [
+        "--nproc",
+        "--steps",
+        "--checkpoint-every",
+        "--checkpoint-mode",
+        "--seed",
+        "--workdir",
+        "--dataset-dir",
+    ],
     "stage": ["--source", "--fsx-mount-path"],
     "validate": ["--checkpoint", "--dataset-dir", "--max-loss"],
     "register": ["--checkpoint", "--model-name", "--alias"],
+    "bench": ["checkpoint"],
 }
 
 

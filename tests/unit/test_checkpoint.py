@@ -107,6 +107,30 @@ def test_retention_keeps_the_newest(tmp_path):
     assert (tmp_path / "step_4").is_dir()
 
 
+def test_retention_also_keeps_every_mth_step(tmp_path):
+    model, optimizer = _trained_model()
+    for step in range(1, 9):
+        _save(tmp_path, step, model, optimizer)
+    apply_retention(tmp_path, keep_last=2, keep_every=3)
+    assert sorted(int(p.name.split("_")[1]) for p in tmp_path.iterdir()) == [3, 6, 7, 8]
+
+
+def test_manifest_takes_shard_hashes_from_sidecars_and_drops_them(tmp_path):
+    model, optimizer = _trained_model()
+    staging, final = checkpoint.prepare_staging(tmp_path, 1, {})
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(staging))
+    checkpoint.write_hash_sidecars(staging, rank=0)
+    shard = next(staging.glob("*.distcp"))
+    assert (staging / (shard.name + ".sha256")).read_text() == checkpoint.sha256_file(shard)
+    checkpoint.commit(staging, final, 1, {})
+    assert not list(final.glob("*.sha256"))
+    verify_checkpoint(final, verify_hashes=True)  # the sidecar hash was the real one
+
+
 def test_load_model_weights_into_a_plain_module(tmp_path):
     model, optimizer = _trained_model()
     _save(tmp_path, 1, model, optimizer)

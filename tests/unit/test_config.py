@@ -29,6 +29,8 @@ def test_overrides_set_typed_values():
         ("model.n_heads=5", "divisible"),
         ("run.steps=0", "at least 1"),
         ("optimizer.lr", "not key=value"),
+        ("checkpoint.mode=fast", "torch-async"),
+        ("checkpoint.keep_every_steps=-1", "keep_every_steps"),
     ],
 )
 def test_bad_overrides_name_the_problem(override, message):

@@ -1,0 +1,140 @@
+"""`rtp bench checkpoint`: the same training run under every checkpoint mode, side by side.
+
+Each mode trains the same model (preset `bench-cpu`: ~16M parameters, ~190 MB of model +
+AdamW state) for the same steps with the same checkpoint interval, through the real
+launcher (N ranks over gloo on CPU, NCCL on GPU). Reported per mode, from the run's own
+summary.json:
+
+- blocked seconds per save (median, max): the time the loop waited for checkpointing;
+- efficiency %: 100 - 100 * sum(blocked) / loop wall time (AWS's definition);
+- wall seconds: loop wall time plus the final drain of a pending save, and its ratio to
+  `off` (efficiency ignores how much a background write slows training; this does not);
+- saves and checkpoint bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from trainer.config import CHECKPOINT_MODES, build_config
+from trainer.launch import run_local_training, trainer_arguments
+
+
+def run_mode(
+    mode: str, dataset_dir: Path, workdir: Path, *, nproc: int, steps: int, every: int, preset: str
+) -> dict[str, Any]:
+    args = trainer_arguments(
+        dataset_dir=str(dataset_dir),
+        workdir=str(workdir),
+        steps=steps,
+        checkpoint_every=every,
+        seed=1,
+        preset=preset,
+        overrides=[f"checkpoint.mode={mode}", "checkpoint.keep_last=2", "run.log_every_steps=1000"],
+    )
+    summary = run_local_training(nproc, args, workdir, echo=False)
+    saves = summary["checkpoint_saves"]
+    blocked = [save["blocked_s"] for save in saves]
+    return {
+        "blocked_s_per_save_median": statistics.median(blocked) if blocked else 0.0,
+        "blocked_s_per_save_max": max(blocked) if blocked else 0.0,
+        "queue_s_per_save_median": statistics.median(s["queue_s"] for s in saves) if saves else 0.0,
+        "finalize_s_per_save_median": statistics.median(s["finalize_s"] for s in saves) if saves else 0.0,
+        "write_s_per_save_median": statistics.median(s["write_s"] for s in saves) if saves else 0.0,
+        "efficiency_pct": summary["efficiency_pct"],
+        "wall_s": summary["loop_wall_s"] + summary["final_drain_s"],
+        "saves": len(blocked),
+        "checkpoint_bytes": summary["checkpoint_saves"][-1]["bytes_total"] if blocked else 0,
+        "final_loss": summary["final_loss"],
+        "model_sha256": summary["model_sha256"],
+    }
+
+
+def run_benchmark(
+    *, modes: list[str], nproc: int, steps: int, every: int, preset: str, workdir: Path | None = None
+) -> dict[str, Any]:
+    from pipelines.demo_data import write_local_dataset
+    from trainer.model import ByteLM
+
+    config = build_config(preset)
+    params = sum(p.numel() for p in ByteLM(config.model).parameters())
+    with tempfile.TemporaryDirectory(prefix="rtp-bench-ckpt-") as tmp:
+        root = workdir or Path(tmp)
+        dataset = write_local_dataset(root / "dataset", budget_bytes=500_000)
+        results = {}
+        for mode in modes:
+            results[mode] = run_mode(
+                mode, dataset, root / mode, nproc=nproc, steps=steps, every=every, preset=preset
+            )
+    if "off" in results:
+        for mode_result in results.values():
+            mode_result["wall_vs_off"] = mode_result["wall_s"] / results["off"]["wall_s"]
+    return {
+        "modes": results,
+        "model_params": params,
+        "interval_steps": every,
+        "steps": steps,
+        "nproc": nproc,
+        "preset": preset,
+    }
+
+
+def format_table(result: dict[str, Any]) -> str:
+    header = (
+        f"{'mode':<12} {'blocked/save med':>16} {'max':>8} {'write/save':>10} {'efficiency':>10} "
+        f"{'wall':>8} {'vs off':>7} {'saves':>5} {'ckpt MB':>8}"
+    )
+    lines = [
+        f"model {result['model_params'] / 1e6:.1f}M params, {result['steps']} steps, save every "
+        f"{result['interval_steps']}, {result['nproc']} ranks",
+        header,
+    ]
+    for mode, r in result["modes"].items():
+        vs_off = f"{r['wall_vs_off']:.2f}x" if "wall_vs_off" in r else "-"
+        lines.append(
+            f"{mode:<12} {r['blocked_s_per_save_median']:>15.3f}s {r['blocked_s_per_save_max']:>7.3f}s "
+            f"{r['write_s_per_save_median']:>9.3f}s {r['efficiency_pct']:>9.1f}% {r['wall_s']:>7.1f}s {vs_off:>7} "
+            f"{r['saves']:>5} {r['checkpoint_bytes'] / 1e6:>8.1f}"
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--modes",
+        default=",".join(CHECKPOINT_MODES),
+        help="comma-separated modes to compare (default: %(default)s)",
+    )
+    parser.add_argument("--nproc", type=int, default=2, help="training ranks (default: %(default)s)")
+    parser.add_argument(
+        "--steps", type=int, default=24, help="training steps per mode (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--every", type=int, default=2, help="checkpoint interval in steps (default: %(default)s)"
+    )
+    parser.add_argument("--preset", default="bench-cpu", help="model preset (default: %(default)s)")
+    parser.add_argument("--json", dest="json_path", help="also write the results as JSON to this file")
+
+
+def main(args: argparse.Namespace) -> int:
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = sorted(set(modes) - set(CHECKPOINT_MODES))
+    if unknown:
+        raise ValueError(
+            f"unknown checkpoint mode(s) {', '.join(unknown)}; choose from {', '.join(CHECKPOINT_MODES)}"
+        )
+    result = run_benchmark(
+        modes=modes, nproc=args.nproc, steps=args.steps, every=args.every, preset=args.preset
+    )
+    document = json.dumps(result, indent=2)
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(document + "\n")
+    print(document)
+    print(format_table(result))
+    return 0
