@@ -110,7 +110,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(CHECKPOINT_MODES),
         help="comma-separated modes to compare (default: %(default)s)",
     )
-    parser.add_argument("--nproc", type=int, default=2, help="training ranks (default: %(default)s)")
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="training ranks (default: %(default)s: on a 2-core machine a second rank leaves no core for the background writer)",
+    )
     parser.add_argument(
         "--steps", type=int, default=24, help="training steps per mode (default: %(default)s)"
     )

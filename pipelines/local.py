@@ -23,6 +23,7 @@ from trainer.events import write_json_atomic
 log = logging.getLogger(__name__)
 
 DEMO_BUCKET = "rtp-demo"
+PIPELINE_STEPS = ("stage", "train", "validate", "register")
 DEMO_PREFIX = "corpus/"
 
 
@@ -81,7 +82,7 @@ def build_summary(
             "alias": register.get("alias"),
             "model_uri": register.get("model_uri"),
         },
-        "elapsed_s": {name: record.get("elapsed_s") for name, record in steps.items()},
+        "elapsed_s": {name: steps[name].get("elapsed_s") for name in PIPELINE_STEPS if name in steps},
         "total_elapsed_s": round(elapsed_s, 3),
     }
 

@@ -97,6 +97,7 @@ class Checkpointer:
         self._calls: Any = None
         self._group: Any = None
         self._snapshots: Any = None
+        self._plan_cache: Any = None
         self._hasher: ThreadPoolExecutor | None = None
         self._retention: threading.Thread | None = None
 
@@ -108,10 +109,15 @@ class Checkpointer:
             self._group = dist.new_group(backend="gloo")
             self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rtp-ckpt-hash")
         elif self.mode == "async":
+            from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import (
+                CheckpointMetadataCache,
+            )
+
             from trainer import nvrx_compat
 
             self._calls = nvrx_compat.new_calls_queue()
             self._snapshots = nvrx_compat.SnapshotBuffers()
+            self._plan_cache = CheckpointMetadataCache()
             with _children_ignore_sigterm():
                 nvrx_compat.warm_up(self._calls, self.root / ".warm-up")
 
@@ -163,7 +169,11 @@ class Checkpointer:
         from trainer import nvrx_compat
 
         writer = FileSystemWriterAsync(str(pending.staging))
-        writer, metadata, dist_wrapper = save_state_dict_async_plan(self._snapshots.snapshot(state), writer)
+        # Plan caching: the state dict's structure is the same every save, so NVRx reuses the
+        # previous save plan and global metadata instead of gathering plans from all ranks.
+        writer, metadata, dist_wrapper = save_state_dict_async_plan(
+            self._snapshots.snapshot(state), writer, enable_cache=True, metadata_cache=self._plan_cache
+        )
         save_fn, preload_fn, save_args = writer.get_save_function_and_args()
         request = nvrx_compat.CpuSafeAsyncRequest(
             partial(_write_then_hash, save_fn, str(pending.staging), dist.get_rank()),

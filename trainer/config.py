@@ -129,6 +129,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         "model": {"d_model": 512, "n_layers": 5, "n_heads": 8, "seq_len": 64},
         "data": {"batch_size": 4},
     },
+    "gpu-1b": {
+        "model": {"d_model": 2048, "n_layers": 20, "n_heads": 16, "seq_len": 1024},
+        "data": {"batch_size": 4},
+        "optimizer": {"lr": 3e-4, "warmup_steps": 100},
+        "checkpoint": {"every_steps": 500},
+    },
     "gpu-125m": {
         "model": {"d_model": 768, "n_layers": 12, "n_heads": 12, "seq_len": 1024},
         "data": {"batch_size": 16},

@@ -1,6 +1,6 @@
 """What NVRx 0.4.1's asynchronous checkpointing needs on a CPU build of torch; no-ops on CUDA.
 
-NVRx 0.4.1 assumes CUDA in four places. Each adjustment lives here, with its reason, so
+NVRx 0.4.1 assumes CUDA in four places, and a fifth setting makes it fast on CPU. Each adjustment lives here, with its reason, so
 the checkpointer itself reads the same on CPU and GPU:
 
 1. Collectives on CUDA tensors. `AsyncCaller.sync_all_async_calls` and
@@ -19,6 +19,11 @@ the checkpointer itself reads the same on CPU and GPU:
    write-results Manager (1.6-2.3 s measured), and the first real write for the worker's
    first fork of writer processes. `warm_up` writes a one-tensor DCP checkpoint into a
    scratch folder at start-up (all ranks, like a real save), then deletes it.
+5. Passing CPU tensors to the worker. With torch's default `file_descriptor` sharing, every
+   storage of every save travels as a file descriptor through a socket served by a thread
+   of the training process; with `file_system` sharing the worker opens the shared memory
+   by name. Measured here (bench-cpu, 1 rank): background write 0.71 s -> 0.46 s per save,
+   end-to-end wall 1.34x -> 1.19x of no checkpointing. Set only when the async mode starts.
 """
 
 from __future__ import annotations
@@ -30,9 +35,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing
 from nvidia_resiliency_ext.checkpointing.async_ckpt import core, filesystem_async
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
 def needs_cpu_adjustments() -> bool:
@@ -71,6 +77,9 @@ class CpuSafePersistentAsyncCaller(core.PersistentAsyncCaller):
 
 def new_calls_queue() -> core.AsyncCallsQueue:
     """A persistent-worker queue whose caller is safe on CPU (and unchanged on CUDA)."""
+    if needs_cpu_adjustments():
+        # (5) See the module docstring.
+        torch.multiprocessing.set_sharing_strategy("file_system")
     calls = core.AsyncCallsQueue(persistent=True)
     calls.persistent_caller = CpuSafePersistentAsyncCaller()
     return calls
@@ -82,41 +91,40 @@ def preload_fn_for_device(preload_fn: Any) -> Any:
 
 
 class SnapshotBuffers:
-    """(3) On CPU, copy the state dict into shared-memory buffers that are reused per save.
+    """(3) On CPU, copy the state dict's tensors into shared-memory buffers reused per save.
 
     The copy is the snapshot that keeps training from tearing the checkpoint. Allocating
     the buffers once, in shared memory, makes each save a plain memcpy: a fresh clone
     would be copied again into shared memory when the request is pickled for the worker.
     Reuse is safe because a save always waits for the previous one to be finalized.
-    DTensors stay DTensors (their local shards are the shared buffers). On CUDA this
-    returns the state dict unchanged: NVRx's preload does the device-to-host copy.
+    Non-tensor values (learning rates in param_groups, ...) are taken from the current
+    state dict every time. DTensors stay DTensors (their local shards are the shared
+    buffers). On CUDA the state dict is returned unchanged: NVRx's preload does the
+    device-to-host copy.
     """
 
     def __init__(self) -> None:
-        self._buffers: dict[str, Any] | None = None
-        self._layout: list[tuple[torch.Size, torch.dtype]] | None = None
+        self._buffers: list[torch.Tensor] | None = None
+        self._layout: list[tuple[torch.Size, torch.dtype, type]] | None = None
 
     def snapshot(self, state: dict[str, Any]) -> dict[str, Any]:
         if not needs_cpu_adjustments():
             return state
-        layout = [(t.shape, t.dtype) for t in _tensors(state)]
+        leaves, spec = tree_flatten(state)
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        layout = [(t.shape, t.dtype, type(t)) for t in tensors]
         if self._buffers is None or layout != self._layout:
-            self._buffers = tree_map(_clone_into_shared_memory, state)
+            self._buffers = [_clone_into_shared_memory(t) for t in tensors]
             self._layout = layout
-            return self._buffers
-        for source, target in zip(_tensors(state), _tensors(self._buffers), strict=True):
+        else:
             with torch.no_grad():
-                target.copy_(source)
-        return self._buffers
+                for source, target in zip(tensors, self._buffers, strict=True):
+                    target.copy_(source)
+        buffers = iter(self._buffers)
+        return tree_unflatten([next(buffers) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec)
 
 
-def _tensors(state: dict[str, Any]) -> list[torch.Tensor]:
-    return [leaf for leaf in tree_leaves(state) if isinstance(leaf, torch.Tensor)]
-
-
-def _clone_into_shared_memory(value: Any) -> Any:
-    if not isinstance(value, torch.Tensor):
-        return value
+def _clone_into_shared_memory(value: torch.Tensor) -> torch.Tensor:
     copy = value.detach().clone()  # a compact storage, also for FSDP2's views into padded buffers
     local = copy.to_local() if isinstance(copy, DTensor) else copy
     local.share_memory_()
