@@ -22,16 +22,33 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 
 def kill_tree(pid: int) -> None:
-    """SIGKILL a process and all its descendants (ranks run in sessions of their own)."""
+    """SIGKILL a process and all its descendants, as a pod's death would (ranks run in
+    sessions of their own, and a rank may be spawning a writer while we look)."""
     try:
         root = psutil.Process(pid)
-        processes = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return
-    for process in processes:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill()
-    psutil.wait_procs(processes, timeout=30)
+    seen: list[psutil.Process] = []
+    for _ in range(5):
+        try:
+            found = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            found = []
+        fresh = [p for p in found if p not in seen] + [c for p in seen for c in _children(p) if c not in seen]
+        if not fresh:
+            break
+        for process in fresh:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        seen.extend(fresh)
+    psutil.wait_procs(seen, timeout=30)
+
+
+def _children(process: psutil.Process) -> list[psutil.Process]:
+    try:
+        return process.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
 
 
 @pytest.mark.parametrize("mode", ["async", "torch-async"])
