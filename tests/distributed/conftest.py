@@ -1,4 +1,5 @@
 import json
+import sys
 from pathlib import Path
 
 from trainer.launch import run_local_training, trainer_arguments
@@ -18,6 +19,29 @@ def train(
         **extra,
     )
     return run_local_training(nproc, args, workdir, echo=False)
+
+
+def train_local_command(dataset_dir, workdir, steps: int, every: int, *extra: str) -> list[str]:
+    """The user's command, `rtp train-local`, with 2 ranks and seed 7."""
+    return [
+        sys.executable,
+        "-m",
+        "pipelines.cli",
+        "train-local",
+        "--nproc",
+        "2",
+        "--dataset-dir",
+        str(dataset_dir),
+        "--workdir",
+        str(workdir),
+        "--steps",
+        str(steps),
+        "--checkpoint-every",
+        str(every),
+        "--seed",
+        "7",
+        *extra,
+    ]
 
 
 def events(workdir: Path) -> list[dict]:

@@ -5,14 +5,13 @@ import contextlib
 import logging
 import signal
 import subprocess
-import sys
 import time
 
 import psutil
 import pytest
 import torch
 
-from tests.distributed.conftest import events, train
+from tests.distributed.conftest import events, train, train_local_command
 from trainer.checkpoint import committed_steps, latest_committed_checkpoint, load_model_weights, read_meta
 from trainer.config import TrainConfig
 from trainer.loop import state_dict_sha256
@@ -86,26 +85,7 @@ def test_retention_keeps_the_last_k_and_every_mth(dataset_dir, tmp_path):
 
 def test_killed_run_leaves_only_verifiable_checkpoints_and_resumes(dataset_dir, tmp_path, caplog):
     """SIGKILL the whole job while it saves every step; whatever was mid-write is ignored."""
-    command = [
-        sys.executable,
-        "-m",
-        "pipelines.cli",
-        "train-local",
-        "--nproc",
-        "2",
-        "--dataset-dir",
-        str(dataset_dir),
-        "--workdir",
-        str(tmp_path),
-        "--steps",
-        "400",
-        "--checkpoint-every",
-        "1",
-        "--seed",
-        "7",
-        "--override",
-        "checkpoint.keep_last=1000",
-    ]
+    command = train_local_command(dataset_dir, tmp_path, 400, 1, "--override", "checkpoint.keep_last=1000")
     process = subprocess.Popen(
         command,
         stdout=subprocess.DEVNULL,
@@ -141,24 +121,7 @@ def test_killed_run_leaves_only_verifiable_checkpoints_and_resumes(dataset_dir, 
 
 
 def test_sigterm_saves_a_final_checkpoint_and_exits_cleanly(dataset_dir, tmp_path):
-    command = [
-        sys.executable,
-        "-m",
-        "pipelines.cli",
-        "train-local",
-        "--nproc",
-        "2",
-        "--dataset-dir",
-        str(dataset_dir),
-        "--workdir",
-        str(tmp_path),
-        "--steps",
-        "100000",
-        "--checkpoint-every",
-        "100000",
-        "--seed",
-        "7",
-    ]
+    command = train_local_command(dataset_dir, tmp_path, 100000, 100000)
     process = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,

@@ -3,11 +3,10 @@ checkpoints reshard between world sizes."""
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-from tests.distributed.conftest import events, train
+from tests.distributed.conftest import events, train, train_local_command
 from trainer.checkpoint import latest_committed_checkpoint
 from trainer.launch import TrainingFailed, run_local_training, trainer_arguments
 
@@ -20,24 +19,7 @@ STEPS = 12
 def uninterrupted(dataset_dir, tmp_path_factory):
     """Trained through the user's command, `rtp train-local` (default mode: async)."""
     workdir = tmp_path_factory.mktemp("uninterrupted")
-    command = [
-        sys.executable,
-        "-m",
-        "pipelines.cli",
-        "train-local",
-        "--nproc",
-        "2",
-        "--dataset-dir",
-        str(dataset_dir),
-        "--workdir",
-        str(workdir),
-        "--steps",
-        str(STEPS),
-        "--checkpoint-every",
-        "4",
-        "--seed",
-        "7",
-    ]
+    command = train_local_command(dataset_dir, workdir, STEPS, 4)
     result = subprocess.run(command, capture_output=True, text=True, timeout=500, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((workdir / "summary.json").read_text())
