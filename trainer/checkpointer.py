@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import threading
 import time
@@ -277,8 +278,20 @@ class Checkpointer:
 
 def _write_then_hash(save_fn: Callable[..., None], staging: str, rank: int, *args: Any) -> None:
     """The NVRx writer's job plus the shard hashes (runs in the background worker)."""
+    _lower_priority_once()
     save_fn(*args)
     checkpoint.write_hash_sidecars(staging, rank)
+
+
+def _lower_priority_once() -> None:
+    """Let training win the CPU: the writer and its forked writers only use what is left."""
+    global _niced
+    if not _niced:
+        os.nice(10)
+        _niced = True
+
+
+_niced = False
 
 
 def _wait_then_hash(write: Any, staging: str, rank: int) -> None:

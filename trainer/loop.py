@@ -137,7 +137,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
     checkpointer = Checkpointer(
         ckpt_root, ckpt_cfg.mode, ckpt_cfg.keep_last, ckpt_cfg.keep_every_steps, on_commit
     )
+    start_begin = time.perf_counter()
     checkpointer.start()
+    checkpointer_start_s = time.perf_counter() - start_begin
     stop = _StopRequest()
     stop.install()
 
@@ -202,8 +204,10 @@ def train(config: TrainConfig) -> dict[str, Any]:
                 break
         loop_wall_s = time.perf_counter() - loop_start
         drain_start = time.perf_counter()
-        checkpointer.close()
+        checkpointer.drain()  # the last checkpoint is committed: the run's result is durable
         final_drain_s = time.perf_counter() - drain_start
+        checkpointer.close()
+        teardown_s = time.perf_counter() - drain_start - final_drain_s
     except BaseException:
         # The pending save never commits; its writer process must not keep this one alive.
         checkpointer.abandon()
@@ -230,6 +234,8 @@ def train(config: TrainConfig) -> dict[str, Any]:
         "checkpoint_blocked_s": blocked_total,
         "efficiency_pct": efficiency_pct(blocked_total, loop_wall_s),
         "final_drain_s": final_drain_s,
+        "checkpointer_start_s": checkpointer_start_s,
+        "checkpointer_teardown_s": teardown_s,
         "loop_wall_s": loop_wall_s,
         "world_size": world,
         "device": device.type,

@@ -121,7 +121,9 @@ class SnapshotBuffers:
                 for source, target in zip(tensors, self._buffers, strict=True):
                     target.copy_(source)
         buffers = iter(self._buffers)
-        return tree_unflatten([next(buffers) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec)
+        return tree_unflatten(
+            [next(buffers) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec
+        )
 
 
 def _clone_into_shared_memory(value: torch.Tensor) -> torch.Tensor:
