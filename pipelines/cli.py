@@ -157,7 +157,8 @@ def _add_train_local(sub: argparse._SubParsersAction) -> None:
         "train-local",
         help="train on this machine with N local processes",
         description="Start N training ranks with torchrun on this machine; resumes from the "
-        "latest committed checkpoint in the checkpoint dir. Writes <workdir>/summary.json.",
+        "latest committed checkpoint in the checkpoint dir; SIGTERM saves a final checkpoint and exits cleanly. "
+        "Writes <workdir>/summary.json.",
     )
     p.add_argument("--nproc", type=int, default=2, help="training processes (default: %(default)s)")
     add_training_arguments(p)
