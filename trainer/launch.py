@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -71,6 +72,22 @@ def trainer_arguments(
     return args
 
 
+_RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:\s*")
+_ERROR_LINE = re.compile(r"^(?:[\w.]+(?:Error|Exception)|trainer: error): .+")
+
+
+def root_cause(log_text: str) -> str | None:
+    """The first error a rank reported (not the launcher's summary), for a one-line message.
+
+    The first, because ranks that fail later usually fail because of it (and processes
+    torn down with them add noise of their own)."""
+    for raw in log_text.splitlines():
+        line = _RANK_PREFIX.sub("", raw.strip())
+        if _ERROR_LINE.match(line) and "ChildFailedError" not in line:
+            return line
+    return None
+
+
 @contextlib.contextmanager
 def _forward_sigterm(process: subprocess.Popen[str]) -> Iterator[None]:
     """Pass SIGTERM on to the launcher and keep waiting for it.
@@ -124,8 +141,11 @@ def run_local_training(
                     sys.stdout.flush()
             returncode = process.wait()
     if returncode != 0:
-        tail = "".join(log_path.read_text().splitlines(keepends=True)[-20:])
-        raise TrainingFailed(f"training exited with code {returncode}; full log: {log_path}\n{tail}")
+        text = log_path.read_text()
+        tail = "".join(text.splitlines(keepends=True)[-20:])
+        cause = root_cause(text)
+        reason = f": {cause}" if cause else ""
+        raise TrainingFailed(f"training exited with code {returncode}{reason}; full log: {log_path}\n{tail}")
     if not summary_path.is_file():
         raise TrainingFailed(f"training exited cleanly but wrote no {summary_path}; see {log_path}")
     return json.loads(summary_path.read_text())

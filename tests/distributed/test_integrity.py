@@ -12,8 +12,15 @@ import pytest
 import torch
 
 from tests.distributed.conftest import events, train, train_local_command
-from trainer.checkpoint import committed_steps, latest_committed_checkpoint, load_model_weights, read_meta
+from trainer.checkpoint import (
+    committed_steps,
+    latest_committed_checkpoint,
+    load_model_weights,
+    read_meta,
+    verify_checkpoint,
+)
 from trainer.config import TrainConfig
+from trainer.launch import TrainingFailed
 from trainer.loop import state_dict_sha256
 from trainer.model import ByteLM
 
@@ -152,3 +159,23 @@ def test_sigterm_saves_a_final_checkpoint_and_exits_cleanly(dataset_dir, tmp_pat
         torch.load(latest / "rank_state" / "rank_1.pt", weights_only=False)["sampler"]["next_step"]
         == stopped[0]["step"] + 1
     )
+
+
+def test_a_failing_rank_with_a_save_in_flight_exits_instead_of_hanging(dataset_dir, tmp_path):
+    """A diverging run raises while an async save is queued: the writer is abandoned, the
+    job fails with the reason, nothing half-written becomes a checkpoint, nothing lingers."""
+    with pytest.raises(TrainingFailed, match="loss became"):
+        train(
+            dataset_dir,
+            tmp_path,
+            steps=20,
+            every=1,
+            overrides=["optimizer.lr=1e30", "optimizer.warmup_steps=0"],
+        )
+    for _, folder in committed_steps(tmp_path / "checkpoints"):
+        verify_checkpoint(folder, verify_hashes=True)
+    time.sleep(1)
+    leftovers = [
+        p for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])
+    ]
+    assert leftovers == []

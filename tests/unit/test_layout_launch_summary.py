@@ -97,3 +97,20 @@ def test_efficiency_follows_the_aws_definition():
     assert efficiency_pct(0.0, 10.0) == 100.0
     assert efficiency_pct(1.0, 10.0) == pytest.approx(90.0)
     assert efficiency_pct(0.0, 0.0) == 100.0
+
+
+def test_root_cause_is_the_first_rank_error_without_launcher_noise():
+    from trainer.launch import root_cause
+
+    log = "\n".join(
+        [
+            "step 1 loss 5.0",
+            "[rank1]:     raise FloatingPointError(...)",
+            "[rank1]: FloatingPointError: loss became nan at step 2; lower optimizer.lr",
+            "AttributeError: 'ForkAwareLocal' object has no attribute 'connection'",
+            "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+        ]
+    )
+    assert root_cause(log) == "FloatingPointError: loss became nan at step 2; lower optimizer.lr"
+    assert root_cause("trainer: error: data dir is empty") == "trainer: error: data dir is empty"
+    assert root_cause("all good") is None
