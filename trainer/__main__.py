@@ -7,28 +7,11 @@ environment, trains, and exits non-zero with a one-line reason on a user error.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import logging
-import signal
 import sys
 
 from trainer.config import CHECKPOINT_MODES, PRESETS, ConfigError, TrainConfig, build_config
-
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (no-op elsewhere).
-
-    torchrun starts every rank in a session of its own, so a launcher killed hard (OOM,
-    SIGKILL) would otherwise leave its ranks training on, writing checkpoints nobody asked
-    for. (The ranks' own NVRx writer and Manager processes are not covered: in a pod they
-    die with the container; see docs/checkpointing.md.)
-    """
-    if sys.platform != "linux":
-        return
-    pr_set_pdeathsig = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+from trainer.lifecycle import die_with_parent
 
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:

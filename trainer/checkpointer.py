@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import signal
 import threading
 import time
@@ -36,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from trainer import checkpoint
+from trainer import checkpoint, lifecycle
 from trainer.config import CHECKPOINT_MODES
 
 log = logging.getLogger(__name__)
@@ -177,7 +176,7 @@ class Checkpointer:
         )
         save_fn, preload_fn, save_args = writer.get_save_function_and_args()
         request = nvrx_compat.CpuSafeAsyncRequest(
-            partial(_write_then_hash, save_fn, str(pending.staging), dist.get_rank()),
+            partial(_write_then_hash, save_fn, str(pending.staging), dist.get_rank()) if save_fn else None,
             save_args,
             [
                 partial(save_state_dict_async_finalize, writer, metadata, dist_wrapper),
@@ -270,7 +269,8 @@ class Checkpointer:
             if self._calls.persistent_caller is not None:
                 process = self._calls.persistent_caller.process
                 if process is not None and process.is_alive():
-                    process.terminate()
+                    process.kill()  # it ignores SIGTERM (see _children_ignore_sigterm)
+                    process.join(timeout=10)
                 self._calls.persistent_caller.process = None
             self._calls = None
         self._group = None
@@ -278,20 +278,9 @@ class Checkpointer:
 
 def _write_then_hash(save_fn: Callable[..., None], staging: str, rank: int, *args: Any) -> None:
     """The NVRx writer's job plus the shard hashes (runs in the background worker)."""
-    _lower_priority_once()
+    lifecycle.prepare_background_writer()
     save_fn(*args)
     checkpoint.write_hash_sidecars(staging, rank)
-
-
-def _lower_priority_once() -> None:
-    """Let training win the CPU: the writer and its forked writers only use what is left."""
-    global _niced
-    if not _niced:
-        os.nice(10)
-        _niced = True
-
-
-_niced = False
 
 
 def _wait_then_hash(write: Any, staging: str, rank: int) -> None:

@@ -72,6 +72,15 @@ def trainer_arguments(
     return args
 
 
+def _copy_output(process: subprocess.Popen[str], log_file: Any, echo: bool) -> None:
+    assert process.stdout is not None
+    for line in process.stdout:
+        log_file.write(line)
+        if echo:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+
 _RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:\s*")
 _ERROR_LINE = re.compile(r"^(?:[\w.]+(?:Error|Exception)|trainer: error): .+")
 
@@ -132,14 +141,15 @@ def run_local_training(
         process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True
         )
+        # Output is copied by a thread and the launcher's exit ends the wait: a stray
+        # process that inherited the pipe (say, a writer whose rank was killed) must not
+        # keep this call waiting for an end of file that never comes.
+        copier = threading.Thread(target=_copy_output, args=(process, log_file, echo), daemon=True)
+        copier.start()
         with _forward_sigterm(process):
-            assert process.stdout is not None
-            for line in process.stdout:
-                log_file.write(line)
-                if echo:
-                    sys.stdout.write(line)
-                    sys.stdout.flush()
             returncode = process.wait()
+        copier.join(timeout=10)
+        log_file.flush()
     if returncode != 0:
         text = log_path.read_text()
         tail = "".join(text.splitlines(keepends=True)[-20:])

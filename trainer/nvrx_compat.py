@@ -133,6 +133,14 @@ def _clone_into_shared_memory(value: torch.Tensor) -> torch.Tensor:
     return copy
 
 
+def _in_background_writer(save_fn: Any, *args: Any) -> None:
+    """Runs in the persistent worker: set it up to die with its rank, then write."""
+    from trainer.lifecycle import prepare_background_writer
+
+    prepare_background_writer()
+    save_fn(*args)
+
+
 def warm_up(calls: core.AsyncCallsQueue, scratch_dir: Path) -> None:
     """(4) Collective: run one tiny save end to end so the first real save costs what the
     others do. `scratch_dir` must be the same path on every rank; it is removed after."""
@@ -153,7 +161,12 @@ def warm_up(calls: core.AsyncCallsQueue, scratch_dir: Path) -> None:
     save_fn, preload_fn, save_args = writer.get_save_function_and_args()
     finalize = partial(save_state_dict_async_finalize, writer, metadata, dist_wrapper)
     calls.schedule_async_request(
-        CpuSafeAsyncRequest(save_fn, save_args, [finalize], preload_fn=preload_fn_for_device(preload_fn))
+        CpuSafeAsyncRequest(
+            partial(_in_background_writer, save_fn) if save_fn else None,
+            save_args,
+            [finalize],
+            preload_fn=preload_fn_for_device(preload_fn),
+        )
     )
     calls.maybe_finalize_async_calls(blocking=True)
     dist.barrier()

@@ -1,0 +1,37 @@
+"""How training processes end: with their parent, and (for writers) behind training.
+
+torchrun starts every rank in a session of its own, and a rank's NVRx writer process is
+spawned by the rank. If a parent dies hard (OOM-kill, SIGKILL), Linux only tells the child
+when the child asked for it; otherwise the child lives on, training or idling forever and
+holding the job's log pipe open. Each of these processes asks once, at start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+
+_PR_SET_PDEATHSIG = 1
+_background_prepared = False
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (no-op elsewhere)."""
+    if sys.platform != "linux":
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+
+def prepare_background_writer() -> None:
+    """Once per writer process: die with the rank, and let training win the CPU (nice 10);
+    the writer and the processes it forks use what training leaves."""
+    global _background_prepared
+    if _background_prepared:
+        return
+    die_with_parent()
+    os.nice(10)
+    _background_prepared = True
