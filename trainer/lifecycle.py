@@ -33,5 +33,8 @@ def prepare_background_writer() -> None:
     if _background_prepared:
         return
     die_with_parent()
+    # NVRx forks a writer process per save from here; fork clears the request, so each
+    # child asks again (else a child of a killed writer waits on a semaphore forever).
+    os.register_at_fork(after_in_child=die_with_parent)
     os.nice(10)
     _background_prepared = True
