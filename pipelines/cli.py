@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pipelines.local import LocalOptions
+from trainer.config import CHECKPOINT_MODES
 
 EPILOG = """examples:
   rtp local                              # whole pipeline on embedded defaults
@@ -47,7 +48,7 @@ def _add_local(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--checkpoint-mode",
         default=defaults.checkpoint_mode,
-        choices=["off", "sync", "torch-async", "async"],
+        choices=CHECKPOINT_MODES,
         help="how checkpoints are written: async (NVRx) overlaps the write with training (default: %(default)s)",
     )
     p.add_argument("--seed", type=int, default=defaults.seed, help="random seed (default: %(default)s)")

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from components.layout import run_dir
+from trainer.config import DEFAULT_CHECKPOINT_MODE
 from trainer.events import write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ class LocalOptions:
     steps: int = 40
     nproc: int = 2
     checkpoint_every: int = 10
-    checkpoint_mode: str = "async"
+    checkpoint_mode: str = DEFAULT_CHECKPOINT_MODE
     seed: int = 1234
     preset: str = "tiny-cpu"
     overrides: str = ""

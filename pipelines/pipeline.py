@@ -16,6 +16,7 @@ from components.register_model.component import register_model
 from components.stage_data.component import stage_data
 from components.train.component import train_model
 from components.validate_checkpoint.component import validate_checkpoint
+from trainer.config import DEFAULT_CHECKPOINT_MODE
 
 PIPELINE_NAME = "rtp-resilient-training"
 DEFAULT_SOURCE = "s3://rtp-demo/corpus/"
@@ -42,7 +43,7 @@ def build_pipeline(image: str = DEFAULT_IMAGE) -> Any:
         steps: int = 40,
         nproc: int = 2,
         checkpoint_every: int = 10,
-        checkpoint_mode: str = "async",
+        checkpoint_mode: str = DEFAULT_CHECKPOINT_MODE,
         seed: int = 1234,
         preset: str = "tiny-cpu",
         overrides: str = "",

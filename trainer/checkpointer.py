@@ -17,12 +17,10 @@ background write took.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -118,7 +116,7 @@ class Checkpointer:
             self._calls = nvrx_compat.new_calls_queue()
             self._snapshots = nvrx_compat.SnapshotBuffers()
             self._plan_cache = CheckpointMetadataCache()
-            with _children_ignore_sigterm():
+            with lifecycle.children_ignore_sigterm():
                 nvrx_compat.warm_up(self._calls, self.root / ".warm-up")
 
     @property
@@ -269,7 +267,7 @@ class Checkpointer:
             if self._calls.persistent_caller is not None:
                 process = self._calls.persistent_caller.process
                 if process is not None and process.is_alive():
-                    process.kill()  # it ignores SIGTERM (see _children_ignore_sigterm)
+                    process.kill()  # it ignores SIGTERM (lifecycle.children_ignore_sigterm)
                     process.join(timeout=10)
                 self._calls.persistent_caller.process = None
             self._calls = None
@@ -287,24 +285,6 @@ def _wait_then_hash(write: Any, staging: str, rank: int) -> None:
     """torch-async's write plus the shard hashes (runs in a background thread)."""
     write.result()
     checkpoint.write_hash_sidecars(staging, rank)
-
-
-@contextlib.contextmanager
-def _children_ignore_sigterm() -> Iterator[None]:
-    """Processes started inside inherit an ignored SIGTERM.
-
-    The NVRx writer and its Manager live in the rank's process group, and launchers stop a
-    rank by signalling the whole group (torchrun: killpg SIGTERM). They must outlive that
-    signal so the rank can finish its final save; they end when the rank closes them.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def efficiency_pct(blocked_s_total: float, wall_s: float) -> float:

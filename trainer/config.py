@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CHECKPOINT_MODES = ("off", "sync", "torch-async", "async")
+DEFAULT_CHECKPOINT_MODE = "async"
 
 
 class ConfigError(ValueError):
@@ -58,7 +59,7 @@ class OptimizerConfig:
 
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
-    mode: str = "async"
+    mode: str = DEFAULT_CHECKPOINT_MODE
     """off | sync (torch dcp.save) | torch-async (dcp.async_save) | async (NVRx persistent worker)."""
     dir: str = ""
     """Folder holding step_<N>/ checkpoints; empty means <workdir>/checkpoints."""

@@ -4,6 +4,8 @@ torchrun starts every rank in a session of its own, and a rank's NVRx writer pro
 spawned by the rank. If a parent dies hard (OOM-kill, SIGKILL), Linux only tells the child
 when the child asked for it; otherwise the child lives on, training or idling forever and
 holding the job's log pipe open. Each of these processes asks once, at start.
+The opposite case is a signal meant for the rank alone: the writer must survive the
+SIGTERM its launcher sends the rank's process group, to finish the final save.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import ctypes
 import os
 import signal
 import sys
+import threading
+from collections.abc import Iterator
 
 _PR_SET_PDEATHSIG = 1
 _background_prepared = False
@@ -38,3 +42,21 @@ def prepare_background_writer() -> None:
     os.register_at_fork(after_in_child=die_with_parent)
     os.nice(10)
     _background_prepared = True
+
+
+@contextlib.contextmanager
+def children_ignore_sigterm() -> Iterator[None]:
+    """Processes started inside inherit an ignored SIGTERM.
+
+    The NVRx writer and its Manager live in the rank's process group, and launchers stop a
+    rank by signalling the whole group (torchrun: killpg SIGTERM). They must outlive that
+    signal so the rank can finish its final save; they end when the rank closes them.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

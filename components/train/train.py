@@ -10,7 +10,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from trainer.config import build_config, parse_overrides
+from trainer.config import DEFAULT_CHECKPOINT_MODE, build_config, parse_overrides
 from trainer.launch import run_local_training, trainer_arguments
 
 
@@ -21,7 +21,7 @@ def train_in_pod(
     steps: int,
     nproc: int,
     checkpoint_every: int,
-    checkpoint_mode: str = "async",
+    checkpoint_mode: str = DEFAULT_CHECKPOINT_MODE,
     seed: int,
     preset: str,
     overrides: str = "",
