@@ -157,18 +157,26 @@ def _add_train_local(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train-local",
         help="train on this machine with N local processes",
-        description="Start N training ranks with torchrun on this machine; resumes from the "
-        "latest committed checkpoint in the checkpoint dir; SIGTERM saves a final checkpoint and exits cleanly. "
-        "Writes <workdir>/summary.json.",
+        description="Start N training ranks under ft_launcher on this machine. Soft faults (an "
+        "exception, a hang) restart training in-process; a killed or hung rank restarts the worker "
+        "group (--max-restarts). Resumes from the latest committed checkpoint in the checkpoint dir; "
+        "SIGTERM saves a final checkpoint and exits cleanly. Writes <workdir>/summary.json (with "
+        "restarts[], goodput_pct, lost_steps, model_sha256) and <workdir>/goodput.html.",
     )
     p.add_argument("--nproc", type=int, default=2, help="training processes (default: %(default)s)")
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        help="ft_launcher worker-group restarts after hard faults (default: %(default)s)",
+    )
     add_training_arguments(p)
     p.set_defaults(handler=_cmd_train_local)
 
 
 def _cmd_train_local(args: argparse.Namespace) -> int:
     from trainer.__main__ import config_from_args
-    from trainer.launch import run_local_training, trainer_arguments
+    from trainer.launch import LauncherSettings, run_local_training, trainer_arguments
 
     if args.nproc < 1:
         raise UserError(f"--nproc must be at least 1, got {args.nproc}")
@@ -184,10 +192,22 @@ def _cmd_train_local(args: argparse.Namespace) -> int:
         checkpoint_dir=args.checkpoint_dir,
         stop_after=args.stop_after,
         overrides=args.override,
+        faults=args.fault,
+        inprocess_restarts=args.inprocess_restarts,
     )
-    summary = run_local_training(args.nproc, trainer_args, args.workdir)
+    if args.max_restarts < 0:
+        raise UserError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    settings = LauncherSettings(max_restarts=args.max_restarts)
+    summary = run_local_training(args.nproc, trainer_args, args.workdir, settings=settings)
     print(
-        json.dumps({k: summary[k] for k in ("steps", "final_loss", "checkpoint", "model_sha256")}, indent=2)
+        json.dumps(
+            {
+                k: summary.get(k)
+                for k in ("steps", "final_loss", "checkpoint", "model_sha256", "goodput_pct", "lost_steps")
+            }
+            | {"restarts": len(summary.get("restarts", []))},
+            indent=2,
+        )
     )
     return 0
 

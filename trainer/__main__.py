@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 
 from trainer.config import CHECKPOINT_MODES, PRESETS, ConfigError, TrainConfig, build_config
 from trainer.lifecycle import die_with_parent
@@ -53,6 +54,20 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
         help="stop cleanly after this step's checkpoint, to resume later (config run.stop_after_steps)",
     )
     parser.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="KIND@STEP[:RANK]",
+        help="inject a fault for a drill or test: KIND is exception, hang, sigkill or "
+        "sigkill-during-save; fires once per run on RANK (default 0); repeatable (config run.faults)",
+    )
+    parser.add_argument(
+        "--inprocess-restarts",
+        type=int,
+        help="in-process restarts allowed per process for soft faults, 0 = leave every fault to "
+        "the launcher (config resilience.inprocess_restarts, default 3)",
+    )
+    parser.add_argument(
         "--override",
         action="append",
         default=[],
@@ -70,6 +85,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         "checkpoint.dir": args.checkpoint_dir,
         "run.seed": args.seed,
         "run.stop_after_steps": args.stop_after,
+        "run.faults": ",".join(args.fault) if args.fault else None,
+        "resilience.inprocess_restarts": args.inprocess_restarts,
     }
     overrides += [f"{key}={value}" for key, value in named.items() if value is not None]
     return build_config(args.preset, overrides + list(args.override))
@@ -82,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         "a launcher (torchrun, ft_launcher) or `rtp train-local`, which set RANK/WORLD_SIZE.",
     )
     add_training_arguments(parser)
+    process_started_at = time.time()
     args = parser.parse_args(argv)
     die_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -90,11 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         parser.error(str(exc))
     from trainer.data import DataError  # torch imports only once arguments are valid
-    from trainer.loop import train
     from trainer.parallelize import shutdown_distributed
+    from trainer.resilience import run_training
 
     try:
-        train(config)
+        run_training(config, process_started_at)
     except (DataError, ConfigError) as exc:
         print(f"trainer: error: {exc}", file=sys.stderr)
         return 2

@@ -98,9 +98,13 @@ class Checkpointer:
         self._plan_cache: Any = None
         self._hasher: ThreadPoolExecutor | None = None
         self._retention: threading.Thread | None = None
+        self._warming_up = False
 
-    def start(self) -> None:
-        """Collective: create what the mode needs up front, so the first save is not slower."""
+    def start(self, background: bool = False) -> None:
+        """Collective: create what the mode needs up front, so the first save is not slower.
+
+        `background`: let the NVRx writer warm up while training runs (after a restart)."""
+        _LIVE.append(self)
         if self.mode == "torch-async":
             # A group of its own: the writer thread's collectives must not interleave with
             # the training loop's on the default group.
@@ -117,7 +121,8 @@ class Checkpointer:
             self._snapshots = nvrx_compat.SnapshotBuffers()
             self._plan_cache = CheckpointMetadataCache()
             with lifecycle.children_ignore_sigterm():
-                nvrx_compat.warm_up(self._calls, self.root / ".warm-up")
+                nvrx_compat.warm_up(self._calls, self.root / ".warm-up", wait=not background)
+            self._warming_up = background
 
     @property
     def enabled(self) -> bool:
@@ -194,6 +199,10 @@ class Checkpointer:
         """
         pending = self._pending
         if pending is None:
+            if self._warming_up and not self._calls.get_num_unfinalized_calls():
+                self._finish_warm_up()
+            elif self._warming_up:
+                self._calls.maybe_finalize_async_calls(blocking=False)
             return
         started = time.perf_counter()
         if self.mode == "async":
@@ -207,8 +216,17 @@ class Checkpointer:
         pending.record.finalize_s += elapsed
         pending.record.blocked_s += elapsed
 
+    def _finish_warm_up(self) -> None:
+        from trainer import nvrx_compat
+
+        self._warming_up = False
+        nvrx_compat.finish_warm_up(self.root / ".warm-up")
+
     def drain(self) -> None:
-        """Collective: wait for the pending save and commit it."""
+        """Collective: wait for the pending save (and a background warm-up) and commit it."""
+        if self._warming_up:
+            self._calls.maybe_finalize_async_calls(blocking=True)
+            self._finish_warm_up()
         if self._pending is None:
             return
         if self.mode == "async":
@@ -257,21 +275,44 @@ class Checkpointer:
         if self._hasher is not None:
             self._hasher.shutdown()
             self._hasher = None
+        if self in _LIVE:
+            _LIVE.remove(self)
 
     def abandon(self) -> None:
         """Not collective: drop pending work without finalizing (its process group is gone,
-        e.g. before an in-process restart). The staging folder is never committed."""
+        e.g. before an in-process restart). The staging folder is never committed.
+
+        Safe to call again after being interrupted half-way (an in-process restart raises
+        asynchronously into the main thread): each step is re-checked, and the writer
+        process is forgotten only once it is dead, so NVRx's `close()`/`__del__` never waits
+        on a writer that can no longer answer."""
         self._pending = None
+        self._warming_up = False
         if self._calls is not None:
+            caller = self._calls.persistent_caller
+            if caller is not None and caller.process is not None:
+                if caller.process.is_alive():
+                    caller.process.kill()  # it ignores SIGTERM (lifecycle.children_ignore_sigterm)
+                    caller.process.join(timeout=10)
+                caller.process = None
+            from trainer import nvrx_compat
+
+            nvrx_compat.discard_stale_results()
             self._calls.async_calls.clear()
-            if self._calls.persistent_caller is not None:
-                process = self._calls.persistent_caller.process
-                if process is not None and process.is_alive():
-                    process.kill()  # it ignores SIGTERM (lifecycle.children_ignore_sigterm)
-                    process.join(timeout=10)
-                self._calls.persistent_caller.process = None
             self._calls = None
         self._group = None
+        if self in _LIVE:
+            _LIVE.remove(self)
+
+
+_LIVE: list[Checkpointer] = []
+"""Started checkpointers not yet closed: what `abandon_all` releases before a restart."""
+
+
+def abandon_all() -> None:
+    """Abandon every live checkpointer of this process (the in-process restart's Finalize)."""
+    for checkpointer in list(_LIVE):
+        checkpointer.abandon()
 
 
 def _write_then_hash(save_fn: Callable[..., None], staging: str, rank: int, *args: Any) -> None:

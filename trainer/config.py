@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainer.faults import FaultSpecError, parse_faults
+
 CHECKPOINT_MODES = ("off", "sync", "torch-async", "async")
 DEFAULT_CHECKPOINT_MODE = "async"
 
@@ -87,6 +89,29 @@ class RunConfig:
     stop_after_steps: int = 0
     """Stop (exit cleanly) once this step is reached and checkpointed; 0 = never. Lets a
     test or an operator interrupt a run at a known step and resume it later."""
+    faults: str = ""
+    """Injected faults, `KIND@STEP[:RANK]` separated by commas (trainer/faults.py); for
+    tests, demos and chaos drills. Empty = none."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ResilienceConfig:
+    inprocess_restarts: int = 3
+    """Soft faults (an exception, a hang) restart training inside the same processes (NVRx
+    in-process restart) up to this many times per process; 0 turns the layer off and leaves
+    every fault to the launcher (ft_launcher restarts the whole worker group)."""
+    soft_timeout_s: float = 30.0
+    """A rank that reports no progress for this long is considered hung and restarted."""
+    hard_timeout_s: float = 45.0
+    """A hung rank that does not react within this long is terminated (must exceed soft)."""
+    collective_timeout_s: float = 15.0
+    """Process-group timeout. On CPU a gloo collective cannot be aborted (pytorch issue
+    130345): ranks waiting on a failed peer sit in it until this timeout, so it sets the
+    in-process restart time there and must stay below hard_timeout_s (or the hung-looking
+    rank is killed and the launcher has to restart the group). NCCL on GPUs aborts at once."""
+    heartbeat_floor_s: float = 15.0
+    """ft_launcher learns heartbeat timeouts from observed step times; learned values are
+    never set below this floor (a busy shared CPU makes step times jumpy)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -96,6 +121,7 @@ class TrainConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -226,5 +252,21 @@ def validate(config: TrainConfig) -> None:
         )
     if config.checkpoint.keep_every_steps < 0:
         raise ConfigError("checkpoint.keep_every_steps must be 0 (off) or a positive step count")
+    r = config.resilience
+    if r.inprocess_restarts < 0:
+        raise ConfigError("resilience.inprocess_restarts must be 0 (off) or more")
+    if not 0 < r.soft_timeout_s < r.hard_timeout_s:
+        raise ConfigError("resilience.soft_timeout_s must be positive and below resilience.hard_timeout_s")
+    if r.collective_timeout_s <= 0 or r.heartbeat_floor_s <= 0:
+        raise ConfigError("resilience.collective_timeout_s and heartbeat_floor_s must be positive")
+    if r.inprocess_restarts and r.collective_timeout_s >= r.hard_timeout_s:
+        raise ConfigError(
+            "resilience.collective_timeout_s must be below resilience.hard_timeout_s: a rank waiting in a "
+            "collective on a failed peer is only released by that timeout"
+        )
+    try:
+        parse_faults(config.run.faults)
+    except FaultSpecError as exc:
+        raise ConfigError(str(exc)) from None
     if config.run.stop_after_steps < 0:
         raise ConfigError("run.stop_after_steps must be 0 (never) or a step number")

@@ -14,3 +14,11 @@ LOCAL_RANK = "LOCAL_RANK"
 
 def local_rank() -> int:
     return int(os.environ.get(LOCAL_RANK, "0"))
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))

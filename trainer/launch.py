@@ -1,10 +1,13 @@
 """Start the training ranks on this machine and wait for them.
 
-Today the launcher is torchrun (`torch.distributed.run --standalone`): it picks a free
-rendezvous port on loopback, starts `nproc` copies of `python -m trainer`, and fails the
-whole group when one rank fails. The command is built by a pure function so it can be
-shown and tested; `run_local_training` streams the ranks' output to a log file and the
-caller's stdout, and returns the run's summary.json.
+The launcher is NVRx's ft_launcher (a torchrun-compatible launcher with a rank monitor per
+rank): `--standalone` picks a free rendezvous port on loopback, starts `nproc` copies of
+`python -m trainer`, and restarts the whole worker group — up to `max_restarts` times —
+when a rank dies or stops heart-beating (the hard faults in-process restart cannot
+handle). The NIC monitor is turned off on CPU (it needs NVML). The command is built by a
+pure function so it can be shown and tested; `run_local_training` marks the start of a new
+run in the event log, streams the ranks' output to a log file and the caller's stdout,
+and returns the run's summary.json.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +31,47 @@ class TrainingFailed(RuntimeError):
     """The training ranks exited non-zero; the message points at the log."""
 
 
-def build_launch_command(nproc: int, trainer_args: list[str], python: str = sys.executable) -> list[str]:
+@dataclass(frozen=True, slots=True)
+class LauncherSettings:
+    """ft_launcher's knobs (one name each, shared by `rtp train-local` and the pipeline)."""
+
+    max_restarts: int = 3
+    """Worker-group restarts after a hard fault (a rank killed, exited or hung)."""
+    initial_heartbeat_timeout_s: float = 120.0
+    """Time allowed until a rank's first heartbeat (imports, model build, checkpoint load)."""
+    heartbeat_timeout_s: float = 60.0
+    """Time allowed between heartbeats before the rank monitor kills a rank as hung; once
+    learned from step times (with a floor), the learned value applies."""
+    workers_stop_timeout_s: float = 5.0
+    """SIGTERM → SIGKILL grace when the launcher stops a worker group."""
+    monitor_interval_s: float = 0.5
+    """How often the launcher checks worker health."""
+
+
+def build_launch_command(
+    nproc: int,
+    trainer_args: list[str],
+    python: str = sys.executable,
+    settings: LauncherSettings | None = None,
+    cpu: bool = True,
+) -> list[str]:
     if nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {nproc}")
+    s = settings or LauncherSettings()
+    if s.max_restarts < 0:
+        raise ValueError(f"max_restarts must be 0 or more, got {s.max_restarts}")
     return [
         python,
         "-m",
-        "torch.distributed.run",
+        "nvidia_resiliency_ext.fault_tolerance.launcher",
         "--standalone",
         f"--nproc-per-node={nproc}",
+        f"--max-restarts={s.max_restarts}",
+        f"--monitor-interval={s.monitor_interval_s:g}",
+        f"--workers-stop-timeout={s.workers_stop_timeout_s:g}",
+        f"--ft-initial-rank-heartbeat-timeout={s.initial_heartbeat_timeout_s:g}",
+        f"--ft-rank-heartbeat-timeout={s.heartbeat_timeout_s:g}",
+        f"--ft-enable-nic-monitor={'false' if cpu else 'true'}",
         "-m",
         "trainer",
         *trainer_args,
@@ -53,6 +90,8 @@ def trainer_arguments(
     checkpoint_dir: str | None = None,
     stop_after: int | None = None,
     overrides: list[str] | None = None,
+    faults: list[str] | None = None,
+    inprocess_restarts: int | None = None,
 ) -> list[str]:
     args = [
         f"--preset={preset}",
@@ -68,8 +107,17 @@ def trainer_arguments(
         args.append(f"--checkpoint-dir={checkpoint_dir}")
     if stop_after:
         args.append(f"--stop-after={stop_after}")
+    args += [f"--fault={item}" for item in faults or []]
+    if inprocess_restarts is not None:
+        args.append(f"--inprocess-restarts={inprocess_restarts}")
     args += [f"--override={item}" for item in overrides or []]
     return args
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _copy_output(process: subprocess.Popen[str], log_file: Any, echo: bool) -> None:
@@ -120,12 +168,27 @@ def _forward_sigterm(process: subprocess.Popen[str]) -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def mark_new_run(workdir: str | Path) -> None:
+    """A new run (not a restart) begins: forget fired faults, open a new goodput window."""
+    from trainer.faults import clear_fault_records
+
+    work = Path(workdir)
+    clear_fault_records(work)
+    with (work / "events.jsonl").open("a") as handle:
+        handle.write(json.dumps({"kind": "launch", "time": time.time(), "at": time.time()}) + "\n")
+
+
 def run_local_training(
-    nproc: int, trainer_args: list[str], workdir: str | Path, echo: bool = True
+    nproc: int,
+    trainer_args: list[str],
+    workdir: str | Path,
+    echo: bool = True,
+    settings: LauncherSettings | None = None,
 ) -> dict[str, Any]:
     """Run the ranks to completion; raise TrainingFailed with the log's tail on failure."""
     work = Path(workdir)
     (work / "logs").mkdir(parents=True, exist_ok=True)
+    mark_new_run(work)
     log_path = work / "logs" / "train.log"
     summary_path = work / "summary.json"
     summary_path.unlink(missing_ok=True)
@@ -134,7 +197,7 @@ def run_local_training(
     # oversubscribe the cores and run several times slower.
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
-    command = build_launch_command(nproc, trainer_args)
+    command = build_launch_command(nproc, trainer_args, settings=settings, cpu=not _has_cuda())
     with log_path.open("a") as log_file:
         log_file.write("$ " + " ".join(command) + "\n")
         log_file.flush()

@@ -30,6 +30,7 @@ from trainer.checkpointer import Checkpointer, SaveRecord, efficiency_pct
 from trainer.config import TrainConfig
 from trainer.data import StepSampler, load_tokens, split_files
 from trainer.events import EventLog, write_json_atomic
+from trainer.faults import FaultInjector, parse_faults
 from trainer.model import ByteLM, next_token_loss
 from trainer.parallelize import apply_fsdp, init_distributed, training_device
 
@@ -64,6 +65,23 @@ def model_sha256(model: torch.nn.Module) -> str:
     return state_dict_sha256(tensors)
 
 
+class TrainHooks:
+    """What the fault-tolerance layers (trainer/resilience.py) plug into the loop; no-ops here."""
+
+    def attempt_info(self) -> dict[str, Any]:
+        return {"inprocess_iteration": 0, "launcher_restart": 0, "inprocess_enabled": False}
+
+    def step_done(self, step: int) -> None:
+        """Progress signal after every step (in-process watchdog ping, launcher heartbeat)."""
+
+    def launcher_state(self) -> dict[str, Any]:
+        """State the launcher wants back after a restart (ft_launcher's learned timeouts)."""
+        return {}
+
+    def restore_launcher_state(self, state: dict[str, Any]) -> None:
+        """Receives `launcher_state()` as stored in the checkpoint being resumed."""
+
+
 class _StopRequest:
     """Remembers a SIGTERM until the ranks agree to act on it at a step boundary."""
 
@@ -82,17 +100,32 @@ class _StopRequest:
             signal.signal(signal.SIGTERM, self._previous)
 
 
-def train(config: TrainConfig) -> dict[str, Any]:
-    """Run (or resume) training to `config.run.steps`; returns the summary (rank 0's view)."""
+def train(
+    config: TrainConfig, store: dist.Store | None = None, hooks: TrainHooks | None = None
+) -> dict[str, Any]:
+    """Run (or resume) training to `config.run.steps`; returns the summary (rank 0's view).
+
+    `store` and `hooks` come from trainer/resilience.py: the rendezvous store of this
+    attempt and the progress/launcher callbacks. Called again after an in-process restart."""
+    hooks = hooks or TrainHooks()
+    attempt = hooks.attempt_info()
+    is_restart = attempt.get("inprocess_iteration", 0) > 0 or attempt.get("launcher_restart", 0) > 0
+    attempt_started_at = time.time()
     wall_start = time.perf_counter()
-    mesh = init_distributed()
+    phases: dict[str, float] = {}
+    mark = time.perf_counter()
+    mesh = init_distributed(config.resilience.collective_timeout_s, store)
+    phases["process_group_s"] = time.perf_counter() - mark
     rank, world = dist.get_rank(), dist.get_world_size()
     device = training_device()
     workdir = Path(config.run.workdir)
     events = EventLog(workdir, enabled=rank == 0)
+    events.emit("attempt_start", at=attempt_started_at, world_size=world, **attempt)
     ckpt_root = Path(config.checkpoint_dir())
     ckpt_cfg = config.checkpoint
+    injector = FaultInjector(parse_faults(config.run.faults), workdir, rank, world)
 
+    mark = time.perf_counter()
     torch.manual_seed(config.run.seed)  # identical initial weights on every rank
     model = ByteLM(config.model).to(device)
     apply_fsdp(model, mesh)
@@ -102,13 +135,17 @@ def train(config: TrainConfig) -> dict[str, Any]:
         optimizer,
         lambda s: lr_factor(s, config.run.steps, opt_cfg.warmup_steps, opt_cfg.min_lr_ratio),
     )
+    phases["model_build_s"] = time.perf_counter() - mark
+    mark = time.perf_counter()
     train_files, _ = split_files(config.data.dataset_dir, config.data.holdout_fraction)
     sampler = StepSampler(
         load_tokens(train_files), config.model.seq_len, config.data.batch_size, config.run.seed, rank
     )
+    phases["loader_s"] = time.perf_counter() - mark
 
     last_step = 0
     resumed_from = None
+    mark = time.perf_counter()
     latest = checkpoint.latest_committed_checkpoint(ckpt_root, ckpt_cfg.verify_hashes)
     if latest is not None:
         restored = checkpoint.load_checkpoint(latest, model, optimizer)
@@ -118,11 +155,13 @@ def train(config: TrainConfig) -> dict[str, Any]:
                 f"{latest} was trained with a different model config; use a new checkpoint dir"
             )
         scheduler.load_state_dict(meta["scheduler"])
+        hooks.restore_launcher_state(meta.get("launcher", {}))
         last_step = int(meta["step"])
         resumed_from = str(latest)
         events.emit("resume", step=last_step, checkpoint=resumed_from)
         if rank == 0:
             log.info("resumed from %s at step %d", latest, last_step)
+    phases["checkpoint_load_s"] = time.perf_counter() - mark
 
     def on_commit(record: SaveRecord) -> None:
         events.emit("checkpoint_committed", **record.as_dict())
@@ -138,8 +177,9 @@ def train(config: TrainConfig) -> dict[str, Any]:
         ckpt_root, ckpt_cfg.mode, ckpt_cfg.keep_last, ckpt_cfg.keep_every_steps, on_commit
     )
     start_begin = time.perf_counter()
-    checkpointer.start()
+    checkpointer.start(background=is_restart)  # a restart needs its first step soon
     checkpointer_start_s = time.perf_counter() - start_begin
+    phases["checkpointer_start_s"] = checkpointer_start_s
     stop = _StopRequest()
     stop.install()
 
@@ -153,6 +193,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
                 "model_hash": config.model_hash(),
                 "scheduler": scheduler.state_dict(),
                 "loss": loss_value,
+                "launcher": hooks.launcher_state(),
             },
             rank_extra={"sampler": sampler.state_dict(next_step=step + 1)},
         )
@@ -161,6 +202,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
             events.emit(
                 "checkpoint_queued", step=step, mode=record.mode, blocked_s=record.blocked_s, **fields
             )
+            injector.after_checkpoint_queued(step)
 
     losses: list[tuple[int, float]] = []
     stop_at = config.run.stop_after_steps or config.run.steps
@@ -168,9 +210,11 @@ def train(config: TrainConfig) -> dict[str, Any]:
     step_seconds = 0.0
     steps_run = 0
     loop_start = time.perf_counter()
+    events.emit("resumed", step=last_step, startup_s=loop_start - wall_start, phases=phases)
     try:
         for step in range(last_step + 1, config.run.steps + 1):
             step_start = time.perf_counter()
+            injector.at_step(step)
             batch = sampler.batch(step).to(device)
             loss = next_token_loss(model, batch)
             loss.backward()
@@ -184,10 +228,13 @@ def train(config: TrainConfig) -> dict[str, Any]:
             loss_value = reduced[0].item() / world
             if not math.isfinite(loss_value):
                 raise FloatingPointError(f"loss became {loss_value} at step {step}; lower optimizer.lr")
-            step_seconds += time.perf_counter() - step_start
+            step_duration_s = time.perf_counter() - step_start
+            step_seconds += step_duration_s
             steps_run += 1
             losses.append((step, loss_value))
-            events.emit("step", step=step, loss=loss_value, lr=scheduler.get_last_lr()[0])
+            events.emit(
+                "step", step=step, loss=loss_value, lr=scheduler.get_last_lr()[0], duration_s=step_duration_s
+            )
             if rank == 0 and (step % config.run.log_every_steps == 0 or step == last_step + 1):
                 log.info("step %d/%d loss %.4f", step, config.run.steps, loss_value)
 
@@ -195,6 +242,7 @@ def train(config: TrainConfig) -> dict[str, Any]:
             if stopped_by_signal or step % ckpt_cfg.every_steps == 0 or step == stop_at:
                 save(step, loss_value)
             checkpointer.poll()
+            hooks.step_done(step)
             if stopped_by_signal:
                 if rank == 0:
                     log.warning("SIGTERM received: saved step %d, stopping", step)
@@ -244,5 +292,13 @@ def train(config: TrainConfig) -> dict[str, Any]:
         "wall_seconds": time.perf_counter() - wall_start,
     }
     if rank == 0:
+        from trainer import goodput, report
+        from trainer.faults import fired_faults
+
+        summary.update(goodput.analyze_run(workdir, time.time()))
+        report_path = report.write_goodput_report(
+            workdir / "goodput.html", summary, goodput.read_events(workdir), fired_faults(workdir)
+        )
+        summary["goodput_report"] = str(report_path)
         write_json_atomic(workdir / "summary.json", summary)
     return summary

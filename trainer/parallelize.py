@@ -24,14 +24,30 @@ def training_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(timeout_s: float = 120.0) -> DeviceMesh:
-    """Join the process group described by the launcher's environment; one 1-D mesh."""
+def init_distributed(timeout_s: float = 120.0, store: dist.Store | None = None) -> DeviceMesh:
+    """Join the process group described by the launcher's environment; one 1-D mesh.
+
+    With `store`, rendezvous goes through it (each in-process restart brings a fresh key
+    prefix); rank and world size still come from the launcher's environment."""
     device = training_device()
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        # Joining may take a while (ranks restart at different moments); collectives after
+        # that get `timeout_s`, which on CPU bounds how long a rank waits on a failed peer.
+        join_timeout = timedelta(seconds=max(120.0, timeout_s))
+        if store is None:
+            dist.init_process_group(backend=backend, timeout=join_timeout)
+        else:
+            dist.init_process_group(
+                backend=backend,
+                store=store,
+                rank=env.rank(),
+                world_size=env.world_size(),
+                timeout=join_timeout,
+            )
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
     return init_device_mesh(device.type, (dist.get_world_size(),))
 
 

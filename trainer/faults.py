@@ -1,0 +1,158 @@
+"""Fault injection for tests, demos and chaos drills: `--fault KIND@STEP[:RANK]`.
+
+A fault fires once per run, on one rank (rank 0 unless given), when that rank reaches the
+step. Before firing, the rank writes a record to `<workdir>/faults/` (fsynced): the record
+is how a restarted rank — in the same process after an in-process restart, or a new
+process after ft_launcher restarted the group — knows the fault already happened and must
+not fire again when the step is redone, and it is what the goodput accounting reads as the
+fault's time. The launcher clears the folder when a new run (not a restart) begins.
+
+Kinds:
+- `exception`: the rank raises (a soft fault: in-process restart recovers it);
+- `hang`: the rank stops making progress (Python keeps running, so the restart machinery
+  can interrupt it); detected by the in-process progress watchdog or ft_launcher's
+  heartbeat timeout;
+- `sigkill`: the rank is killed (a hard fault: only ft_launcher recovers it);
+- `sigkill-during-save`: the rank is killed right after it queued an asynchronous
+  checkpoint, while the writer is still writing it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FAULT_KINDS = ("exception", "hang", "sigkill", "sigkill-during-save")
+_SPEC = re.compile(r"^\s*(?P<kind>[a-z-]+)@(?P<step>\d+)(?::(?P<rank>\d+))?\s*$")
+
+
+class FaultSpecError(ValueError):
+    """A `--fault` value is malformed; the message shows the accepted form."""
+
+
+class InjectedFault(RuntimeError):
+    """The exception an `exception` fault raises."""
+
+
+@dataclass(frozen=True, slots=True)
+class FaultSpec:
+    kind: str
+    step: int
+    rank: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind}@{self.step}:{self.rank}"
+
+
+def parse_fault(text: str) -> FaultSpec:
+    match = _SPEC.match(text)
+    if not match:
+        raise FaultSpecError(
+            f"bad fault {text!r}: use KIND@STEP[:RANK], e.g. exception@12 or sigkill@20:1; "
+            f"KIND is one of {', '.join(FAULT_KINDS)}"
+        )
+    kind = match["kind"]
+    if kind not in FAULT_KINDS:
+        raise FaultSpecError(f"unknown fault kind {kind!r} in {text!r}; use one of {', '.join(FAULT_KINDS)}")
+    step = int(match["step"])
+    if step < 1:
+        raise FaultSpecError(f"fault step must be at least 1 in {text!r}")
+    return FaultSpec(kind, step, int(match["rank"] or 0))
+
+
+def parse_faults(text: str) -> list[FaultSpec]:
+    """Comma- or space-separated specs (the form the config and pipeline parameter hold)."""
+    items = [item for item in re.split(r"[,\s]+", text or "") if item and item.lower() != "none"]
+    specs = [parse_fault(item) for item in items]
+    if len(set(specs)) != len(specs):
+        raise FaultSpecError(f"the same fault is listed twice in {text!r}")
+    return specs
+
+
+def faults_dir(workdir: str | Path) -> Path:
+    return Path(workdir) / "faults"
+
+
+def fired_faults(workdir: str | Path) -> list[dict[str, Any]]:
+    """The records of faults that fired in this run, oldest first."""
+    records = []
+    for path in sorted(faults_dir(workdir).glob("*.json")):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue  # a record being written right now; it is complete on the next read
+    return sorted(records, key=lambda record: record["time"])
+
+
+def clear_fault_records(workdir: str | Path) -> None:
+    """Forget fired faults: called by the launcher when a new run begins."""
+    folder = faults_dir(workdir)
+    if folder.is_dir():
+        for path in folder.glob("*.json"):
+            path.unlink(missing_ok=True)
+
+
+class FaultInjector:
+    """Fires this rank's faults at their steps, each once per run."""
+
+    def __init__(self, specs: list[FaultSpec], workdir: str | Path, rank: int, world_size: int) -> None:
+        for spec in specs:
+            if spec.rank >= world_size:
+                raise FaultSpecError(
+                    f"fault {spec} names rank {spec.rank}, but the run has {world_size} ranks"
+                )
+        self.specs = [spec for spec in specs if spec.rank == rank]
+        self.folder = faults_dir(workdir)
+        self.rank = rank
+
+    def _record_path(self, spec: FaultSpec) -> Path:
+        return self.folder / f"{spec.kind}-{spec.step}-{spec.rank}.json"
+
+    def _claim(self, spec: FaultSpec) -> bool:
+        """Write the record (durably) unless it exists: True when the fault must fire now."""
+        path = self._record_path(spec)
+        if path.exists():
+            return False
+        self.folder.mkdir(parents=True, exist_ok=True)
+        record = {
+            "kind": spec.kind,
+            "step": spec.step,
+            "rank": spec.rank,
+            "time": time.time(),
+            "pid": os.getpid(),
+        }
+        tmp = path.with_suffix(".tmp")
+        with tmp.open("w") as handle:
+            json.dump(record, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+        return True
+
+    def at_step(self, step: int) -> None:
+        """Called at the start of `step`, before any collective of that step."""
+        for spec in self.specs:
+            if spec.step == step and spec.kind != "sigkill-during-save" and self._claim(spec):
+                self._fire(spec)
+
+    def after_checkpoint_queued(self, step: int) -> None:
+        """Called right after the save of `step` was queued (the writer is busy with it)."""
+        for spec in self.specs:
+            if spec.kind == "sigkill-during-save" and step >= spec.step and self._claim(spec):
+                self._fire(spec)
+
+    def _fire(self, spec: FaultSpec) -> None:
+        if spec.kind == "exception":
+            raise InjectedFault(f"injected fault {spec}")
+        if spec.kind == "hang":
+            # Short sleeps, not one long one: the rank stays interruptible by the restart
+            # machinery (an asynchronous exception only lands between bytecodes).
+            while True:
+                time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,209 @@
+"""The two fault-tolerance layers around `trainer.loop.train`, as `python -m trainer` runs it.
+
+Layer 1, in-process restart (NVRx `inprocess.Wrapper`): a soft fault on any rank — an
+exception, or a hang the progress watchdog notices — aborts the process group on every
+rank and calls the training function again in the same processes. Each call builds its
+own process group on a fresh key prefix of one long-lived store, rebuilds model, optimizer
+and loader, and resumes from the latest committed checkpoint; nothing distributed
+survives a call (the loop abandons its checkpoint writer on the way out).
+
+Layer 2, ft_launcher (NVRx `fault_tolerance`): a rank that dies (SIGKILL, OOM kill) or
+stops heart-beating is handled by the launcher, which restarts the whole worker group. The
+loop sends a heartbeat per step; the timeouts ft_launcher learns from them are stored in
+every checkpoint (never below `resilience.heartbeat_floor_s`) so a restarted group keeps them.
+
+Ports: the launcher's store listens on MASTER_PORT, the training store on MASTER_PORT+1
+and the wrapper's own store on MASTER_PORT+2 — the layout NVRx's examples use.
+
+This module does not use `from __future__ import annotations`: the wrapper finds the
+parameter that receives it by its (evaluated) `CallWrapper` annotation.
+"""
+
+import datetime
+import logging
+import os
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from trainer.checkpointer import abandon_all
+from trainer.config import TrainConfig
+from trainer.loop import TrainHooks, train
+
+log = logging.getLogger(__name__)
+
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun / ft_launcher per worker group
+FT_SOCKET = "FT_RANK_MONITOR_IPC_SOCKET"  # present when ft_launcher runs this rank
+
+
+class _LauncherClient:
+    """ft_launcher's rank-monitor client, or nothing when another launcher runs us."""
+
+    def __init__(self, floor_s: float) -> None:
+        self.floor_s = floor_s
+        self.client: Any = None
+        self.process_started_at = time.time()
+        self.steps_seen = 0
+        if os.environ.get(FT_SOCKET):
+            from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
+
+            self.client = RankMonitorClient()
+
+    def connect(self) -> None:
+        if self.client is None:
+            return
+        if self.client.is_initialized:  # a new in-process attempt: reconnect
+            self.client.shutdown_workload_monitoring()
+        self.client.init_workload_monitoring()
+        self.steps_seen = 0
+
+    def heartbeat(self) -> None:
+        if self.client is None:
+            return
+        self.client.send_heartbeat()
+        self.steps_seen += 1
+        if self.steps_seen == 8:  # enough samples of step time to learn from
+            self.client.calculate_and_set_hb_timeouts(skip_if_not_ready=True)
+            self._apply_floor()
+
+    def _apply_floor(self) -> None:
+        state = self.client.state_dict()
+        beats = state.get(self.client.CURRENT_TIMEOUTS_STATE_KEY, {}).get("heartbeat")
+        if not beats:
+            return
+        floored = dict(
+            beats,
+            initial=max(beats["initial"], self.floor_s),
+            subsequent=max(beats["subsequent"], self.floor_s),
+        )
+        if floored != beats:
+            # load_state_dict is the client's public way to set timeouts on a live connection.
+            self.client.load_state_dict({self.client.CURRENT_TIMEOUTS_STATE_KEY: {"heartbeat": floored}})
+
+    def state_dict(self) -> dict[str, Any]:
+        return (
+            dict(self.client.state_dict()) if self.client is not None and self.client.is_initialized else {}
+        )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.client is not None and state:
+            self.client.load_state_dict(state)
+
+    def close(self) -> None:
+        if self.client is not None and self.client.is_initialized:
+            self.client.shutdown_workload_monitoring()
+
+
+class _Hooks(TrainHooks):
+    def __init__(
+        self, launcher: _LauncherClient, call_wrapper: Any, attempt: int, detected_at: float | None
+    ) -> None:
+        self.launcher = launcher
+        self.call_wrapper = call_wrapper
+        self.attempt = attempt
+        self.detected_at = detected_at
+
+    def attempt_info(self) -> dict[str, Any]:
+        return {
+            "inprocess_iteration": self.attempt,
+            "launcher_restart": int(os.environ.get(RESTART_COUNT, "0")),
+            "inprocess_enabled": self.call_wrapper is not None,
+            "launcher": "ft_launcher" if self.launcher.client is not None else "other",
+            "fault_detected_at": self.detected_at,
+            "process_started_at": self.launcher.process_started_at,
+        }
+
+    def step_done(self, step: int) -> None:
+        if self.call_wrapper is not None:
+            self.call_wrapper.ping()
+        self.launcher.heartbeat()
+
+    def launcher_state(self) -> dict[str, Any]:
+        return self.launcher.state_dict()
+
+    def restore_launcher_state(self, state: dict[str, Any]) -> None:
+        self.launcher.load_state_dict(state)
+
+
+def _app_store(config: TrainConfig) -> dist.TCPStore:
+    """One store for every attempt's process group; each attempt uses its own key prefix."""
+    return dist.TCPStore(
+        host_name=os.environ[MASTER_ADDR],
+        port=int(os.environ[MASTER_PORT]) + 1,
+        world_size=int(os.environ["WORLD_SIZE"]),
+        is_master=int(os.environ["RANK"]) == 0,
+        multi_tenant=True,
+        wait_for_workers=True,
+        timeout=datetime.timedelta(seconds=max(60.0, config.resilience.collective_timeout_s)),
+    )
+
+
+def run_training(config: TrainConfig, process_started_at: float | None = None) -> dict[str, Any]:
+    """Train to the end through both layers; returns rank 0's summary (others: their view)."""
+    launcher = _LauncherClient(config.resilience.heartbeat_floor_s)
+    launcher.process_started_at = process_started_at or time.time()
+    store = _app_store(config)
+    try:
+        if config.resilience.inprocess_restarts == 0:
+            launcher.connect()
+            return _attempt(config, store, launcher, None, None)
+        return _run_inprocess(config, store, launcher)
+    finally:
+        launcher.close()
+
+
+def _attempt(
+    config: TrainConfig,
+    store: dist.Store,
+    launcher: _LauncherClient,
+    call_wrapper: Any,
+    detected_at: float | None,
+) -> dict[str, Any]:
+    attempt = call_wrapper.iteration if call_wrapper is not None else 0
+    hooks = _Hooks(launcher, call_wrapper, attempt, detected_at)
+    return train(config, store=dist.PrefixStore(f"attempt{attempt}", store), hooks=hooks)
+
+
+def _run_inprocess(config: TrainConfig, store: dist.Store, launcher: _LauncherClient) -> dict[str, Any]:
+    from nvidia_resiliency_ext import inprocess
+
+    r = config.resilience
+    detected: dict[str, float] = {}
+
+    class _RecordRestart(inprocess.finalize.Finalize):
+        """Runs once the wrapper has torn the failed attempt down: releases the async
+        checkpoint writer and its pending saves, and notes the time (for goodput).
+
+        A plain Finalize: NVRx's ThreadedFinalize needs CUDA."""
+
+        def __call__(self, state: Any) -> Any:
+            detected["at"] = time.time()
+            abandon_all()  # again: the loop's own abandon may have been cut short
+            return state
+
+    def wrapped(config: TrainConfig, call_wrapper: inprocess.CallWrapper | None = None) -> dict[str, Any]:
+        if call_wrapper is not None and call_wrapper.iteration > 0:
+            log.warning(
+                "in-process restart %d: resuming from the latest committed checkpoint", call_wrapper.iteration
+            )
+        launcher.connect()
+        return _attempt(config, store, launcher, call_wrapper, detected.pop("at", None))
+
+    wrapper = inprocess.Wrapper(
+        store_kwargs={"port": int(os.environ[MASTER_PORT]) + 2},
+        initialize=inprocess.initialize.RetryController(max_iterations=r.inprocess_restarts + 1),
+        abort=inprocess.abort.AbortTorchDistributed(),
+        finalize=_RecordRestart(),
+        health_check=None,
+        soft_timeout=datetime.timedelta(seconds=r.soft_timeout_s),
+        hard_timeout=datetime.timedelta(seconds=r.hard_timeout_s),
+        heartbeat_timeout=datetime.timedelta(seconds=max(30.0, r.hard_timeout_s)),
+        barrier_timeout=datetime.timedelta(seconds=max(120.0, 2 * r.hard_timeout_s + 10)),
+        completion_timeout=datetime.timedelta(seconds=max(120.0, 2 * r.hard_timeout_s + 10)),
+        termination_grace_time=datetime.timedelta(seconds=2),
+    )
+    result = wrapper(wrapped)(config)
+    return result if isinstance(result, dict) else {}
