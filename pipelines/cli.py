@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from pipelines.kfp_cli import add_kfp_parsers
 from pipelines.local import LocalOptions
 from trainer.config import CHECKPOINT_MODES
 
@@ -323,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_validate,
         _add_register,
         _add_bench,
+        add_kfp_parsers,
     ):
         add(sub)
     return parser
@@ -332,6 +334,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input or environment, not a bug: shown as one line."""
     from components.stage_data.stage import StageError
     from pipelines.local import LocalRunError
+    from pipelines.ops import OpsError
     from trainer.checkpoint import CheckpointError
     from trainer.config import ConfigError
     from trainer.data import DataError
@@ -345,6 +348,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
         StageError,
         TrainingFailed,
         LocalRunError,
+        OpsError,
         ValueError,
     )
 
