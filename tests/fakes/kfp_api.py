@@ -560,6 +560,15 @@ class FakeKfpApi:
             if interval < 1:
                 raise ApiError(400, "Invalid input error: interval_second must be positive")
 
+    @staticmethod
+    def _stored_trigger(trigger: dict[str, Any]) -> dict[str, Any]:
+        """The trigger as the server echoes it: protobuf JSON writes int64 as a string."""
+        stored = json.loads(json.dumps(trigger))
+        periodic = stored.get("periodic_schedule")
+        if periodic and periodic.get("interval_second") is not None:
+            periodic["interval_second"] = str(int(periodic["interval_second"]))
+        return stored
+
     def _op_RecurringRunService_CreateRecurringRun(self, path: dict, args: dict, body: Any) -> dict:
         body = body or {}
         if not body.get("display_name"):
@@ -582,7 +591,7 @@ class FakeKfpApi:
             "runtime_config": body.get("runtime_config") or {},
             "service_account": body.get("service_account") or "",
             "max_concurrency": str(concurrency),
-            "trigger": body["trigger"],
+            "trigger": self._stored_trigger(body["trigger"]),
             "mode": "ENABLE" if enabled else "DISABLE",
             "status": "ENABLED" if enabled else "DISABLED",
             "no_catchup": bool(body.get("no_catchup")),
