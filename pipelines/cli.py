@@ -23,6 +23,9 @@ EPILOG = """examples:
   rtp local --steps 100 --nproc 2        # longer demo run
   rtp compile -o pipeline.yaml --image 123456789012.dkr.ecr.us-east-1.amazonaws.com/rtp:0.1.0
   rtp train-local --dataset-dir DIR --workdir runs/a --steps 40 --checkpoint-every 10
+  rtp upload --host http://127.0.0.1:8888 --image REGISTRY/rtp:0.1.0   # a new pipeline version
+  rtp run --host http://127.0.0.1:8888 --version latest --param steps=200 --wait
+  rtp schedule --host http://127.0.0.1:8888 --name nightly --cron "0 3 * * *"
 """
 
 

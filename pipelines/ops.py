@@ -143,14 +143,18 @@ def parse_parameter_arguments(
             )
         if name in values:
             raise OpsError(f"parameter {name!r} is given twice")
-        value = _convert(parameters[name], text)
-        choices = PARAMETER_CHOICES.get(name)
-        if choices and value not in choices:
-            raise OpsError(f"parameter {name}={value!r} is not allowed; choose one of: {', '.join(choices)}")
-        if name in POSITIVE_PARAMETERS and value < 1:
-            raise OpsError(f"parameter {name}={value} must be at least 1")
-        values[name] = value
+        values[name] = check_allowed_value(name, _convert(parameters[name], text))
     return values
+
+
+def check_allowed_value(name: str, value: Any) -> Any:
+    """`value` when parameter `name` may take it, else an OpsError listing what it may take."""
+    choices = PARAMETER_CHOICES.get(name)
+    if choices and value not in choices:
+        raise OpsError(f"parameter {name}={value!r} is not allowed; choose one of: {', '.join(choices)}")
+    if name in POSITIVE_PARAMETERS and value < 1:
+        raise OpsError(f"parameter {name}={value} must be at least 1")
+    return value
 
 
 # --- schedules ----------------------------------------------------------------------------
