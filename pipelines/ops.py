@@ -59,7 +59,6 @@ class PipelineParameter:
     """The IR type: STRING, NUMBER_INTEGER, NUMBER_DOUBLE, BOOLEAN, LIST or STRUCT."""
     default: Any
     description: str
-    optional: bool
 
 
 def pipeline_parameters(pipeline_spec: Mapping[str, Any]) -> dict[str, PipelineParameter]:
@@ -71,7 +70,6 @@ def pipeline_parameters(pipeline_spec: Mapping[str, Any]) -> dict[str, PipelineP
             parameter_type=definition.get("parameterType", "STRING"),
             default=definition.get("defaultValue"),
             description=definition.get("description", ""),
-            optional=bool(definition.get("isOptional")) or "defaultValue" in definition,
         )
         for name, definition in definitions.items()
     }

@@ -7,8 +7,8 @@ every uploaded pipeline into kfp's PipelineSpec proto.
 
 from __future__ import annotations
 
+import hashlib
 import json
-import re
 from pathlib import Path
 
 import kfp
@@ -16,6 +16,7 @@ import pytest
 
 from pipelines import ops
 from pipelines.cli import main
+from pipelines.kfp_client import source_identity
 from pipelines.pipeline import compile_pipeline
 from tests.fakes.kfp_api import FakeKfpApi
 
@@ -95,15 +96,16 @@ def test_fake_rejects_what_the_real_api_would(kfp_api, package):
 # --- upload -----------------------------------------------------------------------------------
 
 
-def test_first_upload_creates_the_pipeline_with_a_named_version(kfp_api, capsys):
+def test_first_upload_creates_the_pipeline_with_a_named_version(kfp_api, package, capsys):
     code, out, _ = rtp(capsys, "upload", "--host", kfp_api.url)  # compiles this checkout
     assert code == 0, out
     [pipeline] = kfp_api.pipelines.values()
     [version] = kfp_api.versions.values()
     assert pipeline["display_name"] == "rtp-resilient-training"
-    assert re.fullmatch(r"0\.\d+\.\d+(-[0-9a-f]{7})?(-dirty)?-?[0-9a-f]{0,8}", version["name"]), version[
-        "name"
-    ]
+    package_version, commit, dirty = source_identity()
+    spec_sha256 = hashlib.sha256(package.read_bytes()).hexdigest()  # compiling is deterministic
+    assert version["name"] == ops.default_version_name(package_version, commit, dirty, spec_sha256)
+    assert version["name"].startswith(package_version + (f"-{commit}" if commit else ""))
     assert version["pipeline_spec"]["pipelineInfo"]["name"] == "rtp-resilient-training"
     assert ops.spec_sha256_in(version["description"]), "the spec hash is recorded for repeat detection"
     assert f"created pipeline 'rtp-resilient-training' with version '{version['name']}'" in out
