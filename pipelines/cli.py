@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from pipelines.kfp_cli import add_kfp_parsers
 from pipelines.local import LocalOptions
 from trainer.config import CHECKPOINT_MODES
 
@@ -22,6 +23,9 @@ EPILOG = """examples:
   rtp local --steps 100 --nproc 2        # longer demo run
   rtp compile -o pipeline.yaml --image 123456789012.dkr.ecr.us-east-1.amazonaws.com/rtp:0.1.0
   rtp train-local --dataset-dir DIR --workdir runs/a --steps 40 --checkpoint-every 10
+  rtp upload --host http://127.0.0.1:8888 --image REGISTRY/rtp:0.1.0   # a new pipeline version
+  rtp run --host http://127.0.0.1:8888 --version latest --param steps=200 --wait
+  rtp schedule --host http://127.0.0.1:8888 --name nightly --cron "0 3 * * *"
 """
 
 
@@ -343,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_validate,
         _add_register,
         _add_bench,
+        add_kfp_parsers,
     ):
         add(sub)
     return parser
@@ -352,6 +357,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input or environment, not a bug: shown as one line."""
     from components.stage_data.stage import StageError
     from pipelines.local import LocalRunError
+    from pipelines.ops import OpsError
     from trainer.checkpoint import CheckpointError
     from trainer.config import ConfigError
     from trainer.data import DataError
@@ -365,6 +371,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
         StageError,
         TrainingFailed,
         LocalRunError,
+        OpsError,
         ValueError,
     )
 

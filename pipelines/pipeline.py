@@ -102,7 +102,7 @@ def build_pipeline(image: str = DEFAULT_IMAGE) -> Any:
             # Each step writes to the shared volume: a cached result could point at a
             # folder another run has since changed, so nothing is cached for now.
             task.set_caching_options(False)
-        with dsl.If(validate.outputs["Output"] != "reject", name="model-is-good-enough"):
+        with dsl.If(validate.outputs["Output"] != "reject", name="If validation accepted the model"):
             register_op(
                 model=train.outputs["model"],
                 dataset=stage.outputs["dataset"],

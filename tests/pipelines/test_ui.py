@@ -1,0 +1,54 @@
+"""What the Kubeflow UI shows: task names that read as sentences, parameters that explain
+themselves and whose defaults make a run that starts."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipelines import ops
+from pipelines.pipeline import compile_pipeline
+from trainer.config import build_config, parse_overrides
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory) -> dict:
+    path = compile_pipeline(str(tmp_path_factory.mktemp("ui") / "pipeline.yaml"))
+    return next(doc for doc in yaml.safe_load_all(Path(path).read_text()) if doc)
+
+
+def _task_names(spec: dict) -> list[str]:
+    dags = [spec["root"]["dag"]] + [c["dag"] for c in spec["components"].values() if "dag" in c]
+    return [task["taskInfo"]["name"] for dag in dags for task in dag["tasks"].values()]
+
+
+def test_every_task_name_reads_as_a_sentence(spec):
+    names = _task_names(spec)
+    assert len(names) == 5  # stage, train, validate, the condition, register
+    for name in names:
+        words = name.split()
+        assert len(words) >= 4, f"{name!r} is too short to say what happens"
+        assert words[0][0].isupper() and words[0].isalpha(), f"{name!r} should start with a capitalised word"
+        assert "-" not in words[0] and "_" not in name, f"{name!r} reads like an identifier"
+
+
+def test_every_parameter_default_is_accepted_and_makes_a_valid_training_config(spec):
+    parameters = ops.pipeline_parameters(spec)
+    defaults = {}
+    for name, parameter in parameters.items():
+        assert parameter.description, f"{name} has no description"
+        value = parameter.default
+        if parameter.parameter_type == "NUMBER_INTEGER":
+            assert float(value).is_integer(), name
+            value = int(value)
+        defaults[name] = ops.check_allowed_value(name, value)
+    build_config(
+        defaults["preset"],
+        [
+            *parse_overrides(defaults["overrides"]),
+            f"run.steps={defaults['steps']}",
+            f"checkpoint.every_steps={defaults['checkpoint_every']}",
+            f"checkpoint.mode={defaults['checkpoint_mode']}",
+        ],
+    )
+    assert defaults["source"].startswith("s3://") and defaults["fsx_mount_path"].startswith("/")

@@ -1,0 +1,197 @@
+"""Pure logic of the Kubeflow commands: parameters, cron, intervals, version names, auth, runs table."""
+
+import datetime as dt
+
+import pytest
+
+from pipelines import ops
+from pipelines.ops import OpsError
+
+SPEC = {
+    "root": {
+        "inputDefinitions": {
+            "parameters": {
+                "steps": {"parameterType": "NUMBER_INTEGER", "defaultValue": 40.0, "description": "d"},
+                "max_loss": {"parameterType": "NUMBER_DOUBLE", "defaultValue": 4.0},
+                "checkpoint_mode": {"parameterType": "STRING", "defaultValue": "async"},
+                "source": {"parameterType": "STRING", "defaultValue": "s3://b/p/"},
+                "flag": {"parameterType": "BOOLEAN", "defaultValue": False},
+                "tags": {"parameterType": "LIST", "isOptional": True},
+            }
+        }
+    }
+}
+PARAMETERS = ops.pipeline_parameters(SPEC)
+
+
+def test_parameters_are_typed_from_the_spec():
+    values = ops.parse_parameter_arguments(
+        ["steps=200", "max_loss=3.5", "checkpoint_mode=sync", "source=s3://x/y=z", "flag=true", 'tags=["a"]'],
+        PARAMETERS,
+    )
+    assert values == {
+        "steps": 200,
+        "max_loss": 3.5,
+        "checkpoint_mode": "sync",
+        "source": "s3://x/y=z",  # only the first '=' splits
+        "flag": True,
+        "tags": ["a"],
+    }
+    assert type(values["steps"]) is int
+
+
+@pytest.mark.parametrize(
+    ("argument", "needles"),
+    [
+        ("stepz=3", ["'stepz'", "checkpoint_mode", "max_loss", "steps"]),
+        ("steps=2.5", ["steps", "an integer", "NUMBER_INTEGER"]),
+        ("steps=many", ["steps", "an integer"]),
+        ("max_loss=nan", ["max_loss", "a number"]),
+        ("flag=maybe", ["flag", "true or false"]),
+        ("tags={}", ["tags", "a JSON list"]),
+        ("checkpoint_mode=fast", ["checkpoint_mode", "async", "torch-async", "sync", "off"]),
+        ("steps=0", ["steps", "at least 1"]),
+        ("steps", ["name=value"]),
+        ("=3", ["name=value"]),
+    ],
+)
+def test_bad_parameters_name_the_parameter_and_what_it_takes(argument, needles):
+    with pytest.raises(OpsError) as error:
+        ops.parse_parameter_arguments([argument], PARAMETERS)
+    for needle in needles:
+        assert needle in str(error.value)
+
+
+def test_a_parameter_given_twice_is_an_error():
+    with pytest.raises(OpsError, match="twice"):
+        ops.parse_parameter_arguments(["steps=1", "steps=2"], PARAMETERS)
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ("0 3 * * *", "0 0 3 * * *"),
+        ("*/15 * * * 1-5", "0 */15 * * * 1-5"),
+        ("30 2 1,15 JAN-JUN sun", "0 30 2 1,15 JAN-JUN sun"),
+        ("0 0 9 ? * 2-6", "0 0 9 ? * 2-6"),  # already KFP's 6-field form
+        ("  0   3 * *  * ", "0 0 3 * * *"),
+        ("@daily", "@daily"),
+    ],
+)
+def test_cron_becomes_the_six_field_form(given, expected):
+    assert ops.kfp_cron(given) == expected
+
+
+@pytest.mark.parametrize(
+    ("given", "needle"),
+    [
+        ("0 3 * *", "4 fields"),
+        ("0 0 3 * * * *", "7 fields"),
+        ("61 * * * *", "minute 61 is outside 0-59"),
+        ("0 24 * * *", "hour 24"),
+        ("0 3 * * 7", "use 0 for Sunday"),
+        ("0 3 32 * *", "day of month 32"),
+        ("0 3 * 13 *", "month 13"),
+        ("0 3 * FOO *", "month 'FOO' is not a value"),
+        ("0 5-3 * * *", "runs backwards"),
+        ("*/0 * * * *", "step '0'"),
+        ("? * * * *", "'?' is allowed only"),
+        ("@every 1h", "--interval"),
+    ],
+)
+def test_bad_cron_is_rejected_with_the_reason(given, needle):
+    with pytest.raises(OpsError) as error:
+        ops.kfp_cron(given)
+    assert needle in str(error.value)
+
+
+def test_intervals():
+    assert ops.interval_seconds("90s") == 90
+    assert ops.interval_seconds("6h") == 6 * 3600
+    assert ops.interval_seconds("1h30m") == 5400
+    assert ops.interval_seconds("1d") == 86400
+    for bad in ("", "6", "h", "6x", "0s", "1h 30m"):
+        with pytest.raises(OpsError):
+            ops.interval_seconds(bad)
+
+
+def test_max_concurrency_range():
+    assert ops.check_max_concurrency(1) == 1
+    for bad in (0, 11):
+        with pytest.raises(OpsError, match="1-10"):
+            ops.check_max_concurrency(bad)
+
+
+def test_default_version_names():
+    digest = "ab" * 32
+    assert ops.default_version_name("0.1.0", "1234567abc", False, digest) == "0.1.0-1234567"
+    assert ops.default_version_name("0.1.0", "1234567", True, digest) == "0.1.0-1234567-dirty-abababab"
+    assert ops.default_version_name("0.1.0", "", False, digest) == "0.1.0-abababab"
+    description = ops.version_description("0.1.0", "1234567", digest)
+    assert ops.spec_sha256_in(description) == digest
+    assert ops.spec_sha256_in("uploaded by hand") is None
+
+
+def _files(mapping):
+    return mapping.get
+
+
+def test_token_comes_from_flag_then_environment_then_file():
+    files = _files({ops.DEFAULT_TOKEN_PATH: "from-file\n", "/elsewhere": "other\n"})
+    env = {ops.TOKEN_ENV: "from-env"}
+    assert ops.resolve_token("from-flag", env, files) == ("from-flag", "--token")
+    assert ops.resolve_token(None, env, files) == ("from-env", f"${ops.TOKEN_ENV}")
+    assert ops.resolve_token(None, {}, files) == ("from-file", ops.DEFAULT_TOKEN_PATH)
+    assert ops.resolve_token(None, {ops.TOKEN_PATH_ENV: "/elsewhere"}, files) == ("other", "/elsewhere")
+    assert ops.resolve_token(None, {}, _files({})) == (None, "no token")
+
+
+def test_namespace_comes_from_flag_then_environment_then_pod():
+    pod = _files({ops.SERVICE_ACCOUNT_NAMESPACE_PATH: "team-pod\n"})
+    assert ops.resolve_namespace("team-flag", {ops.NAMESPACE_ENV: "team-env"}, pod) == "team-flag"
+    assert ops.resolve_namespace(None, {ops.NAMESPACE_ENV: "team-env"}, pod) == "team-env"
+    assert ops.resolve_namespace(None, {}, pod) == "team-pod"
+    assert ops.resolve_namespace(None, {}, _files({})) is None
+
+
+def test_auth_messages_say_what_to_do():
+    unauthenticated = ops.auth_failure_message(401, "https://kf", "no token", None)
+    assert "401" in unauthenticated and "--token" in unauthenticated and ops.TOKEN_ENV in unauthenticated
+    denied = ops.auth_failure_message(403, "https://kf", "--token", "team-a")
+    assert "403" in denied and "'team-a'" in denied and "--namespace" in denied
+
+
+def test_runs_table_shows_state_duration_and_metrics():
+    now = dt.datetime(2026, 1, 2, 12, 0, tzinfo=dt.UTC)
+    runs = [
+        {
+            "run_id": "r1",
+            "display_name": "nightly",
+            "state": "SUCCEEDED",
+            "created_at": "2026-01-02T10:00:00Z",
+            "finished_at": "2026-01-02T11:05:30Z",
+        },
+        {
+            "run_id": "r2",
+            "display_name": "adhoc",
+            "state": "RUNNING",
+            "created_at": dt.datetime(2026, 1, 2, 11, 58, 30, tzinfo=dt.UTC),
+            "finished_at": "1970-01-01T00:00:00Z",
+        },
+    ]
+    metrics = {
+        "r1": ops.metrics_from_step_records(
+            {
+                "train": {"final_loss": 2.25},
+                "validate": {"holdout_loss": 2.5, "decision": "champion"},
+                "register": {"version": "7"},
+            }
+        )
+    }
+    lines = ops.format_runs_table(runs, now, metrics).splitlines()
+    assert lines[0].split()[:4] == ["run", "state", "created", "duration"]
+    assert lines[1].split() == [
+        "nightly", "SUCCEEDED", "2026-01-02", "10:00", "1h05m", "2.2500", "2.5000", "champion", "7", "r1"
+    ]  # fmt: skip
+    assert lines[2].split()[:5] == ["adhoc", "RUNNING", "2026-01-02", "11:58", "1m30s"]
+    assert ops.format_runs_table([], now) == "no runs"
