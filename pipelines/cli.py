@@ -61,6 +61,14 @@ def _add_local(sub: argparse._SubParsersAction) -> None:
         "--overrides", default="", help="extra trainer config, e.g. 'optimizer.lr=1e-3 model.n_layers=3'"
     )
     p.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="KIND@STEP[:RANK]",
+        help="inject a fault into training (chaos drill): KIND is exception, hang, sigkill or "
+        "sigkill-during-save; repeatable",
+    )
+    p.add_argument(
         "--source",
         default="",
         help="s3://bucket/prefix to stage instead of the embedded demo corpus; "
@@ -101,6 +109,7 @@ def _cmd_local(args: argparse.Namespace) -> int:
         seed=args.seed,
         preset=args.preset,
         overrides=args.overrides,
+        faults=",".join(args.fault) or "none",
         source=args.source,
         s3_endpoint_url=args.s3_endpoint_url,
         mlflow_uri=args.mlflow_uri,
@@ -126,6 +135,7 @@ def _check_training_options(options: LocalOptions) -> None:
             f"run.steps={options.steps}",
             f"checkpoint.every_steps={options.checkpoint_every}",
             f"checkpoint.mode={options.checkpoint_mode}",
+            f"run.faults={options.faults if options.faults != 'none' else ''}",
         ],
     )
 
@@ -308,6 +318,7 @@ def _cmd_register(args: argparse.Namespace) -> int:
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     from benchmarks import checkpoint as bench_checkpoint
+    from benchmarks import recovery as bench_recovery
 
     p = sub.add_parser(
         "bench",
@@ -323,6 +334,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     bench_checkpoint.add_arguments(ckpt)
     ckpt.set_defaults(handler=bench_checkpoint.main)
+    recovery = kinds.add_parser(
+        "recovery",
+        help="the same soft fault under in-process, ft_launcher and cold restart",
+        description=bench_recovery.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench_recovery.add_arguments(recovery)
+    recovery.set_defaults(handler=bench_recovery.main)
 
 
 class UserError(Exception):

@@ -42,6 +42,7 @@ class LocalOptions:
     seed: int = 1234
     preset: str = "tiny-cpu"
     overrides: str = ""
+    faults: str = "none"
     source: str = ""
     s3_endpoint_url: str = ""
     mlflow_uri: str = ""
@@ -139,6 +140,7 @@ def run_local(options: LocalOptions) -> dict[str, Any]:
                 seed=options.seed,
                 preset=options.preset,
                 overrides=options.overrides,
+                faults=options.faults,
                 max_loss=options.max_loss,
                 model_name=options.model_name,
             )

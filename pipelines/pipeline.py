@@ -47,6 +47,7 @@ def build_pipeline(image: str = DEFAULT_IMAGE) -> Any:
         seed: int = 1234,
         preset: str = "tiny-cpu",
         overrides: str = "",
+        faults: str = "none",
         max_loss: float = 4.0,
         model_name: str = DEFAULT_MODEL_NAME,
     ) -> None:
@@ -65,6 +66,7 @@ def build_pipeline(image: str = DEFAULT_IMAGE) -> Any:
             seed: Random seed for weights and data order.
             preset: Model size preset: tiny-cpu, small-cpu or gpu-125m.
             overrides: Extra trainer config as 'section.field=value' items separated by spaces, e.g. 'optimizer.lr=1e-3'.
+            faults: Faults to inject for a chaos drill, 'KIND@STEP[:RANK]' separated by commas (KIND: exception, hang, sigkill, sigkill-during-save); 'none' for a normal run.
             max_loss: Highest holdout loss (nats per byte) a model may have to be registered.
             model_name: Registered model name in MLflow.
         """
@@ -89,6 +91,7 @@ def build_pipeline(image: str = DEFAULT_IMAGE) -> Any:
             seed=seed,
             preset=preset,
             overrides=overrides,
+            faults=faults,
         ).set_display_name("Train the model with FSDP and checkpoints")
         validate = validate_op(
             model=train.outputs["model"],

@@ -7,7 +7,8 @@ and tested without processes.
 
 - A *restart* is every attempt after the first: its fault (the latest fault record before
   it), the mechanism (`inprocess` when the in-process iteration advanced, `launcher` when
-  ft_launcher restarted the worker group), the step the fault hit, the step resumed from,
+  ft_launcher restarted the worker group, `cold` when a new launcher was started for the
+  same run, as after a pod restart), the step the fault hit, the step resumed from,
   detection time (in-process only: when the wrapper began tearing the attempt down),
   shutdown (fault → the new attempt's process/function started) and startup (→ first step
   of the new attempt, with its phases), and the steps redone.
@@ -72,14 +73,15 @@ def analyze(events: list[dict[str, Any]], faults: list[dict[str, Any]], end_time
         ]
         last_done = max(done_before) if done_before else 0
         resumed_step = resumed["step"] if resumed else None
-        mechanism = (
-            "launcher"
-            if attempt.get("launcher_restart", 0) > previous.get("launcher_restart", 0)
-            else "inprocess"
-        )
+        if attempt.get("launcher_restart", 0) > previous.get("launcher_restart", 0):
+            mechanism = "launcher"
+        elif attempt.get("inprocess_iteration", 0) > 0:
+            mechanism = "inprocess"
+        else:  # a first attempt of a new launcher in the same run: everything was restarted
+            mechanism = "cold"
         # For a launcher restart the new process's start marks the end of the shutdown;
         # for an in-process restart it is the new call of the training function.
-        restarted_at = attempt.get("process_started_at") if mechanism == "launcher" else None
+        restarted_at = attempt.get("process_started_at") if mechanism != "inprocess" else None
         restarted_at = restarted_at or attempt_at
         fault_at = fault["time"] if fault else None
         record: dict[str, Any] = {

@@ -184,11 +184,16 @@ def run_local_training(
     workdir: str | Path,
     echo: bool = True,
     settings: LauncherSettings | None = None,
+    new_run: bool = True,
 ) -> dict[str, Any]:
-    """Run the ranks to completion; raise TrainingFailed with the log's tail on failure."""
+    """Run the ranks to completion; raise TrainingFailed with the log's tail on failure.
+
+    `new_run=False` continues the previous run's fault records and goodput window: a
+    relaunch after the whole launcher died (what a pod restart does)."""
     work = Path(workdir)
     (work / "logs").mkdir(parents=True, exist_ok=True)
-    mark_new_run(work)
+    if new_run:
+        mark_new_run(work)
     log_path = work / "logs" / "train.log"
     summary_path = work / "summary.json"
     summary_path.unlink(missing_ok=True)

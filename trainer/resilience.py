@@ -53,12 +53,15 @@ class _LauncherClient:
             self.client = RankMonitorClient()
 
     def connect(self) -> None:
-        if self.client is None:
+        """Once per process. In-process attempts keep the connection: the rank monitor
+        treats a lost connection as the start of a restart, and a second loss before the
+        next heartbeat as an abort it never leaves (NVRx 0.4.1's rank-monitor state
+        machine), after which it refuses every heartbeat of this rank, even from the
+        processes of later worker groups. A heartbeat right away ends the restart."""
+        if self.client is None or self.client.is_initialized:
             return
-        if self.client.is_initialized:  # a new in-process attempt: reconnect
-            self.client.shutdown_workload_monitoring()
         self.client.init_workload_monitoring()
-        self.steps_seen = 0
+        self.client.send_heartbeat()
 
     def heartbeat(self) -> None:
         if self.client is None:
@@ -146,9 +149,9 @@ def run_training(config: TrainConfig, process_started_at: float | None = None) -
     launcher = _LauncherClient(config.resilience.heartbeat_floor_s)
     launcher.process_started_at = process_started_at or time.time()
     store = _app_store(config)
+    launcher.connect()
     try:
         if config.resilience.inprocess_restarts == 0:
-            launcher.connect()
             return _attempt(config, store, launcher, None, None)
         return _run_inprocess(config, store, launcher)
     finally:
@@ -189,12 +192,15 @@ def _run_inprocess(config: TrainConfig, store: dist.Store, launcher: _LauncherCl
             log.warning(
                 "in-process restart %d: resuming from the latest committed checkpoint", call_wrapper.iteration
             )
-        launcher.connect()
         return _attempt(config, store, launcher, call_wrapper, detected.pop("at", None))
 
     wrapper = inprocess.Wrapper(
         store_kwargs={"port": int(os.environ[MASTER_PORT]) + 2},
-        initialize=inprocess.initialize.RetryController(max_iterations=r.inprocess_restarts + 1),
+        # A rank that died (SIGKILL, OOM) is the launcher's to handle: never go on with a
+        # smaller world; give up so ft_launcher restarts the whole group.
+        initialize=inprocess.initialize.RetryController(
+            max_iterations=r.inprocess_restarts + 1, min_world_size=int(os.environ["WORLD_SIZE"])
+        ),
         abort=inprocess.abort.AbortTorchDistributed(),
         finalize=_RecordRestart(),
         health_check=None,

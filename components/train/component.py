@@ -1,6 +1,6 @@
 """KFP interface of the train step: FSDP training with committed DCP checkpoints."""
 
-from kfp.dsl import Dataset, Input, Metrics, Model, Output
+from kfp.dsl import HTML, Dataset, Input, Metrics, Model, Output
 
 
 def train_model(
@@ -15,8 +15,10 @@ def train_model(
     seed: int,
     preset: str,
     overrides: str,
+    faults: str,
     model: Output[Model],
     metrics: Output[Metrics],
+    goodput_report: Output[HTML],
 ) -> None:
     """Train the language model with FSDP on this pod's ranks; resume from the run's last checkpoint.
 
@@ -32,10 +34,13 @@ def train_model(
         seed: random seed.
         preset: model/optimizer preset (tiny-cpu, small-cpu, gpu-125m).
         overrides: extra config as 'section.field=value' items separated by spaces.
+        faults: injected faults for a drill ('KIND@STEP[:RANK]', comma-separated) or 'none'.
         model: the committed checkpoint: metadata holds its path, step and model config.
-        metrics: final loss, steps and training seconds.
+        metrics: final loss, steps, training seconds, checkpoint efficiency, goodput, restarts.
+        goodput_report: timeline of steps, saves, faults and restarts, with the numbers.
     """
     import json
+    import shutil
     import time
 
     from components.layout import record_step, run_dir
@@ -53,6 +58,7 @@ def train_model(
         seed=seed,
         preset=preset,
         overrides=overrides,
+        faults=faults,
     )
     model.metadata.update(
         {
@@ -62,6 +68,10 @@ def train_model(
             "model_sha256": summary["model_sha256"],
             "config_sha256": summary["config_sha256"],
             "dataset_snapshot_id": dataset.metadata.get("snapshot_id", ""),
+            "goodput_pct": summary.get("goodput_pct"),
+            "efficiency_pct": summary.get("efficiency_pct"),
+            "restarts": len(summary.get("restarts", [])),
+            "goodput_report": summary.get("goodput_report", ""),
         }
     )
     with open(model.path, "w") as handle:
@@ -70,6 +80,11 @@ def train_model(
         metrics.log_metric("final_loss", summary["final_loss"])
     metrics.log_metric("steps", summary["steps"])
     metrics.log_metric("train_seconds", round(summary["train_seconds"], 3))
+    metrics.log_metric("checkpoint_efficiency_pct", round(summary["efficiency_pct"], 2))
+    metrics.log_metric("goodput_pct", summary["goodput_pct"])
+    metrics.log_metric("restarts", len(summary["restarts"]))
+    metrics.log_metric("steps_redone", summary["lost_steps"])
+    shutil.copyfile(summary["goodput_report"], goodput_report.path)
     record_step(
         folder,
         "train",

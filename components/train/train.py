@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import DEFAULT_CHECKPOINT_MODE, build_config, parse_overrides
+from trainer.faults import parse_faults
 from trainer.launch import run_local_training, trainer_arguments
 
 
@@ -25,6 +26,7 @@ def train_in_pod(
     seed: int,
     preset: str,
     overrides: str = "",
+    faults: str = "",
     echo: bool = True,
 ) -> dict[str, Any]:
     """Train with `nproc` local ranks; returns the trainer's summary plus the config used."""
@@ -40,6 +42,7 @@ def train_in_pod(
         preset=preset,
         checkpoint_dir=str(Path(run_folder) / "checkpoints"),
         overrides=override_items,
+        faults=[str(spec) for spec in parse_faults(faults)],
     )
     # Validate here so a bad override fails in one line before any rank starts.
     config = build_config(

@@ -6,7 +6,7 @@ import pytest
 from components.layout import check_name, dataset_root, record_step, run_dir
 from pipelines.local import LocalOptions, build_summary, format_summary
 from trainer.events import EventLog, write_json_atomic
-from trainer.launch import build_launch_command, trainer_arguments
+from trainer.launch import LauncherSettings, build_launch_command, trainer_arguments
 from trainer.loop import lr_factor
 
 
@@ -24,7 +24,7 @@ def test_unsafe_folder_names_are_refused(name):
         check_name("run name", name)
 
 
-def test_launch_command_runs_the_trainer_module_under_torchrun():
+def test_launch_command_runs_the_trainer_module_under_ft_launcher():
     args = trainer_arguments(
         dataset_dir="d",
         workdir="w",
@@ -33,13 +33,27 @@ def test_launch_command_runs_the_trainer_module_under_torchrun():
         seed=1,
         stop_after=3,
         overrides=["optimizer.lr=0.1"],
+        faults=["exception@3:1"],
+        inprocess_restarts=0,
     )
-    command = build_launch_command(4, args, python="py")
-    assert command[:5] == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
-    assert command[5:7] == ["-m", "trainer"]
+    command = build_launch_command(4, args, python="py", settings=LauncherSettings(max_restarts=5))
+    assert command[:5] == [
+        "py",
+        "-m",
+        "nvidia_resiliency_ext.fault_tolerance.launcher",
+        "--standalone",
+        "--nproc-per-node=4",
+    ]
+    assert "--max-restarts=5" in command and "--ft-enable-nic-monitor=false" in command
+    trainer_at = command.index("trainer")
+    assert command[trainer_at - 1] == "-m"
     assert "--stop-after=3" in command and "--override=optimizer.lr=0.1" in command
+    assert "--fault=exception@3:1" in command and "--inprocess-restarts=0" in command
+    assert "--ft-enable-nic-monitor=true" in build_launch_command(1, args, cpu=False)
     with pytest.raises(ValueError):
         build_launch_command(0, args)
+    with pytest.raises(ValueError):
+        build_launch_command(1, args, settings=LauncherSettings(max_restarts=-1))
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():

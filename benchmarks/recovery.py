@@ -1,0 +1,207 @@
+"""`rtp bench recovery`: the same soft fault recovered three ways, side by side.
+
+One fault-free run, then the same run with the same injected faults (`exception` on rank 1
+at fixed steps) recovered by:
+
+- `inprocess`: NVRx in-process restart (the processes stay; training is called again);
+- `launcher`: in-process restart off, so ft_launcher restarts the worker group;
+- `cold`: both off: the launcher exits with the failure and the benchmark starts a new
+  launcher for the same run — what a pod restart does, minus scheduling the pod.
+
+Per mechanism, from the run's own restart records (trainer/goodput.py): fault→resumed
+seconds (median over the faults), split into shutdown (fault → new attempt started) and
+startup (→ its first step), and `exact`: the final `model_sha256` equals the fault-free
+run's. On CPU the in-process time is bounded below by the gloo collective timeout
+(`resilience.collective_timeout_s`, set here with `--collective-timeout`): a rank waiting
+on the failed peer cannot be interrupted sooner (pytorch issue 130345).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from trainer.launch import LauncherSettings, TrainingFailed, run_local_training, trainer_arguments
+
+MECHANISMS = ("inprocess", "launcher", "cold")
+
+
+def _args(
+    dataset: Path, workdir: Path, steps: int, every: int, faults: list[str], extra: list[str]
+) -> list[str]:
+    return trainer_arguments(
+        dataset_dir=str(dataset),
+        workdir=str(workdir),
+        steps=steps,
+        checkpoint_every=every,
+        seed=3,
+        faults=faults,
+        overrides=["run.log_every_steps=1000", *extra],
+    )
+
+
+def run_mechanism(
+    mechanism: str,
+    dataset: Path,
+    workdir: Path,
+    *,
+    nproc: int,
+    steps: int,
+    every: int,
+    faults: list[str],
+    collective_timeout_s: float,
+) -> dict[str, Any]:
+    timeouts = [f"resilience.collective_timeout_s={collective_timeout_s:g}"]
+    if mechanism == "inprocess":
+        args = _args(dataset, workdir, steps, every, faults, timeouts)
+        summary = run_local_training(
+            nproc, args, workdir, echo=False, settings=LauncherSettings(max_restarts=3)
+        )
+    elif mechanism == "launcher":
+        args = _args(dataset, workdir, steps, every, faults, [*timeouts, "resilience.inprocess_restarts=0"])
+        summary = run_local_training(
+            nproc, args, workdir, echo=False, settings=LauncherSettings(max_restarts=3)
+        )
+    else:
+        args = _args(dataset, workdir, steps, every, faults, [*timeouts, "resilience.inprocess_restarts=0"])
+        no_restarts = LauncherSettings(max_restarts=0)
+        for launch in range(len(faults) + 1):
+            try:
+                summary = run_local_training(
+                    nproc, args, workdir, echo=False, settings=no_restarts, new_run=launch == 0
+                )
+                break
+            except TrainingFailed:
+                continue  # the "pod" died: start a new launcher for the same run
+        else:
+            raise TrainingFailed(f"cold restarts did not finish the run; see {workdir}/logs/train.log")
+    restarts = [r for r in summary["restarts"] if r["downtime_s"] is not None]
+
+    def median(key: str) -> float | None:
+        values = [r[key] for r in restarts if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    return {
+        "fault_to_resumed_s_median": median("downtime_s"),
+        "shutdown_s_median": median("shutdown_s"),
+        "startup_s_median": median("startup_s"),
+        "faults": len(restarts),
+        "mechanisms_seen": sorted({r["mechanism"] for r in summary["restarts"]}),
+        "steps_redone": summary["lost_steps"],
+        "goodput_pct": summary["goodput_pct"],
+        "model_sha256": summary["model_sha256"],
+    }
+
+
+def run_benchmark(
+    *,
+    mechanisms: list[str],
+    nproc: int,
+    steps: int,
+    every: int,
+    fault_steps: list[int],
+    collective_timeout_s: float,
+    workdir: Path | None = None,
+) -> dict[str, Any]:
+    from pipelines.demo_data import write_local_dataset
+
+    faults = [f"exception@{step}:{min(1, nproc - 1)}" for step in fault_steps]
+    with tempfile.TemporaryDirectory(prefix="rtp-bench-recovery-") as tmp:
+        root = workdir or Path(tmp)
+        dataset = write_local_dataset(root / "dataset", budget_bytes=300_000)
+        baseline_args = _args(dataset, root / "fault-free", steps, every, [], [])
+        baseline = run_local_training(nproc, baseline_args, root / "fault-free", echo=False)
+        results: dict[str, Any] = {}
+        for mechanism in mechanisms:
+            result = run_mechanism(
+                mechanism,
+                dataset,
+                root / mechanism,
+                nproc=nproc,
+                steps=steps,
+                every=every,
+                faults=faults,
+                collective_timeout_s=collective_timeout_s,
+            )
+            result["exact"] = result.pop("model_sha256") == baseline["model_sha256"]
+            results[mechanism] = result
+    return {
+        **results,
+        "settings": {
+            "nproc": nproc,
+            "steps": steps,
+            "checkpoint_every": every,
+            "faults": faults,
+            "collective_timeout_s": collective_timeout_s,
+            "fault_free_model_sha256": baseline["model_sha256"],
+        },
+    }
+
+
+def format_table(result: dict[str, Any]) -> str:
+    s = result["settings"]
+    lines = [
+        f"{s['nproc']} ranks, {s['steps']} steps, checkpoint every {s['checkpoint_every']}, faults {', '.join(s['faults'])}, "
+        f"gloo timeout {s['collective_timeout_s']:g}s",
+        f"{'mechanism':<10} {'fault->resumed':>14} {'shutdown':>9} {'startup':>8} {'faults':>6} {'redone':>6} {'exact':>6}",
+    ]
+    for name in MECHANISMS:
+        if name not in result:
+            continue
+        r = result[name]
+        cell = lambda v: f"{v:.2f}s" if v is not None else "-"  # noqa: E731
+        lines.append(
+            f"{name:<10} {cell(r['fault_to_resumed_s_median']):>14} {cell(r['shutdown_s_median']):>9} "
+            f"{cell(r['startup_s_median']):>8} {r['faults']:>6} {r['steps_redone']:>6} {r['exact']!s:>6}"
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--mechanisms", default=",".join(MECHANISMS), help="comma-separated (default: %(default)s)"
+    )
+    parser.add_argument("--nproc", type=int, default=2, help="training ranks (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=30, help="training steps (default: %(default)s)")
+    parser.add_argument(
+        "--every", type=int, default=4, help="checkpoint interval in steps (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--fault-steps", default="9,17,25", help="steps at which rank 1 raises (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=2.0,
+        help="gloo collective timeout in seconds, the floor of in-process recovery on CPU (default: %(default)s)",
+    )
+    parser.add_argument("--json", dest="json_path", help="also write the results as JSON to this file")
+
+
+def main(args: argparse.Namespace) -> int:
+    mechanisms = [m.strip() for m in args.mechanisms.split(",") if m.strip()]
+    unknown = sorted(set(mechanisms) - set(MECHANISMS))
+    if unknown:
+        raise ValueError(f"unknown mechanism(s) {', '.join(unknown)}; choose from {', '.join(MECHANISMS)}")
+    if args.nproc < 2:
+        raise ValueError("--nproc must be at least 2: the fault hits rank 1 while rank 0 waits on it")
+    fault_steps = [int(v) for v in args.fault_steps.split(",") if v.strip()]
+    result = run_benchmark(
+        mechanisms=mechanisms,
+        nproc=args.nproc,
+        steps=args.steps,
+        every=args.every,
+        fault_steps=fault_steps,
+        collective_timeout_s=args.collective_timeout,
+    )
+    document = json.dumps(result, indent=2)
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(document + "\n")
+    print(document)
+    print(format_table(result))
+    return 0
