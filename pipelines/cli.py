@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from pipelines.k8s_cli import add_platform_arguments, add_render_job_parser, platform_options_from_args
 from pipelines.local import LocalOptions
 from trainer.config import CHECKPOINT_MODES
 
@@ -22,6 +23,7 @@ EPILOG = """examples:
   rtp local --steps 100 --nproc 2        # longer demo run
   rtp compile -o pipeline.yaml --image 123456789012.dkr.ecr.us-east-1.amazonaws.com/rtp:0.1.0
   rtp train-local --dataset-dir DIR --workdir runs/a --steps 40 --checkpoint-every 10
+  rtp render-job --mode pytorchjob --nnodes 2 --gpus-per-node 8 --nproc-per-node 8 --efa-per-node 32
 """
 
 
@@ -140,14 +142,16 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
         default=DEFAULT_IMAGE,
         help="component image built from the Dockerfile (default: %(default)s)",
     )
+    add_platform_arguments(p)
     p.set_defaults(handler=_cmd_compile)
 
 
 def _cmd_compile(args: argparse.Namespace) -> int:
     from pipelines.pipeline import compile_pipeline
 
-    path = compile_pipeline(args.output, image=args.image)
-    print(f"wrote {path} (image {args.image})")
+    options = platform_options_from_args(args)
+    path = compile_pipeline(args.output, image=args.image, launcher=args.launcher, options=options)
+    print(f"wrote {path} (image {args.image}, launcher {args.launcher})")
     return 0
 
 
@@ -323,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_validate,
         _add_register,
         _add_bench,
+        add_render_job_parser,
     ):
         add(sub)
     return parser

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from components.train.jobs import JobSettings, job_manifest, job_name
+from components.train.jobs import JOB_LAUNCHERS, JobSettings, JobSettingsError, job_manifest, job_name
 from components.train.k8s_launcher import JobFailed, in_cluster_api_client, pod_namespace, run_job
 from trainer.config import DEFAULT_CHECKPOINT_MODE, build_config, parse_overrides
 from trainer.launch import trainer_arguments
@@ -91,6 +91,10 @@ def train_with_job(
     **job_fields: Any,
 ) -> dict[str, Any]:
     """Train as a `launcher` job; returns the trainer's summary plus the config used."""
+    if launcher not in JOB_LAUNCHERS:
+        raise JobSettingsError(f"launcher {launcher!r} is not one of inpod, {', '.join(JOB_LAUNCHERS)}")
+    if not image:
+        raise JobSettingsError("no image for the job's pods: pass the pipeline's image (job_image)")
     settings = job_settings_for_run(
         dataset_dir=dataset_dir,
         run_folder=run_folder,

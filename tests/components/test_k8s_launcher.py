@@ -107,10 +107,12 @@ def test_a_manifest_the_schema_rejects_fails_with_the_servers_reason(fake):
 
 
 def test_missing_operator_is_named(shared_specs):
-    with FakeKubernetes(shared_specs / "crds", kinds=("PyTorchJob",)) as fake:
-        with pytest.raises(JobFailed, match="install the Kubeflow Trainer v2"):
-            run_job(job_manifest("trainjob", settings()), api_client=api_client(fake), timeout_s=5,
-                    poll_interval_s=0.01, write=lambda line: None)  # fmt: skip
+    with (
+        FakeKubernetes(shared_specs / "crds", kinds=("PyTorchJob",)) as fake,
+        pytest.raises(JobFailed, match="install the Kubeflow Trainer v2"),
+    ):
+        run_job(job_manifest("trainjob", settings()), api_client=api_client(fake), timeout_s=5,
+                poll_interval_s=0.01, write=lambda line: None)  # fmt: skip
 
 
 def test_retry_replaces_a_finished_job_of_the_same_run(fake):
@@ -170,9 +172,31 @@ def test_train_with_job_returns_the_summary_rank0_wrote(fake, tmp_path, launcher
 
 
 def test_train_with_job_without_a_summary_names_the_volume(fake, tmp_path):
-    with pytest.raises(JobFailed, match="wrote no .*summary.json.*fsx-claim"):
+    with pytest.raises(JobFailed, match=r"wrote no .*summary\.json.*fsx-claim"):
         train_with_job(
             "pytorchjob", dataset_dir="/fsx/d", run_folder=tmp_path / "run", run_id=RUN_ID, namespace="team-a",
             image="example.com/rtp:1", steps=4, nproc_per_node=1, checkpoint_every=2, seed=1, preset="tiny-cpu",
             timeout_s=30, poll_interval_s=0.01, api_client=api_client(fake), pvc_name="fsx-claim",
         )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("launcher", "state", "deleted"),
+    [
+        ("pytorchjob", "FAILED", ["rtp-train-test"]),
+        ("trainjob", "CANCELED", ["rtp-train-test"]),
+        ("pytorchjob", "SUCCEEDED", []),
+        ("inpod", "FAILED", []),
+    ],
+)
+def test_exit_handler_deletes_the_job_only_when_the_run_did_not_succeed(fake, launcher, state, deleted):
+    from components.cleanup_jobs.cleanup import cleanup_after_run
+
+    kind = launcher if launcher != "inpod" else "pytorchjob"
+    manifest = job_manifest(kind, settings())
+    group, version = manifest["apiVersion"].split("/")
+    plural = "pytorchjobs" if manifest["kind"] == "PyTorchJob" else "trainjobs"
+    api = api_client(fake)
+    client.CustomObjectsApi(api).create_namespaced_custom_object(group, version, "team-a", plural, manifest)
+    cleanup_after_run(launcher, state, RUN_ID, "team-a", api_client=api)
+    assert fake.deleted == deleted
