@@ -7,6 +7,9 @@ trainer's config fields; the docstring's Args become the descriptions in the Kub
 
 # No `from __future__ import annotations`: kfp reads the pipeline signature's real types.
 
+import ast
+import re
+from pathlib import Path
 from typing import Any
 
 from kfp import dsl
@@ -255,4 +258,37 @@ def compile_pipeline(
     from kfp import compiler
 
     compiler.Compiler().compile(build_pipeline(image, launcher, options), package_path=output_path)
+    path = Path(output_path)
+    path.write_text(stable_header(path.read_text()))
     return output_path
+
+
+_HEADER_DEFAULT = re.compile(r"^(#\s+\w+: \w+ \[Default: )(.*)(\])$")
+
+
+def stable_header(text: str) -> str:
+    """The compiled YAML with its header's default values printed with sorted keys.
+
+    kfp 2.17.3 prints a dict default nested in a list (gpu_tolerations) in an order that
+    changes with Python's hash seed; sorting makes `rtp compile` reproducible.
+    """
+    lines = text.splitlines(keepends=True)
+    for index, line in enumerate(lines):
+        if not line.startswith("#"):
+            break
+        match = _HEADER_DEFAULT.match(line.rstrip("\n"))
+        if match:
+            try:
+                value = ast.literal_eval(match.group(2))
+            except (ValueError, SyntaxError):
+                continue
+            lines[index] = f"{match.group(1)}{_sorted_repr(value)}{match.group(3)}\n"
+    return "".join(lines)
+
+
+def _sorted_repr(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_sorted_repr(value[k])}" for k in sorted(value)) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_sorted_repr(item) for item in value) + "]"
+    return repr(value)

@@ -185,3 +185,13 @@ def test_every_parameter_reference_resolves_in_its_dag(compiled):
             assert ref in task_scope[executor], (
                 f"{executor}'s platform config reads {ref}, which its DAG lacks"
             )
+
+
+def test_compiled_header_is_the_same_whatever_the_hash_seed():
+    from pipelines.pipeline import stable_header
+
+    one = "# Inputs:\n#    tol: list [Default: [{'key': 'k', 'effect': 'NoSchedule'}]]\n#    n: int [Default: 1.0]\ncomponents: {}\n"
+    other = "# Inputs:\n#    tol: list [Default: [{'effect': 'NoSchedule', 'key': 'k'}]]\n#    n: int [Default: 1.0]\ncomponents: {}\n"
+    assert stable_header(one) == stable_header(other)
+    assert "[{'effect': 'NoSchedule', 'key': 'k'}]" in stable_header(one)
+    assert stable_header(one).endswith("#    n: int [Default: 1.0]\ncomponents: {}\n")
