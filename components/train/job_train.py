@@ -95,6 +95,9 @@ def train_with_job(
         raise JobSettingsError(f"launcher {launcher!r} is not one of inpod, {', '.join(JOB_LAUNCHERS)}")
     if not image:
         raise JobSettingsError("no image for the job's pods: pass the pipeline's image (job_image)")
+    # The engine's own deadline backs up this step's timeout for when the step's pod dies
+    # without cleaning up (node loss) and the exit handler cannot run either.
+    job_fields.setdefault("deadline_s", int(timeout_s) + 600)
     settings = job_settings_for_run(
         dataset_dir=dataset_dir,
         run_folder=run_folder,

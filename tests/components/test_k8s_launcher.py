@@ -167,6 +167,13 @@ def test_train_with_job_returns_the_summary_rank0_wrote(fake, tmp_path, launcher
         mount_path=str(tmp_path / "fsx"),
     )  # fmt: skip
     assert summary["checkpoint"] == written["checkpoint"]
+    created = fake.jobs[next(iter(fake.jobs))].body["spec"]
+    deadline = (
+        created["runPolicy"]["activeDeadlineSeconds"]
+        if launcher == "pytorchjob"
+        else created["activeDeadlineSeconds"]
+    )
+    assert deadline == 30 + 600
     assert summary["launcher"] == launcher and summary["job_name"].startswith("rtp-train-5e1f7a10")
     assert summary["model_config"]["n_layers"] >= 1
 
