@@ -130,11 +130,9 @@ def ft_launcher_command(settings: JobSettings, rdzv_host_env: str, rdzv_port_env
         f"--rdzv-endpoint=$({rdzv_host_env}):$({rdzv_port_env})",
         f"--rdzv-id={settings.name}",
         f"--max-restarts={settings.max_restarts}",
-        "--ignore-missing-fault-tol-cfg",
-    ]
-    if settings.gpus_per_node == 0:
         # The NIC health monitor reads the GPU/NIC PCI topology, which CPU nodes lack.
-        command.append("--ft-enable-nic-monitor=false")
+        f"--ft-enable-nic-monitor={'false' if settings.gpus_per_node == 0 else 'true'}",
+    ]
     return [*command, "-m", "trainer", *settings.trainer_args]
 
 

@@ -1,1 +1,1 @@
-"""Stand-ins for services that cannot run on the development machines (named fakes)."""
+"""Local stand-ins for services that cannot run on a development machine, named as fakes."""

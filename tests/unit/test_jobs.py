@@ -134,7 +134,7 @@ def test_each_pod_runs_ft_launcher_with_a_c10d_rendezvous_then_the_trainer():
     assert "--nnodes=4:4" in command and "--nproc-per-node=8" in command
     assert "--rdzv-backend=c10d" in command
     assert "--rdzv-endpoint=$(MASTER_ADDR):$(MASTER_PORT)" in command
-    assert "--ft-enable-nic-monitor=false" not in command
+    assert "--ft-enable-nic-monitor=true" in command
     assert command[command.index("-m") + 1] == "trainer"
     assert command[-2:] == ["--steps=10", "--workdir=/fsx/rtp/runs/r/train"]
     cpu = ft_launcher_command(settings(), "MASTER_ADDR", "MASTER_PORT")
