@@ -1,6 +1,6 @@
 # The component image: every pipeline step runs on it (rtp compile --image <this image>).
 # It cannot be built on the development machines (no container engine); build and push it
-# as described in docs/deploy-eks.md.
+# as described in docs/eks.md.
 #
 # BASE_IMAGE must carry CUDA-enabled torch 2.13.0 on Python >= 3.11. pip treats the
 # installed 2.13.0+cuXXX build as satisfying setup.cfg's torch==2.13.0, so it is kept.

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 DEFAULT_IMAGE = "rtp:0.1.0"
-"""The component image built from the project's Dockerfile (docs/deploy-eks.md); override
+"""The component image built from the project's Dockerfile (docs/eks.md); override
 it at compile time with `rtp compile --image <registry>/rtp:<tag>`."""
 
 

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from pipelines.k8s_cli import add_platform_arguments, add_render_job_parser, platform_options_from_args
 from pipelines.kfp_cli import add_kfp_parsers
 from pipelines.local import LocalOptions
 from trainer.config import CHECKPOINT_MODES
@@ -26,6 +27,7 @@ EPILOG = """examples:
   rtp upload --host http://127.0.0.1:8888 --image REGISTRY/rtp:0.1.0   # a new pipeline version
   rtp run --host http://127.0.0.1:8888 --version latest --param steps=200 --wait
   rtp schedule --host http://127.0.0.1:8888 --name nightly --cron "0 3 * * *"
+  rtp render-job --mode pytorchjob --nnodes 2 --gpus-per-node 8 --nproc-per-node 8 --efa-per-node 32
 """
 
 
@@ -154,14 +156,16 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
         default=DEFAULT_IMAGE,
         help="component image built from the Dockerfile (default: %(default)s)",
     )
+    add_platform_arguments(p)
     p.set_defaults(handler=_cmd_compile)
 
 
 def _cmd_compile(args: argparse.Namespace) -> int:
     from pipelines.pipeline import compile_pipeline
 
-    path = compile_pipeline(args.output, image=args.image)
-    print(f"wrote {path} (image {args.image})")
+    options = platform_options_from_args(args)
+    path = compile_pipeline(args.output, image=args.image, launcher=args.launcher, options=options)
+    print(f"wrote {path} (image {args.image}, launcher {args.launcher})")
     return 0
 
 
@@ -367,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_register,
         _add_bench,
         add_kfp_parsers,
+        add_render_job_parser,
     ):
         add(sub)
     return parser

@@ -7,15 +7,22 @@ trainer's config fields; the docstring's Args become the descriptions in the Kub
 
 # No `from __future__ import annotations`: kfp reads the pipeline signature's real types.
 
+import ast
+import re
+from pathlib import Path
 from typing import Any
 
 from kfp import dsl
 
 from components import DEFAULT_IMAGE, as_component
+from components.cleanup_jobs.component import cleanup_training_jobs
 from components.register_model.component import register_model
 from components.stage_data.component import stage_data
 from components.train.component import train_model
+from components.train.jobs import DEFAULT_LAUNCHER, DEFAULT_TRAINING_RUNTIME
 from components.validate_checkpoint.component import validate_checkpoint
+from pipelines import platform
+from pipelines.platform import PlatformOptions
 from trainer.config import DEFAULT_CHECKPOINT_MODE
 
 PIPELINE_NAME = "rtp-resilient-training"
@@ -23,54 +30,47 @@ DEFAULT_SOURCE = "s3://rtp-demo/corpus/"
 DEFAULT_MODEL_NAME = "rtp-byte-lm"
 
 
-def build_pipeline(image: str = DEFAULT_IMAGE) -> Any:
+def build_pipeline(
+    image: str = DEFAULT_IMAGE, launcher: str = DEFAULT_LAUNCHER, options: PlatformOptions | None = None
+) -> Any:
+    """The pipeline for `image`; `launcher` is the default of its launcher parameter."""
+    options = (options or PlatformOptions()).check()
+    cleanup_op = as_component(cleanup_training_jobs, image)
     stage_op = as_component(stage_data, image)
     train_op = as_component(train_model, image)
     validate_op = as_component(validate_checkpoint, image)
     register_op = as_component(register_model, image)
 
-    @dsl.pipeline(
-        name=PIPELINE_NAME,
-        description="Stage data from S3 to FSx, train with FSDP and "
-        "resilient checkpoints, validate the checkpoint, register the model in MLflow.",
-    )
-    def rtp_pipeline(
-        source: str = DEFAULT_SOURCE,
-        s3_endpoint_url: str = "",
-        fsx_mount_path: str = "/fsx",
-        dataset_name: str = "demo-corpus",
-        run_name: str = "",
-        steps: int = 40,
-        nproc: int = 2,
-        checkpoint_every: int = 10,
-        checkpoint_mode: str = DEFAULT_CHECKPOINT_MODE,
-        seed: int = 1234,
-        preset: str = "tiny-cpu",
-        overrides: str = "",
-        faults: str = "none",
-        max_loss: float = 4.0,
-        model_name: str = DEFAULT_MODEL_NAME,
+    def _steps(
+        *,
+        source: Any,
+        s3_endpoint_url: Any,
+        fsx_mount_path: Any,
+        dataset_name: Any,
+        run_name: Any,
+        run_id: Any,
+        steps: Any,
+        nproc: Any,
+        checkpoint_every: Any,
+        checkpoint_mode: Any,
+        seed: Any,
+        preset: Any,
+        overrides: Any,
+        faults: Any,
+        max_loss: Any,
+        model_name: Any,
+        launcher: Any,
+        nnodes: Any,
+        gpus_per_node: Any,
+        efa_per_node: Any,
+        job_namespace: Any,
+        training_runtime: Any,
+        job_timeout_s: Any,
+        fsx_pvc_name: Any,
+        gpu_node_selector: Any,
+        gpu_tolerations: Any,
+        mlflow_secret_name: Any,
     ) -> None:
-        """Resilient training: stage, train, validate, register.
-
-        Args:
-            source: S3 prefix holding the training text, as s3://bucket/prefix.
-            s3_endpoint_url: S3-compatible endpoint URL; leave empty for AWS S3.
-            fsx_mount_path: Mount path of the FSx for Lustre volume in every step.
-            dataset_name: Dataset folder name under <mount>/rtp/datasets.
-            run_name: Run folder name under <mount>/rtp/runs; empty uses the KFP run id. Reuse a name to resume its checkpoints.
-            steps: Total training steps.
-            nproc: Training processes in the train pod (GPUs per node, or CPU processes).
-            checkpoint_every: Save a checkpoint every N steps.
-            checkpoint_mode: How checkpoints are written: async (NVRx, overlaps the write with training), torch-async, sync, or off.
-            seed: Random seed for weights and data order.
-            preset: Model size preset: tiny-cpu, small-cpu or gpu-125m.
-            overrides: Extra trainer config as 'section.field=value' items separated by spaces, e.g. 'optimizer.lr=1e-3'.
-            faults: Faults to inject for a chaos drill, 'KIND@STEP[:RANK]' separated by commas (KIND: exception, hang, sigkill, sigkill-during-save); 'none' for a normal run.
-            max_loss: Highest holdout loss (nats per byte) a model may have to be registered.
-            model_name: Registered model name in MLflow.
-        """
-        run_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER
         stage = stage_op(
             source=source,
             s3_endpoint_url=s3_endpoint_url,
@@ -92,7 +92,25 @@ def build_pipeline(image: str = DEFAULT_IMAGE) -> Any:
             preset=preset,
             overrides=overrides,
             faults=faults,
+            launcher=launcher,
+            nnodes=nnodes,
+            gpus_per_node=gpus_per_node,
+            efa_per_node=efa_per_node,
+            job_image=image,
+            job_namespace=job_namespace,
+            training_runtime=training_runtime,
+            job_timeout_s=job_timeout_s,
+            fsx_pvc_name=fsx_pvc_name,
+            node_selector=gpu_node_selector,
+            tolerations=gpu_tolerations,
+            image_pull_secrets=list(options.image_pull_secrets),
         ).set_display_name("Train the model with FSDP and checkpoints")
+        platform.configure_train_pod(
+            train,
+            options=options,
+            node_selector=gpu_node_selector,
+            tolerations=gpu_tolerations,
+        )
         validate = validate_op(
             model=train.outputs["model"],
             dataset=stage.outputs["dataset"],
@@ -103,24 +121,179 @@ def build_pipeline(image: str = DEFAULT_IMAGE) -> Any:
         ).set_display_name("Validate the checkpoint on held-out data")
         for task in (stage, train, validate):
             # Each step writes to the shared volume: a cached result could point at a
-            # folder another run has since changed, so nothing is cached for now.
+            # folder another run has since changed. Staging needs no KFP cache: it is
+            # keyed by the snapshot id (a hash of the S3 listing) and re-staging an
+            # unchanged prefix transfers nothing. Training is never cached.
             task.set_caching_options(False)
+        # S3 and MLflow hiccups are worth retrying; a failed training run is not retried
+        # blindly here (its own launcher restarts ranks and resumes from checkpoints).
+        stage.set_retry(num_retries=3, backoff_duration="30s", backoff_factor=2, backoff_max_duration="600s")
         with dsl.If(validate.outputs["Output"] != "reject", name="If validation accepted the model"):
-            register_op(
-                model=train.outputs["model"],
-                dataset=stage.outputs["dataset"],
-                decision=validate.outputs["Output"],
-                model_name=model_name,
+            register = (
+                register_op(
+                    model=train.outputs["model"],
+                    dataset=stage.outputs["dataset"],
+                    decision=validate.outputs["Output"],
+                    model_name=model_name,
+                    fsx_mount_path=fsx_mount_path,
+                    run_name=run_name,
+                    run_id=run_id,
+                )
+                .set_display_name("Register the model in MLflow")
+                .set_caching_options(False)
+            )
+            register.set_retry(
+                num_retries=3, backoff_duration="30s", backoff_factor=2, backoff_max_duration="600s"
+            )
+            platform.use_mlflow_secret(register, mlflow_secret_name)
+        for task in (stage, train, validate, register):
+            platform.mount_fsx(task, fsx_pvc_name, options)
+            platform.apply_common(task, options)
+
+    @dsl.pipeline(
+        name=PIPELINE_NAME,
+        description="Stage data from S3 to FSx, train with FSDP and "
+        "resilient checkpoints, validate the checkpoint, register the model in MLflow.",
+    )
+    def rtp_pipeline(
+        source: str = DEFAULT_SOURCE,
+        s3_endpoint_url: str = "",
+        fsx_mount_path: str = options.fsx_mount_path,
+        dataset_name: str = "demo-corpus",
+        run_name: str = "",
+        steps: int = 40,
+        nproc: int = 2,
+        checkpoint_every: int = 10,
+        checkpoint_mode: str = DEFAULT_CHECKPOINT_MODE,
+        seed: int = 1234,
+        preset: str = "tiny-cpu",
+        overrides: str = "",
+        faults: str = "none",
+        max_loss: float = 4.0,
+        model_name: str = DEFAULT_MODEL_NAME,
+        launcher: str = launcher,
+        nnodes: int = 1,
+        gpus_per_node: int = 0,
+        efa_per_node: int = 0,
+        job_namespace: str = "",
+        training_runtime: str = DEFAULT_TRAINING_RUNTIME,
+        job_timeout_s: int = 86400,
+        fsx_pvc_name: str = platform.DEFAULT_PVC_NAME,
+        gpu_node_selector: dict = {},  # noqa: B006 (KFP reads the literal as the default)
+        gpu_tolerations: list = platform.DEFAULT_GPU_TOLERATIONS,
+        mlflow_secret_name: str = platform.DEFAULT_MLFLOW_SECRET,
+    ) -> None:
+        """Resilient training: stage, train, validate, register.
+
+        Args:
+            source: S3 prefix holding the training text, as s3://bucket/prefix.
+            s3_endpoint_url: S3-compatible endpoint URL; leave empty for AWS S3.
+            fsx_mount_path: Mount path of the FSx for Lustre volume in every step.
+            dataset_name: Dataset folder name under <mount>/rtp/datasets.
+            run_name: Run folder name under <mount>/rtp/runs; empty uses the KFP run id. Reuse a name to resume its checkpoints.
+            steps: Total training steps.
+            nproc: Training processes in the train pod (GPUs per node, or CPU processes).
+            checkpoint_every: Save a checkpoint every N steps.
+            checkpoint_mode: How checkpoints are written: async (NVRx, overlaps the write with training), torch-async, sync, or off.
+            seed: Random seed for weights and data order.
+            preset: Model size preset: tiny-cpu, small-cpu or gpu-125m.
+            overrides: Extra trainer config as 'section.field=value' items separated by spaces, e.g. 'optimizer.lr=1e-3'.
+            faults: Faults to inject for a chaos drill, 'KIND@STEP[:RANK]' separated by commas (KIND: exception, hang, sigkill, sigkill-during-save); 'none' for a normal run.
+            max_loss: Highest holdout loss (nats per byte) a model may have to be registered.
+            model_name: Registered model name in MLflow.
+            launcher: Where the ranks run: inpod (in the train step's pod), pytorchjob (a Kubeflow Training Operator PyTorchJob) or trainjob (a Kubeflow Trainer v2 TrainJob).
+            nnodes: Nodes (pods) of a pytorchjob or trainjob, each running nproc processes.
+            gpus_per_node: GPUs each pytorchjob/trainjob pod requests; 0 trains on CPU.
+            efa_per_node: EFA interfaces (vpc.amazonaws.com/efa) each job pod requests; 0 for none.
+            job_namespace: Namespace of the training job; empty is the pipeline's namespace.
+            training_runtime: ClusterTrainingRuntime a trainjob runs on.
+            job_timeout_s: Seconds after which the training job is deleted and the step fails.
+            fsx_pvc_name: Name of the FSx for Lustre PersistentVolumeClaim mounted in every step.
+            gpu_node_selector: Node labels the training pods must match, e.g. {"node.kubernetes.io/instance-type": "p5.48xlarge"}.
+            gpu_tolerations: Tolerations of the training pods (Kubernetes toleration objects) for tainted GPU nodes.
+            mlflow_secret_name: Kubernetes secret with keys tracking_uri, username, password for the register step.
+        """
+        run_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER
+        # The exit task runs whatever happens inside the handler; it deletes a training job
+        # a failed or terminated run would otherwise leave running on GPU nodes.
+        cleanup = cleanup_op(launcher=launcher, run_id=run_id, job_namespace=job_namespace)
+        cleanup.set_display_name("Delete the run's training job if the run did not succeed")
+        cleanup.set_caching_options(False)
+        platform.apply_common(cleanup, options)
+        with dsl.ExitHandler(cleanup, name="Stage the data then train, validate and register the model"):
+            _steps(
+                source=source,
+                s3_endpoint_url=s3_endpoint_url,
                 fsx_mount_path=fsx_mount_path,
+                dataset_name=dataset_name,
                 run_name=run_name,
                 run_id=run_id,
-            ).set_display_name("Register the model in MLflow").set_caching_options(False)
+                steps=steps,
+                nproc=nproc,
+                checkpoint_every=checkpoint_every,
+                checkpoint_mode=checkpoint_mode,
+                seed=seed,
+                preset=preset,
+                overrides=overrides,
+                faults=faults,
+                max_loss=max_loss,
+                model_name=model_name,
+                launcher=launcher,
+                nnodes=nnodes,
+                gpus_per_node=gpus_per_node,
+                efa_per_node=efa_per_node,
+                job_namespace=job_namespace,
+                training_runtime=training_runtime,
+                job_timeout_s=job_timeout_s,
+                fsx_pvc_name=fsx_pvc_name,
+                gpu_node_selector=gpu_node_selector,
+                gpu_tolerations=gpu_tolerations,
+                mlflow_secret_name=mlflow_secret_name,
+            )
 
     return rtp_pipeline
 
 
-def compile_pipeline(output_path: str, image: str = DEFAULT_IMAGE) -> str:
+def compile_pipeline(
+    output_path: str,
+    image: str = DEFAULT_IMAGE,
+    launcher: str = DEFAULT_LAUNCHER,
+    options: PlatformOptions | None = None,
+) -> str:
     from kfp import compiler
 
-    compiler.Compiler().compile(build_pipeline(image), package_path=output_path)
+    compiler.Compiler().compile(build_pipeline(image, launcher, options), package_path=output_path)
+    path = Path(output_path)
+    path.write_text(stable_header(path.read_text()))
     return output_path
+
+
+_HEADER_DEFAULT = re.compile(r"^(#\s+\w+: \w+ \[Default: )(.*)(\])$")
+
+
+def stable_header(text: str) -> str:
+    """The compiled YAML with its header's default values printed with sorted keys.
+
+    kfp 2.17.3 prints a dict default nested in a list (gpu_tolerations) in an order that
+    changes with Python's hash seed; sorting makes `rtp compile` reproducible.
+    """
+    lines = text.splitlines(keepends=True)
+    for index, line in enumerate(lines):
+        if not line.startswith("#"):
+            break
+        match = _HEADER_DEFAULT.match(line.rstrip("\n"))
+        if match:
+            try:
+                value = ast.literal_eval(match.group(2))
+            except (ValueError, SyntaxError):
+                continue
+            lines[index] = f"{match.group(1)}{_sorted_repr(value)}{match.group(3)}\n"
+    return "".join(lines)
+
+
+def _sorted_repr(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_sorted_repr(value[k])}" for k in sorted(value)) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_sorted_repr(item) for item in value) + "]"
+    return repr(value)

@@ -19,8 +19,20 @@ def train_model(
     model: Output[Model],
     metrics: Output[Metrics],
     goodput_report: Output[HTML],
+    launcher: str = "inpod",
+    nnodes: int = 1,
+    gpus_per_node: int = 0,
+    efa_per_node: int = 0,
+    job_image: str = "",
+    job_namespace: str = "",
+    training_runtime: str = "torch-distributed",
+    job_timeout_s: int = 86400,
+    fsx_pvc_name: str = "fsx-claim",
+    node_selector: dict = {},  # noqa: B006 (KFP reads the literal as the default; never mutated)
+    tolerations: list = [],  # noqa: B006
+    image_pull_secrets: list = [],  # noqa: B006
 ) -> None:
-    """Train the language model with FSDP on this pod's ranks; resume from the run's last checkpoint.
+    """Train the language model with FSDP, in this pod or as a multi-node job; resume from the last checkpoint.
 
     Args:
         dataset: the staged snapshot (its metadata holds the snapshot path).
@@ -38,6 +50,18 @@ def train_model(
         model: the committed checkpoint: metadata holds its path, step and model config.
         metrics: final loss, steps, training seconds, checkpoint efficiency, goodput, restarts.
         goodput_report: timeline of steps, saves, faults and restarts, with the numbers.
+        launcher: inpod (ranks in this pod), pytorchjob (Kubeflow Training Operator) or trainjob (Kubeflow Trainer v2).
+        nnodes: pods (nodes) of a pytorchjob or trainjob; inpod uses this pod only.
+        gpus_per_node: GPUs each job pod requests (0 trains on CPU); nproc is the processes per pod.
+        efa_per_node: EFA interfaces (vpc.amazonaws.com/efa) each job pod requests; 0 for none.
+        job_image: image of the job's pods (the pipeline passes its own image).
+        job_namespace: namespace for the job; empty is this pod's namespace.
+        training_runtime: ClusterTrainingRuntime a trainjob runs on.
+        job_timeout_s: the job is deleted and the step fails after this many seconds.
+        fsx_pvc_name: the FSx PVC the job's pods mount at fsx_mount_path.
+        node_selector: node labels the job's pods must match.
+        tolerations: tolerations of the job's pods (Kubernetes toleration objects).
+        image_pull_secrets: names of the image pull secrets of the job's pods.
     """
     import json
     import shutil
@@ -48,18 +72,48 @@ def train_model(
 
     started = time.time()
     folder = run_dir(fsx_mount_path, run_name, run_id)
-    summary = train_in_pod(
-        dataset_dir=dataset.metadata["snapshot_dir"],
-        run_folder=folder,
-        steps=steps,
-        nproc=nproc,
-        checkpoint_every=checkpoint_every,
-        checkpoint_mode=checkpoint_mode,
-        seed=seed,
-        preset=preset,
-        overrides=overrides,
-        faults=faults,
-    )
+    if launcher == "inpod":
+        summary = train_in_pod(
+            dataset_dir=dataset.metadata["snapshot_dir"],
+            run_folder=folder,
+            steps=steps,
+            nproc=nproc,
+            checkpoint_every=checkpoint_every,
+            checkpoint_mode=checkpoint_mode,
+            seed=seed,
+            preset=preset,
+            overrides=overrides,
+            faults=faults,
+        )
+    else:
+        from components.train.job_train import train_with_job
+
+        summary = train_with_job(
+            launcher,
+            dataset_dir=dataset.metadata["snapshot_dir"],
+            run_folder=folder,
+            run_id=run_id,
+            namespace=job_namespace,
+            image=job_image,
+            steps=steps,
+            nproc_per_node=nproc,
+            checkpoint_every=checkpoint_every,
+            checkpoint_mode=checkpoint_mode,
+            seed=seed,
+            preset=preset,
+            overrides=overrides,
+            faults=faults,
+            timeout_s=job_timeout_s,
+            nnodes=nnodes,
+            gpus_per_node=gpus_per_node,
+            efa_per_node=efa_per_node,
+            training_runtime=training_runtime,
+            pvc_name=fsx_pvc_name,
+            mount_path=fsx_mount_path,
+            node_selector=node_selector,
+            tolerations=tolerations,
+            image_pull_secrets=image_pull_secrets,
+        )
     model.metadata.update(
         {
             "checkpoint_dir": summary["checkpoint"],

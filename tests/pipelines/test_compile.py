@@ -29,10 +29,16 @@ def _documents(path: Path) -> list[dict]:
 def test_parses_strictly_into_pipeline_spec(compiled):
     spec = json_format.ParseDict(_documents(compiled)[0], pipeline_spec_pb2.PipelineSpec())
     assert spec.pipeline_info.name == "rtp-resilient-training"
-    tasks = spec.root.dag.tasks
-    assert {"stage-data", "train-model", "validate-checkpoint", "condition-1"} <= set(tasks)
-    assert "register-model" in spec.components["comp-condition-1"].dag.tasks
-    condition = tasks["condition-1"].trigger_policy.condition
+    assert set(spec.root.dag.tasks) == {"exit-handler-1", "cleanup-training-jobs"}
+    exit_task = spec.root.dag.tasks["cleanup-training-jobs"]
+    assert (
+        exit_task.trigger_policy.strategy
+        == exit_task.trigger_policy.TriggerStrategy.ALL_UPSTREAM_TASKS_COMPLETED
+    )
+    tasks = spec.components["comp-exit-handler-1"].dag.tasks
+    assert {"stage-data", "train-model", "validate-checkpoint", "condition-2"} <= set(tasks)
+    assert "register-model" in spec.components["comp-condition-2"].dag.tasks
+    condition = tasks["condition-2"].trigger_policy.condition
     assert "validate-checkpoint-Output" in condition and "reject" in condition
 
 
@@ -48,7 +54,7 @@ def test_every_parameter_is_typed_with_default_and_description(compiled):
 
 def test_components_run_on_the_project_image_without_installing_kfp(compiled, tmp_path):
     executors = _documents(compiled)[0]["deploymentSpec"]["executors"]
-    assert len(executors) == 4
+    assert len(executors) == 5  # four steps and the exit handler's cleanup
     for executor in executors.values():
         container = executor["container"]
         assert container["image"] == DEFAULT_IMAGE
@@ -59,7 +65,7 @@ def test_components_run_on_the_project_image_without_installing_kfp(compiled, tm
 
 
 def test_training_is_never_cached(compiled):
-    tasks = _documents(compiled)[0]["root"]["dag"]["tasks"]
+    tasks = _documents(compiled)[0]["components"]["comp-exit-handler-1"]["dag"]["tasks"]
     assert not tasks["train-model"].get("cachingOptions", {}).get("enableCache", False)
 
 

@@ -106,7 +106,9 @@ def test_first_upload_creates_the_pipeline_with_a_named_version(kfp_api, package
     spec_sha256 = hashlib.sha256(package.read_bytes()).hexdigest()  # compiling is deterministic
     assert version["name"] == ops.default_version_name(package_version, commit, dirty, spec_sha256)
     assert version["name"].startswith(package_version + (f"-{commit}" if commit else ""))
-    assert version["pipeline_spec"]["pipelineInfo"]["name"] == "rtp-resilient-training"
+    stored = version["pipeline_spec"]  # {pipeline_spec, platform_spec} when a platform spec exists
+    assert set(stored) == {"pipeline_spec", "platform_spec"}
+    assert stored["pipeline_spec"]["pipelineInfo"]["name"] == "rtp-resilient-training"
     assert ops.spec_sha256_in(version["description"]), "the spec hash is recorded for repeat detection"
     assert f"created pipeline 'rtp-resilient-training' with version '{version['name']}'" in out
     assert f"/#/pipelines/details/{pipeline['pipeline_id']}/version/{version['pipeline_version_id']}" in out
@@ -171,7 +173,7 @@ def test_run_of_the_local_package_sends_its_spec(kfp_api, package, capsys):
     assert code == 0, out
     [run] = kfp_api.runs.values()
     assert (
-        run["pipeline_spec"]["pipelineInfo"]["name"] == "rtp-resilient-training"
+        run["pipeline_spec"]["pipeline_spec"]["pipelineInfo"]["name"] == "rtp-resilient-training"
     )  # parsed strictly by the fake
     assert run["runtime_config"]["parameters"] == {"nproc": 1}
 

@@ -1,0 +1,153 @@
+"""The train step's multi-node path: training as a PyTorchJob or TrainJob, not in this pod.
+
+`train_with_job` builds the same `python -m trainer` arguments as the in-pod path, wraps
+them in a job manifest (`jobs`), runs it to the end (`k8s_launcher`), and then reads the
+summary that global rank 0 wrote onto the shared FSx volume, which this pod mounts at
+the same path as the job's pods. So the result looks exactly like `train_in_pod`'s, and
+validate and register do not care which launcher trained the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from components.train.jobs import JOB_LAUNCHERS, JobSettings, JobSettingsError, job_manifest, job_name
+from components.train.k8s_launcher import JobFailed, in_cluster_api_client, pod_namespace, run_job
+from trainer.config import DEFAULT_CHECKPOINT_MODE, build_config, parse_overrides
+from trainer.faults import parse_faults
+from trainer.launch import trainer_arguments
+
+
+def job_settings_for_run(
+    *,
+    dataset_dir: str,
+    run_folder: str | Path,
+    run_id: str,
+    namespace: str,
+    image: str,
+    steps: int,
+    nproc_per_node: int,
+    checkpoint_every: int,
+    checkpoint_mode: str = DEFAULT_CHECKPOINT_MODE,
+    seed: int,
+    preset: str,
+    overrides: str = "",
+    faults: str = "",
+    **job_fields: Any,
+) -> JobSettings:
+    """JobSettings whose pods train this run into `run_folder` (checked, pure)."""
+    override_items = parse_overrides(overrides)
+    # Fail here, in one line, on a bad override, before any GPU pod is scheduled.
+    build_config(
+        preset,
+        [
+            *override_items,
+            f"run.steps={steps}",
+            f"checkpoint.every_steps={checkpoint_every}",
+            f"checkpoint.mode={checkpoint_mode}",
+        ],
+    )
+    args = trainer_arguments(
+        dataset_dir=dataset_dir,
+        workdir=str(Path(run_folder) / "train"),
+        steps=steps,
+        checkpoint_every=checkpoint_every,
+        checkpoint_mode=checkpoint_mode,
+        seed=seed,
+        preset=preset,
+        checkpoint_dir=str(Path(run_folder) / "checkpoints"),
+        overrides=override_items,
+        faults=[str(spec) for spec in parse_faults(faults)],
+    )
+    return JobSettings(
+        name=job_name(run_id),
+        namespace=namespace,
+        image=image,
+        trainer_args=args,
+        run_id=run_id,
+        nproc_per_node=nproc_per_node,
+        **job_fields,
+    ).check()
+
+
+def train_with_job(
+    launcher: str,
+    *,
+    dataset_dir: str,
+    run_folder: str | Path,
+    run_id: str,
+    namespace: str = "",
+    image: str,
+    steps: int,
+    nproc_per_node: int,
+    checkpoint_every: int,
+    checkpoint_mode: str = DEFAULT_CHECKPOINT_MODE,
+    seed: int,
+    preset: str,
+    overrides: str = "",
+    faults: str = "",
+    timeout_s: float,
+    poll_interval_s: float = 10.0,
+    api_client: Any = None,
+    **job_fields: Any,
+) -> dict[str, Any]:
+    """Train as a `launcher` job; returns the trainer's summary plus the config used."""
+    if launcher not in JOB_LAUNCHERS:
+        raise JobSettingsError(f"launcher {launcher!r} is not one of inpod, {', '.join(JOB_LAUNCHERS)}")
+    if not image:
+        raise JobSettingsError("no image for the job's pods: pass the pipeline's image (job_image)")
+    # The engine's own deadline backs up this step's timeout for when the step's pod dies
+    # without cleaning up (node loss) and the exit handler cannot run either.
+    job_fields.setdefault("deadline_s", int(timeout_s) + 600)
+    settings = job_settings_for_run(
+        dataset_dir=dataset_dir,
+        run_folder=run_folder,
+        run_id=run_id,
+        namespace=pod_namespace(namespace),
+        image=image,
+        steps=steps,
+        nproc_per_node=nproc_per_node,
+        checkpoint_every=checkpoint_every,
+        checkpoint_mode=checkpoint_mode,
+        seed=seed,
+        preset=preset,
+        overrides=overrides,
+        faults=faults,
+        **job_fields,
+    )
+    manifest = job_manifest(launcher, settings)
+    summary_path = Path(run_folder) / "train" / "summary.json"
+    # A summary left by an earlier attempt must not pass for this job's result.
+    summary_path.unlink(missing_ok=True)
+    run_job(
+        manifest,
+        api_client=api_client if api_client is not None else in_cluster_api_client(),
+        timeout_s=timeout_s,
+        poll_interval_s=poll_interval_s,
+    )
+    if not summary_path.is_file():
+        raise JobFailed(
+            f"{manifest['kind']} {settings.name} succeeded but wrote no {summary_path}: is the FSx PVC "
+            f"{settings.pvc_name!r} mounted at {settings.mount_path} in both the step and the job?"
+        )
+    summary = json.loads(summary_path.read_text())
+    config = build_config(
+        preset,
+        [
+            *parse_overrides(overrides),
+            f"run.steps={steps}",
+            f"checkpoint.every_steps={checkpoint_every}",
+            f"checkpoint.mode={checkpoint_mode}",
+        ],
+    )
+    return {
+        **summary,
+        "preset": preset,
+        "launcher": launcher,
+        "job_name": settings.name,
+        "config_sha256": hashlib.sha256(config.to_json().encode()).hexdigest(),
+        "model_config": config.to_dict()["model"],
+    }

@@ -1,0 +1,318 @@
+"""Multi-node training job manifests, built as plain data: a PyTorchJob or a TrainJob.
+
+When one pod is not enough, the train step hands the ranks to a distributed engine that
+already runs on the cluster: the Kubeflow Training Operator (`PyTorchJob`,
+`kubeflow.org/v1`) or Kubeflow Trainer v2 (`TrainJob`, `trainer.kubeflow.org/v1alpha1`,
+against a torch-distributed `ClusterTrainingRuntime`). Every pod runs `ft_launcher` with a
+c10d rendezvous on the engine's master address, mounts the FSx PVC at the same path as the
+pipeline's pods and gets a memory-backed `/dev/shm`. The builders here are pure functions
+of a `JobSettings` (no Kubernetes client, no I/O), so `rtp render-job` can print them and
+tests can validate them against the CRD schemas; `k8s_launcher` creates and watches them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+PYTORCHJOB_API_VERSION = "kubeflow.org/v1"
+PYTORCHJOB_PLURAL = "pytorchjobs"
+TRAINJOB_API_VERSION = "trainer.kubeflow.org/v1alpha1"
+TRAINJOB_PLURAL = "trainjobs"
+LAUNCHERS = ("inpod", "pytorchjob", "trainjob")
+JOB_LAUNCHERS = ("pytorchjob", "trainjob")
+DEFAULT_LAUNCHER = "inpod"
+DEFAULT_TRAINING_RUNTIME = "torch-distributed"
+RUN_ID_LABEL = "rtp.kubeflow.org/run-id"
+"""Every job carries its KFP run id here, so the exit handler can find and delete it."""
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+GPU_RESOURCE = "nvidia.com/gpu"
+EFA_RESOURCE = "vpc.amazonaws.com/efa"
+# The Training Operator requires the container of a PyTorchJob replica to be named
+# "pytorch"; the stock torch-distributed runtime of Trainer v2 names its trainer "node".
+PYTORCHJOB_CONTAINER = "pytorch"
+TRAINJOB_CONTAINER = "node"
+TRAINJOB_REPLICATED_JOB = "node"
+SHM_VOLUME = "dshm"
+FSX_VOLUME = "fsx"
+_DNS_LABEL = re.compile(r"[^a-z0-9-]+")
+
+
+class JobSettingsError(ValueError):
+    """A training-job setting is out of range; the message names it and what is allowed."""
+
+
+@dataclass(kw_only=True, slots=True)
+class JobSettings:
+    """Everything a multi-node training job needs; one field per pipeline parameter."""
+
+    name: str
+    """Job name (a DNS label); `job_name(run_id)` derives one from the KFP run id."""
+    namespace: str
+    image: str
+    trainer_args: list[str]
+    """Arguments of `python -m trainer` (from `trainer.launch.trainer_arguments`)."""
+    run_id: str = ""
+    """KFP run id, stored in the RUN_ID_LABEL label."""
+    nnodes: int = 1
+    nproc_per_node: int = 1
+    gpus_per_node: int = 0
+    """0 trains on CPU (gloo); otherwise each pod requests this many `nvidia.com/gpu`."""
+    efa_per_node: int = 0
+    """EFA interfaces each pod requests (`vpc.amazonaws.com/efa`); 0 uses TCP sockets."""
+    cpu_per_node: str = ""
+    memory_per_node: str = ""
+    pvc_name: str = "fsx-claim"
+    mount_path: str = "/fsx"
+    shm_size: str = ""
+    """Size limit of the memory-backed /dev/shm; empty leaves it bounded by pod memory."""
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    service_account: str = ""
+    image_pull_policy: str = "IfNotPresent"
+    image_pull_secrets: list[str] = field(default_factory=list)
+    max_restarts: int = 3
+    """ft_launcher restarts of the worker group inside the pods before the pod fails."""
+    backoff_limit: int = 2
+    """Pod-level retries the engine makes before the job is Failed (PyTorchJob)."""
+    deadline_s: int = 24 * 3600
+    """The job is stopped after this many seconds (activeDeadlineSeconds)."""
+    ttl_after_finished_s: int = 3600
+    training_runtime: str = DEFAULT_TRAINING_RUNTIME
+    env: dict[str, str] = field(default_factory=dict)
+
+    def check(self) -> JobSettings:
+        problems = []
+        if not self.name or len(self.name) > 63 or _DNS_LABEL.search(self.name) or self.name[0] == "-":
+            problems.append(f"job name {self.name!r} must be a DNS label (a-z, 0-9, '-', at most 63)")
+        for label, value, low in (
+            ("nnodes", self.nnodes, 1),
+            ("nproc_per_node", self.nproc_per_node, 1),
+            ("gpus_per_node", self.gpus_per_node, 0),
+            ("efa_per_node", self.efa_per_node, 0),
+            ("max_restarts", self.max_restarts, 0),
+            ("backoff_limit", self.backoff_limit, 0),
+            ("deadline_s", self.deadline_s, 1),
+        ):
+            if value < low:
+                problems.append(f"{label} must be at least {low}, got {value}")
+        if self.gpus_per_node and self.nproc_per_node > self.gpus_per_node:
+            problems.append(
+                f"nproc_per_node ({self.nproc_per_node}) exceeds gpus_per_node ({self.gpus_per_node}): "
+                "one process per GPU"
+            )
+        if not self.mount_path.startswith("/"):
+            problems.append(f"mount_path {self.mount_path!r} must be an absolute path")
+        if problems:
+            raise JobSettingsError("; ".join(problems))
+        return self
+
+
+def job_name(run_id: str, prefix: str = "rtp-train") -> str:
+    """A DNS-label job name unique to a KFP run (the cleanup task finds it by label)."""
+    suffix = _DNS_LABEL.sub("-", (run_id or "manual").lower()).strip("-") or "manual"
+    return f"{prefix}-{suffix}"[:63].rstrip("-")
+
+
+def ft_launcher_command(settings: JobSettings, rdzv_host_env: str, rdzv_port_env: str) -> list[str]:
+    """The command each pod runs: ft_launcher over a c10d rendezvous on the engine's master.
+
+    `$(VAR)` is expanded by the kubelet from the container's environment, which the engine
+    fills in (MASTER_ADDR/MASTER_PORT for PyTorchJob, PET_MASTER_* for TrainJob).
+    """
+    nodes = settings.nnodes
+    command = [
+        "ft_launcher",
+        f"--nnodes={nodes}:{nodes}",
+        f"--nproc-per-node={settings.nproc_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=$({rdzv_host_env}):$({rdzv_port_env})",
+        f"--rdzv-id={settings.name}",
+        f"--max-restarts={settings.max_restarts}",
+        # The NIC health monitor reads the GPU/NIC PCI topology, which CPU nodes lack.
+        f"--ft-enable-nic-monitor={'false' if settings.gpus_per_node == 0 else 'true'}",
+    ]
+    return [*command, "-m", "trainer", *settings.trainer_args]
+
+
+def training_env(settings: JobSettings) -> list[dict[str, str]]:
+    """NCCL/EFA and Python settings for every training container, plus the caller's extras."""
+    env = {"PYTHONUNBUFFERED": "1", "NCCL_DEBUG": "WARN", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+    if settings.gpus_per_node == 0:
+        # gloo on CPU: one intra-op thread per rank, or the ranks oversubscribe the cores.
+        env["OMP_NUM_THREADS"] = "1"
+    if settings.efa_per_node:
+        env.update({"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"})
+    env.update(settings.env)
+    return [{"name": key, "value": value} for key, value in env.items()]
+
+
+def _resources(settings: JobSettings) -> dict[str, dict[str, Any]]:
+    amounts: dict[str, Any] = {}
+    if settings.cpu_per_node:
+        amounts["cpu"] = settings.cpu_per_node
+    if settings.memory_per_node:
+        amounts["memory"] = settings.memory_per_node
+    if settings.gpus_per_node:
+        amounts[GPU_RESOURCE] = settings.gpus_per_node
+    if settings.efa_per_node:
+        amounts[EFA_RESOURCE] = settings.efa_per_node
+    return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
+
+
+def _volumes(settings: JobSettings) -> list[dict[str, Any]]:
+    shm: dict[str, Any] = {"medium": "Memory"}
+    if settings.shm_size:
+        shm["sizeLimit"] = settings.shm_size
+    return [
+        {"name": FSX_VOLUME, "persistentVolumeClaim": {"claimName": settings.pvc_name}},
+        {"name": SHM_VOLUME, "emptyDir": shm},
+    ]
+
+
+def _volume_mounts(settings: JobSettings) -> list[dict[str, str]]:
+    return [
+        {"name": FSX_VOLUME, "mountPath": settings.mount_path},
+        {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
+    ]
+
+
+def run_id_label_value(run_id: str) -> str:
+    """A KFP run id as a label value (at most 63 of [A-Za-z0-9._-], alphanumeric at both ends)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", run_id)[:63].strip("._-") or "manual"
+
+
+def _labels(settings: JobSettings) -> dict[str, str]:
+    labels = {MANAGED_BY_LABEL: "rtp"}
+    if settings.run_id:
+        labels[RUN_ID_LABEL] = run_id_label_value(settings.run_id)
+    return labels
+
+
+def _metadata(settings: JobSettings) -> dict[str, Any]:
+    return {"name": settings.name, "namespace": settings.namespace, "labels": _labels(settings)}
+
+
+def _scheduling(settings: JobSettings) -> dict[str, Any]:
+    spec: dict[str, Any] = {}
+    if settings.node_selector:
+        spec["nodeSelector"] = dict(settings.node_selector)
+    if settings.tolerations:
+        spec["tolerations"] = [dict(t) for t in settings.tolerations]
+    if settings.service_account:
+        spec["serviceAccountName"] = settings.service_account
+    if settings.image_pull_secrets:
+        spec["imagePullSecrets"] = [{"name": name} for name in settings.image_pull_secrets]
+    return spec
+
+
+def pytorchjob_manifest(settings: JobSettings) -> dict[str, Any]:
+    """A `kubeflow.org/v1` PyTorchJob: one Master and nnodes-1 Workers, one pod per node."""
+    settings.check()
+    container: dict[str, Any] = {
+        "name": PYTORCHJOB_CONTAINER,
+        "image": settings.image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "command": ft_launcher_command(settings, "MASTER_ADDR", "MASTER_PORT"),
+        "env": training_env(settings),
+        "volumeMounts": _volume_mounts(settings),
+    }
+    resources = _resources(settings)
+    if resources:
+        container["resources"] = resources
+
+    def replica(count: int) -> dict[str, Any]:
+        return {
+            "replicas": count,
+            # OnFailure: the operator restarts a failed pod in place (counted against
+            # backoffLimit); ft_launcher has already retried inside the pod by then.
+            "restartPolicy": "OnFailure",
+            "template": {
+                "metadata": {"labels": _labels(settings)},
+                "spec": {**_scheduling(settings), "containers": [container], "volumes": _volumes(settings)},
+            },
+        }
+
+    replicas = {"Master": replica(1)}
+    if settings.nnodes > 1:
+        replicas["Worker"] = replica(settings.nnodes - 1)
+    return {
+        "apiVersion": PYTORCHJOB_API_VERSION,
+        "kind": "PyTorchJob",
+        "metadata": _metadata(settings),
+        "spec": {
+            "nprocPerNode": str(settings.nproc_per_node),
+            "runPolicy": {
+                "backoffLimit": settings.backoff_limit,
+                "activeDeadlineSeconds": settings.deadline_s,
+                "ttlSecondsAfterFinished": settings.ttl_after_finished_s,
+                "cleanPodPolicy": "None",
+            },
+            "pytorchReplicaSpecs": replicas,
+        },
+    }
+
+
+def trainjob_manifest(settings: JobSettings) -> dict[str, Any]:
+    """A `trainer.kubeflow.org/v1alpha1` TrainJob on a torch-distributed ClusterTrainingRuntime.
+
+    Volumes, scheduling and pull secrets go through `runtimePatches` (the v2.3 API for
+    changing the runtime's pod template). The runtime owns the restart policy of the pods
+    and their image pull policy; ft_launcher restarts the ranks inside each pod.
+    """
+    settings.check()
+    trainer: dict[str, Any] = {
+        "image": settings.image,
+        "numNodes": settings.nnodes,
+        "numProcPerNode": settings.nproc_per_node,
+        "command": ft_launcher_command(settings, "PET_MASTER_ADDR", "PET_MASTER_PORT"),
+        "env": training_env(settings),
+    }
+    resources = _resources(settings)
+    if resources:
+        trainer["resourcesPerNode"] = resources
+    pod_patch: dict[str, Any] = {
+        **_scheduling(settings),
+        "volumes": _volumes(settings),
+        "containers": [{"name": TRAINJOB_CONTAINER, "volumeMounts": _volume_mounts(settings)}],
+    }
+    return {
+        "apiVersion": TRAINJOB_API_VERSION,
+        "kind": "TrainJob",
+        "metadata": _metadata(settings),
+        "spec": {
+            "runtimeRef": {
+                "apiGroup": "trainer.kubeflow.org",
+                "kind": "ClusterTrainingRuntime",
+                "name": settings.training_runtime,
+            },
+            "activeDeadlineSeconds": settings.deadline_s,
+            "trainer": trainer,
+            "runtimePatches": [
+                {
+                    "manager": "rtp",
+                    "trainingRuntimeSpec": {
+                        "template": {
+                            "spec": {
+                                "replicatedJobs": [
+                                    {
+                                        "name": TRAINJOB_REPLICATED_JOB,
+                                        "template": {"spec": {"template": {"spec": pod_patch}}},
+                                    }
+                                ]
+                            }
+                        }
+                    },
+                }
+            ],
+        },
+    }
+
+
+def job_manifest(launcher: str, settings: JobSettings) -> dict[str, Any]:
+    if launcher == "pytorchjob":
+        return pytorchjob_manifest(settings)
+    if launcher == "trainjob":
+        return trainjob_manifest(settings)
+    raise JobSettingsError(f"launcher {launcher!r} creates no job: use one of {', '.join(JOB_LAUNCHERS)}")

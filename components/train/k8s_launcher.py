@@ -1,0 +1,320 @@
+"""Run one training job on Kubernetes: create it, watch it, show rank 0's log, clean up.
+
+`run_job` creates a PyTorchJob or TrainJob manifest (from `jobs`) with the `kubernetes`
+client, polls the job's conditions every `poll_interval_s`, copies new lines of the rank-0
+pod's log into this process's output, and returns once the engine reports success. It
+raises `JobFailed` when the engine reports failure and `JobTimedOut` after `timeout_s`;
+on either, and on SIGTERM (a terminated KFP run deletes the component's pod), it deletes
+the job so no GPU pods outlive the run. `delete_run_jobs` is the pipeline's exit-handler
+cleanup: it deletes every job labelled with a run id. Status parsing and label selectors
+are pure functions; all API calls go through an `ApiClient` the caller passes (tests pass
+one pointed at a fake API server) or the pod's in-cluster configuration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from components.train.jobs import (
+    PYTORCHJOB_API_VERSION,
+    PYTORCHJOB_CONTAINER,
+    PYTORCHJOB_PLURAL,
+    RUN_ID_LABEL,
+    TRAINJOB_API_VERSION,
+    TRAINJOB_CONTAINER,
+    TRAINJOB_PLURAL,
+    TRAINJOB_REPLICATED_JOB,
+    run_id_label_value,
+)
+from trainer.launch import TrainingFailed
+
+log = logging.getLogger(__name__)
+
+SERVICE_ACCOUNT_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+_SUCCESS = {"PyTorchJob": "Succeeded", "TrainJob": "Complete"}
+_PLURALS = {
+    "PyTorchJob": (PYTORCHJOB_API_VERSION, PYTORCHJOB_PLURAL),
+    "TrainJob": (TRAINJOB_API_VERSION, TRAINJOB_PLURAL),
+}
+
+
+class JobFailed(TrainingFailed):
+    """The training engine reported the job failed, or the job could not be created."""
+
+
+class JobTimedOut(JobFailed):
+    """The job did not finish within the step's timeout; it has been deleted."""
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived while watching a job (the KFP run was terminated)."""
+
+
+@dataclass(frozen=True)
+class JobRef:
+    kind: str
+    group: str
+    version: str
+    plural: str
+    namespace: str
+    name: str
+
+    @classmethod
+    def of(cls, manifest: dict[str, Any]) -> JobRef:
+        kind = manifest["kind"]
+        if kind not in _PLURALS:
+            raise JobFailed(f"cannot run a {kind}: only {', '.join(_PLURALS)} are supported")
+        api_version, plural = _PLURALS[kind]
+        group, version = api_version.split("/")
+        meta = manifest["metadata"]
+        return cls(kind, group, version, plural, meta["namespace"], meta["name"])
+
+
+def job_outcome(kind: str, status: dict[str, Any] | None) -> tuple[str | None, str]:
+    """('succeeded' | 'failed' | None, message) from a job's status conditions."""
+    for condition in (status or {}).get("conditions") or []:
+        if condition.get("status") != "True":
+            continue
+        if condition.get("type") == _SUCCESS[kind]:
+            return "succeeded", condition.get("message", "")
+        if condition.get("type") == "Failed":
+            return "failed", condition.get("message") or condition.get("reason", "")
+    return None, ""
+
+
+def rank0_pod_selector(ref: JobRef) -> tuple[str, str]:
+    """(label selector, container) of the pod that runs node 0, whose ranks include rank 0."""
+    if ref.kind == "PyTorchJob":
+        selector = (
+            f"training.kubeflow.org/job-name={ref.name},"
+            "training.kubeflow.org/replica-type=master,training.kubeflow.org/replica-index=0"
+        )
+        return selector, PYTORCHJOB_CONTAINER
+    selector = (
+        f"jobset.sigs.k8s.io/jobset-name={ref.name},"
+        f"jobset.sigs.k8s.io/replicatedjob-name={TRAINJOB_REPLICATED_JOB},"
+        "batch.kubernetes.io/job-completion-index=0"
+    )
+    return selector, TRAINJOB_CONTAINER
+
+
+def in_cluster_api_client() -> Any:
+    """An ApiClient for the pod's service account (the KFP step runs inside the cluster)."""
+    from kubernetes import client, config
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException as exc:
+        raise JobFailed(
+            f"not running inside a Kubernetes pod ({exc}); the pytorchjob and trainjob launchers "
+            "only work in a pipeline run on a cluster, use launcher=inpod elsewhere"
+        ) from exc
+    return client.ApiClient()
+
+
+def pod_namespace(default: str = "") -> str:
+    """The namespace to create jobs in: the given one, else this pod's own namespace."""
+    if default:
+        return default
+    if SERVICE_ACCOUNT_NAMESPACE_FILE.is_file():
+        return SERVICE_ACCOUNT_NAMESPACE_FILE.read_text().strip()
+    raise JobFailed("no job namespace given and this is not a pod: set job_namespace")
+
+
+def _api_error(exc: Exception) -> str:
+    body = getattr(exc, "body", "") or ""
+    try:
+        import json
+
+        return json.loads(body).get("message", body)
+    except (ValueError, AttributeError):
+        return str(body) or str(exc)
+
+
+class _LogFollower:
+    """Prints the lines of the rank-0 pod's log that it has not printed yet."""
+
+    def __init__(self, core: Any, ref: JobRef, write: Callable[[str], None]) -> None:
+        self.core, self.ref, self.write = core, ref, write
+        self.selector, self.container = rank0_pod_selector(ref)
+        self.pod = ""
+        self.printed = 0
+
+    def poll(self) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            pods = self.core.list_namespaced_pod(self.ref.namespace, label_selector=self.selector).items
+            if not pods:
+                return
+            pod = pods[0].metadata.name
+            if pod != self.pod:  # first pod, or a replacement after a restart
+                self.pod, self.printed = pod, 0
+                self.write(f"--- log of {pod} (rank 0) ---")
+            text = self.core.read_namespaced_pod_log(pod, self.ref.namespace, container=self.container)
+        except ApiException as exc:
+            # 400 while the container is still being created; logs are best effort.
+            log.debug("rank-0 log not available yet: %s", _api_error(exc))
+            return
+        lines = text.splitlines()
+        for line in lines[self.printed :]:
+            self.write(line)
+        self.printed = max(self.printed, len(lines))
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise _Terminated()
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def delete_job(api_client: Any, ref: JobRef) -> bool:
+    """Delete the job and its pods; False when it was already gone."""
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+
+    custom = client.CustomObjectsApi(api_client)
+    try:
+        custom.delete_namespaced_custom_object(
+            ref.group, ref.version, ref.namespace, ref.plural, ref.name,
+            body=client.V1DeleteOptions(propagation_policy="Background"),
+        )  # fmt: skip
+    except ApiException as exc:
+        if exc.status == 404:
+            return False
+        raise JobFailed(f"could not delete {ref.kind} {ref.namespace}/{ref.name}: {_api_error(exc)}") from exc
+    log.info("deleted %s %s/%s", ref.kind, ref.namespace, ref.name)
+    return True
+
+
+def _create(custom: Any, ref: JobRef, manifest: dict[str, Any], api_client: Any) -> None:
+    from kubernetes.client.exceptions import ApiException
+
+    args = (ref.group, ref.version, ref.namespace, ref.plural)
+    try:
+        custom.create_namespaced_custom_object(*args, manifest)
+        return
+    except ApiException as exc:
+        if exc.status == 404:
+            raise JobFailed(
+                f"the cluster has no {ref.kind} resource ({ref.group}/{ref.version}): install the "
+                f"{'Kubeflow Training Operator' if ref.kind == 'PyTorchJob' else 'Kubeflow Trainer v2'} "
+                "or pick another launcher (docs/eks.md)"
+            ) from exc
+        if exc.status != 409:
+            raise JobFailed(f"the API server rejected {ref.kind} {ref.name}: {_api_error(exc)}") from exc
+    # 409: an earlier attempt of this task created it. Keep watching a live job; replace
+    # a finished one so a retried task trains (and resumes from its checkpoints) again.
+    existing = custom.get_namespaced_custom_object(*args, ref.name)
+    outcome, _ = job_outcome(ref.kind, existing.get("status"))
+    if outcome is None:
+        log.info("%s %s already exists and is running: watching it", ref.kind, ref.name)
+        return
+    delete_job(api_client, ref)
+    for _ in range(60):
+        try:
+            custom.create_namespaced_custom_object(*args, manifest)
+            return
+        except ApiException as exc:
+            if exc.status != 409:
+                raise JobFailed(f"could not recreate {ref.kind} {ref.name}: {_api_error(exc)}") from exc
+            time.sleep(1)
+    raise JobFailed(f"{ref.kind} {ref.name} from an earlier attempt was not deleted within 60 s")
+
+
+def run_job(
+    manifest: dict[str, Any],
+    *,
+    api_client: Any,
+    timeout_s: float,
+    poll_interval_s: float = 10.0,
+    write: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Create the job, wait for it and return its final object; delete it unless it succeeded."""
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+
+    write = write or (lambda line: print(line, file=sys.stdout, flush=True))
+    ref = JobRef.of(manifest)
+    custom = client.CustomObjectsApi(api_client)
+    follower = _LogFollower(client.CoreV1Api(api_client), ref, write)
+    deadline = time.monotonic() + timeout_s
+    _create(custom, ref, manifest, api_client)
+    write(f"created {ref.kind} {ref.namespace}/{ref.name}; waiting up to {timeout_s:.0f} s")
+    succeeded = False
+    try:
+        with _sigterm_raises():
+            while True:
+                try:
+                    job = custom.get_namespaced_custom_object(
+                        ref.group, ref.version, ref.namespace, ref.plural, ref.name
+                    )
+                except ApiException as exc:
+                    if exc.status == 404:
+                        raise JobFailed(f"{ref.kind} {ref.name} was deleted while it ran") from exc
+                    raise JobFailed(f"could not read {ref.kind} {ref.name}: {_api_error(exc)}") from exc
+                follower.poll()
+                outcome, message = job_outcome(ref.kind, job.get("status"))
+                if outcome == "succeeded":
+                    succeeded = True
+                    write(f"{ref.kind} {ref.name} succeeded")
+                    return job
+                if outcome == "failed":
+                    raise JobFailed(f"{ref.kind} {ref.namespace}/{ref.name} failed: {message}")
+                if time.monotonic() >= deadline:
+                    raise JobTimedOut(
+                        f"{ref.kind} {ref.namespace}/{ref.name} did not finish within {timeout_s:.0f} s "
+                        "(job_timeout_s); it was deleted. Raise job_timeout_s or look at its pods' logs"
+                    )
+                time.sleep(poll_interval_s)
+    except _Terminated:
+        write(f"SIGTERM: deleting {ref.kind} {ref.name}")
+        raise JobFailed(f"terminated while {ref.kind} {ref.name} ran; the job was deleted") from None
+    finally:
+        if not succeeded:
+            with contextlib.suppress(JobFailed):
+                delete_job(api_client, ref)
+
+
+def delete_run_jobs(api_client: Any, namespace: str, run_id: str) -> list[str]:
+    """Delete every PyTorchJob and TrainJob labelled with `run_id`; returns 'Kind/name' deleted."""
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+
+    custom = client.CustomObjectsApi(api_client)
+    selector = f"{RUN_ID_LABEL}={run_id_label_value(run_id)}"
+    deleted = []
+    for kind, (api_version, plural) in _PLURALS.items():
+        group, version = api_version.split("/")
+        try:
+            items = custom.list_namespaced_custom_object(
+                group, version, namespace, plural, label_selector=selector
+            )["items"]
+        except ApiException as exc:
+            if exc.status == 404:  # that operator is not installed: nothing of its kind to delete
+                continue
+            raise JobFailed(f"could not list {kind}s in {namespace}: {_api_error(exc)}") from exc
+        for item in items:
+            ref = JobRef(kind, group, version, plural, namespace, item["metadata"]["name"])
+            if delete_job(api_client, ref):
+                deleted.append(f"{kind}/{ref.name}")
+    return deleted

@@ -1,0 +1,204 @@
+"""The Kubernetes parts of the `rtp` CLI: compile-time platform flags and `rtp render-job`.
+
+`add_platform_arguments` adds the flags of `rtp compile` that cannot be pipeline
+parameters (the FSx mount path, pull policy and secrets, the train pod's requests);
+`rtp render-job` prints the PyTorchJob or TrainJob manifest the train step would create,
+built by the same pure function the step calls, for review or a manual `kubectl apply`.
+Nothing heavy is imported until a handler runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from components.train.jobs import DEFAULT_LAUNCHER, DEFAULT_TRAINING_RUNTIME, JOB_LAUNCHERS, LAUNCHERS
+from pipelines.platform import DEFAULT_GPU_TOLERATIONS, DEFAULT_PVC_NAME, IMAGE_PULL_POLICIES, PlatformOptions
+
+
+def add_platform_arguments(p: argparse.ArgumentParser) -> None:
+    defaults = PlatformOptions()
+    p.add_argument(
+        "--launcher",
+        default=DEFAULT_LAUNCHER,
+        choices=LAUNCHERS,
+        help="default of the pipeline's launcher parameter (default: %(default)s)",
+    )
+    p.add_argument(
+        "--fsx-mount-path",
+        default=defaults.fsx_mount_path,
+        help="where every step mounts the FSx PVC; also the fsx_mount_path default (default: %(default)s)",
+    )
+    p.add_argument(
+        "--image-pull-policy",
+        default=defaults.image_pull_policy,
+        choices=IMAGE_PULL_POLICIES,
+        help="pull policy of every step (default: %(default)s)",
+    )
+    p.add_argument(
+        "--image-pull-secret",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="image pull secret of every step and training job pod (repeatable)",
+    )
+    p.add_argument(
+        "--train-pod-cpu",
+        default=defaults.train_pod_cpu,
+        help="CPU request of the train pod (default: %(default)s)",
+    )
+    p.add_argument(
+        "--train-pod-memory",
+        default=defaults.train_pod_memory,
+        help="memory request of the train pod (default: %(default)s)",
+    )
+    p.add_argument(
+        "--train-pod-gpus",
+        type=int,
+        default=defaults.train_pod_gpus,
+        help="GPUs of the train pod, for launcher inpod (default: %(default)s)",
+    )
+    p.add_argument("--shm-size", default="", help="size limit of the trainer's /dev/shm (default: none)")
+
+
+def platform_options_from_args(args: argparse.Namespace) -> PlatformOptions:
+    return PlatformOptions(
+        fsx_mount_path=args.fsx_mount_path,
+        image_pull_policy=args.image_pull_policy,
+        image_pull_secrets=list(args.image_pull_secret),
+        train_pod_cpu=args.train_pod_cpu,
+        train_pod_memory=args.train_pod_memory,
+        train_pod_gpus=args.train_pod_gpus,
+        shm_size=args.shm_size,
+    ).check()
+
+
+def add_render_job_parser(sub: argparse._SubParsersAction) -> None:
+    from components import DEFAULT_IMAGE
+    from trainer.config import CHECKPOINT_MODES, DEFAULT_CHECKPOINT_MODE
+
+    p = sub.add_parser(
+        "render-job",
+        help="print the PyTorchJob or TrainJob manifest the train step would create",
+        description="Print, as YAML, the training job the train step creates with launcher pytorchjob or "
+        "trainjob: each pod runs ft_launcher with a c10d rendezvous, mounts the FSx PVC and a memory-backed "
+        "/dev/shm. Nothing is sent to a cluster.",
+    )
+    p.add_argument("--mode", required=True, choices=JOB_LAUNCHERS, help="which job to render")
+    p.add_argument("-o", "--output", default="-", help="output file; - is stdout (default: %(default)s)")
+    p.add_argument("--run-id", default="manual", help="KFP run id the job is named and labelled after")
+    p.add_argument("--run-name", default="", help="run folder under <mount>/rtp/runs (default: the run id)")
+    p.add_argument("--namespace", default="kubeflow-user", help="namespace (default: %(default)s)")
+    p.add_argument("--image", default=DEFAULT_IMAGE, help="image of the pods (default: %(default)s)")
+    p.add_argument("--nnodes", type=int, default=1, help="pods (nodes) (default: %(default)s)")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="ranks per pod (default: %(default)s)")
+    p.add_argument(
+        "--gpus-per-node", type=int, default=0, help="GPUs per pod; 0 = CPU (default: %(default)s)"
+    )
+    p.add_argument(
+        "--efa-per-node", type=int, default=0, help="EFA interfaces per pod (default: %(default)s)"
+    )
+    p.add_argument("--cpu-per-node", default="", help="CPU request per pod, e.g. 90 (default: none)")
+    p.add_argument(
+        "--memory-per-node", default="", help="memory request per pod, e.g. 1000Gi (default: none)"
+    )
+    p.add_argument("--pvc-name", default=DEFAULT_PVC_NAME, help="FSx PVC (default: %(default)s)")
+    p.add_argument(
+        "--fsx-mount-path", default=PlatformOptions().fsx_mount_path, help="(default: %(default)s)"
+    )
+    p.add_argument("--shm-size", default="", help="size limit of /dev/shm (default: none)")
+    p.add_argument(
+        "--node-selector",
+        default="{}",
+        help='node labels as JSON, e.g. \'{"node.kubernetes.io/instance-type": "p5.48xlarge"}\'',
+    )
+    p.add_argument(
+        "--tolerations",
+        default=json.dumps(DEFAULT_GPU_TOLERATIONS),
+        help="tolerations as a JSON list (default: %(default)s)",
+    )
+    p.add_argument(
+        "--service-account", default="", help="service account of the pods (default: namespace default)"
+    )
+    p.add_argument("--image-pull-secret", action="append", default=[], metavar="NAME", help="(repeatable)")
+    p.add_argument("--max-restarts", type=int, default=3, help="ft_launcher restarts (default: %(default)s)")
+    p.add_argument(
+        "--backoff-limit", type=int, default=2, help="pod retries, PyTorchJob (default: %(default)s)"
+    )
+    p.add_argument(
+        "--deadline-s", type=int, default=86400, help="activeDeadlineSeconds (default: %(default)s)"
+    )
+    p.add_argument(
+        "--training-runtime", default=DEFAULT_TRAINING_RUNTIME, help="TrainJob runtime (default: %(default)s)"
+    )
+    p.add_argument("--dataset-name", default="demo-corpus", help="dataset under <mount>/rtp/datasets")
+    p.add_argument("--steps", type=int, default=40, help="(default: %(default)s)")
+    p.add_argument("--checkpoint-every", type=int, default=10, help="(default: %(default)s)")
+    p.add_argument("--checkpoint-mode", default=DEFAULT_CHECKPOINT_MODE, choices=CHECKPOINT_MODES)
+    p.add_argument("--seed", type=int, default=1234, help="(default: %(default)s)")
+    p.add_argument("--preset", default="tiny-cpu", help="model preset (default: %(default)s)")
+    p.add_argument("--overrides", default="", help="extra trainer config, 'section.field=value ...'")
+    p.set_defaults(handler=_cmd_render_job)
+
+
+def _json_arg(flag: str, text: str, kind: type) -> Any:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{flag} is not valid JSON ({exc.msg}): {text!r}") from None
+    if not isinstance(value, kind):
+        raise ValueError(f"{flag} must be a JSON {'object' if kind is dict else 'list'}, got {text!r}")
+    return value
+
+
+def render_job(args: argparse.Namespace) -> dict[str, Any]:
+    from components.layout import dataset_root, run_dir
+    from components.train.job_train import job_settings_for_run
+    from components.train.jobs import job_manifest
+
+    settings = job_settings_for_run(
+        dataset_dir=str(dataset_root(args.fsx_mount_path, args.dataset_name) / "current"),
+        run_folder=run_dir(args.fsx_mount_path, args.run_name, args.run_id),
+        run_id=args.run_id,
+        namespace=args.namespace,
+        image=args.image,
+        steps=args.steps,
+        nproc_per_node=args.nproc_per_node,
+        checkpoint_every=args.checkpoint_every,
+        checkpoint_mode=args.checkpoint_mode,
+        seed=args.seed,
+        preset=args.preset,
+        overrides=args.overrides,
+        nnodes=args.nnodes,
+        gpus_per_node=args.gpus_per_node,
+        efa_per_node=args.efa_per_node,
+        cpu_per_node=args.cpu_per_node,
+        memory_per_node=args.memory_per_node,
+        pvc_name=args.pvc_name,
+        mount_path=args.fsx_mount_path,
+        shm_size=args.shm_size,
+        node_selector=_json_arg("--node-selector", args.node_selector, dict),
+        tolerations=_json_arg("--tolerations", args.tolerations, list),
+        service_account=args.service_account,
+        image_pull_secrets=list(args.image_pull_secret),
+        max_restarts=args.max_restarts,
+        backoff_limit=args.backoff_limit,
+        deadline_s=args.deadline_s,
+        training_runtime=args.training_runtime,
+    )
+    return job_manifest(args.mode, settings)
+
+
+def _cmd_render_job(args: argparse.Namespace) -> int:
+    import yaml
+
+    text = yaml.safe_dump(render_job(args), sort_keys=False, width=120)
+    if args.output == "-":
+        sys.stdout.write(text)
+    else:
+        with open(args.output, "w") as handle:
+            handle.write(text)
+        print(f"wrote {args.output} ({args.mode})")
+    return 0

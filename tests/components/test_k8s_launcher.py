@@ -1,0 +1,209 @@
+"""The training-job launcher's create/watch/log/timeout/delete logic, against a FAKE API server.
+
+No real Kubernetes cluster can run on the development machines, so these tests run the
+launcher (the real `kubernetes` client, version 30.1.0) against `tests.fakes.kube_api`: a
+stateful stand-in on 127.0.0.1 that validates every created job strictly against the
+upstream CRD schemas in ../shared/specs/crds and simulates the job's phases, its rank-0
+pod's log and failures. What the fake cannot show (scheduling, real operators, EFA) is
+covered only by the manifests' schema checks and by docs/eks.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+from kubernetes import client
+
+from components.train.job_train import train_with_job
+from components.train.jobs import RUN_ID_LABEL, JobSettings, job_manifest
+from components.train.k8s_launcher import JobFailed, JobTimedOut, delete_run_jobs, run_job
+from tests.fakes.kube_api import FakeKubernetes, Scenario
+
+pytestmark = pytest.mark.shared_specs
+RUN_ID = "5e1f7a10-0c4b-4c1e-9d7e-0123456789ab"
+
+
+@pytest.fixture
+def fake(shared_specs: Path):
+    with FakeKubernetes(shared_specs / "crds") as server:
+        yield server
+
+
+def api_client(fake: FakeKubernetes) -> client.ApiClient:
+    configuration = client.Configuration()
+    configuration.host = fake.url
+    return client.ApiClient(configuration)
+
+
+def settings(name: str = "rtp-train-test", **fields) -> JobSettings:
+    defaults = dict(
+        namespace="team-a", image="example.com/rtp:1", trainer_args=["--steps=4"], run_id=RUN_ID,
+        nnodes=2, nproc_per_node=1,
+    )  # fmt: skip
+    return JobSettings(name=name, **{**defaults, **fields})
+
+
+@pytest.mark.parametrize("launcher", ["pytorchjob", "trainjob"])
+def test_success_streams_rank0_log_once_and_keeps_the_job(fake, launcher):
+    fake.default_scenario = Scenario(log_lines=["step 1 loss 5.1", "step 2 loss 4.9", "saved step 2"])
+    lines: list[str] = []
+    job = run_job(
+        job_manifest(launcher, settings()), api_client=api_client(fake), timeout_s=30,
+        poll_interval_s=0.01, write=lines.append,
+    )  # fmt: skip
+    assert job["metadata"]["name"] == "rtp-train-test"
+    log_lines = [line for line in lines if line.startswith(("step", "saved"))]
+    assert log_lines == ["step 1 loss 5.1", "step 2 loss 4.9", "saved step 2"]
+    assert any("(rank 0)" in line for line in lines)
+    assert fake.deleted == []
+
+
+def test_failure_raises_with_the_engines_message_and_deletes_the_job(fake):
+    fake.default_scenario = Scenario(outcome="fail", failure_message="pod rtp-train-test-worker-0 OOMKilled")
+    with pytest.raises(JobFailed, match="OOMKilled"):
+        run_job(job_manifest("pytorchjob", settings()), api_client=api_client(fake), timeout_s=30,
+                poll_interval_s=0.01, write=lambda line: None)  # fmt: skip
+    assert fake.deleted == ["rtp-train-test"]
+
+
+def test_timeout_deletes_the_job(fake):
+    fake.default_scenario = Scenario(outcome="hang")
+    with pytest.raises(JobTimedOut, match="job_timeout_s"):
+        run_job(job_manifest("trainjob", settings()), api_client=api_client(fake), timeout_s=0.3,
+                poll_interval_s=0.02, write=lambda line: None)  # fmt: skip
+    assert fake.deleted == ["rtp-train-test"]
+    assert fake.jobs == {}
+
+
+def test_sigterm_while_watching_deletes_the_job(fake):
+    fake.default_scenario = Scenario(outcome="hang")
+    timer = threading.Timer(0.3, os.kill, args=(os.getpid(), signal.SIGTERM))
+    previous = signal.getsignal(signal.SIGTERM)
+    timer.start()
+    try:
+        with pytest.raises(JobFailed, match="terminated"):
+            run_job(job_manifest("pytorchjob", settings()), api_client=api_client(fake), timeout_s=20,
+                    poll_interval_s=0.02, write=lambda line: None)  # fmt: skip
+    finally:
+        timer.join()
+    assert fake.deleted == ["rtp-train-test"]
+    assert signal.getsignal(signal.SIGTERM) == previous
+
+
+def test_a_manifest_the_schema_rejects_fails_with_the_servers_reason(fake):
+    manifest = job_manifest("pytorchjob", settings())
+    manifest["spec"]["runPolicy"]["restartEverything"] = True
+    with pytest.raises(JobFailed, match="restartEverything"):
+        run_job(
+            manifest, api_client=api_client(fake), timeout_s=5, poll_interval_s=0.01, write=lambda line: None
+        )
+    assert fake.jobs == {}
+    assert len(fake.rejected) == 1
+
+
+def test_missing_operator_is_named(shared_specs):
+    with (
+        FakeKubernetes(shared_specs / "crds", kinds=("PyTorchJob",)) as fake,
+        pytest.raises(JobFailed, match="install the Kubeflow Trainer v2"),
+    ):
+        run_job(job_manifest("trainjob", settings()), api_client=api_client(fake), timeout_s=5,
+                poll_interval_s=0.01, write=lambda line: None)  # fmt: skip
+
+
+def test_retry_replaces_a_finished_job_of_the_same_run(fake):
+    fake.scenarios["rtp-train-test"] = Scenario(outcome="fail")
+    api = api_client(fake)
+    manifest = job_manifest("pytorchjob", settings())
+    custom = client.CustomObjectsApi(api)
+    custom.create_namespaced_custom_object("kubeflow.org", "v1", "team-a", "pytorchjobs", manifest)
+    for _ in range(3):  # the earlier attempt's job runs to Failed
+        custom.get_namespaced_custom_object("kubeflow.org", "v1", "team-a", "pytorchjobs", "rtp-train-test")
+    fake.scenarios["rtp-train-test"] = Scenario(outcome="succeed")
+    run_job(manifest, api_client=api, timeout_s=10, poll_interval_s=0.01, write=lambda line: None)
+    assert fake.deleted == ["rtp-train-test"]
+    assert "rtp-train-test" in {name for (_, _, name) in fake.jobs}
+
+
+def test_cleanup_deletes_only_this_runs_jobs(fake):
+    api = api_client(fake)
+    custom = client.CustomObjectsApi(api)
+    mine = [job_manifest("pytorchjob", settings("mine-a")), job_manifest("trainjob", settings("mine-b"))]
+    other = job_manifest("pytorchjob", settings("other", run_id="another-run"))
+    for manifest in [*mine, other]:
+        group, version = manifest["apiVersion"].split("/")
+        plural = "pytorchjobs" if manifest["kind"] == "PyTorchJob" else "trainjobs"
+        custom.create_namespaced_custom_object(group, version, "team-a", plural, manifest)
+    assert other["metadata"]["labels"][RUN_ID_LABEL] == "another-run"
+    assert sorted(delete_run_jobs(api, "team-a", RUN_ID)) == ["PyTorchJob/mine-a", "TrainJob/mine-b"]
+    assert sorted(fake.deleted) == ["mine-a", "mine-b"]
+    assert delete_run_jobs(api, "team-a", RUN_ID) == []
+
+
+@pytest.mark.parametrize("launcher", ["pytorchjob", "trainjob"])
+def test_train_with_job_returns_the_summary_rank0_wrote(fake, tmp_path, launcher):
+    run_folder = tmp_path / "fsx" / "rtp" / "runs" / "r1"
+    (run_folder / "train").mkdir(parents=True)
+    (run_folder / "train" / "summary.json").write_text('{"stale": true}')
+    written = {"steps": 4, "final_loss": 4.2, "checkpoint": str(run_folder / "checkpoints" / "step_4"),
+               "model_sha256": "ab" * 32, "train_seconds": 1.5}  # fmt: skip
+
+    def rank0_writes_summary(job: dict) -> None:
+        # Stands in for global rank 0 writing onto the shared volume at the end of training.
+        args = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["command"] if (
+            job["kind"] == "PyTorchJob") else job["spec"]["trainer"]["command"]  # fmt: skip
+        assert f"--workdir={run_folder / 'train'}" in args
+        (run_folder / "train" / "summary.json").write_text(json.dumps(written))
+
+    fake.on_success = rank0_writes_summary
+    summary = train_with_job(
+        launcher, dataset_dir=str(tmp_path / "data"), run_folder=run_folder, run_id=RUN_ID, namespace="team-a",
+        image="example.com/rtp:1", steps=4, nproc_per_node=2, checkpoint_every=2, seed=1, preset="tiny-cpu",
+        timeout_s=30, poll_interval_s=0.01, api_client=api_client(fake), nnodes=2, pvc_name="fsx-claim",
+        mount_path=str(tmp_path / "fsx"),
+    )  # fmt: skip
+    assert summary["checkpoint"] == written["checkpoint"]
+    created = fake.jobs[next(iter(fake.jobs))].body["spec"]
+    deadline = (
+        created["runPolicy"]["activeDeadlineSeconds"]
+        if launcher == "pytorchjob"
+        else created["activeDeadlineSeconds"]
+    )
+    assert deadline == 30 + 600
+    assert summary["launcher"] == launcher and summary["job_name"].startswith("rtp-train-5e1f7a10")
+    assert summary["model_config"]["n_layers"] >= 1
+
+
+def test_train_with_job_without_a_summary_names_the_volume(fake, tmp_path):
+    with pytest.raises(JobFailed, match=r"wrote no .*summary\.json.*fsx-claim"):
+        train_with_job(
+            "pytorchjob", dataset_dir="/fsx/d", run_folder=tmp_path / "run", run_id=RUN_ID, namespace="team-a",
+            image="example.com/rtp:1", steps=4, nproc_per_node=1, checkpoint_every=2, seed=1, preset="tiny-cpu",
+            timeout_s=30, poll_interval_s=0.01, api_client=api_client(fake), pvc_name="fsx-claim",
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("launcher", "state", "deleted"),
+    [
+        ("pytorchjob", "FAILED", ["rtp-train-test"]),
+        ("trainjob", "CANCELED", ["rtp-train-test"]),
+        ("pytorchjob", "SUCCEEDED", []),
+        ("inpod", "FAILED", []),
+    ],
+)
+def test_exit_handler_deletes_the_job_only_when_the_run_did_not_succeed(fake, launcher, state, deleted):
+    from components.cleanup_jobs.cleanup import cleanup_after_run
+
+    kind = launcher if launcher != "inpod" else "pytorchjob"
+    manifest = job_manifest(kind, settings())
+    group, version = manifest["apiVersion"].split("/")
+    plural = "pytorchjobs" if manifest["kind"] == "PyTorchJob" else "trainjobs"
+    api = api_client(fake)
+    client.CustomObjectsApi(api).create_namespaced_custom_object(group, version, "team-a", plural, manifest)
+    cleanup_after_run(launcher, state, RUN_ID, "team-a", api_client=api)
+    assert fake.deleted == deleted

@@ -1,0 +1,311 @@
+"""A FAKE Kubernetes API server for the training-job launcher's tests.
+
+No real cluster can run on the development machines (no kube-apiserver, kubelet, kind or
+k3s can be installed there), so the launcher's create/watch/log/timeout/delete logic is
+tested against this stand-in instead. It is an HTTP server on 127.0.0.1 (port 0) in a
+thread, speaking the REST paths the `kubernetes` Python client uses for custom objects and
+pods. It is stateful: created objects are stored and listed by label, deleting them
+removes their pods. Every created custom object is validated strictly against its CRD's
+openAPIV3Schema (unknown fields rejected, 422 like the real server); a kind whose CRD was
+not loaded answers 404 like a cluster without that operator. Each read of a job advances
+it one phase (Created -> Running -> Succeeded/Failed, or stays Running forever for a
+"hang"), and a rank-0 pod, labelled the way the Training Operator or JobSet labels it,
+serves a growing log. It is not a Kubernetes implementation: no scheduling, no
+controllers, no watch streams, no admission webhooks.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+from tests.fakes.crd_schema import CustomResource, load_custom_resources
+
+_SUCCESS_CONDITION = {"PyTorchJob": "Succeeded", "TrainJob": "Complete"}
+
+
+@dataclass
+class Scenario:
+    """How the fake runs a job: the outcome, its log, and how many reads each phase lasts."""
+
+    outcome: str = "succeed"  # succeed | fail | hang
+    log_lines: list[str] = field(default_factory=lambda: ["rank 0: step 1 loss 5.5", "rank 0: done"])
+    reads_per_phase: int = 1
+    failure_message: str = "pod rtp-master-0 exited with code 1"
+
+
+@dataclass
+class _Job:
+    resource: CustomResource
+    body: dict[str, Any]
+    scenario: Scenario
+    reads: int = 0
+    phase: str = "Created"
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _matches(labels: dict[str, str], selector: str) -> bool:
+    for term in filter(None, selector.split(",")):
+        key, _, value = term.partition("=")
+        if labels.get(key) != value:
+            return False
+    return True
+
+
+class FakeKubernetes:
+    """The fake server; `url` is its base address, `deleted` lists deleted job names."""
+
+    def __init__(self, crd_dir: Path, kinds: tuple[str, ...] | None = None) -> None:
+        resources = load_custom_resources(crd_dir)
+        self.resources = {
+            (r.group, r.version, r.plural): r for r in resources.values() if kinds is None or r.kind in kinds
+        }
+        self.jobs: dict[tuple[str, str, str], _Job] = {}  # (plural, namespace, name)
+        self.deleted: list[str] = []
+        self.rejected: list[str] = []
+        self.default_scenario = Scenario()
+        self.scenarios: dict[str, Scenario] = {}
+        self.on_success: Callable[[dict[str, Any]], None] | None = None
+        self._lock = threading.Lock()
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def __enter__(self) -> FakeKubernetes:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+    # -- state changes ---------------------------------------------------------------
+
+    def _advance(self, job: _Job) -> None:
+        job.reads += 1
+        kind = job.resource.kind
+        order = ["Created", "Running", "Finished"]
+        step = min(job.reads // job.scenario.reads_per_phase, 2)
+        if job.scenario.outcome == "hang":
+            step = min(step, 1)
+        phase = order[step]
+        if phase == job.phase:
+            return
+        job.phase = phase
+        conditions = job.body.setdefault("status", {}).setdefault("conditions", [])
+        if phase == "Running":
+            conditions.append(self._condition("Running" if kind == "PyTorchJob" else "Created", "Started"))
+        elif job.scenario.outcome == "succeed":
+            conditions.append(self._condition(_SUCCESS_CONDITION[kind], "JobSucceeded"))
+            if self.on_success:
+                self.on_success(job.body)
+        else:
+            conditions.append(self._condition("Failed", "JobFailed", message=job.scenario.failure_message))
+
+    @staticmethod
+    def _condition(kind: str, reason: str, message: str = "") -> dict[str, str]:
+        return {
+            "type": kind,
+            "status": "True",
+            "reason": reason,
+            "message": message or reason,
+            "lastTransitionTime": _now(),
+        }
+
+    def _rank0_pod(self, job: _Job) -> dict[str, Any] | None:
+        if job.phase == "Created":
+            return None
+        name = job.body["metadata"]["name"]
+        if job.resource.kind == "PyTorchJob":
+            labels = {
+                "training.kubeflow.org/job-name": name,
+                "training.kubeflow.org/replica-type": "master",
+                "training.kubeflow.org/replica-index": "0",
+            }
+            pod_name, container = f"{name}-master-0", "pytorch"
+        else:
+            labels = {
+                "jobset.sigs.k8s.io/jobset-name": name,
+                "jobset.sigs.k8s.io/replicatedjob-name": "node",
+                "batch.kubernetes.io/job-completion-index": "0",
+            }
+            pod_name, container = f"{name}-node-0-0-abcde", "node"
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": pod_name, "namespace": job.body["metadata"]["namespace"], "labels": labels},
+            "spec": {"containers": [{"name": container, "image": "fake"}]},
+            "status": {"phase": "Running" if job.phase == "Running" else "Succeeded"},
+        }
+
+    def _log(self, job: _Job) -> str:
+        lines = job.scenario.log_lines
+        # The log grows with each read while running, and is complete once finished.
+        shown = lines if job.phase == "Finished" else lines[: max(1, job.reads - 1)]
+        return "".join(f"{line}\n" for line in shown)
+
+    # -- HTTP ------------------------------------------------------------------------
+
+    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:  # quiet test output
+                pass
+
+            def _send(self, status: int, payload: Any, content_type: str = "application/json") -> None:
+                data = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _status(self, code: int, reason: str, message: str) -> None:
+                self._send(
+                    code,
+                    {
+                        "kind": "Status",
+                        "apiVersion": "v1",
+                        "status": "Failure",
+                        "reason": reason,
+                        "message": message,
+                        "code": code,
+                    },
+                )
+
+            def _route(self) -> tuple[list[str], dict[str, str]]:
+                parsed = urlparse(self.path)
+                query = {k: v[0] for k, v in parse_qs(parsed.query).items()}
+                return [p for p in parsed.path.split("/") if p], query
+
+            def do_GET(self) -> None:
+                parts, query = self._route()
+                with fake._lock:
+                    if parts[:2] == ["api", "v1"] and len(parts) >= 4 and parts[2] == "namespaces":
+                        return self._pods(parts, query)
+                    if parts[:1] == ["apis"] and len(parts) in (6, 7):
+                        return self._get_custom(parts, query)
+                self._status(404, "NotFound", f"the fake has no route for GET {self.path}")
+
+            def _resource(self, parts: list[str]) -> CustomResource | None:
+                return fake.resources.get((parts[1], parts[2], parts[5]))
+
+            def _get_custom(self, parts: list[str], query: dict[str, str]) -> None:
+                resource = self._resource(parts)
+                if resource is None:
+                    return self._status(404, "NotFound", "the server could not find the requested resource")
+                namespace, plural = parts[4], parts[5]
+                if len(parts) == 6:
+                    selector = query.get("labelSelector", "")
+                    items = [
+                        job.body
+                        for (p, ns, _), job in fake.jobs.items()
+                        if p == plural
+                        and ns == namespace
+                        and _matches(job.body["metadata"].get("labels", {}), selector)
+                    ]
+                    return self._send(
+                        200,
+                        {
+                            "apiVersion": resource.api_version,
+                            "kind": f"{resource.kind}List",
+                            "metadata": {},
+                            "items": items,
+                        },
+                    )
+                job = fake.jobs.get((plural, namespace, parts[6]))
+                if job is None:
+                    return self._status(404, "NotFound", f'{plural} "{parts[6]}" not found')
+                fake._advance(job)
+                self._send(200, job.body)
+
+            def _pods(self, parts: list[str], query: dict[str, str]) -> None:
+                namespace = parts[3]
+                running = [j for (_, ns, _), j in fake.jobs.items() if ns == namespace]
+                pods = [(fake._rank0_pod(j), j) for j in running]
+                pods = [(p, j) for p, j in pods if p is not None]
+                if parts[4:] == ["pods"]:
+                    selector = query.get("labelSelector", "")
+                    items = [p for p, _ in pods if _matches(p["metadata"]["labels"], selector)]
+                    return self._send(
+                        200, {"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": items}
+                    )
+                if len(parts) == 7 and parts[4] == "pods" and parts[6] == "log":
+                    for pod, job in pods:
+                        if pod["metadata"]["name"] == parts[5]:
+                            expected = pod["spec"]["containers"][0]["name"]
+                            if query.get("container", expected) != expected:
+                                return self._status(
+                                    400, "BadRequest", f"container {query['container']} is not valid"
+                                )
+                            return self._send(200, fake._log(job), "text/plain")
+                    return self._status(404, "NotFound", f'pods "{parts[5]}" not found')
+                self._status(404, "NotFound", f"the fake has no route for GET {self.path}")
+
+            def do_POST(self) -> None:
+                parts, _ = self._route()
+                length = int(self.headers.get("Content-Length", "0"))
+                body = json.loads(self.rfile.read(length) or b"{}")
+                with fake._lock:
+                    if parts[:1] != ["apis"] or len(parts) != 6:
+                        return self._status(404, "NotFound", f"the fake has no route for POST {self.path}")
+                    resource = self._resource(parts)
+                    if resource is None:
+                        return self._status(
+                            404, "NotFound", "the server could not find the requested resource"
+                        )
+                    errors = resource.errors(body)
+                    namespace = parts[4]
+                    if body.get("metadata", {}).get("namespace", namespace) != namespace:
+                        errors.append("metadata.namespace does not match the request path")
+                    if errors:
+                        fake.rejected.append("; ".join(errors))
+                        return self._status(
+                            422, "Invalid", f"{resource.kind} is invalid: " + "; ".join(errors)
+                        )
+                    name = body["metadata"]["name"]
+                    key = (parts[5], namespace, name)
+                    if key in fake.jobs:
+                        return self._status(409, "AlreadyExists", f'{parts[5]} "{name}" already exists')
+                    body["metadata"].update(
+                        {"namespace": namespace, "uid": f"uid-{len(fake.jobs)}", "creationTimestamp": _now()}
+                    )
+                    fake.jobs[key] = _Job(resource, body, fake.scenarios.get(name, fake.default_scenario))
+                    self._send(201, body)
+
+            def do_DELETE(self) -> None:
+                parts, _ = self._route()
+                with fake._lock:
+                    if parts[:1] != ["apis"] or len(parts) != 7 or self._resource(parts) is None:
+                        return self._status(404, "NotFound", f"the fake has no route for DELETE {self.path}")
+                    job = fake.jobs.pop((parts[5], parts[4], parts[6]), None)
+                    if job is None:
+                        return self._status(404, "NotFound", f'{parts[5]} "{parts[6]}" not found')
+                    fake.deleted.append(parts[6])
+                    self._send(
+                        200,
+                        {
+                            "kind": "Status",
+                            "apiVersion": "v1",
+                            "status": "Success",
+                            "details": {"name": parts[6], "kind": parts[5]},
+                        },
+                    )
+
+        return Handler

@@ -1,0 +1,71 @@
+"""`rtp render-job` and the Kubernetes flags of `rtp compile`, through the CLI's main()."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from pipelines.cli import build_parser, main
+
+
+def test_help_lists_render_job_and_compile_platform_flags(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    assert "render-job" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["compile", "--help"])
+    out = capsys.readouterr().out
+    for flag in (
+        "--launcher",
+        "--fsx-mount-path",
+        "--image-pull-policy",
+        "--image-pull-secret",
+        "--train-pod-gpus",
+    ):
+        assert flag in out
+
+
+@pytest.mark.parametrize(("mode", "kind"), [("pytorchjob", "PyTorchJob"), ("trainjob", "TrainJob")])
+def test_render_job_prints_the_manifest(capsys, mode, kind):
+    argv = ["render-job", "--mode", mode, "--run-id", "r-42", "--nnodes", "3", "--gpus-per-node", "4",
+            "--nproc-per-node", "4", "--node-selector", '{"pool": "gpu"}']  # fmt: skip
+    assert main(argv) == 0
+    manifest = yaml.safe_load(capsys.readouterr().out)
+    assert manifest["kind"] == kind
+    assert manifest["metadata"]["name"] == "rtp-train-r-42"
+    assert "--nnodes=3:3" in yaml.safe_dump(manifest)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--nnodes", "0"], "nnodes must be at least 1"),
+        (["--gpus-per-node", "2", "--nproc-per-node", "4"], "one process per GPU"),
+        (["--node-selector", "pool=gpu"], "--node-selector is not valid JSON"),
+        (["--tolerations", "{}"], "--tolerations must be a JSON list"),
+        (["--overrides", "model.n_heads=3"], "divisible"),
+    ],
+)
+def test_render_job_bad_input_is_one_line_and_exit_2(capsys, extra, message):
+    assert main(["render-job", "--mode", "pytorchjob", *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_compile_flags_reach_the_compiled_pipeline(tmp_path, capsys):
+    target = tmp_path / "p.yaml"
+    argv = ["compile", "-o", str(target), "--launcher", "trainjob", "--fsx-mount-path", "/lustre",
+            "--image-pull-secret", "regcred", "--train-pod-gpus", "4"]  # fmt: skip
+    assert main(argv) == 0
+    pipeline, platform_spec = [doc for doc in yaml.safe_load_all(target.read_text()) if doc]
+    parameters = pipeline["root"]["inputDefinitions"]["parameters"]
+    assert parameters["launcher"]["defaultValue"] == "trainjob"
+    assert parameters["fsx_mount_path"]["defaultValue"] == "/lustre"
+    train = platform_spec["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-train-model"]
+    assert [secret["secretName"] for secret in train["imagePullSecret"]] == ["regcred"]
+    assert "launcher trainjob" in capsys.readouterr().out
+
+
+def test_compile_refuses_a_relative_mount_path(tmp_path, capsys):
+    assert main(["compile", "-o", str(tmp_path / "p.yaml"), "--fsx-mount-path", "fsx"]) == 2
+    assert "must be absolute" in capsys.readouterr().err

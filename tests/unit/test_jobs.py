@@ -1,0 +1,177 @@
+"""Training-job manifests: pure builders, checked strictly against the upstream CRD schemas.
+
+Every shape the launcher can produce (one or many nodes, CPU or GPU, with or without EFA,
+scheduling and pull secrets) must validate against ../shared/specs/crds with unknown
+fields rejected; those tests skip with a reason when the specs are absent.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from components.train.jobs import (
+    EFA_RESOURCE,
+    GPU_RESOURCE,
+    RUN_ID_LABEL,
+    JobSettings,
+    JobSettingsError,
+    ft_launcher_command,
+    job_manifest,
+    job_name,
+    pytorchjob_manifest,
+    run_id_label_value,
+    trainjob_manifest,
+)
+from tests.fakes.crd_schema import load_custom_resources
+
+RUN_ID = "9b2c4f0e-1d2a-4c3b-8e7f-a1b2c3d4e5f6"
+
+
+def settings(**fields) -> JobSettings:
+    defaults = dict(
+        name=job_name(RUN_ID), namespace="team-a", image="example.com/rtp:1",
+        trainer_args=["--steps=10", "--workdir=/fsx/rtp/runs/r/train"], run_id=RUN_ID,
+    )  # fmt: skip
+    return JobSettings(**{**defaults, **fields})
+
+
+SHAPES = {
+    "cpu-1-node": dict(nnodes=1, nproc_per_node=2),
+    "cpu-3-nodes": dict(nnodes=3, nproc_per_node=2, cpu_per_node="4", memory_per_node="16Gi"),
+    "gpu-2-nodes-efa": dict(
+        nnodes=2,
+        nproc_per_node=8,
+        gpus_per_node=8,
+        efa_per_node=32,
+        cpu_per_node="180",
+        memory_per_node="1800Gi",
+        shm_size="256Gi",
+        node_selector={"node.kubernetes.io/instance-type": "p5.48xlarge"},
+        tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        service_account="training",
+        image_pull_secrets=["ecr-pull"],
+        image_pull_policy="Always",
+    ),
+    "gpu-1-node-no-efa": dict(nnodes=1, nproc_per_node=4, gpus_per_node=4),
+}
+
+
+@pytest.fixture(scope="module")
+def crds(shared_specs):
+    return load_custom_resources(shared_specs / "crds")
+
+
+@pytest.mark.shared_specs
+@pytest.mark.parametrize(("launcher", "shape"), list(itertools.product(["pytorchjob", "trainjob"], SHAPES)))
+def test_every_manifest_validates_strictly_against_its_crd(crds, launcher, shape):
+    manifest = job_manifest(launcher, settings(**SHAPES[shape]))
+    resource = crds[f"{manifest['apiVersion']}/{manifest['kind']}"]
+    assert resource.errors(manifest) == []
+
+
+@pytest.mark.shared_specs
+def test_the_validator_rejects_unknown_and_mistyped_fields(crds):
+    manifest = pytorchjob_manifest(settings(nnodes=2))
+    resource = crds["kubeflow.org/v1/PyTorchJob"]
+    master = manifest["spec"]["pytorchReplicaSpecs"]["Master"]
+    master["template"]["spec"]["containers"][0]["gpus"] = 8
+    master["replicas"] = "one"
+    errors = resource.errors(manifest)
+    assert any("'gpus' was unexpected" in e for e in errors)
+    assert any("replicas" in e and "not of type 'integer'" in e for e in errors)
+
+
+@pytest.mark.shared_specs
+def test_the_validator_accepts_the_stock_torch_runtime(crds, shared_specs):
+    import yaml
+
+    runtime = yaml.safe_load((shared_specs / "crds" / "runtime_torch_distributed.v2.3.0.yaml").read_text())
+    assert crds["trainer.kubeflow.org/v1alpha1/ClusterTrainingRuntime"].errors(runtime) == []
+
+
+def test_pytorchjob_has_one_master_and_n_minus_1_workers_with_gpus_efa_and_volumes():
+    manifest = pytorchjob_manifest(settings(**SHAPES["gpu-2-nodes-efa"]))
+    replicas = manifest["spec"]["pytorchReplicaSpecs"]
+    assert replicas["Master"]["replicas"] == 1 and replicas["Worker"]["replicas"] == 1
+    pod = replicas["Worker"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["name"] == "pytorch"
+    assert container["resources"]["limits"][GPU_RESOURCE] == 8
+    assert container["resources"]["limits"][EFA_RESOURCE] == 32
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "256Gi"}} in pod["volumes"]
+    assert {"name": "fsx", "persistentVolumeClaim": {"claimName": "fsx-claim"}} in pod["volumes"]
+    assert {"name": "fsx", "mountPath": "/fsx"} in container["volumeMounts"]
+    env = {item["name"]: item["value"] for item in container["env"]}
+    assert env["FI_PROVIDER"] == "efa" and "OMP_NUM_THREADS" not in env
+    assert manifest["spec"]["runPolicy"]["activeDeadlineSeconds"] == 86400
+    assert manifest["spec"]["runPolicy"]["backoffLimit"] == 2
+    assert manifest["metadata"]["labels"][RUN_ID_LABEL] == RUN_ID
+    assert "Worker" not in pytorchjob_manifest(settings(nnodes=1))["spec"]["pytorchReplicaSpecs"]
+
+
+def test_trainjob_puts_nodes_resources_and_pod_patches_where_trainer_v2_reads_them():
+    manifest = trainjob_manifest(settings(**SHAPES["gpu-2-nodes-efa"]))
+    trainer = manifest["spec"]["trainer"]
+    assert (trainer["numNodes"], trainer["numProcPerNode"]) == (2, 8)
+    assert trainer["resourcesPerNode"]["requests"][EFA_RESOURCE] == 32
+    assert manifest["spec"]["runtimeRef"]["name"] == "torch-distributed"
+    (patch,) = manifest["spec"]["runtimePatches"]
+    (replicated,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    pod = replicated["template"]["spec"]["template"]["spec"]
+    assert replicated["name"] == "node" and pod["containers"][0]["name"] == "node"
+    assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "p5.48xlarge"}
+    assert pod["imagePullSecrets"] == [{"name": "ecr-pull"}]
+    assert "$(PET_MASTER_ADDR):$(PET_MASTER_PORT)" in " ".join(trainer["command"])
+
+
+def test_each_pod_runs_ft_launcher_with_a_c10d_rendezvous_then_the_trainer():
+    command = ft_launcher_command(
+        settings(nnodes=4, nproc_per_node=8, gpus_per_node=8), "MASTER_ADDR", "MASTER_PORT"
+    )
+    assert command[0] == "ft_launcher"
+    assert "--nnodes=4:4" in command and "--nproc-per-node=8" in command
+    assert "--rdzv-backend=c10d" in command
+    assert "--rdzv-endpoint=$(MASTER_ADDR):$(MASTER_PORT)" in command
+    assert "--ft-enable-nic-monitor=true" in command
+    assert command[command.index("-m") + 1] == "trainer"
+    assert command[-2:] == ["--steps=10", "--workdir=/fsx/rtp/runs/r/train"]
+    cpu = ft_launcher_command(settings(), "MASTER_ADDR", "MASTER_PORT")
+    assert "--ft-enable-nic-monitor=false" in cpu
+
+
+def test_ft_launcher_accepts_the_flags_we_pass():
+    # The flags must parse with the installed ft_launcher (nvidia-resiliency-ext 0.4.1).
+    from nvidia_resiliency_ext.fault_tolerance.launcher import get_args_parser
+
+    command = ft_launcher_command(settings(nnodes=2, nproc_per_node=2), "MASTER_ADDR", "MASTER_PORT")
+    args = get_args_parser().parse_args(command[1:])
+    assert args.nnodes == "2:2" and args.rdzv_backend == "c10d" and args.max_restarts == 3
+    assert args.module and args.training_script == "trainer"
+
+
+def test_names_and_labels_are_valid_kubernetes_names():
+    assert job_name("Run_ID/with spaces") == "rtp-train-run-id-with-spaces"
+    assert len(job_name("x" * 200)) <= 63
+    assert run_id_label_value("-a/b-") == "a-b"
+    assert run_id_label_value("") == "manual"
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(nnodes=0), "nnodes must be at least 1"),
+        (dict(gpus_per_node=2, nproc_per_node=4), "one process per GPU"),
+        (dict(mount_path="fsx"), "absolute"),
+        (dict(name="Bad_Name"), "DNS label"),
+    ],
+)
+def test_bad_settings_are_refused_with_what_to_change(fields, message):
+    with pytest.raises(JobSettingsError, match=message):
+        pytorchjob_manifest(settings(**fields))
+
+
+def test_inpod_is_not_a_job():
+    with pytest.raises(JobSettingsError, match="creates no job"):
+        job_manifest("inpod", settings())
