@@ -109,13 +109,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     from trainer.data import DataError  # torch imports only once arguments are valid
     from trainer.parallelize import shutdown_distributed
-    from trainer.resilience import run_training
+    from trainer.resilience import FatalTrainingError, run_training
 
     try:
         run_training(config, process_started_at)
-    except (DataError, ConfigError) as exc:
+    except (DataError, ConfigError, FatalTrainingError) as exc:
         print(f"trainer: error: {exc}", file=sys.stderr)
         return 2
+    except BaseException as exc:
+        if type(exc).__name__ != "RestartAbort":
+            raise
+        # In-process restarts are over (exhausted, a fatal error, or a rank died): say why
+        # in one line; the launcher decides whether the worker group starts again.
+        print(f"trainer: error: in-process restarts ended: {exc}", file=sys.stderr)
+        return 1
     finally:
         shutdown_distributed()
     return 0

@@ -91,11 +91,35 @@ def fired_faults(workdir: str | Path) -> list[dict[str, Any]]:
 
 
 def clear_fault_records(workdir: str | Path) -> None:
-    """Forget fired faults: called by the launcher when a new run begins."""
+    """Forget fired faults and a recorded fatal error: called when a new run begins."""
     folder = faults_dir(workdir)
     if folder.is_dir():
         for path in folder.glob("*.json"):
             path.unlink(missing_ok=True)
+    fatal_error_path(workdir).unlink(missing_ok=True)
+
+
+def fatal_error_path(workdir: str | Path) -> Path:
+    return Path(workdir) / "fatal_error.json"
+
+
+def record_fatal_error(workdir: str | Path, error: BaseException) -> str:
+    """Note an error no restart can fix (bad data, a diverged loss), so restarted
+    processes stop at once instead of failing the same way again; returns the message."""
+    message = f"{type(error).__name__}: {error}"
+    path = fatal_error_path(workdir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"error": message, "time": time.time(), "pid": os.getpid()}))
+    os.replace(tmp, path)
+    return message
+
+
+def recorded_fatal_error(workdir: str | Path) -> str | None:
+    try:
+        return str(json.loads(fatal_error_path(workdir).read_text())["error"])
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 class FaultInjector:

@@ -219,11 +219,23 @@ def run_local_training(
         copier.join(timeout=10)
         log_file.flush()
     if returncode != 0:
+        from trainer.checkpoint import latest_committed_checkpoint
+        from trainer.faults import recorded_fatal_error
+
         text = log_path.read_text()
         tail = "".join(text.splitlines(keepends=True)[-20:])
-        cause = root_cause(text)
+        fatal = recorded_fatal_error(work)
+        cause = f"{fatal} (not retried: a restart would fail the same way)" if fatal else root_cause(text)
         reason = f": {cause}" if cause else ""
-        raise TrainingFailed(f"training exited with code {returncode}{reason}; full log: {log_path}\n{tail}")
+        restarts = len(re.findall(r"will restart worker group", text))
+        named = [arg.split("=", 1)[1] for arg in trainer_args if arg.startswith("--checkpoint-dir=")]
+        kept = latest_committed_checkpoint(Path(named[-1]) if named else work / "checkpoints")
+        raise TrainingFailed(
+            f"training exited with code {returncode}{reason}; worker-group restarts used: {restarts}"
+            f"{f' of {settings.max_restarts}' if settings else ''}; last committed checkpoint: "
+            f"{kept or 'none'} (a new run with the same checkpoint dir resumes from it); "
+            f"full log: {log_path}\n{tail}"
+        )
     if not summary_path.is_file():
         raise TrainingFailed(f"training exited cleanly but wrote no {summary_path}; see {log_path}")
     return json.loads(summary_path.read_text())

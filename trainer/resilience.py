@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from trainer.checkpointer import abandon_all
 from trainer.config import TrainConfig
+from trainer.faults import record_fatal_error, recorded_fatal_error
 from trainer.loop import TrainHooks, train
 
 log = logging.getLogger(__name__)
@@ -144,8 +145,29 @@ def _app_store(config: TrainConfig) -> dist.TCPStore:
     )
 
 
+class FatalTrainingError(RuntimeError):
+    """An earlier attempt of this run hit an error no restart can fix; the message is its."""
+
+
+def _fatal_errors() -> tuple[type[BaseException], ...]:
+    """Errors that recur identically after any restart: retrying them only burns time."""
+    from trainer.checkpoint import CheckpointError
+    from trainer.config import ConfigError
+    from trainer.data import DataError
+    from trainer.faults import FaultSpecError
+
+    return (DataError, ConfigError, CheckpointError, FaultSpecError, FloatingPointError)
+
+
 def run_training(config: TrainConfig, process_started_at: float | None = None) -> dict[str, Any]:
-    """Train to the end through both layers; returns rank 0's summary (others: their view)."""
+    """Train to the end through both layers; returns rank 0's summary (others: their view).
+
+    An error no restart can fix (`_fatal_errors`) is recorded in the workdir and ends the
+    in-process layer at once; worker groups the launcher restarts afterwards stop before
+    building anything, so the run fails fast with the first error's message."""
+    earlier = recorded_fatal_error(config.run.workdir)
+    if earlier:
+        raise FatalTrainingError(f"{earlier} (not retried: a restart would fail the same way)")
     launcher = _LauncherClient(config.resilience.heartbeat_floor_s)
     launcher.process_started_at = process_started_at or time.time()
     store = _app_store(config)
@@ -167,7 +189,16 @@ def _attempt(
 ) -> dict[str, Any]:
     attempt = call_wrapper.iteration if call_wrapper is not None else 0
     hooks = _Hooks(launcher, call_wrapper, attempt, detected_at)
-    return train(config, store=dist.PrefixStore(f"attempt{attempt}", store), hooks=hooks)
+    try:
+        return train(config, store=dist.PrefixStore(f"attempt{attempt}", store), hooks=hooks)
+    except _fatal_errors() as exc:
+        message = record_fatal_error(config.run.workdir, exc)
+        if call_wrapper is not None:
+            from nvidia_resiliency_ext.inprocess.exception import RestartAbort
+
+            # RestartAbort (a BaseException) is how the wrapper is told to stop restarting.
+            raise RestartAbort(message) from exc
+        raise
 
 
 def _run_inprocess(config: TrainConfig, store: dist.Store, launcher: _LauncherClient) -> dict[str, Any]:
