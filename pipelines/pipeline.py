@@ -23,6 +23,16 @@ DEFAULT_SOURCE = "s3://rtp-demo/corpus/"
 DEFAULT_MODEL_NAME = "rtp-byte-lm"
 
 
+def pipeline_version() -> str:
+    """The pipeline definition's version, recorded on every registered model version."""
+    import importlib.metadata
+
+    try:
+        return f"{PIPELINE_NAME}-{importlib.metadata.version('rtp')}"
+    except importlib.metadata.PackageNotFoundError:
+        return f"{PIPELINE_NAME}-unknown"
+
+
 def build_pipeline(image: str = DEFAULT_IMAGE) -> Any:
     stage_op = as_component(stage_data, image)
     train_op = as_component(train_model, image)
@@ -48,6 +58,7 @@ def build_pipeline(image: str = DEFAULT_IMAGE) -> Any:
         preset: str = "tiny-cpu",
         overrides: str = "",
         max_loss: float = 4.0,
+        min_improvement: float = 0.0,
         model_name: str = DEFAULT_MODEL_NAME,
     ) -> None:
         """Resilient training: stage, train, validate, register.
@@ -66,6 +77,7 @@ def build_pipeline(image: str = DEFAULT_IMAGE) -> Any:
             preset: Model size preset: tiny-cpu, small-cpu or gpu-125m.
             overrides: Extra trainer config as 'section.field=value' items separated by spaces, e.g. 'optimizer.lr=1e-3'.
             max_loss: Highest holdout loss (nats per byte) a model may have to be registered.
+            min_improvement: How much lower than the current champion's holdout loss a model's must be to become champion; otherwise it is registered as challenger.
             model_name: Registered model name in MLflow.
         """
         run_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER
@@ -97,6 +109,10 @@ def build_pipeline(image: str = DEFAULT_IMAGE) -> Any:
             run_name=run_name,
             run_id=run_id,
             max_loss=max_loss,
+            min_improvement=min_improvement,
+            model_name=model_name,
+            # Every checkpoint the train step commits is a resume point: it must hold optimizer state.
+            require_optimizer_state=True,
         ).set_display_name("Validate the checkpoint on held-out data")
         for task in (stage, train, validate):
             # Each step writes to the shared volume: a cached result could point at a
@@ -111,6 +127,7 @@ def build_pipeline(image: str = DEFAULT_IMAGE) -> Any:
                 fsx_mount_path=fsx_mount_path,
                 run_name=run_name,
                 run_id=run_id,
+                pipeline_version=pipeline_version(),
             ).set_display_name("Register the model in MLflow").set_caching_options(False)
 
     return rtp_pipeline
