@@ -82,5 +82,13 @@ def _config_dict(config: ModelConfig) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
-def torch_requirement() -> str:
-    return f"torch=={torch.__version__.split('+')[0]}"
+def pip_requirements() -> list[str]:
+    """What the served model needs, pinned to the versions it was logged with."""
+    import safetensors
+
+    return [
+        f"torch=={torch.__version__.split('+')[0]}",
+        f"safetensors=={safetensors.__version__}",
+        "numpy",
+        "pandas",
+    ]

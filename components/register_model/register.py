@@ -28,7 +28,7 @@ from urllib.parse import urlparse
 
 import trainer
 from components.mlflow_access import RetryPolicy, call_with_retries
-from components.register_model.bundle import WEIGHTS_FILE, torch_requirement, write_bundle
+from components.register_model.bundle import WEIGHTS_FILE, pip_requirements, write_bundle
 from components.register_model.lineage import Lineage, code_version, lineage_tags, training_config_sha256
 from components.validate_checkpoint.validate import load_validated_model
 from trainer.checkpoint import MANIFEST, CheckpointError
@@ -92,22 +92,15 @@ def _find_version(client: Any, model_name: str, sha: str) -> Any | None:
 
 
 def _version_is_complete(client: Any, model_name: str, version: Any) -> bool:
-    """READY and its weights file is in the artifact store."""
+    """READY and its weights file is in the artifact store. A listing that fails raises: only a
+    listing that succeeds without the weights proves the version incomplete."""
     import mlflow
 
     if str(version.status) != "READY":
         return False
-    try:
-        listing = mlflow.artifacts.list_artifacts(
-            artifact_uri=f"models:/{model_name}/{version.version}/artifacts"
-        )
-    except Exception as exc:
-        from components.mlflow_access import is_transient
-
-        if is_transient(exc):
-            raise
-        log.warning("cannot list the artifacts of %s version %s: %s", model_name, version.version, exc)
-        return False
+    listing = mlflow.artifacts.list_artifacts(
+        artifact_uri=f"models:/{model_name}/{version.version}/artifacts"
+    )
     return any(Path(item.path).name == WEIGHTS_FILE for item in listing)
 
 
@@ -192,7 +185,7 @@ def _log_model(model: Any, config: Any, meta: dict[str, Any], tags: dict[str, st
             code_paths=[str(Path(trainer.__file__).parent)],
             signature=_signature(),
             input_example=pd.DataFrame({"prompt": ["def "]}),
-            pip_requirements=[torch_requirement(), "safetensors", "numpy", "pandas"],
+            pip_requirements=pip_requirements(),
         )
         log.info("logged model %s in MLflow run %s", info.model_uri, run.info.run_id)
     return info
