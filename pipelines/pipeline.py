@@ -30,6 +30,16 @@ DEFAULT_SOURCE = "s3://rtp-demo/corpus/"
 DEFAULT_MODEL_NAME = "rtp-byte-lm"
 
 
+def pipeline_version() -> str:
+    """The pipeline definition's version, recorded on every registered model version."""
+    import importlib.metadata
+
+    try:
+        return f"{PIPELINE_NAME}-{importlib.metadata.version('rtp')}"
+    except importlib.metadata.PackageNotFoundError:
+        return f"{PIPELINE_NAME}-unknown"
+
+
 def build_pipeline(
     image: str = DEFAULT_IMAGE, launcher: str = DEFAULT_LAUNCHER, options: PlatformOptions | None = None
 ) -> Any:
@@ -58,6 +68,7 @@ def build_pipeline(
         overrides: Any,
         faults: Any,
         max_loss: Any,
+        min_improvement: Any,
         model_name: Any,
         launcher: Any,
         nnodes: Any,
@@ -118,6 +129,10 @@ def build_pipeline(
             run_name=run_name,
             run_id=run_id,
             max_loss=max_loss,
+            min_improvement=min_improvement,
+            model_name=model_name,
+            # Every checkpoint the train step commits is a resume point: it must hold optimizer state.
+            require_optimizer_state=True,
         ).set_display_name("Validate the checkpoint on held-out data")
         for task in (stage, train, validate):
             # Each step writes to the shared volume: a cached result could point at a
@@ -138,6 +153,7 @@ def build_pipeline(
                     fsx_mount_path=fsx_mount_path,
                     run_name=run_name,
                     run_id=run_id,
+                    pipeline_version=pipeline_version(),
                 )
                 .set_display_name("Register the model in MLflow")
                 .set_caching_options(False)
@@ -146,6 +162,8 @@ def build_pipeline(
                 num_retries=3, backoff_duration="30s", backoff_factor=2, backoff_max_duration="600s"
             )
             platform.use_mlflow_secret(register, mlflow_secret_name)
+        # Validate scores the current champion from MLflow: it needs the same credentials.
+        platform.use_mlflow_secret(validate, mlflow_secret_name)
         for task in (stage, train, validate, register):
             platform.mount_fsx(task, fsx_pvc_name, options)
             platform.apply_common(task, options)
@@ -170,6 +188,7 @@ def build_pipeline(
         overrides: str = "",
         faults: str = "none",
         max_loss: float = 4.0,
+        min_improvement: float = 0.0,
         model_name: str = DEFAULT_MODEL_NAME,
         launcher: str = launcher,
         nnodes: int = 1,
@@ -200,6 +219,7 @@ def build_pipeline(
             overrides: Extra trainer config as 'section.field=value' items separated by spaces, e.g. 'optimizer.lr=1e-3'.
             faults: Faults to inject for a chaos drill, 'KIND@STEP[:RANK]' separated by commas (KIND: exception, hang, sigkill, sigkill-during-save); 'none' for a normal run.
             max_loss: Highest holdout loss (nats per byte) a model may have to be registered.
+            min_improvement: How much lower than the current champion's holdout loss a model's must be to become champion; otherwise it is registered as challenger.
             model_name: Registered model name in MLflow.
             launcher: Where the ranks run: inpod (in the train step's pod), pytorchjob (a Kubeflow Training Operator PyTorchJob) or trainjob (a Kubeflow Trainer v2 TrainJob).
             nnodes: Nodes (pods) of a pytorchjob or trainjob, each running nproc processes.
@@ -237,6 +257,7 @@ def build_pipeline(
                 overrides=overrides,
                 faults=faults,
                 max_loss=max_loss,
+                min_improvement=min_improvement,
                 model_name=model_name,
                 launcher=launcher,
                 nnodes=nnodes,

@@ -13,19 +13,23 @@ def register_model(
     fsx_mount_path: str,
     run_name: str,
     run_id: str,
+    pipeline_version: str,
 ) -> NamedTuple("Outputs", [("model_uri", str), ("version", str)]):  # type: ignore[valid-type]  # the form KFP reads
     """Log the checkpoint to MLflow as a servable model, register a version, and set its alias.
 
-    The tracking server comes from MLFLOW_TRACKING_URI (a Kubernetes secret on a cluster).
+    The tracking server and credentials come from MLflow's environment variables
+    (MLFLOW_TRACKING_URI, ...; a Kubernetes secret on a cluster). A retried task for the same
+    checkpoint returns the version already registered.
 
     Args:
         model: the train step's checkpoint.
         dataset: the staged snapshot (recorded as lineage).
-        decision: the validate step's decision; it becomes the version's alias.
+        decision: the validate step's decision, champion or challenger; it becomes the version's alias.
         model_name: registered model name in MLflow.
         fsx_mount_path: where the FSx PVC is mounted in the pod.
         run_name: run folder name; empty uses the KFP run id.
         run_id: the KFP run id (filled in by the pipeline).
+        pipeline_version: version of the pipeline definition (recorded as lineage).
 
     Returns:
         model_uri: models:/<name>/<version>; version: the registered version.
@@ -35,17 +39,20 @@ def register_model(
     from collections import namedtuple
 
     from components.layout import record_step, run_dir
+    from components.register_model.lineage import Lineage, training_figures
     from components.register_model.register import register_checkpoint
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.time()
-    lineage = {
-        "rtp.kfp_run_id": run_id,
-        "rtp.dataset_snapshot_id": str(dataset.metadata.get("snapshot_id", "")),
-        "rtp.dataset_manifest_sha256": str(dataset.metadata.get("manifest_sha256", "")),
-        "rtp.config_sha256": str(model.metadata.get("config_sha256", "")),
-    }
+    folder = run_dir(fsx_mount_path, run_name, run_id)
+    lineage = Lineage(
+        kfp_run_id=run_id,
+        pipeline_version=pipeline_version,
+        dataset_snapshot_id=str(dataset.metadata.get("snapshot_id", "")),
+        dataset_manifest_sha256=str(dataset.metadata.get("manifest_sha256", "")),
+        training_figures=training_figures(folder / "train" / "summary.json"),
+    )
     result = register_checkpoint(model.metadata["checkpoint_dir"], model_name, decision, lineage)
-    record_step(run_dir(fsx_mount_path, run_name, run_id), "register", started, **result.as_dict())
+    record_step(folder, "register", started, **result.as_dict())
     Outputs = namedtuple("Outputs", ["model_uri", "version"])
     return Outputs(result.model_uri, result.version)

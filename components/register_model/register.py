@@ -1,33 +1,49 @@
 """Log a validated checkpoint to MLflow as a servable model and register a version with an alias.
 
-The tracking server and its credentials come from MLflow's own environment variables
-(MLFLOW_TRACKING_URI, MLFLOW_TRACKING_TOKEN, ...), never from pipeline parameters. A
-version is tagged with the checkpoint's manifest SHA-256: registering the same checkpoint
-again returns that version instead of creating a duplicate.
+The version carries the consolidated weights (safetensors), the model config and the
+tokenizer description as artifacts of an MLflow pyfunc that generates text, a signature
+and an input example, and lineage tags (`lineage.py`). The alias is the validate step's
+decision: `champion` moves only when the new model beat the current one, otherwise the
+version becomes `challenger`.
+
+Registration is idempotent and never leaves a half-registered version:
+- a version is found by the checkpoint's manifest SHA-256 tag; registering the same
+  checkpoint again (a KFP retry, a re-run) returns it instead of creating a duplicate;
+- a found version that is not READY or has no weights is deleted and registered anew;
+- a version created here is checked (READY, weights present) before any alias points at
+  it, and deleted again if that check or setting the alias fails.
+Every server call is retried with backoff (`components.mlflow_access`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-import torch
-
 import trainer
+from components.mlflow_access import RetryPolicy, call_with_retries
+from components.register_model.bundle import WEIGHTS_FILE, pip_requirements, write_bundle
+from components.register_model.lineage import Lineage, code_version, lineage_tags, training_config_sha256
 from components.validate_checkpoint.validate import load_validated_model
-from trainer.checkpoint import MANIFEST
+from trainer.checkpoint import MANIFEST, CheckpointError
 
 log = logging.getLogger(__name__)
 
-ALIASES = {"champion": "champion", "challenger": "challenger"}
+ALIASES = ("champion", "challenger")
 EXPERIMENT = "rtp"
 SERVING_MODEL = Path(__file__).with_name("serving_model.py")
+SHA_TAG = "rtp.checkpoint_sha256"
+READY_TIMEOUT_S = 300.0
+
+
+class RegistrationError(RuntimeError):
+    """A version could not be registered completely; what was created has been removed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +59,11 @@ class RegisterResult:
 
 
 def checkpoint_sha256(checkpoint_dir: str | Path) -> str:
-    return hashlib.sha256((Path(checkpoint_dir) / MANIFEST).read_bytes()).hexdigest()
+    """Identifies a checkpoint: the SHA-256 of its manifest (which holds every file's SHA-256)."""
+    manifest = Path(checkpoint_dir) / MANIFEST
+    if not manifest.is_file():
+        raise CheckpointError(f"{manifest} is missing: {checkpoint_dir} is not a committed checkpoint")
+    return hashlib.sha256(manifest.read_bytes()).hexdigest()
 
 
 def _ensure_experiment(mlflow: Any, tracking_uri: str) -> None:
@@ -54,76 +74,206 @@ def _ensure_experiment(mlflow: Any, tracking_uri: str) -> None:
         if parsed.scheme == "sqlite":
             db_path = Path(tracking_uri[len("sqlite:///") :])
             location = (db_path.parent / "mlartifacts").resolve().as_uri()
-        mlflow.create_experiment(EXPERIMENT, artifact_location=location)
+        try:
+            mlflow.create_experiment(EXPERIMENT, artifact_location=location)
+        except Exception:
+            # A retried call may find the experiment created by the attempt that timed out.
+            if mlflow.get_experiment_by_name(EXPERIMENT) is None:
+                raise
     mlflow.set_experiment(EXPERIMENT)
 
 
-def register_checkpoint(
-    checkpoint_dir: str,
-    model_name: str,
-    decision: str,
-    lineage: dict[str, str] | None = None,
-) -> RegisterResult:
+def _find_version(client: Any, model_name: str, sha: str) -> Any | None:
+    """The newest version registered from this checkpoint, or None."""
+    if not client.search_registered_models(filter_string=f"name = '{model_name}'"):
+        return None
+    found = client.search_model_versions(f"name = '{model_name}' and tags.`{SHA_TAG}` = '{sha}'")
+    return max(found, key=lambda v: int(v.version)) if found else None
+
+
+def _version_is_complete(client: Any, model_name: str, version: Any) -> bool:
+    """READY and its weights file is in the artifact store. A listing that fails raises: only a
+    listing that succeeds without the weights proves the version incomplete."""
     import mlflow
-    import pandas as pd
+
+    if str(version.status) != "READY":
+        return False
+    listing = mlflow.artifacts.list_artifacts(
+        artifact_uri=f"models:/{model_name}/{version.version}/artifacts"
+    )
+    return any(Path(item.path).name == WEIGHTS_FILE for item in listing)
+
+
+def _await_ready(client: Any, model_name: str, version: str, timeout_s: float = READY_TIMEOUT_S) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        current = client.get_model_version(model_name, version)
+        if str(current.status) == "READY":
+            return current
+        if str(current.status) == "FAILED_REGISTRATION" or time.monotonic() > deadline:
+            raise RegistrationError(
+                f"{model_name} version {version} is {current.status}: {current.status_message or 'no message'}"
+            )
+        time.sleep(1.0)
+
+
+def _delete_version(client: Any, model_name: str, version: str, retry: RetryPolicy | None) -> None:
+    """Best effort: a version that could not be completed must not stay visible."""
+    try:
+        call_with_retries(
+            f"delete incomplete version {version} of {model_name}",
+            lambda: client.delete_model_version(model_name, version),
+            retry,
+        )
+        log.warning("deleted incomplete %s version %s", model_name, version)
+    except Exception as exc:
+        log.error("could not delete incomplete %s version %s: %s", model_name, version, exc)
+
+
+def _set_alias(client: Any, model_name: str, decision: str, version: Any, retry: RetryPolicy | None) -> str:
+    """Point the decision's alias at `version`; a version that already is the champion stays so
+    (re-validating the champion itself gives it no improvement over itself)."""
+    alias = decision
+    if decision == "challenger":
+        # search results carry no aliases: ask for the version itself
+        current = call_with_retries(
+            f"read {model_name} version {version.version}",
+            lambda: client.get_model_version(model_name, version.version),
+            retry,
+        )
+        if "champion" in (current.aliases or []):
+            return "champion"
+    call_with_retries(
+        f"set alias {alias} of {model_name} to version {version.version}",
+        lambda: client.set_registered_model_alias(model_name, alias, version.version),
+        retry,
+    )
+    return alias
+
+
+def _signature() -> Any:
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
 
-    if decision not in ALIASES:
-        raise ValueError(f"decision {decision!r} cannot be registered; expected one of {', '.join(ALIASES)}")
-    alias = ALIASES[decision]
-    client = mlflow.MlflowClient()
-    sha = checkpoint_sha256(checkpoint_dir)
-    if client.search_registered_models(filter_string=f"name = '{model_name}'"):
-        existing = client.search_model_versions(
-            f"name = '{model_name}' and tags.`rtp.checkpoint_sha256` = '{sha}'"
-        )
-        if existing:
-            version = existing[0]
-            log.info("checkpoint already registered as %s version %s", model_name, version.version)
-            client.set_registered_model_alias(model_name, alias, version.version)
-            return RegisterResult(
-                model_name, str(version.version), alias, f"models:/{model_name}/{version.version}", False
-            )
-
-    model, config, meta = load_validated_model(checkpoint_dir)
-    tags = {
-        "rtp.checkpoint_sha256": sha,
-        "rtp.checkpoint_dir": str(checkpoint_dir),
-        "rtp.checkpoint_step": str(meta["step"]),
-        **(lineage or {}),
-    }
-    _ensure_experiment(mlflow, mlflow.get_tracking_uri())
-    signature = ModelSignature(
+    return ModelSignature(
         inputs=Schema([ColSpec("string", "prompt")]),
         outputs=Schema([ColSpec("string")]),
         params=ParamSchema(
             [ParamSpec("max_new_tokens", "long", 64), ParamSpec("temperature", "double", 0.0)]
         ),
     )
+
+
+def _log_model(model: Any, config: Any, meta: dict[str, Any], tags: dict[str, str]) -> Any:
+    """One MLflow run holding the pyfunc model; returns its ModelInfo."""
+    import mlflow
+    import pandas as pd
+
+    _ensure_experiment(mlflow, mlflow.get_tracking_uri())
     with (
         tempfile.TemporaryDirectory() as tmp,
         mlflow.start_run(run_name=f"register-step-{meta['step']}") as run,
     ):
-        weights = Path(tmp) / "weights.pt"
-        torch.save(model.state_dict(), weights)
-        config_file = Path(tmp) / "config.json"
-        config_file.write_text(json.dumps(config.to_dict()["model"]))
+        artifacts = write_bundle(model, tmp, metadata={"step": str(meta["step"]), SHA_TAG: tags[SHA_TAG]})
         mlflow.log_params({f"model.{k}": v for k, v in config.to_dict()["model"].items()})
         mlflow.log_metric("checkpoint_step", float(meta["step"]))
         mlflow.set_tags(tags)
         info = mlflow.pyfunc.log_model(
             name="model",
             python_model=str(SERVING_MODEL),
-            artifacts={"weights": str(weights), "config": str(config_file)},
+            artifacts=artifacts,
             code_paths=[str(Path(trainer.__file__).parent)],
-            signature=signature,
+            signature=_signature(),
             input_example=pd.DataFrame({"prompt": ["def "]}),
-            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "numpy", "pandas"],
+            pip_requirements=pip_requirements(),
         )
         log.info("logged model %s in MLflow run %s", info.model_uri, run.info.run_id)
-    version = mlflow.register_model(info.model_uri, model_name, tags=tags)
-    client.set_registered_model_alias(model_name, alias, version.version)
+    return info
+
+
+def register_checkpoint(
+    checkpoint_dir: str,
+    model_name: str,
+    decision: str,
+    lineage: Lineage | None = None,
+    retry: RetryPolicy | None = None,
+) -> RegisterResult:
+    """Register `checkpoint_dir` as a version of `model_name` with the alias `decision`.
+
+    `lineage` supplies what the checkpoint cannot tell (KFP run, dataset, training figures);
+    the checkpoint's own step, URI, SHA-256 and config hash are always filled in here.
+    """
+    import mlflow
+
+    if decision not in ALIASES:
+        raise ValueError(f"decision {decision!r} cannot be registered; expected one of {', '.join(ALIASES)}")
+    client = mlflow.MlflowClient()
+    sha = checkpoint_sha256(checkpoint_dir)
+
+    def find_complete() -> Any | None:
+        version = _find_version(client, model_name, sha)
+        if version is not None and not _version_is_complete(client, model_name, version):
+            log.warning(
+                "%s version %s of this checkpoint is incomplete: replacing it", model_name, version.version
+            )
+            client.delete_model_version(model_name, version.version)
+            return None
+        return version
+
+    existing = call_with_retries(f"look up {model_name} versions", find_complete, retry)
+    if existing is not None:
+        log.info("checkpoint already registered as %s version %s", model_name, existing.version)
+        alias = _set_alias(client, model_name, decision, existing, retry)
+        return RegisterResult(
+            model_name, str(existing.version), alias, f"models:/{model_name}/{existing.version}", False
+        )
+
+    # Loaded and checked again here: the register step must not trust a checkpoint that
+    # changed on the shared volume since validation.
+    model, config, meta = load_validated_model(checkpoint_dir)
+    base = lineage or Lineage()
+    tags = lineage_tags(
+        Lineage(
+            **{
+                **asdict(base),
+                "checkpoint_uri": Path(checkpoint_dir).resolve().as_uri(),
+                "checkpoint_step": int(meta["step"]),
+                "checkpoint_sha256": sha,
+                "training_config_sha256": training_config_sha256(meta["config"]),
+                "code_version": base.code_version or code_version(),
+            }
+        )
+    )
+    info = call_with_retries(
+        f"log the model of {checkpoint_dir}", lambda: _log_model(model, config, meta, tags), retry
+    )
+
+    def find_or_create() -> Any:
+        # Looking first makes a retry after a lost response return the version the server
+        # did create, instead of registering a second one.
+        found = _find_version(client, model_name, sha)
+        if found is not None:
+            return found
+        return mlflow.register_model(info.model_uri, model_name, tags=tags, await_registration_for=0)
+
+    version = call_with_retries(f"register a version of {model_name}", find_or_create, retry)
+    try:
+        version = call_with_retries(
+            f"wait for {model_name} version {version.version}",
+            lambda: _await_ready(client, model_name, str(version.version)),
+            retry,
+        )
+        if not call_with_retries(
+            f"check {model_name} version {version.version}",
+            lambda: _version_is_complete(client, model_name, version),
+            retry,
+        ):
+            raise RegistrationError(f"{model_name} version {version.version} has no {WEIGHTS_FILE} artifact")
+        alias = _set_alias(client, model_name, decision, version, retry)
+    except BaseException:
+        _delete_version(client, model_name, str(version.version), retry)
+        raise
+    log.info("registered %s version %s as %s", model_name, version.version, alias)
     return RegisterResult(
         model_name, str(version.version), alias, f"models:/{model_name}/{version.version}", True
     )

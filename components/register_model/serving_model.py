@@ -1,8 +1,9 @@
 """The MLflow pyfunc that serves a registered model: prompts in, generated text out.
 
 Logged as "models from code": MLflow runs this file when loading the model, so nothing is
-pickled. Its artifacts are `weights` (a consolidated state dict) and `config` (the
-ModelConfig as JSON); the `trainer` package travels with it as code.
+pickled. Its artifacts are `weights` (the consolidated state dict as safetensors), `config`
+(the ModelConfig as JSON) and `tokenizer` (a description of the byte tokenizer); the
+`trainer` package travels with it as code.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from mlflow.pyfunc import PythonModel, PythonModelContext
 
 class ByteLMPyfunc(PythonModel):
     def load_context(self, context: PythonModelContext) -> None:
-        import torch
+        from safetensors.torch import load_file
 
         from trainer.config import ModelConfig
         from trainer.model import ByteLM
@@ -23,7 +24,7 @@ class ByteLMPyfunc(PythonModel):
         with open(context.artifacts["config"]) as handle:
             config = ModelConfig(**json.load(handle))
         self.model = ByteLM(config)
-        self.model.load_state_dict(torch.load(context.artifacts["weights"], weights_only=True))
+        self.model.load_state_dict(load_file(context.artifacts["weights"]))
         self.model.eval()
 
     # No type hints on predict: MLflow would try to derive a schema from them; the logged

@@ -10,10 +10,16 @@ def validate_checkpoint(
     run_name: str,
     run_id: str,
     max_loss: float,
+    min_improvement: float,
+    model_name: str,
+    require_optimizer_state: bool,
     metrics: Output[Metrics],
     report: Output[Markdown],
 ) -> str:
-    """Check the checkpoint is complete, intact, loadable and finite; score it on the holdout split.
+    """Check the checkpoint (complete, loadable, sane); score it on the holdout split against the champion.
+
+    The current champion comes from MLflow (MLFLOW_TRACKING_URI, a Kubernetes secret on a
+    cluster); with no tracking server configured the comparison is skipped.
 
     Args:
         model: the train step's checkpoint.
@@ -22,23 +28,38 @@ def validate_checkpoint(
         run_name: run folder name; empty uses the KFP run id.
         run_id: the KFP run id (filled in by the pipeline).
         max_loss: highest acceptable holdout loss (nats per byte).
-        metrics: holdout loss and perplexity.
-        report: what was checked, the numbers and the decision.
+        min_improvement: how much lower than the champion's the holdout loss must be to replace it.
+        model_name: registered model whose champion the checkpoint is compared with.
+        require_optimizer_state: fail when the checkpoint cannot be resumed (no optimizer state).
+        metrics: holdout_loss, perplexity, and (when there is a champion) champion_loss and
+            delta (champion_loss - holdout_loss, positive when the candidate is better).
+        report: what was checked, the numbers, the decision and why.
 
     Returns:
-        The decision, champion or reject, read by dsl.If (a single output: kfp.local 2.17.3
-        cannot resolve a named NamedTuple output inside a dsl.If condition).
+        The decision, champion, challenger or reject, read by dsl.If (a single output:
+        kfp.local 2.17.3 cannot resolve a named NamedTuple output inside a dsl.If condition).
     """
     import time
 
     from components.layout import record_step, run_dir
+    from components.mlflow_access import tracking_uri_is_configured
     from components.validate_checkpoint.validate import report_markdown
     from components.validate_checkpoint.validate import validate_checkpoint as validate
 
     started = time.time()
-    result = validate(model.metadata["checkpoint_dir"], dataset.metadata["snapshot_dir"], max_loss)
+    result = validate(
+        model.metadata["checkpoint_dir"],
+        dataset.metadata["snapshot_dir"],
+        max_loss,
+        min_improvement=min_improvement,
+        champion_model_name=model_name if tracking_uri_is_configured() else "",
+        require_optimizer_state=require_optimizer_state,
+    )
     metrics.log_metric("holdout_loss", round(result.holdout_loss, 6))
     metrics.log_metric("perplexity", round(result.perplexity, 4))
+    if result.champion_loss is not None and result.delta is not None:
+        metrics.log_metric("champion_loss", round(result.champion_loss, 6))
+        metrics.log_metric("delta", round(result.delta, 6))
     with open(report.path, "w") as handle:
         handle.write(report_markdown(result))
     record_step(run_dir(fsx_mount_path, run_name, run_id), "validate", started, **result.as_dict())

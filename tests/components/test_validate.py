@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from components.validate_checkpoint.validate import report_markdown, validate_checkpoint
-from trainer.checkpoint import CheckpointError, save_checkpoint
+from trainer.checkpoint import CheckpointError, commit, prepare_staging, save_checkpoint
 from trainer.config import build_config
 from trainer.model import ByteLM
 
@@ -53,3 +53,58 @@ def test_non_finite_tensor_is_named(single_rank_group, dataset_dir, tmp_path):
     save_checkpoint(tmp_path, 1, model, optimizer, meta={"config": config.to_dict()}, rank_extra={})
     with pytest.raises(CheckpointError, match=r"blocks\.0\.mlp_in\.weight"):
         validate_checkpoint(str(tmp_path / "step_1"), str(dataset_dir), 10.0)
+
+
+def _save_tiny(tmp_path, model_overrides=()):
+    """A one-rank checkpoint whose meta.json says tiny-cpu, with weights from `model_overrides`."""
+    config = build_config("tiny-cpu")
+    model = ByteLM(build_config("tiny-cpu", list(model_overrides)).model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    save_checkpoint(tmp_path, 1, model, optimizer, meta={"config": config.to_dict()}, rank_extra={})
+    return str(tmp_path / "step_1")
+
+
+def test_missing_shard_is_named(trained_run, dataset_dir, tmp_path):
+    copy = tmp_path / "step_20"
+    shutil.copytree(trained_run["checkpoint"], copy)
+    shard = next(copy.glob("*.distcp"))
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"{shard.name} is listed in the manifest but missing"):
+        validate_checkpoint(str(copy), str(dataset_dir), 10.0)
+
+
+def test_shapes_that_do_not_fit_the_config_are_named(single_rank_group, dataset_dir, tmp_path):
+    checkpoint_dir = _save_tiny(tmp_path, ["model.d_model=32"])
+    with pytest.raises(
+        CheckpointError, match=r"'tok_emb\.weight' has shape \[256, 32\], the model config gives"
+    ):
+        validate_checkpoint(checkpoint_dir, str(dataset_dir), 10.0)
+
+
+def test_optimizer_state_is_required_only_when_resuming_is_intended(single_rank_group, dataset_dir, tmp_path):
+    # A checkpoint holding only the model (as an export would): saved and committed with the
+    # trainer's own storage functions, without the optimizer part.
+    import torch.distributed.checkpoint as dcp
+
+    config = build_config("tiny-cpu")
+    model = ByteLM(config.model)
+    staging, final = prepare_staging(tmp_path, 1, rank_extra={})
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(staging))
+    commit(staging, final, 1, meta={"config": config.to_dict()})
+    result = validate_checkpoint(str(final), str(dataset_dir), 10.0)
+    assert result.decision == "champion"
+    assert not any("optimizer state" in check for check in result.checks)
+    with pytest.raises(CheckpointError, match=r"cannot be resumed: no optimizer state for \d+ parameter"):
+        validate_checkpoint(str(final), str(dataset_dir), 10.0, require_optimizer_state=True)
+
+
+def test_report_says_what_was_checked_the_numbers_and_why(trained_run, dataset_dir):
+    result = validate_checkpoint(
+        trained_run["checkpoint"], str(dataset_dir), 10.0, require_optimizer_state=True
+    )
+    report = report_markdown(result)
+    assert "# Checkpoint validation: **champion**" in report
+    assert "SHA-256 manifest" in report and "optimizer state present" in report
+    assert "consolidated into one state dict" in report
+    assert f"| holdout loss (nats/byte) | {result.holdout_loss:.4f} |" in report
+    assert "there is no champion to beat" in report

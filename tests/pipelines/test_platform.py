@@ -92,17 +92,24 @@ def test_trainer_gets_shm_gpu_scheduling_and_resources(compiled):
         assert "emptyDirMounts" not in _executors(platform_spec)[name]
 
 
-def test_mlflow_credentials_come_from_a_secret_only_in_register(compiled):
+def test_mlflow_credentials_come_from_a_secret_only_in_validate_and_register(compiled):
+    """Validate scores the current champion and register writes the model: both need MLflow."""
     _, platform_spec, _ = compiled
     executors = _executors(platform_spec)
-    (secret,) = executors["exec-register-model"]["secretAsEnv"]
-    assert secret["secretNameParameter"]["componentInputParameter"] == "pipelinechannel--mlflow_secret_name"
-    assert {k["envVar"] for k in secret["keyToEnv"]} == {
-        "MLFLOW_TRACKING_URI",
-        "MLFLOW_TRACKING_USERNAME",
-        "MLFLOW_TRACKING_PASSWORD",
-    }
-    assert [name for name, config in executors.items() if "secretAsEnv" in config] == ["exec-register-model"]
+    for name in ("exec-register-model", "exec-validate-checkpoint"):
+        (secret,) = executors[name]["secretAsEnv"]
+        assert (
+            secret["secretNameParameter"]["componentInputParameter"] == "pipelinechannel--mlflow_secret_name"
+        )
+        assert {k["envVar"] for k in secret["keyToEnv"]} == {
+            "MLFLOW_TRACKING_URI",
+            "MLFLOW_TRACKING_USERNAME",
+            "MLFLOW_TRACKING_PASSWORD",
+        }
+    assert sorted(name for name, config in executors.items() if "secretAsEnv" in config) == [
+        "exec-register-model",
+        "exec-validate-checkpoint",
+    ]
 
 
 def test_no_secret_value_or_aws_key_reaches_the_yaml(tmp_path, monkeypatch):

@@ -1,0 +1,120 @@
+"""Lineage of a registered model version: where it came from, as MLflow version tags.
+
+Every tag is a plain string under the `rtp.` prefix. `lineage_tags` is pure: it turns what
+the register step knows (KFP run, dataset snapshot, checkpoint, trainer summary, code) into
+tags, dropping values that are unknown rather than writing empty strings. The readers
+below gather those facts from files; each tolerates what an older run did not write.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer.config import TrainConfig
+
+CODE_VERSION_ENV = "RTP_CODE_VERSION"
+"""Set in the component image at build time (e.g. the git commit); wins over what can be
+found out at run time."""
+
+# Training-summary figures copied onto the version, when the trainer wrote them.
+SUMMARY_FIGURES = ("goodput_pct", "efficiency_pct", "restarts", "checkpoint_blocked_s", "train_seconds")
+
+
+@dataclass(frozen=True, slots=True)
+class Lineage:
+    kfp_run_id: str = ""
+    pipeline_version: str = ""
+    dataset_snapshot_id: str = ""
+    dataset_manifest_sha256: str = ""
+    checkpoint_uri: str = ""
+    checkpoint_step: int | None = None
+    checkpoint_sha256: str = ""
+    training_config_sha256: str = ""
+    code_version: str = ""
+    training_figures: dict[str, Any] | None = None
+
+
+def lineage_tags(lineage: Lineage) -> dict[str, str]:
+    raw: dict[str, Any] = {
+        "rtp.kfp_run_id": lineage.kfp_run_id,
+        "rtp.pipeline_version": lineage.pipeline_version,
+        "rtp.dataset_snapshot_id": lineage.dataset_snapshot_id,
+        "rtp.dataset_manifest_sha256": lineage.dataset_manifest_sha256,
+        "rtp.checkpoint_uri": lineage.checkpoint_uri,
+        "rtp.checkpoint_step": lineage.checkpoint_step,
+        "rtp.checkpoint_sha256": lineage.checkpoint_sha256,
+        "rtp.training_config_sha256": lineage.training_config_sha256,
+        "rtp.code_version": lineage.code_version,
+    }
+    for name, value in (lineage.training_figures or {}).items():
+        raw[f"rtp.train.{name}"] = value
+    return {key: _tag_value(value) for key, value in raw.items() if value not in (None, "")}
+
+
+def _tag_value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def training_config_sha256(config_dict: dict[str, Any]) -> str:
+    """Hash of the full training config stored in the checkpoint (normalized through TrainConfig)."""
+    return hashlib.sha256(TrainConfig.from_dict(config_dict).to_json().encode()).hexdigest()
+
+
+def dataset_facts(dataset_dir: str | Path) -> tuple[str, str]:
+    """(snapshot id, SHA-256 of manifest.json) of a staged snapshot; empty strings when absent."""
+    manifest = Path(dataset_dir) / "manifest.json"
+    if not manifest.is_file():
+        return "", ""
+    data = manifest.read_bytes()
+    try:
+        snapshot_id = str(json.loads(data).get("snapshot_id", ""))
+    except ValueError:
+        snapshot_id = ""
+    return snapshot_id or Path(dataset_dir).name, hashlib.sha256(data).hexdigest()
+
+
+def training_figures(summary_path: str | Path) -> dict[str, Any]:
+    """Goodput, efficiency and restarts from the trainer's summary.json; {} when it is absent."""
+    path = Path(summary_path)
+    if not path.is_file():
+        return {}
+    try:
+        summary = json.loads(path.read_text())
+    except ValueError:
+        return {}
+    figures = {name: summary[name] for name in SUMMARY_FIGURES if summary.get(name) is not None}
+    if isinstance(summary.get("restarts"), list):  # a list of restart records: count them
+        figures["restarts"] = len(summary["restarts"])
+    return figures
+
+
+def code_version() -> str:
+    """rtp's package version, plus the git commit when running from a checkout."""
+    import importlib.metadata
+    import os
+
+    if os.environ.get(CODE_VERSION_ENV):
+        return os.environ[CODE_VERSION_ENV]
+    try:
+        version = importlib.metadata.version("rtp")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    source = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(source), "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return f"{version}+g{commit}" if commit else version

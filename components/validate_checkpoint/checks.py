@@ -1,0 +1,82 @@
+"""The validate step's pure rules: do the stored tensors fit the model config, is the optimizer
+state there, and is the candidate good enough to become the champion.
+
+Nothing here reads files or talks to MLflow: the caller passes what it read (tensor shapes
+from the DCP metadata, losses on the holdout) and gets back problems or a decision with
+its reasons, so every rule is tested without a checkpoint or a server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+MODEL_PREFIX = "model."
+OPTIMIZER_STATE_PREFIX = "optim.state."
+
+DECISIONS = ("champion", "challenger", "reject")
+"""champion: beats the current champion (or there is none) and is under max_loss;
+challenger: under max_loss but not better enough than the champion; reject: not registered."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    decision: str
+    reasons: list[str] = field(default_factory=list)
+
+
+def shape_problems(stored: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> list[str]:
+    """Model tensors missing from, unexpected in, or shaped differently in the checkpoint.
+
+    `stored` maps DCP keys (`model.<param>`, `optim....`) to shapes; `expected` maps the
+    model's own parameter names to the shapes its config gives them.
+    """
+    stored_model = {k[len(MODEL_PREFIX) :]: v for k, v in stored.items() if k.startswith(MODEL_PREFIX)}
+    problems = []
+    for name, shape in expected.items():
+        if name not in stored_model:
+            problems.append(f"tensor {name!r} is missing from the checkpoint")
+        elif tuple(stored_model[name]) != tuple(shape):
+            problems.append(
+                f"tensor {name!r} has shape {list(stored_model[name])}, the model config gives {list(shape)}"
+            )
+    for name in sorted(set(stored_model) - set(expected)):
+        problems.append(f"tensor {name!r} in the checkpoint is not part of the configured model")
+    return problems
+
+
+def optimizer_problems(stored_keys: Iterable[str], parameter_names: Iterable[str]) -> list[str]:
+    """Parameters without any optimizer state in the checkpoint (resuming would restart them cold)."""
+    have = set()
+    for key in stored_keys:
+        if key.startswith(OPTIMIZER_STATE_PREFIX):
+            have.add(key[len(OPTIMIZER_STATE_PREFIX) :])
+    missing = [name for name in parameter_names if not any(k.startswith(f"{name}.") for k in have)]
+    if not missing:
+        return []
+    shown = ", ".join(repr(n) for n in missing[:5]) + (" ..." if len(missing) > 5 else "")
+    return [f"no optimizer state for {len(missing)} parameter(s): {shown}"]
+
+
+def decide(
+    loss: float,
+    max_loss: float,
+    champion_loss: float | None,
+    min_improvement: float,
+    champion_label: str = "the champion",
+) -> Decision:
+    """Reject above max_loss; otherwise champion when there is none to beat or the candidate's
+    loss is lower by at least `min_improvement` (and by more than nothing), else challenger."""
+    if not loss <= max_loss:  # also rejects NaN
+        return Decision("reject", [f"holdout loss {loss:.4f} > max_loss {max_loss}"])
+    reasons = [f"holdout loss {loss:.4f} <= max_loss {max_loss}"]
+    if champion_loss is None:
+        return Decision("champion", [*reasons, "there is no champion to beat"])
+    delta = champion_loss - loss
+    comparison = (
+        f"{champion_label} scores {champion_loss:.4f} on the same holdout: improvement {delta:+.4f} "
+        f"(min_improvement {min_improvement})"
+    )
+    if delta > 0 and delta >= min_improvement:
+        return Decision("champion", [*reasons, f"{comparison}: beats it"])
+    return Decision("challenger", [*reasons, f"{comparison}: does not beat it"])
