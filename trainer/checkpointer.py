@@ -117,10 +117,10 @@ class Checkpointer:
 
             from trainer import nvrx_compat
 
-            self._calls = nvrx_compat.new_calls_queue()
             self._snapshots = nvrx_compat.SnapshotBuffers()
             self._plan_cache = CheckpointMetadataCache()
-            with lifecycle.children_ignore_sigterm():
+            with lifecycle.children_ignore_sigterm():  # the results Manager starts here too
+                self._calls = nvrx_compat.new_calls_queue()
                 nvrx_compat.warm_up(self._calls, self.root / ".warm-up", wait=not background)
             self._warming_up = background
 

@@ -32,7 +32,7 @@ from trainer.data import StepSampler, load_tokens, split_files
 from trainer.events import EventLog, write_json_atomic
 from trainer.faults import FaultInjector, parse_faults
 from trainer.model import ByteLM, next_token_loss
-from trainer.parallelize import apply_fsdp, init_distributed, training_device
+from trainer.parallelize import apply_fsdp, init_distributed, set_collective_timeout, training_device
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +209,8 @@ def train(
     stopped_by_signal = False
     step_seconds = 0.0
     steps_run = 0
+    dist.barrier()  # start-up took different times on each rank; the short timeout starts even
+    set_collective_timeout(config.resilience.collective_timeout_s)
     loop_start = time.perf_counter()
     events.emit("resumed", step=last_step, startup_s=loop_start - wall_start, phases=phases)
     try:

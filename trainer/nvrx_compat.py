@@ -33,6 +33,9 @@ One more point holds on CPU and GPU alike:
    read them instead of its own and commit metadata that lacks this rank's shards (seen
    here: a checkpoint whose `.metadata` named only rank 1's chunks). `discard_stale_results`
    empties the queue once the abandoned writer is dead.
+7. Orphans. That queue lives in a Manager process NVRx spawns on first use; a rank killed
+   with SIGKILL leaves it (and multiprocessing's resource tracker) running forever. The
+   queue is created here first, by a Manager that asks to die with its rank.
 """
 
 from __future__ import annotations
@@ -84,8 +87,27 @@ class CpuSafePersistentAsyncCaller(core.PersistentAsyncCaller):
         return bool(alive.item() == 0)
 
 
+_results_manager: Any = None
+
+
+def _results_queue_that_dies_with_the_rank() -> None:
+    """(7) Create NVRx's process-wide write-results queue before it does."""
+    global _results_manager
+    if filesystem_async._results_queue is not None:
+        return
+    from multiprocessing.managers import SyncManager
+
+    from trainer.lifecycle import die_with_parent
+
+    manager = SyncManager(ctx=torch.multiprocessing.get_context("spawn"))  # NVRx's context
+    manager.start(initializer=die_with_parent)
+    _results_manager = manager  # keep it referenced: a collected manager shuts down
+    filesystem_async._results_queue = manager.Queue()
+
+
 def new_calls_queue() -> core.AsyncCallsQueue:
     """A persistent-worker queue whose caller is safe on CPU (and unchanged on CUDA)."""
+    _results_queue_that_dies_with_the_rank()
     if needs_cpu_adjustments():
         # (5) See the module docstring.
         torch.multiprocessing.set_sharing_strategy("file_system")

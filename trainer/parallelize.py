@@ -34,8 +34,9 @@ def init_distributed(timeout_s: float = 120.0, store: dist.Store | None = None) 
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        # Joining may take a while (ranks restart at different moments); collectives after
-        # that get `timeout_s`, which on CPU bounds how long a rank waits on a failed peer.
+        # Joining and start-up (model build, checkpoint load, writer warm-up) may take a
+        # while and differ between ranks; the loop later sets the short collective timeout
+        # (`set_collective_timeout`).
         join_timeout = timedelta(seconds=max(120.0, timeout_s))
         if store is None:
             dist.init_process_group(backend=backend, timeout=join_timeout)
@@ -47,7 +48,6 @@ def init_distributed(timeout_s: float = 120.0, store: dist.Store | None = None) 
                 world_size=env.world_size(),
                 timeout=join_timeout,
             )
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
     return init_device_mesh(device.type, (dist.get_world_size(),))
 
 
@@ -62,3 +62,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def set_collective_timeout(timeout_s: float) -> None:
+    """From here on a collective waits at most `timeout_s` for its peers. On CPU this bounds
+    how long a rank sits in a gloo op after a peer failed (gloo ops cannot be aborted)."""
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))

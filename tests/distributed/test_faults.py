@@ -1,0 +1,162 @@
+"""Fault tolerance end to end: real ranks over gloo under ft_launcher, real faults.
+
+Every recovered run must end with exactly the weights of the fault-free run with the same
+seed (`model_sha256`), its `restarts[]` must say what happened, and nothing the run
+started may outlive it. Timeouts are set low (collective 3 s, watchdog 5/10 s) so a
+recovery takes seconds on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.distributed.conftest import train
+from trainer.checkpoint import latest_committed_checkpoint, verify_checkpoint
+from trainer.launch import LauncherSettings, TrainingFailed, run_local_training, trainer_arguments
+
+pytestmark = pytest.mark.distributed
+
+STEPS, EVERY = 16, 4
+FAST = [
+    "resilience.collective_timeout_s=3",
+    "resilience.soft_timeout_s=5",
+    "resilience.hard_timeout_s=10",
+]
+
+
+@pytest.fixture
+def run_mark(monkeypatch) -> str:
+    """Tags every process the test starts (the variable is inherited) to find leftovers."""
+    mark = uuid.uuid4().hex
+    monkeypatch.setenv("RTP_TEST_RUN_MARK", mark)
+    return mark
+
+
+def _leftovers(mark: str) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.pid != os.getpid() and process.environ().get("RTP_TEST_RUN_MARK") == mark:
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def assert_nothing_left(mark: str) -> None:
+    deadline = time.monotonic() + 15  # writers and monitors exit right after the launcher
+    while (left := _leftovers(mark)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    names = [(p.pid, " ".join(p.cmdline())[:120]) for p in left]
+    for process in left:
+        process.kill()
+    assert names == [], f"processes outlived the run: {names}"
+
+
+@pytest.fixture(scope="module")
+def fault_free(dataset_dir, tmp_path_factory) -> dict:
+    return train(dataset_dir, tmp_path_factory.mktemp("fault-free"), steps=STEPS, every=EVERY, overrides=FAST)
+
+
+CASES = {
+    # kind: (fault, the layer that must recover it)
+    "exception": ("exception@10:1", "inprocess"),
+    "hang": ("hang@10:1", "inprocess"),
+    "sigkill": ("sigkill@10:0", "launcher"),
+    "sigkill-during-save": ("sigkill-during-save@8:1", "launcher"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CASES))
+def test_each_fault_kind_is_recovered_exactly(kind, dataset_dir, tmp_path, fault_free, run_mark):
+    fault, mechanism = CASES[kind]
+    summary = train(dataset_dir, tmp_path, steps=STEPS, every=EVERY, overrides=FAST, faults=[fault])
+    assert summary["completed"] and summary["steps"] == STEPS
+    assert summary["model_sha256"] == fault_free["model_sha256"]
+    [restart] = summary["restarts"]
+    assert restart["kind"] == kind and restart["mechanism"] == mechanism
+    assert restart["resumed_step"] % EVERY == 0 and restart["resumed_step"] <= restart["fault_step"]
+    assert restart["downtime_s"] > 0 and restart["startup_s"] >= 0
+    assert summary["lost_steps"] == restart["steps_redone"]
+    assert 0 < summary["goodput_pct"] < 100
+    report = Path(summary["goodput_report"]).read_text()
+    assert "<svg" in report and kind in report
+    if kind == "hang":
+        # Detected without anyone stepping in, within the configured timeouts.
+        assert restart["detection_s"] is not None and restart["detection_s"] < 5 + 3
+    if kind == "sigkill-during-save":
+        # The save the rank died in never became a checkpoint; the resumed one is intact.
+        verify_checkpoint(Path(summary["checkpoint"]), verify_hashes=True)
+    assert_nothing_left(run_mark)
+
+
+def test_several_faults_of_different_kinds_in_one_run(dataset_dir, tmp_path, fault_free, run_mark):
+    faults = ["sigkill-during-save@4:1", "exception@7:0", "hang@11:1", "sigkill@14:0"]
+    summary = train(dataset_dir, tmp_path, steps=STEPS, every=EVERY, overrides=FAST, faults=faults)
+    assert summary["model_sha256"] == fault_free["model_sha256"]
+    kinds = [(r["kind"], r["mechanism"]) for r in summary["restarts"]]
+    assert kinds == [
+        ("sigkill-during-save", "launcher"),
+        ("exception", "inprocess"),
+        ("hang", "inprocess"),
+        ("sigkill", "launcher"),
+    ]
+    assert [r["fault_step"] for r in summary["restarts"]] == [4, 7, 11, 14]
+    assert_nothing_left(run_mark)
+
+
+def test_a_hang_on_a_single_rank_is_caught_by_the_progress_watchdog(dataset_dir, tmp_path, run_mark):
+    """No peer waits in a collective here: only NVRx's watchdog (soft timeout 5 s) can notice."""
+    summary = train(dataset_dir, tmp_path, nproc=1, steps=8, every=4, overrides=FAST, faults=["hang@6"])
+    [restart] = summary["restarts"]
+    assert (restart["kind"], restart["mechanism"]) == ("hang", "inprocess")
+    assert 5 <= restart["detection_s"] < 10 + 3
+    assert summary["completed"]
+    assert_nothing_left(run_mark)
+
+
+def test_exhausted_restarts_fail_clearly_and_keep_the_last_checkpoint(dataset_dir, tmp_path, run_mark):
+    args = trainer_arguments(
+        dataset_dir=str(dataset_dir),
+        workdir=str(tmp_path),
+        steps=STEPS,
+        checkpoint_every=EVERY,
+        seed=7,
+        overrides=FAST,
+        faults=["exception@6:1", "exception@10:0"],
+        inprocess_restarts=0,
+    )
+    with pytest.raises(TrainingFailed) as failure:
+        run_local_training(2, args, tmp_path, echo=False, settings=LauncherSettings(max_restarts=1))
+    message = str(failure.value)
+    assert "InjectedFault: injected fault exception@10:0" in message
+    assert "worker-group restarts used: 1 of 1" in message
+    kept = latest_committed_checkpoint(tmp_path / "checkpoints", verify_hashes=True)
+    assert kept is not None and kept.name == "step_8"
+    assert f"last committed checkpoint: {kept}" in message
+    assert_nothing_left(run_mark)
+
+
+def test_an_error_no_restart_can_fix_is_not_retried(dataset_dir, tmp_path, run_mark):
+    """A diverged loss recurs after every restart: the run stops at the first one."""
+    started = time.monotonic()
+    with pytest.raises(TrainingFailed, match=r"FloatingPointError: loss became .* \(not retried"):
+        train(
+            dataset_dir,
+            tmp_path,
+            steps=12,
+            every=2,
+            overrides=[*FAST, "optimizer.lr=1e30", "optimizer.warmup_steps=0"],
+        )
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    attempts = [e for e in events if e["kind"] == "attempt_start"]
+    assert len(attempts) == 1, "no in-process restart of a fatal error"
+    assert time.monotonic() - started < 120
+    assert_nothing_left(run_mark)
