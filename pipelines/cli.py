@@ -17,6 +17,7 @@ from pathlib import Path
 from pipelines.k8s_cli import add_platform_arguments, add_render_job_parser, platform_options_from_args
 from pipelines.kfp_cli import add_kfp_parsers
 from pipelines.local import LocalOptions
+from pipelines.stage_cli import add_stage_parser
 from trainer.config import CHECKPOINT_MODES
 
 EPILOG = """examples:
@@ -230,32 +231,6 @@ def _cmd_train_local(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_stage(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "stage",
-        help="copy an S3 prefix into a dataset snapshot",
-        description="Copy s3://bucket/prefix into <fsx-mount-path>/rtp/datasets/<name>/snapshots/<id>/, "
-        "verified against ETags; unchanged prefixes transfer nothing.",
-    )
-    p.add_argument("--source", required=True, help="s3://bucket/prefix")
-    p.add_argument(
-        "--s3-endpoint-url", default="", help="S3-compatible endpoint (default: AWS, or AWS_ENDPOINT_URL)"
-    )
-    p.add_argument("--fsx-mount-path", required=True, help="root of the shared volume (a local folder works)")
-    p.add_argument("--dataset-name", default="demo-corpus", help="dataset folder name (default: %(default)s)")
-    p.set_defaults(handler=_cmd_stage)
-
-
-def _cmd_stage(args: argparse.Namespace) -> int:
-    from components.stage_data.stage import stage_dataset
-
-    result = stage_dataset(
-        args.source, args.fsx_mount_path, args.dataset_name, endpoint_url=args.s3_endpoint_url or None
-    )
-    print(json.dumps(result.as_dict(), indent=2))
-    return 0
-
-
 def _add_validate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "validate",
@@ -366,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_local,
         _add_compile,
         _add_train_local,
-        _add_stage,
+        add_stage_parser,
         _add_validate,
         _add_register,
         _add_bench,

@@ -81,7 +81,8 @@ def s3_client(endpoint_url: str | None = None, max_pool_connections: int = 64) -
         tcp_keepalive=True,
         s3={"addressing_style": "path"} if endpoint_url else {},
     )
-    return boto3.client("s3", endpoint_url=endpoint_url or None, config=config)
+    # A fresh session: the credential chain is resolved now, not cached from an earlier client.
+    return boto3.session.Session().client("s3", endpoint_url=endpoint_url or None, config=config)
 
 
 def list_objects(client: Any, bucket: str, prefix: str) -> list[SourceObject]:

@@ -51,7 +51,8 @@ from components.stage_data.transfer import (
     TransferSettings,
     fsync_dir,
 )
-from trainer.data import MANIFEST_NAME
+
+MANIFEST_NAME = "manifest.json"  # trainer.data.MANIFEST_NAME (not imported: it pulls in torch)
 
 __all__ = [
     "SourceObject",
