@@ -17,7 +17,7 @@ from pathlib import Path
 from pipelines.k8s_cli import add_platform_arguments, add_render_job_parser, platform_options_from_args
 from pipelines.kfp_cli import add_kfp_parsers
 from pipelines.local import LocalOptions
-from pipelines.stage_cli import add_stage_parser
+from pipelines.stage_cli import add_prepare_data_parser, add_stage_parser
 from trainer.config import CHECKPOINT_MODES
 
 EPILOG = """examples:
@@ -298,6 +298,7 @@ def _cmd_register(args: argparse.Namespace) -> int:
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     from benchmarks import checkpoint as bench_checkpoint
     from benchmarks import recovery as bench_recovery
+    from benchmarks import staging as bench_staging
 
     p = sub.add_parser(
         "bench",
@@ -321,6 +322,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     bench_recovery.add_arguments(recovery)
     recovery.set_defaults(handler=bench_recovery.main)
+    staging = kinds.add_parser(
+        "staging",
+        help="rtp stage vs aws s3 sync vs a sequential boto3 loop on a real S3 server",
+        description=bench_staging.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench_staging.add_arguments(staging)
+    staging.set_defaults(handler=bench_staging.main)
 
 
 class UserError(Exception):
@@ -342,6 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_compile,
         _add_train_local,
         add_stage_parser,
+        add_prepare_data_parser,
         _add_validate,
         _add_register,
         _add_bench,
@@ -357,6 +367,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from components.stage_data.stage import StageError
     from pipelines.local import LocalRunError
     from pipelines.ops import OpsError
+    from pipelines.prepare_data import PrepareError
     from trainer.checkpoint import CheckpointError
     from trainer.config import ConfigError
     from trainer.data import DataError
@@ -368,6 +379,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
         DataError,
         CheckpointError,
         StageError,
+        PrepareError,
         TrainingFailed,
         LocalRunError,
         OpsError,

@@ -90,3 +90,42 @@ def _cmd_stage(args: argparse.Namespace) -> int:
     )
     print(json.dumps(result.as_dict(), indent=2))
     return 0
+
+
+def add_prepare_data_parser(sub: argparse._SubParsersAction) -> None:
+    from pipelines.prepare_data import DEFAULT_SHARD_BYTES
+
+    p = sub.add_parser(
+        "prepare-data",
+        help="turn a text corpus into token shards (+ index.json) and upload them to S3",
+        description="Tokenize a text file or folder (byte-level: UTF-8 bytes are the tokens), pack the "
+        "documents into shard-NNNNN.bin files with an index.json (format in docs/data.md), and upload them "
+        "to an S3 prefix that `rtp stage` then stages for training.",
+    )
+    p.add_argument("--corpus", required=True, help="a UTF-8 text file or a folder of text files")
+    p.add_argument("--out-dir", required=True, help="where the shards are written locally")
+    p.add_argument("--dest", default="", help="s3://bucket/prefix to upload to (default: local only)")
+    p.add_argument(
+        "--endpoint-url", default="", help="S3-compatible endpoint (default: AWS_ENDPOINT_URL, else AWS)"
+    )
+    p.add_argument(
+        "--shard-mib",
+        type=float,
+        default=DEFAULT_SHARD_BYTES / MIB,
+        help="shard size in MiB (default: %(default)s)",
+    )
+    p.set_defaults(handler=_cmd_prepare_data)
+
+
+def _cmd_prepare_data(args: argparse.Namespace) -> int:
+    from pipelines.prepare_data import prepare_data
+
+    summary = prepare_data(
+        args.corpus,
+        args.out_dir,
+        args.dest,
+        endpoint_url=args.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None,
+        shard_bytes=int(args.shard_mib * MIB),
+    )
+    print(json.dumps(summary, indent=2))
+    return 0
