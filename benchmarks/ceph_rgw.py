@@ -118,7 +118,7 @@ rgw data = {d}/rgw
             for process in self.processes:
                 if process.poll() is not None:
                     self.stop()
-                    raise RuntimeError(f"a Ceph daemon exited ({process.args}); logs in {d / 'log'}")
+                    raise RuntimeError(f"a Ceph daemon exited ({process.args!r}); logs in {d / 'log'}")
             try:
                 urllib.request.urlopen(self.endpoint_url, timeout=2).close()
                 break

@@ -190,7 +190,7 @@ class LocalFolderClient:
         size = path.stat().st_size
         offset, length = 0, size
         if Range:
-            start, _, end = Range.removeprefix("bytes=").partition("-")
+            start, _sep, end = Range.removeprefix("bytes=").partition("-")
             offset, length = int(start), int(end) - int(start) + 1
         return {"Body": _LocalBody(path, offset, length)}
 

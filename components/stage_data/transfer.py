@@ -103,10 +103,8 @@ def is_retryable(exc: BaseException) -> bool:
         | ResponseStreamingError,
     ):
         return True
-    try:
-        from urllib3.exceptions import HTTPError as Urllib3Error
-    except ImportError:  # pragma: no cover - urllib3 ships with botocore
-        Urllib3Error = OSError
+    from urllib3.exceptions import HTTPError as Urllib3Error  # ships with botocore
+
     return isinstance(exc, ConnectionError | TimeoutError | Urllib3Error)
 
 
@@ -446,18 +444,19 @@ class Downloader:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise disk_full_error(job.partial, exc) from exc
             raise
-        record = {
+        digest_hex = {name: value.hex() for name, value in digests.items()}
+        record: dict[str, Any] = {
             "index": index,
             "ranges": len(job.ranges),
             "etag": job.expectation.etag,
-            "digests": {name: value.hex() for name, value in digests.items()},
+            "digests": digest_hex,
         }
         with job.lock:
             with job.sidecar.open("a") as handle:
                 handle.write(json.dumps(record) + "\n")
                 handle.flush()
                 os.fsync(handle.fileno())
-            job.done_ranges[index] = record["digests"]
+            job.done_ranges[index] = digest_hex
             return len(job.done_ranges) == len(job.ranges)
 
     def finish_ranged(self, job: ObjectJob) -> str:
