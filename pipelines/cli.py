@@ -17,6 +17,7 @@ from pathlib import Path
 from pipelines.k8s_cli import add_platform_arguments, add_render_job_parser, platform_options_from_args
 from pipelines.kfp_cli import add_kfp_parsers
 from pipelines.local import LocalOptions
+from pipelines.stage_cli import add_prepare_data_parser, add_stage_parser
 from trainer.config import CHECKPOINT_MODES
 
 EPILOG = """examples:
@@ -230,32 +231,6 @@ def _cmd_train_local(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_stage(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "stage",
-        help="copy an S3 prefix into a dataset snapshot",
-        description="Copy s3://bucket/prefix into <fsx-mount-path>/rtp/datasets/<name>/snapshots/<id>/, "
-        "verified against ETags; unchanged prefixes transfer nothing.",
-    )
-    p.add_argument("--source", required=True, help="s3://bucket/prefix")
-    p.add_argument(
-        "--s3-endpoint-url", default="", help="S3-compatible endpoint (default: AWS, or AWS_ENDPOINT_URL)"
-    )
-    p.add_argument("--fsx-mount-path", required=True, help="root of the shared volume (a local folder works)")
-    p.add_argument("--dataset-name", default="demo-corpus", help="dataset folder name (default: %(default)s)")
-    p.set_defaults(handler=_cmd_stage)
-
-
-def _cmd_stage(args: argparse.Namespace) -> int:
-    from components.stage_data.stage import stage_dataset
-
-    result = stage_dataset(
-        args.source, args.fsx_mount_path, args.dataset_name, endpoint_url=args.s3_endpoint_url or None
-    )
-    print(json.dumps(result.as_dict(), indent=2))
-    return 0
-
-
 def _add_validate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "validate",
@@ -379,6 +354,7 @@ def _cmd_register(args: argparse.Namespace) -> int:
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     from benchmarks import checkpoint as bench_checkpoint
     from benchmarks import recovery as bench_recovery
+    from benchmarks import staging as bench_staging
 
     p = sub.add_parser(
         "bench",
@@ -402,6 +378,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     bench_recovery.add_arguments(recovery)
     recovery.set_defaults(handler=bench_recovery.main)
+    staging = kinds.add_parser(
+        "staging",
+        help="rtp stage vs aws s3 sync vs a sequential boto3 loop on a real S3 server",
+        description=bench_staging.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench_staging.add_arguments(staging)
+    staging.set_defaults(handler=bench_staging.main)
 
 
 class UserError(Exception):
@@ -422,7 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
         _add_local,
         _add_compile,
         _add_train_local,
-        _add_stage,
+        add_stage_parser,
+        add_prepare_data_parser,
         _add_validate,
         _add_register,
         _add_bench,
@@ -441,6 +426,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from components.stage_data.stage import StageError
     from pipelines.local import LocalRunError
     from pipelines.ops import OpsError
+    from pipelines.prepare_data import PrepareError
     from trainer.checkpoint import CheckpointError
     from trainer.config import ConfigError
     from trainer.data import DataError
@@ -452,6 +438,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
         DataError,
         CheckpointError,
         StageError,
+        PrepareError,
         TrainingFailed,
         LocalRunError,
         OpsError,

@@ -31,24 +31,20 @@ def demo_corpus(budget_bytes: int = DEFAULT_BUDGET_BYTES) -> list[tuple[str, Pat
     return chosen
 
 
+DEMO_SHARD_BYTES = 128 * 1024  # small shards, so the demo corpus splits into train and holdout shards
+
+
 def upload_demo_corpus(
     client: object, bucket: str, prefix: str, budget_bytes: int = DEFAULT_BUDGET_BYTES
 ) -> int:
-    """Create `bucket` if needed and upload the corpus under `prefix`; returns the object count."""
-    from botocore.exceptions import ClientError
+    """Shard the corpus as `rtp prepare-data` does and upload it under `prefix`; returns the object count."""
+    import tempfile
 
-    try:
-        client.create_bucket(Bucket=bucket)  # type: ignore[attr-defined]
-    except ClientError as exc:
-        if exc.response.get("Error", {}).get("Code") not in (
-            "BucketAlreadyOwnedByYou",
-            "BucketAlreadyExists",
-        ):
-            raise
-    files = demo_corpus(budget_bytes)
-    for name, path in files:
-        client.put_object(Bucket=bucket, Key=f"{prefix}{name}", Body=path.read_bytes())  # type: ignore[attr-defined]
-    return len(files)
+    from pipelines.prepare_data import upload_shards, write_document_shards
+
+    with tempfile.TemporaryDirectory(prefix="rtp-demo-shards-") as tmp:
+        write_document_shards(demo_corpus(budget_bytes), Path(tmp), DEMO_SHARD_BYTES)
+        return upload_shards(client, Path(tmp), bucket, prefix)
 
 
 def write_local_dataset(folder: Path, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> Path:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 MANIFEST_NAME = "manifest.json"
+SHARD_INDEX_NAME = "index.json"  # written by `rtp prepare-data` beside the shards; not training text
 
 
 class DataError(ValueError):
@@ -57,7 +58,7 @@ def split_files(
         (DatasetFile(key=e["key"], path=root / e["path"], size=int(e["size"])) for e in entries),
         key=lambda f: f.key,
     )
-    files = [f for f in files if f.size > 0]
+    files = [f for f in files if f.size > 0 and f.key.rsplit("/", 1)[-1] != SHARD_INDEX_NAME]
     if len(files) < 2:
         raise DataError(f"{root} holds {len(files)} non-empty file(s); need at least 2 (train + holdout)")
     holdout = [f for f in files if is_holdout(f.key, holdout_fraction)]

@@ -1,15 +1,21 @@
-"""Copy an S3 prefix into an immutable, verified dataset snapshot on the shared volume.
+"""Stage a source (S3 prefix or local folder) as an immutable, verified dataset snapshot.
 
 The snapshot id is a hash of the source listing (key, size, ETag), so an unchanged prefix
-maps to a snapshot that already exists and nothing is transferred; files that did not
-change since the `current` snapshot are hard-linked from it instead of downloaded. Objects
-land under `.staging/<id>/` with temporary names, are checked against their MD5 ETag,
-fsynced and renamed; the folder becomes `snapshots/<id>/` only when complete, and the
-`current` link switches atomically. An interrupted stage resumes from what is complete.
+maps to a snapshot that already exists and nothing is transferred (its files are only
+checked against the manifest's size and mtime, or fully re-hashed with `verify_local=
+"full"`; a damaged file is re-fetched). Files unchanged since the `current` snapshot are
+hard-linked from it. Everything else is downloaded in parallel (ranged for large objects)
+into `.staging/<id>/` under temporary names, verified against S3's checksums, fsynced and
+renamed; the folder becomes `snapshots/<id>/` only when complete and `current` switches
+atomically, so readers of an older snapshot are never disturbed. A killed stage resumes
+from what is complete. In `repository` mode (an FSx data repository association already
+shows the objects as files) nothing is copied: files are checked, pre-loaded with
+`lfs hsm_restore` and hard-linked into the snapshot.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -18,26 +24,53 @@ import posixpath
 import shutil
 import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from components.layout import dataset_root
-from trainer.data import MANIFEST_NAME
+from components.stage_data.checksums import Expectation, verify_file_any_part_size
+from components.stage_data.lustre import Lustre
+from components.stage_data.progress import Progress
+from components.stage_data.source import (
+    LocalFolderClient,
+    SourceObject,
+    describe_object,
+    list_local_folder,
+    list_objects,
+    parse_s3_uri,
+    parse_source,
+    s3_client,
+)
+from components.stage_data.transfer import (
+    Downloader,
+    ObjectJob,
+    SafeTree,
+    StageError,
+    TransferSettings,
+    fsync_dir,
+)
+
+MANIFEST_NAME = "manifest.json"  # trainer.data.MANIFEST_NAME (not imported: it pulls in torch)
+
+__all__ = [
+    "SourceObject",
+    "StageError",
+    "StageResult",
+    "TransferSettings",
+    "parse_s3_uri",
+    "relative_paths",
+    "s3_client",
+    "snapshot_id",
+    "stage_dataset",
+]
 
 log = logging.getLogger(__name__)
 
-
-class StageError(RuntimeError):
-    """Staging cannot go on; the message says what was wrong and what to do."""
-
-
-@dataclass(frozen=True, slots=True)
-class SourceObject:
-    key: str
-    size: int
-    etag: str
+MODES = ("copy", "repository")
+VERIFY_LOCAL = ("stat", "full")
+TEMP_SUFFIXES = (".part", ".part.ranges")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +81,9 @@ class StageResult:
     files: int
     bytes_total: int
     bytes_downloaded: int
+    files_downloaded: int
     files_reused: int
+    files_repaired: int
     seconds: float
 
     @property
@@ -59,13 +94,7 @@ class StageResult:
         return {**asdict(self), "mib_per_s": round(self.mib_per_s, 3)}
 
 
-def parse_s3_uri(uri: str) -> tuple[str, str]:
-    if not uri.startswith("s3://"):
-        raise StageError(f"source {uri!r} is not an S3 URI: write it as s3://bucket/prefix")
-    bucket, _, prefix = uri[len("s3://") :].partition("/")
-    if not bucket:
-        raise StageError(f"source {uri!r} has no bucket name: write it as s3://bucket/prefix")
-    return bucket, prefix
+# ---------------------------------------------------------------- pure planning
 
 
 def relative_paths(keys: Iterable[str], prefix: str) -> dict[str, str]:
@@ -76,15 +105,27 @@ def relative_paths(keys: Iterable[str], prefix: str) -> dict[str, str]:
     for key in keys:
         rest = key[len(strip) :] if key.startswith(strip) else key
         normalized = posixpath.normpath(rest)
-        if rest.startswith("/") or normalized.startswith("..") or normalized in (".", ""):
+        parts = normalized.split("/")
+        if (
+            rest.startswith("/")
+            or normalized.startswith("..")
+            or normalized in (".", "")
+            or "\x00" in rest
+            or any(p in ("..",) for p in rest.split("/"))
+        ):
             raise StageError(f"S3 key {key!r} would be written outside the dataset folder; rename it")
-        if normalized in (MANIFEST_NAME,):
-            raise StageError(f"S3 key {key!r} collides with the snapshot's own {MANIFEST_NAME}; rename it")
+        if normalized == MANIFEST_NAME or any(p.endswith(TEMP_SUFFIXES) for p in parts):
+            raise StageError(f"S3 key {key!r} collides with a name staging uses itself; rename it")
         folded = normalized.lower()
         if folded in seen:
             raise StageError(f"S3 keys {seen[folded]!r} and {key!r} map to the same file; rename one")
         seen[folded] = key
         mapping[key] = normalized
+    # A key that is also another key's folder ("a" and "a/b") cannot both be files.
+    folders = {posixpath.dirname(p).lower() for p in mapping.values()}
+    for key, path in mapping.items():
+        if path.lower() in folders:
+            raise StageError(f"S3 key {key!r} is both a file and the folder of other keys; rename it")
     return mapping
 
 
@@ -93,82 +134,52 @@ def snapshot_id(objects: list[SourceObject]) -> str:
     return hashlib.sha256(listing.encode()).hexdigest()[:16]
 
 
-def s3_client(endpoint_url: str | None = None) -> Any:
-    """A boto3 S3 client from the standard credential chain (IRSA, env, profile)."""
-    import boto3
-    from botocore.config import Config
-
-    config = Config(
-        retries={"max_attempts": 8, "mode": "adaptive"},
-        max_pool_connections=32,
-        s3={"addressing_style": "path"} if endpoint_url else {},
+def _entry_expectation(entry: dict[str, Any]) -> Expectation:
+    return Expectation(
+        int(entry["size"]),
+        entry["etag"],
+        entry.get("checksum_algorithm", ""),
+        entry.get("checksum", ""),
+        int(entry.get("part_size", 0)),
     )
-    return boto3.client("s3", endpoint_url=endpoint_url or None, config=config)
 
 
-def list_objects(client: Any, bucket: str, prefix: str) -> list[SourceObject]:
-    from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
-
-    objects = []
+def local_file_damage(folder: Path, entry: dict[str, Any], verify_local: str) -> str:
+    """'' when the snapshot file still is what the manifest says, else what is wrong."""
+    path = folder / entry["path"]
     try:
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-            for item in page.get("Contents", []):
-                if item["Key"].endswith("/"):
-                    continue  # "folder" placeholder objects carry no data
-                objects.append(SourceObject(item["Key"], int(item["Size"]), item["ETag"].strip('"')))
-    except ClientError as exc:
-        code = exc.response.get("Error", {}).get("Code", "")
-        if code == "NoSuchBucket":
-            raise StageError(f"bucket {bucket!r} does not exist: check the source URI and endpoint") from exc
-        if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
-            raise StageError(
-                f"access to s3://{bucket}/{prefix} denied ({code}): give the pod's service account "
-                "(IRSA) or your AWS profile s3:ListBucket and s3:GetObject on it"
-            ) from exc
-        raise StageError(f"listing s3://{bucket}/{prefix} failed: {exc}") from exc
-    except NoCredentialsError as exc:
-        raise StageError(
-            "no AWS credentials found: use IRSA on EKS, or AWS_PROFILE / AWS_ACCESS_KEY_ID locally"
-        ) from exc
-    except EndpointConnectionError as exc:
-        raise StageError(f"cannot reach the S3 endpoint: {exc}; check --s3-endpoint-url") from exc
-    if not objects:
-        raise StageError(f"s3://{bucket}/{prefix} holds no objects: check the prefix (it is case-sensitive)")
-    return objects
+        info = path.lstat()
+    except FileNotFoundError:
+        return "missing"
+    if not path.is_file() or path.is_symlink():
+        return "not a regular file"
+    if info.st_size != int(entry["size"]):
+        return f"size {info.st_size} != {entry['size']}"
+    if verify_local == "full":
+        return verify_file_any_part_size(path, _entry_expectation(entry))
+    if "mtime_ns" in entry and info.st_mtime_ns != int(entry["mtime_ns"]):
+        return "modified since it was staged (mtime changed)"
+    return ""
 
 
-def _md5_matches(etag: str, digest: str) -> bool:
-    # Multipart ETags ("<md5 of part md5s>-<parts>") are not a digest of the body; the
-    # size check covers them here, and the composite check belongs to the staging issue.
-    return "-" in etag or etag == digest
+# ---------------------------------------------------------------- I/O
 
 
-def _download(client: Any, bucket: str, obj: SourceObject, target: Path, attempts: int = 3) -> int:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(target.name + ".part")
-    for attempt in range(1, attempts + 1):
-        digest = hashlib.md5(usedforsecurity=False)
-        body = client.get_object(Bucket=bucket, Key=obj.key)["Body"]
-        with partial.open("wb") as handle:
-            for chunk in body.iter_chunks(1 << 20):
-                digest.update(chunk)
-                handle.write(chunk)
-            handle.flush()
-            os.fsync(handle.fileno())
-        if partial.stat().st_size == obj.size and _md5_matches(obj.etag, digest.hexdigest()):
-            os.replace(partial, target)
-            return obj.size
-        log.warning("s3://%s/%s failed verification (attempt %d/%d)", bucket, obj.key, attempt, attempts)
-    partial.unlink(missing_ok=True)
-    raise StageError(f"s3://{bucket}/{obj.key} did not match its size/ETag after {attempts} attempts")
+def _read_manifest(folder: Path) -> dict[str, Any] | None:
+    path = folder / MANIFEST_NAME
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
 
 
-def _previous_files(current: Path) -> dict[tuple[str, int, str], Path]:
-    manifest = current / MANIFEST_NAME
-    if not manifest.is_file():
-        return {}
-    entries = json.loads(manifest.read_text())["files"]
-    return {(e["key"], int(e["size"]), e["etag"]): current / e["path"] for e in entries}
+def _write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
+    tmp = folder / f".{MANIFEST_NAME}.tmp"
+    with tmp.open("w") as handle:
+        json.dump(manifest, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, folder / MANIFEST_NAME)
+    fsync_dir(folder)
 
 
 def _switch_current(root: Path, snapshot: str) -> None:
@@ -177,6 +188,107 @@ def _switch_current(root: Path, snapshot: str) -> None:
     tmp.unlink(missing_ok=True)
     os.symlink(Path("snapshots") / snapshot, tmp)
     os.replace(tmp, link)
+    fsync_dir(root)
+
+
+def _previous_files(current: Path) -> dict[tuple[str, int, str], tuple[Path, dict[str, Any]]]:
+    manifest = _read_manifest(current) if current.is_dir() else None
+    if manifest is None:
+        return {}
+    return {
+        (e["key"], int(e["size"]), e["etag"]): (current.resolve() / e["path"], e) for e in manifest["files"]
+    }
+
+
+def _check_free_space(folder: Path, needed_bytes: int) -> None:
+    free = shutil.disk_usage(folder).free
+    if needed_bytes > free:
+        raise StageError(
+            f"the destination has {free / 2**30:.2f} GiB free but this stage needs {needed_bytes / 2**30:.2f} GiB: "
+            "free space on the volume, grow the FSx file system, or stage a smaller prefix"
+        )
+
+
+def _link_or_copy(old: Path, target: Path) -> None:
+    try:
+        os.link(old, target, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno == errno.EEXIST:
+            target.unlink()
+            os.link(old, target, follow_symlinks=False)
+        else:
+            shutil.copy2(old, target, follow_symlinks=False)
+
+
+def _describe_all(
+    client: Any,
+    bucket: str,
+    objects: list[SourceObject],
+    pool: ThreadPoolExecutor,
+    settings: TransferSettings,
+) -> list[SourceObject]:
+    """HEAD the objects whose verification needs more than the listing (multipart, large + checksum)."""
+    need = [
+        i
+        for i, o in enumerate(objects)
+        if "-" in o.etag or (o.checksum_algorithm and o.size >= settings.multipart_threshold_bytes)
+    ]
+    described = list(objects)
+    futures = {i: pool.submit(describe_object, client, bucket, objects[i], settings) for i in need}
+    for i, future in futures.items():
+        described[i] = future.result()
+    return described
+
+
+def _run_downloads(
+    downloader: Downloader, jobs: list[ObjectJob], pool: ThreadPoolExecutor, progress: Progress
+) -> None:
+    """Run every job's GETs on the pool; ranged jobs are finished by whoever ends their last range."""
+    pending: dict[Future[Any], tuple[str, ObjectJob]] = {}
+
+    def start(job: ObjectJob) -> None:
+        downloader.plan(job)
+        if not job.parallel:
+            pending[pool.submit(downloader.fetch_whole, job)] = ("whole", job)
+            return
+        downloader.open_partial(job)
+        todo = job.pending_ranges()
+        if not todo:
+            pending[pool.submit(downloader.finish_ranged, job)] = ("finish", job)
+        for index in todo:
+            pending[pool.submit(downloader.fetch_range, job, index)] = ("range", job)
+
+    for job in jobs:
+        start(job)
+    try:
+        while pending:
+            done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+            for future in done:
+                kind, job = pending.pop(future)
+                value = future.result()  # re-raises StageError from the worker
+                if kind == "whole":
+                    progress.add_file()
+                elif kind == "range" and value:
+                    pending[pool.submit(downloader.finish_ranged, job)] = ("finish", job)
+                elif kind == "finish":
+                    if not value:
+                        progress.add_file()
+                        continue
+                    job.attempts_left -= 1
+                    log.warning("s3://%s/%s failed verification (%s)", job.bucket, job.key, value)
+                    if job.attempts_left <= 0:
+                        raise StageError(
+                            f"s3://{job.bucket}/{job.key} did not match its size/checksum after "
+                            f"{downloader.settings.verify_attempts} attempts ({value}): the object may be "
+                            "changing or the network corrupting data; re-run the stage"
+                        )
+                    attempts = job.attempts_left
+                    start(job)
+                    job.attempts_left = attempts
+    except BaseException:
+        for future in pending:
+            future.cancel()
+        raise
 
 
 def stage_dataset(
@@ -184,74 +296,264 @@ def stage_dataset(
     fsx_mount_path: str,
     dataset_name: str,
     endpoint_url: str | None = None,
-    max_workers: int = 16,
+    max_workers: int = 32,
     client: Any = None,
+    *,
+    settings: TransferSettings | None = None,
+    mode: str = "copy",
+    repository_dir: str = "",
+    verify_local: str = "stat",
+    progress_stream: Any = None,
 ) -> StageResult:
-    """Stage `source` (s3://bucket/prefix) as a snapshot of dataset `dataset_name`."""
+    """Stage `source` (s3://bucket/prefix or a local folder) as a snapshot of dataset `dataset_name`."""
     started = time.perf_counter()
-    bucket, prefix = parse_s3_uri(source)
-    client = client or s3_client(endpoint_url)
-    objects = list_objects(client, bucket, prefix)
-    paths = relative_paths((o.key for o in objects), prefix)
+    if mode not in MODES:
+        raise StageError(f"mode {mode!r} is not one of {', '.join(MODES)}")
+    if verify_local not in VERIFY_LOCAL:
+        raise StageError(f"verify_local {verify_local!r} is not one of {', '.join(VERIFY_LOCAL)}")
+    settings = settings or TransferSettings(max_workers=max_workers)
+    parsed = parse_source(source)
+    if parsed.kind == "local":
+        client = LocalFolderClient()
+        objects = list_local_folder(parsed.bucket)
+    else:
+        client = client or s3_client(endpoint_url, max_pool_connections=settings.max_workers + 8)
+        objects = list_objects(client, parsed.bucket, parsed.prefix)
+    paths = relative_paths((o.key for o in objects), parsed.prefix)
     snap = snapshot_id(objects)
     root = dataset_root(fsx_mount_path, dataset_name)
+    if root.is_symlink():
+        raise StageError(
+            f"{root} is a symlink; staging never follows links: point --fsx-mount-path at the volume"
+        )
+    root.mkdir(parents=True, exist_ok=True)
+    lustre = Lustre()
+    lustre.say_once_if_absent()
     final = root / "snapshots" / snap
-    if (final / MANIFEST_NAME).is_file():
-        log.info("snapshot %s already staged: nothing to transfer", snap)
+
+    with ThreadPoolExecutor(max_workers=settings.max_workers, thread_name_prefix="stage") as pool:
+        existing = _read_manifest(final)
+        if existing is not None:
+            return _recheck_snapshot(
+                parsed.bucket,
+                client,
+                pool,
+                settings,
+                root,
+                final,
+                snap,
+                existing,
+                verify_local,
+                started,
+                progress_stream,
+            )
+
+        staging = root / ".staging" / snap
+        tree = SafeTree(root)
+        tree.ensure_dir(staging)
+        tree = SafeTree(staging)
+        previous = _previous_files(root / "current")
+        todo: list[SourceObject] = []
+        reused = 0
+        for obj in objects:
+            target = tree.target(paths[obj.key])
+            if target.is_file() and not target.is_symlink() and target.stat().st_size == obj.size:
+                reused += 1  # finished by an interrupted earlier attempt (renamed only once verified)
+                continue
+            old = previous.get((obj.key, obj.size, obj.etag))
+            if (
+                old is not None
+                and mode == "copy"
+                and not local_file_damage(old[0].parent, {**old[1], "path": old[0].name}, "stat")
+            ):
+                _link_or_copy(old[0], target)
+                reused += 1
+                continue
+            todo.append(obj)
+
+        if mode == "repository":
+            downloaded_files = _link_from_repository(
+                Path(repository_dir), todo, paths, tree, lustre, verify_local
+            )
+            downloaded, fetched = 0, todo
+        else:
+            downloaded, fetched = _download_all(
+                parsed.bucket, client, pool, settings, todo, paths, tree, lustre, progress_stream, staging
+            )
+            downloaded_files = len(fetched)
+        described = {o.key: o for o in fetched}
+        entries = []
+        for obj in sorted(objects, key=lambda o: o.key):
+            obj = described.get(obj.key, obj)
+            target = staging / paths[obj.key]
+            entry: dict[str, Any] = {
+                "key": obj.key,
+                "size": obj.size,
+                "etag": obj.etag,
+                "path": paths[obj.key],
+            }
+            if obj.checksum_algorithm and obj.checksum:
+                entry |= {"checksum_algorithm": obj.checksum_algorithm, "checksum": obj.checksum}
+            if obj.part_size:
+                entry["part_size"] = obj.part_size
+            entry["mtime_ns"] = target.stat().st_mtime_ns
+            entries.append(entry)
+        manifest = {
+            "source": source,
+            "snapshot_id": snap,
+            "staged_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "files_count": len(entries),
+            "bytes_total": sum(o.size for o in objects),
+            "files": entries,
+        }
+        _write_manifest(staging, manifest)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staging, final)
+        fsync_dir(final.parent)
         _switch_current(root, snap)
-        return _result(final, snap, objects, 0, len(objects), started)
+    return _result(final, snap, objects, downloaded, downloaded_files, reused, 0, started)
 
-    staging = root / ".staging" / snap
-    staging.mkdir(parents=True, exist_ok=True)
-    previous = _previous_files(root / "current")
-    todo: list[SourceObject] = []
-    reused = 0
-    for obj in objects:
-        target = staging / paths[obj.key]
-        if target.is_file() and target.stat().st_size == obj.size:
-            reused += 1  # completed by an interrupted earlier attempt (renamed only when verified)
-            continue
-        old = previous.get((obj.key, obj.size, obj.etag))
-        if old is not None and old.is_file():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(old, target)
-            except OSError:
-                shutil.copy2(old, target)
-            reused += 1
-            continue
-        todo.append(obj)
 
+def _download_all(
+    bucket: str,
+    client: Any,
+    pool: ThreadPoolExecutor,
+    settings: TransferSettings,
+    todo: list[SourceObject],
+    paths: dict[str, str],
+    tree: SafeTree,
+    lustre: Lustre,
+    progress_stream: Any,
+    folder: Path,
+) -> tuple[int, list[SourceObject]]:
     total = sum(o.size for o in todo)
-    log.info("staging %s: %d objects to download (%d bytes), %d reused", source, len(todo), total, reused)
-    downloaded = 0
-    with ThreadPoolExecutor(max_workers=max_workers) as pool:
-        futures = [pool.submit(_download, client, bucket, o, staging / paths[o.key]) for o in todo]
-        for done, future in enumerate(futures, 1):
-            downloaded += future.result()
-            if done % 50 == 0 or done == len(futures):
-                log.info("downloaded %d/%d objects, %.1f MiB", done, len(futures), downloaded / 2**20)
+    _check_free_space(folder, total)
+    described = (
+        _describe_all(client, bucket, todo, pool, settings)
+        if not isinstance(client, LocalFolderClient)
+        else todo
+    )
+    log.info("staging: %d objects to download (%.1f MiB)", len(described), total / 2**20)
+    progress = Progress(total, len(described), stream=progress_stream)
+    downloader = Downloader(
+        client, settings, on_bytes=progress.add_bytes, prepare_large_file=lustre.stripe_new_file
+    )
+    jobs = [ObjectJob(bucket, o.key, o.expectation(), tree.target(paths[o.key])) for o in described]
+    try:
+        _run_downloads(downloader, jobs, pool, progress)
+    finally:
+        progress.close()
+    return total, described
 
-    manifest = {
-        "source": source,
-        "snapshot_id": snap,
-        "files": [
-            {"key": o.key, "size": o.size, "etag": o.etag, "path": paths[o.key]}
-            for o in sorted(objects, key=lambda o: o.key)
-        ],
-    }
-    with (staging / MANIFEST_NAME).open("w") as handle:
-        json.dump(manifest, handle, indent=2)
-        handle.flush()
-        os.fsync(handle.fileno())
-    final.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(staging, final)
+
+def _link_from_repository(
+    repository: Path,
+    todo: list[SourceObject],
+    paths: dict[str, str],
+    tree: SafeTree,
+    lustre: Lustre,
+    verify_local: str,
+) -> int:
+    """Data-repository mode: the objects are already files under `repository`; check, pre-load, link."""
+    if not repository.is_dir():
+        raise StageError(
+            f"repository folder {repository} does not exist: give the FSx path that the data repository "
+            "association links to the source prefix"
+        )
+    files = [(o, repository / paths[o.key]) for o in todo]
+    for obj, path in files:
+        if path.is_symlink() or not path.is_file():
+            raise StageError(f"{path} (for s3 key {obj.key}) is missing from the data repository folder")
+        if path.stat().st_size != obj.size:
+            raise StageError(f"{path} is {path.stat().st_size} bytes but s3 key {obj.key} is {obj.size}")
+    lustre.hsm_restore([p for _, p in files])
+    for obj, path in files:
+        if verify_local == "full":
+            reason = verify_file_any_part_size(path, obj.expectation())
+            if reason:
+                raise StageError(
+                    f"{path} does not match s3 key {obj.key} ({reason}): re-import the repository"
+                )
+        target = tree.target(paths[obj.key])
+        try:
+            os.link(path, target, follow_symlinks=False)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise StageError(
+                f"cannot hard-link {path} into the snapshot ({exc.strerror}): the repository folder must be on "
+                "the same file system as --fsx-mount-path"
+            ) from exc
+    return len(files)
+
+
+def _recheck_snapshot(
+    bucket: str,
+    client: Any,
+    pool: ThreadPoolExecutor,
+    settings: TransferSettings,
+    root: Path,
+    final: Path,
+    snap: str,
+    manifest: dict[str, Any],
+    verify_local: str,
+    started: float,
+    progress_stream: Any,
+) -> StageResult:
+    """The snapshot exists: transfer nothing unless a file in it was damaged, then re-fetch that one."""
+    damaged = []
+    for entry in manifest["files"]:
+        reason = local_file_damage(final, entry, verify_local)
+        if reason:
+            log.warning("%s in snapshot %s: %s; fetching it again", entry["path"], snap, reason)
+            damaged.append(entry)
+    downloaded = 0
+    if damaged:
+        tree = SafeTree(final)
+        objects = [
+            SourceObject(
+                e["key"],
+                int(e["size"]),
+                e["etag"],
+                e.get("checksum_algorithm", ""),
+                e.get("checksum", ""),
+                int(e.get("part_size", 0)),
+            )
+            for e in damaged
+        ]
+        progress = Progress(sum(o.size for o in objects), len(objects), stream=progress_stream)
+        downloader = Downloader(client, settings, on_bytes=progress.add_bytes)
+        jobs = []
+        for obj, entry in zip(objects, damaged, strict=True):
+            target = tree.target(entry["path"])
+            target.unlink(missing_ok=True)  # break a hard link shared with other snapshots first
+            jobs.append(ObjectJob(bucket, obj.key, obj.expectation(), target))
+        try:
+            _run_downloads(downloader, jobs, pool, progress)
+        finally:
+            progress.close()
+        for entry in damaged:
+            entry["mtime_ns"] = (final / entry["path"]).stat().st_mtime_ns
+        _write_manifest(final, manifest)
+        downloaded = sum(o.size for o in objects)
+    else:
+        log.info("snapshot %s already staged and intact: nothing to transfer", snap)
     _switch_current(root, snap)
-    return _result(final, snap, objects, downloaded, reused, started)
+    listed = [SourceObject(e["key"], int(e["size"]), e["etag"]) for e in manifest["files"]]
+    return _result(
+        final, snap, listed, downloaded, len(damaged), len(listed) - len(damaged), len(damaged), started
+    )
 
 
 def _result(
-    folder: Path, snap: str, objects: list[SourceObject], downloaded: int, reused: int, started: float
+    folder: Path,
+    snap: str,
+    objects: list[SourceObject],
+    downloaded: int,
+    downloaded_files: int,
+    reused: int,
+    repaired: int,
+    started: float,
 ) -> StageResult:
     return StageResult(
         snapshot_dir=str(folder),
@@ -260,6 +562,8 @@ def _result(
         files=len(objects),
         bytes_total=sum(o.size for o in objects),
         bytes_downloaded=downloaded,
+        files_downloaded=downloaded_files,
         files_reused=reused,
+        files_repaired=repaired,
         seconds=time.perf_counter() - started,
     )

@@ -6,15 +6,15 @@ import os
 
 import pytest
 
+from components.stage_data.checksums import Expectation
 from components.stage_data.stage import (
-    SourceObject,
     StageError,
-    _download,
     parse_s3_uri,
     relative_paths,
     s3_client,
     stage_dataset,
 )
+from components.stage_data.transfer import Downloader, ObjectJob, TransferSettings
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,7 @@ class CorruptingS3Stub:
     def __init__(self):
         self.calls = 0
 
-    def get_object(self, Bucket, Key):
+    def get_object(self, Bucket, Key, **_):
         self.calls += 1
 
         class Body(io.BytesIO):
@@ -120,8 +120,10 @@ class CorruptingS3Stub:
 
 def test_mismatching_download_is_retried_then_fails_naming_the_key(tmp_path):
     stub = CorruptingS3Stub()
-    obj = SourceObject("data/f.txt", 8, "0123456789abcdef0123456789abcdef")
+    job = ObjectJob("b", "data/f.txt", Expectation(8, "0123456789abcdef0123456789abcdef"), tmp_path / "f.txt")
+    downloader = Downloader(stub, TransferSettings(verify_attempts=3))
+    downloader.plan(job)
     with pytest.raises(StageError, match=r"data/f\.txt"):
-        _download(stub, "b", obj, tmp_path / "f.txt", attempts=3)
+        downloader.fetch_whole(job)
     assert stub.calls == 3
     assert list(tmp_path.iterdir()) == []  # nothing half-written left behind

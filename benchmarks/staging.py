@@ -1,0 +1,224 @@
+"""`rtp bench staging`: `rtp stage` vs `aws s3 sync` vs a plain sequential boto3 loop, side by side.
+
+One invocation starts a real S3 server on loopback (single-node Ceph RGW, unless
+`--endpoint-url` names one, with credentials from the environment), uploads the same data
+for every contender (`--objects` small objects of `--object-kib` KiB plus `--big-objects`
+objects of `--big-mib` MiB, multipart-uploaded), and times for each: a full stage into an
+empty folder, then a re-stage of the unchanged prefix. `rtp stage` and `aws s3 sync` run as
+subprocesses (start-up included); the boto3 loop runs in-process, one GET at a time, and
+skips files whose size already matches on the re-stage. Targets: full stage at least
+1.5x faster than `aws s3 sync`; a no-change re-stage at most 5% of the full stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+MIB = 2**20
+BUCKET = "rtp-bench-staging"
+PREFIX = "data/"
+
+
+def seed(
+    client: Any, objects: int, object_kib: int, big_objects: int, big_mib: int, scratch: Path
+) -> tuple[int, int]:
+    from boto3.s3.transfer import TransferConfig
+
+    client.create_bucket(Bucket=BUCKET)
+    small = os.urandom(object_kib * 1024)
+
+    def put(i: int) -> None:
+        client.put_object(
+            Bucket=BUCKET, Key=f"{PREFIX}small/{i:06d}.bin", Body=small[i % 7 :] + i.to_bytes(8, "big")
+        )
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        list(pool.map(put, range(objects)))
+    total = sum(len(small[i % 7 :]) + 8 for i in range(objects))
+    big = scratch / "big.bin"
+    with big.open("wb") as handle:
+        for _ in range(big_mib):
+            handle.write(os.urandom(MIB))
+    config = TransferConfig(multipart_threshold=8 * MIB, multipart_chunksize=8 * MIB, max_concurrency=8)
+    for i in range(big_objects):
+        client.upload_file(str(big), BUCKET, f"{PREFIX}big/{i:03d}.bin", Config=config)
+        total += big_mib * MIB
+    big.unlink()
+    return objects + big_objects, total
+
+
+def _timed(command: list[str], env: dict[str, str]) -> float:
+    started = time.perf_counter()
+    result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[:4])} ... failed: {result.stderr[-2000:]}")
+    return time.perf_counter() - started
+
+
+def _folder_bytes(folder: Path) -> tuple[int, int]:
+    files = [p for p in folder.rglob("*") if p.is_file() and p.name != "manifest.json"]
+    return len(files), sum(p.stat().st_size for p in files)
+
+
+def run_rtp(endpoint: str, dest: Path, env: dict[str, str], max_workers: int) -> dict[str, Any]:
+    command = [
+        sys.executable, "-m", "pipelines.cli", "stage", "--source", f"s3://{BUCKET}/{PREFIX}",
+        "--endpoint-url", endpoint, "--fsx-mount-path", str(dest), "--dataset-name", "bench",
+        "--max-workers", str(max_workers),
+    ]  # fmt: skip
+    full = _timed(command, env)
+    nochange = _timed(command, env)
+    objects, size = _folder_bytes(dest / "rtp/datasets/bench/current/")
+    return {"full_s": full, "nochange_s": nochange, "bytes": size, "objects": objects}
+
+
+def aws_executable() -> str:
+    beside = Path(sys.executable).parent / "aws"
+    found = str(beside) if beside.exists() else shutil.which("aws")
+    if not found:
+        raise RuntimeError("awscli not installed: pip install the dev extra (awscli is pinned there)")
+    return found
+
+
+def run_awscli(endpoint: str, dest: Path, env: dict[str, str]) -> dict[str, Any]:
+    command = [aws_executable(), "s3", "sync", f"s3://{BUCKET}/{PREFIX}", str(dest), "--endpoint-url", endpoint,
+               "--only-show-errors"]  # fmt: skip
+    full = _timed(command, env)
+    nochange = _timed(command, env)
+    objects, size = _folder_bytes(dest)
+    return {"full_s": full, "nochange_s": nochange, "bytes": size, "objects": objects}
+
+
+def run_boto3_sequential(endpoint: str, dest: Path) -> dict[str, Any]:
+    from components.stage_data.source import s3_client
+
+    client = s3_client(endpoint)
+
+    def sync() -> float:
+        started = time.perf_counter()
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=PREFIX):
+            for item in page.get("Contents", []):
+                target = dest / item["Key"][len(PREFIX) :]
+                if target.is_file() and target.stat().st_size == item["Size"]:
+                    continue
+                target.parent.mkdir(parents=True, exist_ok=True)
+                body = client.get_object(Bucket=BUCKET, Key=item["Key"])["Body"]
+                with target.open("wb") as handle:
+                    for chunk in body.iter_chunks(MIB):
+                        handle.write(chunk)
+        return time.perf_counter() - started
+
+    full = sync()
+    nochange = sync()
+    objects, size = _folder_bytes(dest)
+    return {"full_s": full, "nochange_s": nochange, "bytes": size, "objects": objects}
+
+
+def run_benchmark(
+    *,
+    objects: int,
+    object_kib: int,
+    big_objects: int,
+    big_mib: int,
+    endpoint_url: str = "",
+    max_workers: int = 32,
+    contenders: tuple[str, ...] = ("rtp", "awscli", "boto3_sequential"),
+) -> dict[str, Any]:
+    from benchmarks.ceph_rgw import CephRGW
+    from components.stage_data.source import s3_client
+
+    server = None
+    with tempfile.TemporaryDirectory(prefix="rtp-bench-staging-") as tmp:
+        root = Path(tmp)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")]
+        )
+        if not endpoint_url:
+            missing = CephRGW.missing()
+            if missing:
+                raise RuntimeError(
+                    f"Ceph RGW is not installed ({', '.join(missing)}): run scripts/install-ceph.sh"
+                )
+            server = CephRGW(root / "ceph").start()
+            endpoint_url = server.endpoint_url
+            env.update(server.credentials())
+            os.environ.update(server.credentials())
+        try:
+            count, size = seed(s3_client(endpoint_url), objects, object_kib, big_objects, big_mib, root)
+            results: dict[str, Any] = {}
+            if "rtp" in contenders:
+                results["rtp"] = run_rtp(endpoint_url, root / "rtp", env, max_workers)
+            if "awscli" in contenders:
+                results["awscli"] = run_awscli(endpoint_url, root / "awscli", env)
+            if "boto3_sequential" in contenders:
+                results["boto3_sequential"] = run_boto3_sequential(endpoint_url, root / "boto3")
+            for name, result in results.items():
+                if (result["objects"], result["bytes"]) != (count, size):
+                    raise RuntimeError(f"{name} staged {result['objects']} objects / {result['bytes']} bytes, "
+                                       f"expected {count} / {size}")  # fmt: skip
+        finally:
+            if server is not None:
+                server.stop()
+    return results
+
+
+def format_table(results: dict[str, Any]) -> str:
+    lines = [
+        f"{'tool':<18} {'full s':>8} {'MiB/s':>8} {'no-change s':>12} {'no-change %':>12} {'objects':>8} {'MiB':>9}"
+    ]
+    for name, r in results.items():
+        lines.append(
+            f"{name:<18} {r['full_s']:>8.2f} {r['bytes'] / MIB / r['full_s']:>8.1f} {r['nochange_s']:>12.2f} "
+            f"{100 * r['nochange_s'] / r['full_s']:>11.1f}% {r['objects']:>8} {r['bytes'] / MIB:>9.1f}"
+        )
+    if "rtp" in results and "awscli" in results:
+        lines.append(
+            f"rtp full stage is {results['awscli']['full_s'] / results['rtp']['full_s']:.2f}x faster than aws s3 sync"
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--objects", type=int, default=3000, help="small objects (default: %(default)s)")
+    parser.add_argument(
+        "--object-kib", type=int, default=16, help="size of each small object (default: %(default)s)"
+    )
+    parser.add_argument("--big-objects", type=int, default=2, help="large objects (default: %(default)s)")
+    parser.add_argument(
+        "--big-mib", type=int, default=256, help="size of each large object (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--max-workers", type=int, default=32, help="rtp stage parallel requests (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--endpoint-url",
+        default="",
+        help="use this S3 endpoint (credentials from the environment) instead of Ceph RGW",
+    )
+    parser.add_argument("--json", default="", metavar="PATH", help="also write the results as JSON here")
+
+
+def main(args: argparse.Namespace) -> int:
+    results = run_benchmark(
+        objects=args.objects,
+        object_kib=args.object_kib,
+        big_objects=args.big_objects,
+        big_mib=args.big_mib,
+        endpoint_url=args.endpoint_url,
+        max_workers=args.max_workers,
+    )
+    print(format_table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0

@@ -1,0 +1,231 @@
+"""What S3 promises about an object's bytes, and checking a downloaded file against it.
+
+Pure logic, no I/O beyond reading the local file: S3 describes a body by its ETag (the MD5
+of the body for a single-part upload; the MD5 of the concatenated binary part MD5s,
+suffixed `-<parts>`, for a multipart upload) and, when the uploader asked for one, an
+additional checksum (CRC32, CRC32C or SHA-256), either of the full object or composite
+(the checksum of the concatenated part checksums, suffixed `-<parts>`). `Expectation`
+holds what the listing and HEAD said; `Digester` computes the matching digests of a body
+part by part, so a ranged download whose ranges are the upload's parts verifies without
+a second pass.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MIB = 2**20
+ADDITIONAL_ALGORITHMS = ("SHA256", "CRC32C", "CRC32")  # preference order when several are present
+
+
+class _Crc32:
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: bytes | memoryview) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def digest(self) -> bytes:
+        return self.value.to_bytes(4, "big")
+
+
+class _Crc32c:
+    def __init__(self) -> None:
+        import google_crc32c  # C-accelerated; ships with the project's dependencies
+
+        self._impl = google_crc32c.Checksum()
+
+    def update(self, data: bytes | memoryview) -> None:
+        self._impl.update(bytes(data))
+
+    def digest(self) -> bytes:
+        return bytes(self._impl.digest())
+
+
+def _new_hasher(algorithm: str) -> Any:
+    if algorithm == "MD5":
+        return hashlib.md5(usedforsecurity=False)
+    if algorithm == "SHA256":
+        return hashlib.sha256()
+    if algorithm == "CRC32":
+        return _Crc32()
+    if algorithm == "CRC32C":
+        return _Crc32c()
+    raise ValueError(f"unsupported checksum algorithm {algorithm}")
+
+
+def crc32c_available() -> bool:
+    try:
+        import google_crc32c  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class Expectation:
+    """What S3 said about an object: size, ETag, and optionally an additional checksum."""
+
+    size: int
+    etag: str
+    algorithm: str = ""  # "SHA256" | "CRC32C" | "CRC32" | ""
+    checksum: str = ""  # base64, possibly "-<parts>" for a composite checksum
+    part_size: int = 0  # upload part size when multipart (0 = unknown or single part)
+
+    @property
+    def etag_parts(self) -> int:
+        """Number of upload parts the ETag says (0 for a single-part MD5 ETag)."""
+        _, dash, parts = self.etag.partition("-")
+        return int(parts) if dash and parts.isdigit() else 0
+
+    @property
+    def checksum_is_composite(self) -> bool:
+        return "-" in self.checksum
+
+    def part_ranges(self) -> list[tuple[int, int]]:
+        """(offset, length) of each upload part, from `part_size`; one range when unknown."""
+        return split_ranges(self.size, self.part_size) if self.part_size else [(0, self.size)]
+
+    def needs_parts(self) -> bool:
+        return self.etag_parts > 0 or self.checksum_is_composite
+
+    def checkable(self) -> bool:
+        """Whether a body can be checked beyond its size."""
+        if self.algorithm and (self.algorithm != "CRC32C" or crc32c_available()):
+            return not self.checksum_is_composite or self.part_size > 0
+        if self.etag_parts:
+            return self.part_size > 0
+        return is_md5_hex(self.etag)
+
+
+def is_md5_hex(value: str) -> bool:
+    return len(value) == 32 and all(c in "0123456789abcdef" for c in value.lower())
+
+
+def split_ranges(size: int, part_size: int) -> list[tuple[int, int]]:
+    if size == 0:
+        return [(0, 0)]
+    return [(offset, min(part_size, size - offset)) for offset in range(0, size, part_size)]
+
+
+def plausible_part_sizes(size: int, parts: int) -> list[int]:
+    """Part sizes (whole MiB, common choices first) that split `size` bytes into `parts` parts."""
+    common = [8, 5, 16, 15, 32, 64, 10, 100, 128, 256, 512, 1024]
+    fits = [m * MIB for m in common if (parts - 1) * m * MIB < size <= parts * m * MIB]
+    return fits
+
+
+@dataclass
+class Digester:
+    """Digests of one body, fed part by part (parts are the upload's parts when multipart)."""
+
+    expectation: Expectation
+    _algorithms: list[str] = field(init=False)
+    _part_digests: dict[str, list[bytes]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        exp = self.expectation
+        self._algorithms = []
+        if exp.etag_parts or is_md5_hex(exp.etag):
+            self._algorithms.append("MD5")
+        if exp.algorithm and (exp.algorithm != "CRC32C" or crc32c_available()):
+            self._algorithms.append(exp.algorithm)
+        self._part_digests = {a: [] for a in self._algorithms}
+        self._whole = {a: _new_hasher(a) for a in self._algorithms}
+
+    def add_part(self, chunks: Iterable[bytes | memoryview]) -> None:
+        """Feed one whole part (in order), chunk by chunk."""
+        hashers = {a: _new_hasher(a) for a in self._algorithms}
+        for chunk in chunks:
+            for algorithm, hasher in hashers.items():
+                hasher.update(chunk)
+                self._whole[algorithm].update(chunk)
+        for algorithm, hasher in hashers.items():
+            self._part_digests[algorithm].append(hasher.digest())
+
+    def add_part_digests(self, digests: dict[str, bytes]) -> None:
+        """Record a part's digests computed elsewhere (parallel ranged download)."""
+        for algorithm in self._algorithms:
+            self._part_digests[algorithm].append(digests[algorithm])
+
+    def part_hashers(self) -> dict[str, Any]:
+        return {a: _new_hasher(a) for a in self._algorithms}
+
+    def mismatch(self, parallel_parts: bool = False) -> str:
+        """'' when the body matches every expectation it can be checked against, else why not.
+
+        With `parallel_parts`, only per-part digests were recorded: whole-object digests
+        (single-part MD5, full-object checksums) must be checked by `verify_file` instead.
+        """
+        exp = self.expectation
+        if "MD5" in self._algorithms:
+            parts = self._part_digests["MD5"]
+            if exp.etag_parts:
+                if len(parts) != exp.etag_parts:
+                    return f"ETag says {exp.etag_parts} parts, the download had {len(parts)}"
+                composite = hashlib.md5(b"".join(parts), usedforsecurity=False).hexdigest()
+                if f"{composite}-{exp.etag_parts}" != exp.etag:
+                    return f"multipart MD5 {composite}-{exp.etag_parts} != ETag {exp.etag}"
+            elif not parallel_parts:
+                got = self._whole["MD5"].hexdigest()
+                if got != exp.etag:
+                    return f"MD5 {got} != ETag {exp.etag}"
+        if exp.algorithm in self._algorithms:
+            if exp.checksum_is_composite:
+                parts = self._part_digests[exp.algorithm]
+                hasher = _new_hasher(exp.algorithm)
+                hasher.update(b"".join(parts))
+                got = f"{base64.b64encode(hasher.digest()).decode()}-{len(parts)}"
+            elif parallel_parts:
+                return ""
+            else:
+                got = base64.b64encode(self._whole[exp.algorithm].digest()).decode()
+            if got != exp.checksum:
+                return f"{exp.algorithm} {got} != {exp.checksum}"
+        return ""
+
+
+def read_chunks(path: Path, offset: int, length: int, chunk: int = 4 * MIB) -> Iterable[bytes]:
+    with path.open("rb") as handle:
+        handle.seek(offset)
+        left = length
+        while left > 0:
+            data = handle.read(min(chunk, left))
+            if not data:
+                raise OSError(f"{path} ended {left} bytes early")
+            left -= len(data)
+            yield data
+
+
+def verify_file(path: Path, expectation: Expectation, part_size: int | None = None) -> str:
+    """Check a whole local file; '' when it matches, else why not. Reads the file once."""
+    size = path.stat().st_size
+    if size != expectation.size:
+        return f"size {size} != {expectation.size}"
+    exp = expectation
+    if part_size is not None and part_size != exp.part_size:
+        exp = Expectation(exp.size, exp.etag, exp.algorithm, exp.checksum, part_size)
+    digester = Digester(exp)
+    for offset, length in exp.part_ranges():
+        digester.add_part(read_chunks(path, offset, length))
+    return digester.mismatch()
+
+
+def verify_file_any_part_size(path: Path, expectation: Expectation) -> str:
+    """Like `verify_file`, trying plausible part sizes when the upload's is unknown."""
+    if expectation.part_size or not expectation.needs_parts():
+        return verify_file(path, expectation)
+    parts = expectation.etag_parts or int(expectation.checksum.rpartition("-")[2] or 0)
+    reasons = []
+    for candidate in plausible_part_sizes(expectation.size, parts):
+        reason = verify_file(path, expectation, part_size=candidate)
+        if not reason:
+            return ""
+        reasons.append(reason)
+    return reasons[0] if reasons else f"cannot tell the part size of a {parts}-part upload"

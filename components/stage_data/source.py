@@ -1,0 +1,213 @@
+"""Where a dataset comes from: an S3 prefix (AWS or any S3-compatible endpoint) or a local folder.
+
+Lists the source into `SourceObject`s (key, size, ETag, any additional checksum) and turns
+S3's errors into messages that say which problem it is and what to do. Credentials come
+from boto3's standard chain only (IRSA on EKS, environment, profile); the endpoint from
+`--endpoint-url` or `AWS_ENDPOINT_URL`. A local folder is served through `LocalFolderClient`,
+which answers the few S3 calls staging makes, so both sources share one download path.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from components.stage_data.checksums import ADDITIONAL_ALGORITHMS, Expectation
+from components.stage_data.transfer import StageError, TransferSettings, with_retries
+
+LOCAL_ETAG_PREFIX = "local:"
+
+
+@dataclass(frozen=True, slots=True)
+class SourceObject:
+    key: str
+    size: int
+    etag: str
+    checksum_algorithm: str = ""
+    checksum: str = ""
+    part_size: int = 0
+
+    def expectation(self) -> Expectation:
+        return Expectation(self.size, self.etag, self.checksum_algorithm, self.checksum, self.part_size)
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """A parsed --source: `bucket` is the folder for a local source."""
+
+    uri: str
+    kind: str  # "s3" | "local"
+    bucket: str
+    prefix: str
+
+
+def parse_s3_uri(uri: str) -> tuple[str, str]:
+    if not uri.startswith("s3://"):
+        raise StageError(f"source {uri!r} is not an S3 URI: write it as s3://bucket/prefix")
+    bucket, _, prefix = uri[len("s3://") :].partition("/")
+    if not bucket:
+        raise StageError(f"source {uri!r} has no bucket name: write it as s3://bucket/prefix")
+    return bucket, prefix
+
+
+def parse_source(uri: str) -> Source:
+    if uri.startswith("s3://"):
+        bucket, prefix = parse_s3_uri(uri)
+        return Source(uri, "s3", bucket, prefix)
+    if uri.startswith("file://") or uri.startswith("/") or uri.startswith("."):
+        folder = Path(uri[len("file://") :] if uri.startswith("file://") else uri).resolve()
+        if not folder.is_dir():
+            raise StageError(f"source folder {folder} does not exist: check the path")
+        return Source(uri, "local", str(folder), "")
+    raise StageError(f"source {uri!r} is neither s3://bucket/prefix nor a local folder (absolute path)")
+
+
+def s3_client(endpoint_url: str | None = None, max_pool_connections: int = 64) -> Any:
+    """A boto3 S3 client from the standard credential chain (IRSA, env, profile).
+
+    botocore's own retries stay on (standard mode) for the listing; downloads add their own
+    backoff with jitter on top, because a stalled body is not something botocore retries.
+    """
+    import boto3
+    from botocore.config import Config
+
+    config = Config(
+        retries={"max_attempts": 6, "mode": "standard"},
+        max_pool_connections=max_pool_connections,
+        connect_timeout=10,
+        read_timeout=30,
+        tcp_keepalive=True,
+        s3={"addressing_style": "path"} if endpoint_url else {},
+    )
+    # A fresh session: the credential chain is resolved now, not cached from an earlier client.
+    return boto3.session.Session().client("s3", endpoint_url=endpoint_url or None, config=config)
+
+
+def list_objects(client: Any, bucket: str, prefix: str) -> list[SourceObject]:
+    from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
+
+    objects = []
+    try:
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            for item in page.get("Contents", []):
+                if item["Key"].endswith("/"):
+                    continue  # "folder" placeholder objects carry no data
+                algorithms = [a for a in ADDITIONAL_ALGORITHMS if a in item.get("ChecksumAlgorithm", [])]
+                objects.append(
+                    SourceObject(
+                        item["Key"],
+                        int(item["Size"]),
+                        item.get("ETag", "").strip('"'),
+                        checksum_algorithm=algorithms[0] if algorithms else "",
+                    )
+                )
+    except ClientError as exc:
+        code = exc.response.get("Error", {}).get("Code", "")
+        if code == "NoSuchBucket":
+            raise StageError(f"bucket {bucket!r} does not exist: check the source URI and endpoint") from exc
+        if code in (
+            "AccessDenied",
+            "403",
+            "InvalidAccessKeyId",
+            "SignatureDoesNotMatch",
+            "AllAccessDisabled",
+        ):
+            raise StageError(
+                f"access to s3://{bucket}/{prefix} denied ({code}): give the pod's service account "
+                "(IRSA) or your AWS profile s3:ListBucket and s3:GetObject on it"
+            ) from exc
+        raise StageError(f"listing s3://{bucket}/{prefix} failed: {exc}") from exc
+    except NoCredentialsError as exc:
+        raise StageError(
+            "no AWS credentials found: use IRSA on EKS, or AWS_PROFILE / AWS_ACCESS_KEY_ID locally"
+        ) from exc
+    except EndpointConnectionError as exc:
+        raise StageError(f"cannot reach the S3 endpoint: {exc}; check --endpoint-url") from exc
+    if not objects:
+        raise StageError(f"s3://{bucket}/{prefix} holds no objects: check the prefix (it is case-sensitive)")
+    return objects
+
+
+def describe_object(client: Any, bucket: str, obj: SourceObject, settings: TransferSettings) -> SourceObject:
+    """Fill in the upload part size of a multipart object and its additional checksum (HEAD).
+
+    HEAD with PartNumber=1 answers with the first part's length, which is the part size of
+    every part but the last. A server that does not support it leaves part_size 0, and the
+    file is then checked against the usual part sizes.
+    """
+    from botocore.exceptions import ClientError
+
+    found = obj
+    if obj.checksum_algorithm:
+        head = with_retries(
+            f"HEAD s3://{bucket}/{obj.key}",
+            lambda: client.head_object(Bucket=bucket, Key=obj.key, ChecksumMode="ENABLED"),
+            settings,
+        )
+        value = head.get(f"Checksum{obj.checksum_algorithm}", "")
+        found = replace(found, checksum=value, checksum_algorithm=obj.checksum_algorithm if value else "")
+    if found.expectation().needs_parts() or "-" in obj.etag:
+        try:
+            head = with_retries(
+                f"HEAD s3://{bucket}/{obj.key} part 1",
+                lambda: client.head_object(Bucket=bucket, Key=obj.key, PartNumber=1),
+                settings,
+            )
+            part = int(head.get("ContentLength", 0))
+            if head.get("PartsCount") and 0 < part <= obj.size:
+                found = replace(found, part_size=part)
+        except ClientError:
+            pass
+    return found
+
+
+class _LocalBody:
+    def __init__(self, path: Path, offset: int, length: int) -> None:
+        self.path, self.offset, self.length = path, offset, length
+
+    def iter_chunks(self, chunk_size: int) -> Any:
+        fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            position, left = self.offset, self.length
+            while left > 0:
+                data = os.pread(fd, min(chunk_size, left), position)
+                if not data:
+                    break
+                position += len(data)
+                left -= len(data)
+                yield data
+        finally:
+            os.close(fd)
+
+
+class LocalFolderClient:
+    """Answers `get_object` for files under a folder: a local source stages like S3."""
+
+    def get_object(self, Bucket: str, Key: str, Range: str = "", **_: Any) -> dict[str, Any]:
+        path = Path(Bucket) / Key
+        size = path.stat().st_size
+        offset, length = 0, size
+        if Range:
+            start, _sep, end = Range.removeprefix("bytes=").partition("-")
+            offset, length = int(start), int(end) - int(start) + 1
+        return {"Body": _LocalBody(path, offset, length)}
+
+
+def list_local_folder(folder: str) -> list[SourceObject]:
+    """Regular files under `folder` (symlinks are skipped, never followed)."""
+    root = Path(folder)
+    objects = []
+    for current, dirs, files in os.walk(root, followlinks=False):
+        dirs.sort()
+        for name in sorted(files):
+            path = Path(current) / name
+            info = path.lstat()
+            if not path.is_file() or path.is_symlink():
+                continue
+            key = path.relative_to(root).as_posix()
+            objects.append(SourceObject(key, info.st_size, f"{LOCAL_ETAG_PREFIX}{info.st_mtime_ns}"))
+    if not objects:
+        raise StageError(f"source folder {folder} holds no files")
+    return objects

@@ -1,0 +1,486 @@
+"""Moving bytes from S3 into files: retries, ranged parallel downloads, safe atomic writes.
+
+Every object becomes one or more work items run by one thread pool: a small object is one
+GET; a large one is split into ranges (the upload's own parts when S3 says how big they
+were, so per-part MD5s verify a multipart ETag without a second pass) written in place
+with `pwrite` into a preallocated `<name>.part`. A sidecar `<name>.part.ranges` records
+each finished range and its digests, so a killed stage resumes a large object where it
+stopped. The thread that finishes an object's last range verifies it, fsyncs it and
+renames it to its final name; nothing unverified ever carries a final name. Requests that
+fail with throttling (503 SlowDown), a 5xx or a dropped connection are retried with
+exponential backoff and full jitter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+from components.stage_data.checksums import (
+    MIB,
+    Digester,
+    Expectation,
+    split_ranges,
+    verify_file,
+    verify_file_any_part_size,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+RETRYABLE_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestTimeout",
+        "RequestTimeTooSkewed",
+        "InternalError",
+        "ServiceUnavailable",
+        "503",
+        "500",
+        "502",
+        "504",
+    }
+)
+
+
+class StageError(RuntimeError):
+    """Staging cannot go on; the message says what was wrong and what to do."""
+
+
+class VerificationError(Exception):
+    """A body did not match what S3 said about it (retried, then a StageError)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TransferSettings:
+    """How hard to push the endpoint. Defaults suit one pod staging onto FSx."""
+
+    max_workers: int = 32
+    multipart_threshold_bytes: int = 64 * MIB
+    part_size_bytes: int = 16 * MIB
+    request_attempts: int = 6
+    verify_attempts: int = 3
+    backoff_base_s: float = 0.25
+    backoff_max_s: float = 20.0
+    read_chunk_bytes: int = 1 * MIB
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Throttling, server errors and dropped or stalled connections are worth another try."""
+    from botocore.exceptions import (
+        ClientError,
+        ConnectionClosedError,
+        ConnectTimeoutError,
+        EndpointConnectionError,
+        IncompleteReadError,
+        ReadTimeoutError,
+        ResponseStreamingError,
+    )
+
+    if isinstance(exc, ClientError):
+        error = exc.response.get("Error", {})
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        return error.get("Code", "") in RETRYABLE_CODES or int(status or 0) >= 500
+    if isinstance(
+        exc,
+        ConnectionClosedError
+        | ConnectTimeoutError
+        | EndpointConnectionError
+        | IncompleteReadError
+        | ReadTimeoutError
+        | ResponseStreamingError,
+    ):
+        return True
+    from urllib3.exceptions import HTTPError as Urllib3Error  # ships with botocore
+
+    return isinstance(exc, ConnectionError | TimeoutError | Urllib3Error)
+
+
+def backoff_s(attempt: int, base_s: float, max_s: float, rng: random.Random | None = None) -> float:
+    """Full-jitter exponential backoff: uniform in [0, min(max, base * 2**attempt)]."""
+    return (rng or random).uniform(0, min(max_s, base_s * 2**attempt))
+
+
+def with_retries(
+    what: str,
+    call: Callable[[], T],
+    settings: TransferSettings,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    for attempt in range(settings.request_attempts):
+        try:
+            return call()
+        except Exception as exc:
+            if not is_retryable(exc) or attempt == settings.request_attempts - 1:
+                raise
+            delay = backoff_s(attempt, settings.backoff_base_s, settings.backoff_max_s)
+            log.warning(
+                "%s: %s; retrying in %.2f s (%d/%d)", what, exc, delay, attempt + 1, settings.request_attempts
+            )
+            sleep(delay)
+    raise AssertionError("unreachable")
+
+
+def with_response_checksum(expectation: Expectation, response: dict[str, Any]) -> Expectation:
+    """Take the additional checksum from a GET/HEAD answer; drop the algorithm if none came."""
+    if not expectation.algorithm or expectation.checksum:
+        return expectation
+    value = response.get(f"Checksum{expectation.algorithm}", "")
+    if value:
+        return replace(expectation, checksum=value)
+    return replace(expectation, algorithm="")
+
+
+# ---------------------------------------------------------------- safe paths
+
+
+class SafeTree:
+    """Creates folders under `root` and refuses any path component that is a symlink."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._checked: set[Path] = set()
+        self._lock = threading.Lock()
+
+    def target(self, relative: str) -> Path:
+        path = self.root / relative
+        self.ensure_dir(path.parent)
+        if path.is_symlink():
+            raise StageError(f"{path} is a symlink; staging never follows links: remove it and re-stage")
+        return path
+
+    def ensure_dir(self, folder: Path) -> None:
+        if folder in self._checked:
+            return
+        relative = folder.relative_to(self.root)
+        current = self.root
+        for part in relative.parts:
+            current = current / part
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(current)
+            if current.is_symlink() or not current.is_dir():
+                raise StageError(
+                    f"{current} is a symlink or a file where a folder belongs; staging never follows "
+                    "links out of the dataset folder: remove it and re-stage"
+                )
+        with self._lock:
+            self._checked.add(folder)
+
+
+def _open_no_follow(path: Path, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+
+
+def fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def disk_full_error(path: Path, exc: OSError) -> StageError:
+    return StageError(
+        f"the destination is full while writing {path} ({exc.strerror}): free space on the volume, "
+        "grow the FSx file system, or stage to a larger one"
+    )
+
+
+# ---------------------------------------------------------------- one object
+
+
+@dataclass
+class ObjectJob:
+    """One object being staged: where it goes, what it must match, how its ranges stand."""
+
+    bucket: str
+    key: str
+    expectation: Expectation
+    target: Path
+    ranges: list[tuple[int, int]] = field(default_factory=list)
+    parallel: bool = False
+    done_ranges: dict[int, dict[str, str]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    attempts_left: int = 0
+
+    @property
+    def partial(self) -> Path:
+        return self.target.with_name(self.target.name + ".part")
+
+    @property
+    def sidecar(self) -> Path:
+        return self.target.with_name(self.target.name + ".part.ranges")
+
+    def pending_ranges(self) -> list[int]:
+        return [i for i in range(len(self.ranges)) if i not in self.done_ranges]
+
+
+class Downloader:
+    """Runs object and range downloads for one stage; `on_bytes` reports progress."""
+
+    def __init__(
+        self,
+        client: Any,
+        settings: TransferSettings,
+        on_bytes: Callable[[int], None] = lambda n: None,
+        prepare_large_file: Callable[[Path], None] = lambda path: None,
+    ) -> None:
+        self.client = client
+        self.settings = settings
+        self.on_bytes = on_bytes
+        self.prepare_large_file = prepare_large_file
+
+    # -- planning
+
+    def plan(self, job: ObjectJob) -> None:
+        """Decide whole vs ranged, pick ranges, and pick up a previous attempt's finished ranges."""
+        exp = job.expectation
+        job.attempts_left = self.settings.verify_attempts
+        if exp.size < self.settings.multipart_threshold_bytes:
+            job.parallel = False
+            job.ranges = [(0, exp.size)]
+            return
+        job.parallel = True
+        part = exp.part_size if exp.needs_parts() and exp.part_size else self.settings.part_size_bytes
+        job.ranges = split_ranges(exp.size, part)
+        job.done_ranges = self._resume_ranges(job)
+
+    def _resume_ranges(self, job: ObjectJob) -> dict[int, dict[str, str]]:
+        if not (job.partial.is_file() and job.sidecar.is_file()):
+            return {}
+        if job.partial.stat().st_size != job.expectation.size:
+            return {}
+        done: dict[int, dict[str, str]] = {}
+        for line in job.sidecar.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                break  # a torn last line: everything before it was fsynced
+            if record.get("ranges") != len(job.ranges) or record.get("etag") != job.expectation.etag:
+                return {}  # a different object version or part layout: start over
+            done[int(record["index"])] = record["digests"]
+        if done:
+            log.info("resuming %s: %d of %d ranges already on disk", job.key, len(done), len(job.ranges))
+        return done
+
+    # -- small objects
+
+    def fetch_whole(self, job: ObjectJob) -> int:
+        """Download a small object in one GET, verify it, and give it its final name."""
+        for attempt in range(1, self.settings.verify_attempts + 1):
+            reason = self._fetch_whole_once(job)
+            if not reason:
+                return job.expectation.size
+            log.warning(
+                "s3://%s/%s failed verification (%s), attempt %d/%d",
+                job.bucket,
+                job.key,
+                reason,
+                attempt,
+                self.settings.verify_attempts,
+            )
+        job.partial.unlink(missing_ok=True)
+        raise StageError(
+            f"s3://{job.bucket}/{job.key} did not match its size/checksum after "
+            f"{self.settings.verify_attempts} attempts: the object may be changing or the network "
+            "corrupting data; re-run the stage"
+        )
+
+    def _get(self, job: ObjectJob, byte_range: tuple[int, int] | None = None) -> Any:
+        params: dict[str, Any] = {"Bucket": job.bucket, "Key": job.key}
+        if job.expectation.etag:
+            params["IfMatch"] = f'"{job.expectation.etag}"'  # a changed object fails instead of mixing
+        if job.expectation.algorithm and byte_range is None:
+            params["ChecksumMode"] = "ENABLED"
+        if byte_range is not None:
+            offset, length = byte_range
+            params["Range"] = f"bytes={offset}-{offset + length - 1}"
+        return self.client.get_object(**params)
+
+    def _fetch_whole_once(self, job: ObjectJob) -> str:
+        from botocore.exceptions import ClientError
+
+        exp = job.expectation
+        digester = Digester(exp)
+        written = 0
+
+        def attempt() -> None:
+            nonlocal written, digester, exp
+            written = 0
+            response = self._get(job) if job.expectation.size else None
+            exp = with_response_checksum(job.expectation, response or {})
+            digester = Digester(exp)
+            fd = _open_no_follow(job.partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            try:
+                with os.fdopen(fd, "wb", closefd=False) as handle:
+
+                    def chunks() -> Any:
+                        nonlocal written
+                        if response is None:
+                            return
+                        for chunk in response["Body"].iter_chunks(self.settings.read_chunk_bytes):
+                            handle.write(chunk)
+                            written += len(chunk)
+                            self.on_bytes(len(chunk))
+                            yield chunk
+
+                    digester.add_part(chunks())
+                    handle.flush()
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        try:
+            with_retries(f"GET s3://{job.bucket}/{job.key}", attempt, self.settings)
+        except ClientError as exc:
+            raise self._client_error(job, exc) from exc
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise disk_full_error(job.partial, exc) from exc
+            raise
+        except Exception as exc:
+            if type(exc).__name__ == "FlexibleChecksumError":  # botocore's own check of the stream
+                return str(exc)
+            raise
+        if written != exp.size:
+            return f"got {written} bytes, expected {exp.size}"
+        # A small multipart upload was hashed as one part above; check it part by part.
+        reason = verify_file_any_part_size(job.partial, exp) if exp.needs_parts() else digester.mismatch()
+        if reason:
+            return reason
+        os.replace(job.partial, job.target)
+        return ""
+
+    def _client_error(self, job: ObjectJob, exc: Any) -> StageError:
+        code = exc.response.get("Error", {}).get("Code", "")
+        if code in ("PreconditionFailed", "412"):
+            return StageError(
+                f"s3://{job.bucket}/{job.key} changed while it was being staged (its ETag no longer "
+                "matches the listing): re-run the stage once writers to the prefix are done"
+            )
+        if code in ("NoSuchKey", "404"):
+            return StageError(
+                f"s3://{job.bucket}/{job.key} was deleted while it was being staged: re-run the stage"
+            )
+        if code in ("AccessDenied", "403"):
+            return StageError(
+                f"reading s3://{job.bucket}/{job.key} was denied: grant s3:GetObject on the prefix to "
+                "the pod's service account (IRSA) or your AWS profile"
+            )
+        return StageError(f"GET s3://{job.bucket}/{job.key} failed: {exc}")
+
+    # -- large objects
+
+    def open_partial(self, job: ObjectJob) -> None:
+        if job.done_ranges and job.partial.is_file():
+            return
+        job.partial.unlink(missing_ok=True)
+        job.sidecar.unlink(missing_ok=True)
+        self.prepare_large_file(job.partial)  # e.g. a Lustre stripe layout, set before any data
+        fd = _open_no_follow(job.partial, os.O_WRONLY | os.O_CREAT)
+        try:
+            os.ftruncate(fd, job.expectation.size)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise disk_full_error(job.partial, exc) from exc
+            raise
+        finally:
+            os.close(fd)
+
+    def fetch_range(self, job: ObjectJob, index: int) -> bool:
+        """Download one range in place; True when this was the object's last missing range."""
+        from botocore.exceptions import ClientError
+
+        offset, length = job.ranges[index]
+        digester = Digester(job.expectation)
+
+        def attempt() -> dict[str, bytes]:
+            hashers = digester.part_hashers()
+            response = self._get(job, (offset, length))
+            fd = _open_no_follow(job.partial, os.O_WRONLY)
+            position = offset
+            try:
+                for chunk in response["Body"].iter_chunks(self.settings.read_chunk_bytes):
+                    if position + len(chunk) > offset + length:
+                        raise VerificationError(f"range {index} returned more than {length} bytes")
+                    os.pwrite(fd, chunk, position)
+                    for hasher in hashers.values():
+                        hasher.update(chunk)
+                    position += len(chunk)
+                    self.on_bytes(len(chunk))
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            if position != offset + length:
+                raise VerificationError(f"range {index} returned {position - offset} of {length} bytes")
+            return {name: h.digest() for name, h in hashers.items()}
+
+        try:
+            try:
+                digests = with_retries(
+                    f"GET s3://{job.bucket}/{job.key} range {index}", attempt, self.settings
+                )
+            except VerificationError:
+                digests = with_retries(
+                    f"GET s3://{job.bucket}/{job.key} range {index}", attempt, self.settings
+                )
+        except ClientError as exc:
+            raise self._client_error(job, exc) from exc
+        except VerificationError as exc:
+            raise StageError(f"s3://{job.bucket}/{job.key}: {exc}; re-run the stage") from exc
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise disk_full_error(job.partial, exc) from exc
+            raise
+        digest_hex = {name: value.hex() for name, value in digests.items()}
+        record: dict[str, Any] = {
+            "index": index,
+            "ranges": len(job.ranges),
+            "etag": job.expectation.etag,
+            "digests": digest_hex,
+        }
+        with job.lock:
+            with job.sidecar.open("a") as handle:
+                handle.write(json.dumps(record) + "\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+            job.done_ranges[index] = digest_hex
+            return len(job.done_ranges) == len(job.ranges)
+
+    def finish_ranged(self, job: ObjectJob) -> str:
+        """Verify a fully written ranged download; rename it on success. '' or why not."""
+        exp = job.expectation
+        if exp.needs_parts() and exp.part_size:
+            digester = Digester(exp)
+            for index in range(len(job.ranges)):
+                digester.add_part_digests({k: bytes.fromhex(v) for k, v in job.done_ranges[index].items()})
+            reason = digester.mismatch(parallel_parts=True)
+            if not reason and exp.algorithm and not exp.checksum_is_composite:
+                reason = verify_file(job.partial, exp)  # a full-object checksum needs the whole body
+        else:
+            reason = verify_file_any_part_size(job.partial, exp)
+        if reason:
+            job.partial.unlink(missing_ok=True)
+            job.sidecar.unlink(missing_ok=True)
+            job.done_ranges.clear()
+            return reason
+        fd = os.open(job.partial, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(job.partial, job.target)
+        job.sidecar.unlink(missing_ok=True)
+        return ""

@@ -1,0 +1,161 @@
+"""`rtp prepare-data`: turn a text corpus into the token shards the trainer reads, and upload them.
+
+The trainer's model is byte-level, so a token is one byte (vocabulary 256, dtype uint8)
+and tokenizing is encoding the text as UTF-8. Documents (one per input file) are packed
+in sorted path order into shards of at most `shard_bytes` tokens, each document followed
+by one newline token, never split across shards. Next to the shards, `index.json` names
+the format and lists every shard with its token count, document count and SHA-256; the
+stage step copies both, and the trainer reads the shards listed in the snapshot manifest
+(it skips `index.json`). The format is described in docs/data.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SHARD_INDEX_NAME = "index.json"
+FORMAT = "rtp-token-shards"
+FORMAT_VERSION = 1
+DEFAULT_SHARD_BYTES = 64 * 2**20
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".json", ".jsonl", ".rst", ".csv", ".html", ".xml", "")
+
+
+class PrepareError(ValueError):
+    """The corpus or the destination cannot be used; the message says what to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    name: str
+    tokens: int
+    documents: int
+    sha256: str
+
+
+def corpus_documents(source: Path) -> list[tuple[str, Path]]:
+    """(name, file) of every regular text file under `source` (or `source` itself), sorted."""
+    if source.is_file():
+        return [(source.name, source)]
+    if not source.is_dir():
+        raise PrepareError(f"corpus {source} does not exist: give a text file or a folder of text files")
+    files = [
+        (p.relative_to(source).as_posix(), p)
+        for p in sorted(source.rglob("*"))
+        if p.is_file() and not p.is_symlink() and p.suffix.lower() in TEXT_SUFFIXES
+    ]
+    if not files:
+        raise PrepareError(
+            f"corpus folder {source} holds no text files ({', '.join(s for s in TEXT_SUFFIXES if s)})"
+        )
+    return files
+
+
+def pack_shards(documents: Iterable[bytes], shard_bytes: int) -> Iterable[tuple[bytes, int]]:
+    """Pack documents (each + b"\\n") into shards of at most `shard_bytes`; yields (shard, documents)."""
+    if shard_bytes < 1:
+        raise PrepareError("--shard-mib must be positive")
+    buffer = bytearray()
+    count = 0
+    for document in documents:
+        record = document + b"\n"
+        if buffer and len(buffer) + len(record) > shard_bytes:
+            yield bytes(buffer), count
+            buffer, count = bytearray(), 0
+        buffer += record  # a document longer than a shard gets a shard of its own
+        count += 1
+    if buffer:
+        yield bytes(buffer), count
+
+
+def write_shards(source: Path, out_dir: Path, shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict[str, Any]:
+    """Write shard-NNNNN.bin files and index.json into `out_dir`; returns the index."""
+    return write_document_shards(corpus_documents(source), out_dir, shard_bytes)
+
+
+def write_document_shards(docs: list[tuple[str, Path]], out_dir: Path, shard_bytes: int) -> dict[str, Any]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def texts() -> Iterable[bytes]:
+        for name, path in docs:
+            data = path.read_bytes()
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise PrepareError(f"{name} is not UTF-8 text ({exc}); convert it or leave it out") from exc
+            yield data
+
+    shards = []
+    for number, (data, count) in enumerate(pack_shards(texts(), shard_bytes)):
+        name = f"shard-{number:05d}.bin"
+        (out_dir / name).write_bytes(data)
+        shards.append(Shard(name, len(data), count, hashlib.sha256(data).hexdigest()))
+    index = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "tokenizer": "bytes",
+        "vocab_size": 256,
+        "dtype": "uint8",
+        "document_separator": 10,
+        "documents": sum(s.documents for s in shards),
+        "tokens": sum(s.tokens for s in shards),
+        "shards": [
+            {"name": s.name, "tokens": s.tokens, "documents": s.documents, "sha256": s.sha256} for s in shards
+        ],
+    }
+    (out_dir / SHARD_INDEX_NAME).write_text(json.dumps(index, indent=1))
+    return index
+
+
+def upload_shards(client: Any, folder: Path, bucket: str, prefix: str, max_workers: int = 16) -> int:
+    """Upload the shards, then index.json last (a reader that sees the index finds every shard)."""
+    from botocore.exceptions import ClientError
+
+    try:
+        client.create_bucket(Bucket=bucket)
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") not in (
+            "BucketAlreadyOwnedByYou",
+            "BucketAlreadyExists",
+        ):
+            raise PrepareError(f"cannot use bucket {bucket!r}: {exc}") from exc
+    index = json.loads((folder / SHARD_INDEX_NAME).read_text())
+    prefix = prefix if not prefix or prefix.endswith("/") else prefix + "/"
+    with ThreadPoolExecutor(max_workers=max_workers) as pool:
+        futures = [
+            pool.submit(client.upload_file, str(folder / s["name"]), bucket, f"{prefix}{s['name']}")
+            for s in index["shards"]
+        ]
+        for future in futures:
+            future.result()
+    client.upload_file(str(folder / SHARD_INDEX_NAME), bucket, f"{prefix}{SHARD_INDEX_NAME}")
+    return len(index["shards"]) + 1
+
+
+def prepare_data(
+    source: str,
+    out_dir: str,
+    destination: str = "",
+    endpoint_url: str | None = None,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> dict[str, Any]:
+    index = write_shards(Path(source), Path(out_dir), shard_bytes)
+    uploaded = 0
+    if destination:
+        from components.stage_data.source import parse_s3_uri, s3_client
+
+        bucket, prefix = parse_s3_uri(destination)
+        uploaded = upload_shards(s3_client(endpoint_url), Path(out_dir), bucket, prefix)
+    return {
+        "out_dir": out_dir,
+        "destination": destination,
+        "shards": len(index["shards"]),
+        "documents": index["documents"],
+        "tokens": index["tokens"],
+        "objects_uploaded": uploaded,
+    }

@@ -1,0 +1,131 @@
+"""`rtp stage` and `rtp prepare-data`: the stage step and the corpus-to-shards tool on the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from components.stage_data.checksums import MIB
+from components.stage_data.stage import MODES, VERIFY_LOCAL
+
+
+def add_stage_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "stage",
+        help="copy an S3 prefix (or a local folder) into a verified dataset snapshot",
+        description="Copy s3://bucket/prefix (or a local folder) into "
+        "<fsx-mount-path>/rtp/datasets/<name>/snapshots/<id>/ and point <name>/current at it. "
+        "Objects download in parallel (large ones in ranges), are verified against S3's checksums "
+        "(MD5 ETag, multipart ETag, CRC32/CRC32C/SHA-256), written under temporary names, fsynced and "
+        "renamed. An unchanged prefix transfers nothing; an interrupted stage resumes. Credentials come "
+        "from the standard AWS chain (IRSA, environment, profile).",
+    )
+    p.add_argument(
+        "--source", required=True, help="s3://bucket/prefix, or an absolute path of a local folder"
+    )
+    p.add_argument(
+        "--endpoint-url",
+        "--s3-endpoint-url",
+        dest="endpoint_url",
+        default="",
+        help="S3-compatible endpoint (default: AWS_ENDPOINT_URL, else AWS)",
+    )
+    p.add_argument(
+        "--fsx-mount-path",
+        "--dest",
+        dest="fsx_mount_path",
+        required=True,
+        help="root of the shared volume (a local folder works)",
+    )
+    p.add_argument("--dataset-name", default="demo-corpus", help="dataset folder name (default: %(default)s)")
+    p.add_argument("--max-workers", type=int, default=32, help="parallel requests (default: %(default)s)")
+    p.add_argument(
+        "--multipart-threshold-mib",
+        type=int,
+        default=64,
+        help="objects at least this big download in parallel ranges (default: %(default)s)",
+    )
+    p.add_argument(
+        "--part-size-mib", type=int, default=16, help="range size for large objects (default: %(default)s)"
+    )
+    p.add_argument(
+        "--verify-local",
+        choices=VERIFY_LOCAL,
+        default="stat",
+        help="how an existing snapshot is checked on re-stage: size+mtime, or full re-hash (default: %(default)s)",
+    )
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        default="copy",
+        help="copy, or repository: files already linked by an FSx data repository association are "
+        "checked, pre-loaded (lfs hsm_restore) and hard-linked (default: %(default)s)",
+    )
+    p.add_argument(
+        "--repository-dir", default="", help="with --mode repository: the FSx folder linked to the prefix"
+    )
+    p.set_defaults(handler=_cmd_stage)
+
+
+def _cmd_stage(args: argparse.Namespace) -> int:
+    from components.stage_data.stage import StageError, TransferSettings, stage_dataset
+
+    if args.max_workers < 1 or args.part_size_mib < 1 or args.multipart_threshold_mib < 1:
+        raise StageError("--max-workers and --multipart-threshold-mib must be >= 1 and --part-size-mib >= 1")
+    settings = TransferSettings(
+        max_workers=args.max_workers,
+        multipart_threshold_bytes=args.multipart_threshold_mib * MIB,
+        part_size_bytes=args.part_size_mib * MIB,
+    )
+    result = stage_dataset(
+        args.source,
+        args.fsx_mount_path,
+        args.dataset_name,
+        endpoint_url=args.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None,
+        settings=settings,
+        mode=args.mode,
+        repository_dir=args.repository_dir,
+        verify_local=args.verify_local,
+    )
+    print(json.dumps(result.as_dict(), indent=2))
+    return 0
+
+
+def add_prepare_data_parser(sub: argparse._SubParsersAction) -> None:
+    from pipelines.prepare_data import DEFAULT_SHARD_BYTES
+
+    p = sub.add_parser(
+        "prepare-data",
+        help="turn a text corpus into token shards (+ index.json) and upload them to S3",
+        description="Tokenize a text file or folder (byte-level: UTF-8 bytes are the tokens), pack the "
+        "documents into shard-NNNNN.bin files with an index.json (format in docs/data.md), and upload them "
+        "to an S3 prefix that `rtp stage` then stages for training.",
+    )
+    p.add_argument("--corpus", required=True, help="a UTF-8 text file or a folder of text files")
+    p.add_argument("--out-dir", required=True, help="where the shards are written locally")
+    p.add_argument("--dest", default="", help="s3://bucket/prefix to upload to (default: local only)")
+    p.add_argument(
+        "--endpoint-url", default="", help="S3-compatible endpoint (default: AWS_ENDPOINT_URL, else AWS)"
+    )
+    p.add_argument(
+        "--shard-mib",
+        type=float,
+        default=DEFAULT_SHARD_BYTES / MIB,
+        help="shard size in MiB (default: %(default)s)",
+    )
+    p.set_defaults(handler=_cmd_prepare_data)
+
+
+def _cmd_prepare_data(args: argparse.Namespace) -> int:
+    from pipelines.prepare_data import prepare_data
+
+    summary = prepare_data(
+        args.corpus,
+        args.out_dir,
+        args.dest,
+        endpoint_url=args.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None,
+        shard_bytes=int(args.shard_mib * MIB),
+    )
+    print(json.dumps(summary, indent=2))
+    return 0

@@ -1,0 +1,116 @@
+"""A failure-injecting HTTP proxy on 127.0.0.1 in front of a real S3 server (test double).
+
+Forwards every request unchanged (the Host header too, so SigV4 signatures still match)
+and, for GETs of object bodies, applies the next fault from a per-key plan: `"503"`
+answers SlowDown, `"reset"` sends the headers and half the body then drops the
+connection, `"stall"` sleeps before answering, `"corrupt"` flips one byte of the body.
+`counts` records what was injected, so tests can assert that faults really happened.
+"""
+
+from __future__ import annotations
+
+import http.client
+import threading
+import time
+from collections import Counter, defaultdict
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+SLOWDOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message></Error>"
+)
+
+
+class FaultProxy:
+    def __init__(self, upstream: str, stall_s: float = 0.5) -> None:
+        parts = urlsplit(upstream)
+        self.upstream_host, self.upstream_port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.stall_s = stall_s
+        self.plan: dict[str, list[str]] = defaultdict(list)  # key suffix -> faults to apply in turn
+        self.always: dict[str, str] = {}  # key suffix -> fault applied to every GET
+        self.counts: Counter[str] = Counter()
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+            def _fault(self) -> str:
+                if self.command != "GET" or ("?" in self.path and "list-type" in self.path):
+                    return ""
+                path = self.path.split("?", 1)[0]
+                with proxy.lock:
+                    for suffix, fault in proxy.always.items():
+                        if path.endswith(suffix):
+                            proxy.counts[fault] += 1
+                            return fault
+                    for suffix, faults in proxy.plan.items():
+                        if path.endswith(suffix) and faults:
+                            fault = faults.pop(0)
+                            proxy.counts[fault] += 1
+                            return fault
+                return ""
+
+            def _forward(self) -> None:
+                length = int(self.headers.get("Content-Length", 0) or 0)
+                body = self.rfile.read(length) if length else None
+                fault = self._fault()
+                if fault == "503":
+                    self.send_response(503)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(SLOWDOWN)))
+                    self.end_headers()
+                    self.wfile.write(SLOWDOWN)
+                    return
+                if fault == "stall":
+                    time.sleep(proxy.stall_s)
+                upstream = http.client.HTTPConnection(proxy.upstream_host, proxy.upstream_port, timeout=60)
+                try:
+                    upstream.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
+                    for name, value in self.headers.items():
+                        upstream.putheader(name, value)
+                    upstream.endheaders(body)
+                    response = upstream.getresponse()
+                    data = response.read()
+                finally:
+                    upstream.close()
+                if fault == "corrupt" and data and response.status in (200, 206):
+                    data = bytes([data[0] ^ 0xFF]) + data[1:]
+                self.send_response(response.status)
+                head = self.command == "HEAD"
+                for name, value in response.getheaders():
+                    if name.lower() not in ("transfer-encoding", "connection") and (
+                        head or name.lower() != "content-length"
+                    ):
+                        self.send_header(name, value)
+                if not head:
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if head:
+                    return
+                if fault == "reset" and len(data) > 1:
+                    self.wfile.write(data[: len(data) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
+                self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.endpoint_url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> FaultProxy:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()

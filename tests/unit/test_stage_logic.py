@@ -1,0 +1,141 @@
+"""Pure staging logic: checksum expectations, part sizes, progress text, shards, key mapping, local source."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import zlib
+
+import pytest
+
+from components.stage_data.checksums import (
+    Expectation,
+    plausible_part_sizes,
+    verify_file,
+    verify_file_any_part_size,
+)
+from components.stage_data.progress import Progress, format_progress
+from components.stage_data.stage import MANIFEST_NAME, StageError, relative_paths, stage_dataset
+from components.stage_data.transfer import TransferSettings, backoff_s
+from pipelines.prepare_data import SHARD_INDEX_NAME, pack_shards, write_shards
+
+MIB = 2**20
+
+
+def _multipart_etag(data: bytes, part: int) -> str:
+    digests = [hashlib.md5(data[i : i + part]).digest() for i in range(0, len(data), part)]
+    return f"{hashlib.md5(b''.join(digests)).hexdigest()}-{len(digests)}"
+
+
+def test_single_part_md5_etag(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(b"hello world")
+    assert verify_file(path, Expectation(11, hashlib.md5(b"hello world").hexdigest())) == ""
+    assert "MD5" in verify_file(path, Expectation(11, hashlib.md5(b"hello worle").hexdigest()))
+    assert "size" in verify_file(path, Expectation(12, hashlib.md5(b"hello world").hexdigest()))
+
+
+def test_multipart_etag_with_known_and_guessed_part_size(tmp_path):
+    data = bytes(range(256)) * (13 * MIB // 256)  # 13 MiB in 8 MiB parts: 2 parts
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    etag = _multipart_etag(data, 8 * MIB)
+    assert verify_file(path, Expectation(len(data), etag, part_size=8 * MIB)) == ""
+    assert verify_file_any_part_size(path, Expectation(len(data), etag)) == ""  # 8 MiB is guessed
+    assert verify_file_any_part_size(path, Expectation(len(data), _multipart_etag(data[::-1], 8 * MIB))) != ""
+    assert 8 * MIB in plausible_part_sizes(len(data), 2) and 5 * MIB not in plausible_part_sizes(len(data), 2)
+
+
+@pytest.mark.parametrize("algorithm", ["SHA256", "CRC32", "CRC32C"])
+def test_additional_full_object_checksums(tmp_path, algorithm):
+    data = b"some training text\n" * 1000
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    if algorithm == "SHA256":
+        raw = hashlib.sha256(data).digest()
+    elif algorithm == "CRC32":
+        raw = zlib.crc32(data).to_bytes(4, "big")
+    else:
+        google_crc32c = pytest.importorskip("google_crc32c")
+        raw = google_crc32c.value(data).to_bytes(4, "big")
+    good = base64.b64encode(raw).decode()
+    etag = hashlib.md5(data).hexdigest()
+    assert verify_file(path, Expectation(len(data), etag, algorithm, good)) == ""
+    bad = base64.b64encode(bytes(b ^ 1 for b in raw)).decode()
+    assert algorithm in verify_file(path, Expectation(len(data), etag, algorithm, bad))
+
+
+def test_composite_checksum_over_parts(tmp_path):
+    data = b"x" * (6 * MIB)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    parts = [hashlib.sha256(data[i : i + 5 * MIB]).digest() for i in range(0, len(data), 5 * MIB)]
+    composite = f"{base64.b64encode(hashlib.sha256(b''.join(parts)).digest()).decode()}-2"
+    exp = Expectation(len(data), _multipart_etag(data, 5 * MIB), "SHA256", composite, part_size=5 * MIB)
+    assert verify_file(path, exp) == ""
+
+
+def test_backoff_is_bounded_and_jittered():
+    import random
+
+    rng = random.Random(0)
+    values = [backoff_s(attempt, 0.25, 2.0, rng) for attempt in range(10) for _ in range(20)]
+    assert all(0 <= v <= 2.0 for v in values) and len(set(values)) > 100
+    assert TransferSettings().request_attempts > 1
+
+
+def test_progress_line_and_log_mode():
+    line = format_progress(512 * MIB, 1024 * MIB, 3, 10, elapsed_s=2.0)
+    assert "50.0%" in line and "256.0 MiB/s" in line and "ETA 0:02" in line and "3/10 files" in line
+    stream = io.StringIO()  # not a terminal: reports go to the log, nothing is drawn
+    progress = Progress(10, 1, stream=stream)
+    progress.add_bytes(10)
+    progress.close()
+    assert stream.getvalue() == "" and not progress.interactive
+
+
+def test_key_mapping_refusals():
+    with pytest.raises(StageError, match="outside"):
+        relative_paths(["p/a/../../../x"], "p/")
+    with pytest.raises(StageError, match="staging uses itself"):
+        relative_paths(["p/x.part"], "p/")
+    with pytest.raises(StageError, match="both a file and the folder"):
+        relative_paths(["p/a", "p/a/b"], "p/")
+
+
+def test_manifest_name_matches_the_trainer():
+    from trainer.data import MANIFEST_NAME as TRAINER_MANIFEST
+    from trainer.data import SHARD_INDEX_NAME as TRAINER_INDEX
+
+    assert (MANIFEST_NAME, SHARD_INDEX_NAME) == (TRAINER_MANIFEST, TRAINER_INDEX)
+
+
+def test_pack_shards_keeps_documents_whole():
+    shards = list(pack_shards([b"a" * 5, b"b" * 5, b"c" * 20, b"d"], shard_bytes=12))
+    assert shards == [(b"aaaaa\nbbbbb\n", 2), (b"c" * 20 + b"\n", 1), (b"d\n", 1)]
+
+
+def test_prepared_shards_stage_from_a_local_folder_and_train(tmp_path):
+    from trainer.data import load_tokens, split_files
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(30):
+        (corpus / f"doc{i}.txt").write_text(f"document {i} " * 200)
+    index = write_shards(corpus, tmp_path / "shards", shard_bytes=4096)
+    assert index["documents"] == 30 and len(index["shards"]) > 2
+    assert index["tokens"] == sum(len(f"document {i} " * 200) + 1 for i in range(30))
+    (tmp_path / "shards" / "link").symlink_to("/etc/passwd")  # never followed
+    result = stage_dataset(str(tmp_path / "shards"), str(tmp_path / "fsx"), "ds")
+    keys = [
+        e["key"]
+        for e in json.loads((tmp_path / "fsx/rtp/datasets/ds/current/manifest.json").read_text())["files"]
+    ]
+    assert "link" not in keys and SHARD_INDEX_NAME in keys and result.files == len(index["shards"]) + 1
+    train, holdout = split_files(result.snapshot_dir, 0.1)
+    assert SHARD_INDEX_NAME not in {f.key for f in train + holdout}
+    assert load_tokens(train + holdout).numel() == index["tokens"] + len(index["shards"])
+    again = stage_dataset(str(tmp_path / "shards"), str(tmp_path / "fsx"), "ds")
+    assert again.bytes_downloaded == 0
