@@ -130,19 +130,24 @@ def _copy_output(process: subprocess.Popen[str], log_file: Any, echo: bool) -> N
 
 
 _RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:\s*")
-_ERROR_LINE = re.compile(r"^(?:[\w.]+(?:Error|Exception)|trainer: error): .+")
+_ERROR_LINE = re.compile(r"^(?:[\w.]+(?:Error|Exception|Fault|Abort)|trainer: error): .+")
+_RESTART_LINE = "will restart worker group"
 
 
 def root_cause(log_text: str) -> str | None:
-    """The first error a rank reported (not the launcher's summary), for a one-line message.
-
-    The first, because ranks that fail later usually fail because of it (and processes
-    torn down with them add noise of their own)."""
-    for raw in log_text.splitlines():
+    """The error that ended the run, for a one-line message: the first one a rank reported
+    after the last worker-group restart (earlier attempts were recovered from), preferring
+    an injected fault (a peer's broken-connection error follows it)."""
+    final_attempt = log_text.rsplit(_RESTART_LINE, 1)[-1]
+    found = []
+    for raw in final_attempt.splitlines():
         line = _RANK_PREFIX.sub("", raw.strip())
+        while _RANK_PREFIX.match(line):
+            line = _RANK_PREFIX.sub("", line)
         if _ERROR_LINE.match(line) and "ChildFailedError" not in line:
-            return line
-    return None
+            found.append(line)
+    injected = [line for line in found if "InjectedFault" in line]
+    return (injected or found or [None])[0]
 
 
 @contextlib.contextmanager

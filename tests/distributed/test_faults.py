@@ -2,8 +2,8 @@
 
 Every recovered run must end with exactly the weights of the fault-free run with the same
 seed (`model_sha256`), its `restarts[]` must say what happened, and nothing the run
-started may outlive it. Timeouts are set low (collective 3 s, watchdog 5/10 s) so a
-recovery takes seconds on 2 CPU cores.
+started may outlive it. Timeouts are set low (collective 5 s, watchdog 8/30 s) so a
+recovery takes seconds on 2 CPU cores, yet high enough for a busy machine.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ pytestmark = pytest.mark.distributed
 
 STEPS, EVERY = 16, 4
 FAST = [
-    "resilience.collective_timeout_s=3",
-    "resilience.soft_timeout_s=5",
-    "resilience.hard_timeout_s=10",
+    "resilience.collective_timeout_s=5",
+    "resilience.soft_timeout_s=8",
+    "resilience.hard_timeout_s=30",
 ]
 
 
@@ -90,7 +90,7 @@ def test_each_fault_kind_is_recovered_exactly(kind, dataset_dir, tmp_path, fault
     assert "<svg" in report and kind in report
     if kind == "hang":
         # Detected without anyone stepping in, within the configured timeouts.
-        assert restart["detection_s"] is not None and restart["detection_s"] < 5 + 3
+        assert restart["detection_s"] is not None and restart["detection_s"] < 8 + 10
     if kind == "sigkill-during-save":
         # The save the rank died in never became a checkpoint; the resumed one is intact.
         verify_checkpoint(Path(summary["checkpoint"]), verify_hashes=True)
@@ -113,11 +113,11 @@ def test_several_faults_of_different_kinds_in_one_run(dataset_dir, tmp_path, fau
 
 
 def test_a_hang_on_a_single_rank_is_caught_by_the_progress_watchdog(dataset_dir, tmp_path, run_mark):
-    """No peer waits in a collective here: only NVRx's watchdog (soft timeout 5 s) can notice."""
+    """No peer waits in a collective here: only NVRx's watchdog (soft timeout 8 s) can notice."""
     summary = train(dataset_dir, tmp_path, nproc=1, steps=8, every=4, overrides=FAST, faults=["hang@6"])
     [restart] = summary["restarts"]
     assert (restart["kind"], restart["mechanism"]) == ("hang", "inprocess")
-    assert 5 <= restart["detection_s"] < 10 + 3
+    assert 8 <= restart["detection_s"] < 8 + 10
     assert summary["completed"]
     assert_nothing_left(run_mark)
 
