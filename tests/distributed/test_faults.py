@@ -90,7 +90,7 @@ def test_each_fault_kind_is_recovered_exactly(kind, dataset_dir, tmp_path, fault
     assert "<svg" in report and kind in report
     if kind == "hang":
         # Detected without anyone stepping in, within the configured timeouts.
-        assert restart["detection_s"] is not None and restart["detection_s"] < 8 + 10
+        assert restart["detection_s"] is not None and restart["detection_s"] < 30  # the hard timeout
     if kind == "sigkill-during-save":
         # The save the rank died in never became a checkpoint; the resumed one is intact.
         verify_checkpoint(Path(summary["checkpoint"]), verify_hashes=True)
@@ -117,7 +117,7 @@ def test_a_hang_on_a_single_rank_is_caught_by_the_progress_watchdog(dataset_dir,
     summary = train(dataset_dir, tmp_path, nproc=1, steps=8, every=4, overrides=FAST, faults=["hang@6"])
     [restart] = summary["restarts"]
     assert (restart["kind"], restart["mechanism"]) == ("hang", "inprocess")
-    assert 8 <= restart["detection_s"] < 8 + 10
+    assert 8 <= restart["detection_s"] < 30  # after the soft timeout, before the hard one
     assert summary["completed"]
     assert_nothing_left(run_mark)
 
