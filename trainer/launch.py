@@ -57,24 +57,32 @@ def build_launch_command(
 ) -> list[str]:
     if nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {nproc}")
-    s = settings or LauncherSettings()
-    if s.max_restarts < 0:
-        raise ValueError(f"max_restarts must be 0 or more, got {s.max_restarts}")
     return [
         python,
         "-m",
         "nvidia_resiliency_ext.fault_tolerance.launcher",
         "--standalone",
         f"--nproc-per-node={nproc}",
+        *launcher_flags(settings or LauncherSettings(), cpu),
+        "-m",
+        "trainer",
+        *trainer_args,
+    ]
+
+
+def launcher_flags(settings: LauncherSettings, cpu: bool) -> list[str]:
+    """ft_launcher's restart and monitoring flags; the same on one machine and in job pods."""
+    s = settings
+    if s.max_restarts < 0:
+        raise ValueError(f"max_restarts must be 0 or more, got {s.max_restarts}")
+    return [
         f"--max-restarts={s.max_restarts}",
         f"--monitor-interval={s.monitor_interval_s:g}",
         f"--workers-stop-timeout={s.workers_stop_timeout_s:g}",
         f"--ft-initial-rank-heartbeat-timeout={s.initial_heartbeat_timeout_s:g}",
         f"--ft-rank-heartbeat-timeout={s.heartbeat_timeout_s:g}",
+        # The NIC health monitor reads the GPU/NIC PCI topology through NVML: GPU nodes only.
         f"--ft-enable-nic-monitor={'false' if cpu else 'true'}",
-        "-m",
-        "trainer",
-        *trainer_args,
     ]
 
 

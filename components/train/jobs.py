@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainer.launch import LauncherSettings, launcher_flags
+
 PYTORCHJOB_API_VERSION = "kubeflow.org/v1"
 PYTORCHJOB_PLURAL = "pytorchjobs"
 TRAINJOB_API_VERSION = "trainer.kubeflow.org/v1alpha1"
@@ -129,9 +131,9 @@ def ft_launcher_command(settings: JobSettings, rdzv_host_env: str, rdzv_port_env
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint=$({rdzv_host_env}):$({rdzv_port_env})",
         f"--rdzv-id={settings.name}",
-        f"--max-restarts={settings.max_restarts}",
-        # The NIC health monitor reads the GPU/NIC PCI topology, which CPU nodes lack.
-        f"--ft-enable-nic-monitor={'false' if settings.gpus_per_node == 0 else 'true'}",
+        *launcher_flags(
+            LauncherSettings(max_restarts=settings.max_restarts), cpu=settings.gpus_per_node == 0
+        ),
     ]
     return [*command, "-m", "trainer", *settings.trainer_args]
 
