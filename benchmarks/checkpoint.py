@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
@@ -66,11 +67,14 @@ def run_mode(
 def run_benchmark(
     *, modes: list[str], nproc: int, steps: int, every: int, preset: str, workdir: Path | None = None
 ) -> dict[str, Any]:
+    import torch
+
     from pipelines.demo_data import write_local_dataset
     from trainer.model import ByteLM
 
     config = build_config(preset)
-    params = sum(p.numel() for p in ByteLM(config.model).parameters())
+    with torch.device("meta"):  # counts parameters without allocating them (gpu-1b: 4 GB)
+        params = sum(p.numel() for p in ByteLM(config.model).parameters())
     with tempfile.TemporaryDirectory(prefix="rtp-bench-ckpt-") as tmp:
         root = workdir or Path(tmp)
         dataset = write_local_dataset(root / "dataset", budget_bytes=500_000)
@@ -79,6 +83,8 @@ def run_benchmark(
             results[mode] = run_mode(
                 mode, dataset, root / mode, nproc=nproc, steps=steps, every=every, preset=preset
             )
+            # The next mode must not find its disk full of this one's checkpoints (gpu-1b: 12 GB each).
+            shutil.rmtree(root / mode / "checkpoints", ignore_errors=True)
     if "off" in results:
         for mode_result in results.values():
             mode_result["wall_vs_off"] = mode_result["wall_s"] / results["off"]["wall_s"]

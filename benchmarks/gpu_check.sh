@@ -30,6 +30,15 @@ if not torch.cuda.is_available():
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}")
 PY
 
+# The async mode's host snapshot lives in shared memory (/dev/shm): ~12 GB, all ranks together.
+# Containers often mount a 64 MB /dev/shm (docker run --shm-size, a Kubernetes emptyDir
+# with medium: Memory). Fail early with the reason rather than mid-benchmark.
+SHM_KB=$(df -k --output=avail /dev/shm 2>/dev/null | tail -1 | tr -d ' ' || echo 0)
+if [ "${SHM_KB:-0}" -lt $((14 * 1024 * 1024)) ]; then
+  echo "gpu_check: /dev/shm has $((${SHM_KB:-0} / 1024)) MB free; the async snapshot of gpu-1b needs ~12 GB (all ranks together)" >&2
+  exit 2
+fi
+
 NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
 NPROC=1
 if [ "$NGPU" -ge 2 ]; then NPROC=2; fi
