@@ -81,8 +81,7 @@ class _Pending:
     queued_at: float
     future: Any = None
     request: Any = None
-    """async: builds the NVRx request from the snapshot (in the snapshot's thread, or in
-    `_hand_off()` when planning needs collectives)."""
+    """async: plans and sends the NVRx request; runs in the snapshot's thread."""
 
 
 class Checkpointer:
@@ -135,6 +134,9 @@ class Checkpointer:
             from trainer.snapshot import HostSnapshot, share_snapshots_by_file_name
 
             share_snapshots_by_file_name()
+            # Save planning gathers plans from all ranks, and runs in the snapshot's thread
+            # while the loop runs collectives of its own: a group of its own keeps them apart.
+            self._group = dist.new_group(backend="gloo")
             self._calls = nvrx_compat.new_calls_queue()
             self._snapshot = HostSnapshot()
             self._plan_cache = CheckpointMetadataCache()
@@ -185,49 +187,60 @@ class Checkpointer:
         return record
 
     def _plan_nvrx(self, state: dict[str, Any], pending: _Pending) -> None:
-        """Start the snapshot copy; the write is planned over the snapshot's buffers and
-        queued by `_hand_off()`, before the next optimizer step.
+        """Start the snapshot copy. The write is planned over the snapshot's buffers and
+        sent to the writer process as soon as the copy is complete; the loop registers it
+        for finalizing in `_hand_off()`, before the next optimizer step.
 
-        NVRx's plan cache: the state dict's structure is the same every save, so from the
-        third save on NVRx reuses the previous plan and global metadata without any
-        collective. Then the plan runs in the snapshot's thread after the copy, off the loop;
-        the first two saves plan in `_hand_off()`, on every rank together (they gather plans)."""
+        The snapshot's thread plans and sends the write right after the copy, so the write
+        starts while the loop is still in forward and backward. Planning runs collectives
+        (the first two saves gather plans from all ranks; later ones reuse NVRx's cached
+        plan) over the checkpointer's own gloo group, never the loop's."""
         from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
 
         writer = FileSystemWriterAsync(str(pending.staging))
-        cache = self._plan_cache
-        plan_in_background = cache.validated_cache_reuse and cache.cached_central_plan is not None
-        pending.request = partial(self._build_request, writer, pending)
-        self._snapshot.start(state, after_copy=pending.request if plan_in_background else None)
+        # NVRx numbers requests in the order every rank schedules them; taken here, on the loop.
+        self._calls.call_idx += 1
+        pending.request = partial(self._plan_and_send, writer, pending, self._calls.call_idx)
+        self._snapshot.start(state, after_copy=pending.request)
         self._pending = self._handoff = pending
 
-    def _build_request(self, writer: Any, pending: _Pending, snapshot: dict[str, Any]) -> Any:
+    def _plan_and_send(self, writer: Any, pending: _Pending, call_idx: int, snapshot: dict[str, Any]) -> Any:
+        """Plan the write over the complete snapshot and send it to the writer process.
+
+        This is the first half of NVRx's `AsyncCallsQueue.schedule_async_request` (number,
+        freeze, send to the persistent worker); the second half, registering the request
+        for finalizing (`maybe_finalize_async_calls` runs collectives over that list), is
+        `_hand_off()`'s, on the loop, so every rank's list changes at the same step."""
         from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
 
         from trainer import nvrx_compat
 
         writer, metadata, dist_wrapper = save_state_dict_async_plan(
-            snapshot, writer, enable_cache=True, metadata_cache=self._plan_cache
+            snapshot, writer, process_group=self._group, enable_cache=True, metadata_cache=self._plan_cache
         )
         save_fn, _preload_fn, save_args = writer.get_save_function_and_args()
-        return nvrx_compat.CpuSafeAsyncRequest(
+        request = nvrx_compat.CpuSafeAsyncRequest(
             partial(_write_then_hash, save_fn, str(pending.staging), dist.get_rank()) if save_fn else None,
             save_args,
             [partial(self._finalize_nvrx, writer, metadata, dist_wrapper, pending)],
             # The snapshot already is the device-to-host copy; NVRx's preload would copy
             # again and make the loop wait for the worker to do it.
             preload_fn=None,
-        )
+            call_idx=call_idx,
+        ).freeze()
+        self._calls.persistent_caller.schedule_async_call(request._replace(finalize_fns=[]))
+        pending.queued_at = time.perf_counter()
+        return request
 
     @property
     def awaiting_handoff(self) -> bool:
-        """An async save was taken but not yet queued to the writer (until the next step)."""
+        """An async save was taken but not yet registered for finalizing (until the next step)."""
         return self._handoff is not None
 
     def before_optimizer_step(self) -> SaveRecord | None:
-        """Collective; call right before every `optimizer.step()`. Queues an async save whose
-        snapshot was copying while forward and backward ran (waiting for the copy if needed)
-        and returns its record; otherwise does nothing and returns None."""
+        """Collective; call right before every `optimizer.step()`. Completes the hand-off of
+        an async save whose snapshot was copied while forward and backward ran (waiting for
+        the copy if needed) and returns its record; otherwise does nothing, returns None."""
         pending = self._handoff
         if pending is None:
             return None
@@ -239,14 +252,15 @@ class Checkpointer:
         return pending.record
 
     def _hand_off(self) -> None:
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import _ActiveAsyncRequest
+
         pending, self._handoff = self._handoff, None
         assert pending is not None
-        taken = self._snapshot.wait()
-        # The request, or the snapshot to plan it over here (a collective).
-        request = pending.request(taken) if isinstance(taken, dict) else taken
-        self._calls.schedule_async_request(request)
+        request = self._snapshot.wait()  # the request, planned and sent
         pending.request = None
-        pending.queued_at = time.perf_counter()
+        self._calls.async_calls.append(
+            _ActiveAsyncRequest(request.call_idx, self._calls.persistent_caller, request)
+        )
 
     def _finalize_nvrx(self, writer: Any, metadata: Any, dist_wrapper: Any, pending: _Pending) -> None:
         """NVRx's finalize step, run on the loop by every rank once all ranks' writes finished
