@@ -8,8 +8,10 @@
 # Needs: torch 2.13.0 with CUDA on the machine, or wheels carried along: put the wheels
 # of torch==2.13.0 (a CUDA build), nvidia-resiliency-ext==0.4.1, kfp==2.17.3,
 # kfp-kubernetes==2.17.3, mlflow==3.17.2, boto3 and their dependencies in
-# ${RTP_WHEELS:-benchmarks/wheels} (e.g. `pip download -d benchmarks/wheels -e .` on a
-# machine with network access and the same Python); nothing is downloaded here.
+# ${RTP_WHEELS:-benchmarks/wheels} (e.g. `pip download -d benchmarks/wheels .` on a machine
+# with network access and the same Python); nothing is downloaded here. The project itself
+# is installed without build isolation, so setuptools must be installed already. (A CUDA
+# torch wheel is ~1 GB: where only a small carry fits, use a machine that has torch.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -17,7 +19,7 @@ WHEELS=${RTP_WHEELS:-benchmarks/wheels}
 
 if ! "$PYTHON" -c "import trainer.checkpointer, pipelines.cli" 2>/dev/null; then
   if [ -d "$WHEELS" ]; then
-    "$PYTHON" -m pip install --no-index --find-links "$WHEELS" -e .
+    "$PYTHON" -m pip install --no-index --find-links "$WHEELS" --no-build-isolation -e .
   else
     echo "gpu_check: rtp's dependencies are not installed and $WHEELS does not exist (see the header)" >&2
     exit 2
