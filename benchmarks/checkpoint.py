@@ -1,6 +1,6 @@
 """`rtp bench checkpoint`: the same training run under every checkpoint mode, side by side.
 
-Each mode trains the same model (preset `bench-cpu`: ~16M parameters, ~190 MB of model +
+Each mode trains the same model (preset `bench-cpu`: ~25M parameters, ~300 MB of model +
 AdamW state) for the same steps with the same checkpoint interval, through the real
 launcher (N ranks over gloo on CPU, NCCL on GPU). Reported per mode, from the run's own
 summary.json:
@@ -131,10 +131,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="training ranks (default: %(default)s: on a 2-core machine a second rank leaves no core for the background writer)",
     )
     parser.add_argument(
-        "--steps", type=int, default=24, help="training steps per mode (default: %(default)s)"
+        "--steps", type=int, default=32, help="training steps per mode (default: %(default)s)"
     )
     parser.add_argument(
-        "--every", type=int, default=2, help="checkpoint interval in steps (default: %(default)s)"
+        "--every", type=int, default=4, help="checkpoint interval in steps (default: %(default)s)"
     )
     parser.add_argument("--preset", default="bench-cpu", help="model preset (default: %(default)s)")
     parser.add_argument("--json", dest="json_path", help="also write the results as JSON to this file")

@@ -43,7 +43,7 @@ def share_snapshots_by_file_name() -> None:
 
     With torch's default `file_descriptor` strategy every storage of every save travels as
     a file descriptor through a socket served by a thread of the training process; with
-    `file_system` the writer opens the shared memory by name. Measured here (bench-cpu, 1
+    `file_system` the writer opens the shared memory by name. Measured here (191 MB state, 1
     rank): background write 0.71 s -> 0.46 s per save. Set when the async mode starts.
     """
     torch.multiprocessing.set_sharing_strategy("file_system")
