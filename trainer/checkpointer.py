@@ -6,15 +6,17 @@
   dedicated gloo group): the in-project baseline.
 - `async`: NVRx — a persistent writer process per rank (`AsyncCallsQueue`), the DCP
   plan / background write / finalize split with `FileSystemWriterAsync`. The state is
-  copied to host buffers (`trainer.snapshot`) while the next step's forward and backward
-  run; the loop calls `before_optimizer_step()` before every `optimizer.step()`, which
-  waits for that copy if it is still running and hands the write to the worker.
+  copied to host buffers (`trainer.snapshot`), planned and sent to the worker by a
+  background thread while the next step's forward and backward run; the loop calls
+  `before_optimizer_step()` before every `optimizer.step()`, which waits for that thread
+  if it is still running and registers the write for finalizing.
 
 All modes write the same torch DCP folders through `trainer.checkpoint`'s staging and
 commit, so a checkpoint saved in any mode with N ranks loads with M ranks. An async save
 is committed only after every rank's write finished and was finalized: `poll()` (every
-step, on every rank) commits it as soon as all ranks agree, and the next `save()` or
-`drain()` waits for it. Every save records how long the loop was blocked and how long the
+step, on every rank) finalizes it as soon as all ranks agree (for `async`, rank 0 then
+writes the metadata and commits in a background thread), and the next `save()` or
+`drain()` waits for all of it. Every save records how long the loop was blocked and how long the
 background write took.
 """
 
@@ -315,10 +317,10 @@ class Checkpointer:
             self.on_commit(pending.record)
 
     def poll(self) -> None:
-        """Collective, cheap: commit the pending save if every rank's write has finished.
+        """Collective, cheap: finalize the pending save if every rank's write has finished.
 
-        Its time (the agreement all-reduce, finalize, commit) blocks the loop, so it is
-        added to the pending save's `blocked_s`.
+        Its time (the agreement all-reduce, finalize; for sync modes the commit) blocks the
+        loop, so it is added to the pending save's `blocked_s`.
         """
         pending = self._pending
         if pending is None:
