@@ -7,8 +7,8 @@ summary.json:
 
 - blocked seconds per save (median, max): the time the loop waited for checkpointing;
 - efficiency %: 100 - 100 * sum(blocked) / loop wall time (AWS's definition);
-- wall seconds: loop wall time plus the wait for the last save to commit, and its ratio
-  to `off` (efficiency ignores how much a background write slows training; this does
+- wall seconds: loop wall time plus the wait for the last save to commit (both also
+  reported alone: `loop_wall_s`, `final_drain_s`), and its ratio to `off` (efficiency ignores how much a background write slows training; this does
   not). One-time costs per process are reported beside it, not in it: `startup_s`
   (creating the writer and warming it up) and `teardown_s` (stopping it);
 - saves and checkpoint bytes.
@@ -55,6 +55,8 @@ def run_mode(
         "write_s_per_save_median": statistics.median(s["write_s"] for s in saves) if saves else 0.0,
         "efficiency_pct": summary["efficiency_pct"],
         "wall_s": summary["loop_wall_s"] + summary["final_drain_s"],
+        "loop_wall_s": summary["loop_wall_s"],
+        "final_drain_s": summary["final_drain_s"],
         "startup_s": summary["checkpointer_start_s"],
         "teardown_s": summary["checkpointer_teardown_s"],
         "saves": len(blocked),
