@@ -205,15 +205,26 @@ def commit(staging: Path, final: Path, step: int, meta: dict[str, Any]) -> int:
     """
     dist.barrier()
     if dist.get_rank() == 0:
-        full_meta = {**meta, "step": step, "world_size": dist.get_world_size(), "saved_at": time.time()}
-        _write_durable(staging / META, json.dumps(full_meta, indent=2, sort_keys=True).encode())
-        manifest = _build_manifest(staging)
-        _write_durable(staging / MANIFEST, json.dumps(manifest, indent=2).encode())
-        _write_durable(staging / COMMIT_MARKER, f"step {step}\n".encode())
-        os.replace(staging, final)
-        _fsync_dir(final.parent)
+        commit_files(staging, final, step, meta, dist.get_world_size())
     dist.barrier()
-    return sum(p.stat().st_size for p in final.rglob("*") if p.is_file())
+    return checkpoint_bytes(final)
+
+
+def commit_files(staging: Path, final: Path, step: int, meta: dict[str, Any], world_size: int) -> None:
+    """Rank 0's part of the commit, no collectives: meta.json, manifest, marker, rename.
+
+    Only once every rank's shards and DCP's `.metadata` are written and durable."""
+    full_meta = {**meta, "step": step, "world_size": world_size, "saved_at": time.time()}
+    _write_durable(staging / META, json.dumps(full_meta, indent=2, sort_keys=True).encode())
+    manifest = _build_manifest(staging)
+    _write_durable(staging / MANIFEST, json.dumps(manifest, indent=2).encode())
+    _write_durable(staging / COMMIT_MARKER, f"step {step}\n".encode())
+    os.replace(staging, final)
+    _fsync_dir(final.parent)
+
+
+def checkpoint_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 def save_checkpoint(

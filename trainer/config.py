@@ -153,8 +153,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "data": {"batch_size": 8},
     },
     "bench-cpu": {
-        "model": {"d_model": 512, "n_layers": 5, "n_heads": 8, "seq_len": 64},
-        "data": {"batch_size": 4},
+        "model": {"d_model": 640, "n_layers": 5, "n_heads": 8, "seq_len": 64},
+        "data": {"batch_size": 2},
     },
     "gpu-1b": {
         "model": {"d_model": 2048, "n_layers": 20, "n_heads": 16, "seq_len": 1024},
@@ -170,7 +170,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 """Named starting points. tiny-cpu trains in seconds on 2 cores (demo and tests); bench-cpu
-holds ~190 MB of checkpoint state (16M parameters + AdamW) for `rtp bench checkpoint`."""
+holds ~300 MB of checkpoint state (25M parameters + AdamW) and computes little per step
+(2 sequences), so that on 2 cores a synchronous save costs about as much as two steps:
+the case asynchronous checkpointing is for (`rtp bench checkpoint`)."""
 
 
 def _set(config: TrainConfig, dotted_key: str, value: Any) -> None:

@@ -202,7 +202,8 @@ def train(
             events.emit(
                 "checkpoint_queued", step=step, mode=record.mode, blocked_s=record.blocked_s, **fields
             )
-            injector.after_checkpoint_queued(step)
+            if not checkpointer.awaiting_handoff:  # else once it is queued, before the next step
+                injector.after_checkpoint_queued(step)
 
     losses: list[tuple[int, float]] = []
     stop_at = config.run.stop_after_steps or config.run.steps
@@ -221,6 +222,11 @@ def train(
             loss = next_token_loss(model, batch)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), opt_cfg.grad_clip_norm)
+            # An async save's snapshot copy ran beside this forward and backward; it must be
+            # complete before the optimizer changes the weights in place.
+            handed_off = checkpointer.before_optimizer_step()
+            if handed_off is not None:
+                injector.after_checkpoint_queued(handed_off.step)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)

@@ -1,6 +1,6 @@
 """What NVRx 0.4.1's asynchronous checkpointing needs on a CPU build of torch; no-ops on CUDA.
 
-NVRx 0.4.1 assumes CUDA in four places, and a fifth setting makes it fast on CPU. Each adjustment lives here, with its reason, so
+NVRx 0.4.1 assumes CUDA in four places. Each adjustment lives here, with its reason, so
 the checkpointer itself reads the same on CPU and GPU:
 
 1. Collectives on CUDA tensors. `AsyncCaller.sync_all_async_calls` and
@@ -10,24 +10,20 @@ the checkpointer itself reads the same on CPU and GPU:
    the error but drops the cross-rank agreement that every rank finished the same save.)
 2. The preload step. The writer's `preload_fn` calls `torch.cuda.synchronize()` inside
    the persistent worker; on CPU that kills the worker and the trainer then waits forever.
-   There is nothing to copy off a device on CPU, so no preload function is passed.
-3. Torn checkpoints. On CUDA the device-to-host copy is the snapshot. CPU tensors are
-   handed to the worker in place (moved to shared memory) and written while the optimizer
-   keeps changing them, so a saved step would mix weights from later steps. On CPU the
-   state dict is cloned before the request is queued.
+   The warm-up passes none on CPU. (Real saves pass none on any device: their snapshot,
+   point 3, already is the device-to-host copy.)
+3. Torn checkpoints. CPU tensors are handed to the worker in place (moved to shared
+   memory) and written while the optimizer keeps changing them, so a saved step would mix
+   weights from later steps (11 tensors of a saved step differed, measured). Every save is
+   therefore a copy into host buffers first (`trainer.snapshot`, on CUDA as well, where it
+   replaces NVRx's preload), taken beside the next forward and backward.
 4. Warm-up. 0.4.1 has no warm-up API: the first save pays for spawning the worker and the
    write-results Manager (1.6-2.3 s measured), and the first real write for the worker's
    first fork of writer processes. `warm_up` writes a one-tensor DCP checkpoint into a
    scratch folder at start-up (all ranks, like a real save), then deletes it.
-5. Passing CPU tensors to the worker. With torch's default `file_descriptor` sharing, every
-   storage of every save travels as a file descriptor through a socket served by a thread
-   of the training process; with `file_system` sharing the worker opens the shared memory
-   by name. Measured here (bench-cpu, 1 rank): background write 0.71 s -> 0.46 s per save,
-   end-to-end wall 1.34x -> 1.19x of no checkpointing. Set only when the async mode starts.
-
 One more point holds on CPU and GPU alike:
 
-6. Stale write results after a restart. Writers report their results through one
+5. Stale write results after a restart. Writers report their results through one
    process-wide queue (`filesystem_async._results_queue`). A save abandoned by an
    in-process restart may already have posted its results; the next save's finalize would
    read them instead of its own and commit metadata that lacks this rank's shards (seen
@@ -47,10 +43,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing
 from nvidia_resiliency_ext.checkpointing.async_ckpt import core, filesystem_async
-from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
 def needs_cpu_adjustments() -> bool:
@@ -108,9 +101,6 @@ def _results_queue_that_dies_with_the_rank() -> None:
 def new_calls_queue() -> core.AsyncCallsQueue:
     """A persistent-worker queue whose caller is safe on CPU (and unchanged on CUDA)."""
     _results_queue_that_dies_with_the_rank()
-    if needs_cpu_adjustments():
-        # (5) See the module docstring.
-        torch.multiprocessing.set_sharing_strategy("file_system")
     calls = core.AsyncCallsQueue(persistent=True)
     calls.persistent_caller = CpuSafePersistentAsyncCaller()
     return calls
@@ -119,49 +109,6 @@ def new_calls_queue() -> core.AsyncCallsQueue:
 def preload_fn_for_device(preload_fn: Any) -> Any:
     """(2) Keep NVRx's device-to-host preload on CUDA; none on CPU."""
     return None if needs_cpu_adjustments() else preload_fn
-
-
-class SnapshotBuffers:
-    """(3) On CPU, copy the state dict's tensors into shared-memory buffers reused per save.
-
-    The copy is the snapshot that keeps training from tearing the checkpoint. Allocating
-    the buffers once, in shared memory, makes each save a plain memcpy: a fresh clone
-    would be copied again into shared memory when the request is pickled for the worker.
-    Reuse is safe because a save always waits for the previous one to be finalized.
-    Non-tensor values (learning rates in param_groups, ...) are taken from the current
-    state dict every time. DTensors stay DTensors (their local shards are the shared
-    buffers). On CUDA the state dict is returned unchanged: NVRx's preload does the
-    device-to-host copy.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: list[torch.Tensor] | None = None
-        self._layout: list[tuple[torch.Size, torch.dtype, type]] | None = None
-
-    def snapshot(self, state: dict[str, Any]) -> dict[str, Any]:
-        if not needs_cpu_adjustments():
-            return state
-        leaves, spec = tree_flatten(state)
-        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        layout = [(t.shape, t.dtype, type(t)) for t in tensors]
-        if self._buffers is None or layout != self._layout:
-            self._buffers = [_clone_into_shared_memory(t) for t in tensors]
-            self._layout = layout
-        else:
-            with torch.no_grad():
-                for source, target in zip(tensors, self._buffers, strict=True):
-                    target.copy_(source)
-        buffers = iter(self._buffers)
-        return tree_unflatten(
-            [next(buffers) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec
-        )
-
-
-def _clone_into_shared_memory(value: torch.Tensor) -> torch.Tensor:
-    copy = value.detach().clone()  # a compact storage, also for FSDP2's views into padded buffers
-    local = copy.to_local() if isinstance(copy, DTensor) else copy
-    local.share_memory_()
-    return copy
 
 
 def _in_background_writer(save_fn: Any, *args: Any) -> None:
@@ -210,7 +157,7 @@ def warm_up(calls: core.AsyncCallsQueue, scratch_dir: Path, wait: bool = True) -
 
 
 def discard_stale_results() -> int:
-    """(6) Drop results an abandoned save left in the shared queue; returns how many."""
+    """(5) Drop results an abandoned save left in the shared queue; returns how many."""
     queue = filesystem_async._results_queue
     dropped = 0
     while queue is not None:

@@ -1,0 +1,187 @@
+"""Host snapshots of the training state, copied while the next step's forward and backward run.
+
+An asynchronous save must write the values of the step it was asked for while the loop
+trains on. Only `optimizer.step()` changes what a checkpoint holds: it updates parameters
+and optimizer state in place; forward and backward only read them (gradients are not
+saved). So `HostSnapshot.start()` begins copying the state dict into host buffers and
+returns at once, the loop runs the next step's forward and backward, and `wait()`, called
+just before the next `optimizer.step()`, is the only point where the loop may wait for the
+copy. The copy reads exactly the tensors the optimizer mutates: with FSDP2 the state dict's
+DTensors wrap the sharded parameters' local tensors and the optimizer's state tensors.
+
+- CPU: a background thread copies the tensors (tensor copies release the GIL, so the
+  thread runs beside forward and backward). It runs no collectives, so it cannot interleave
+  with the loop's.
+- CUDA: the background thread queues device-to-host copies into pinned host buffers on a
+  side stream that first waits for an event recorded after the step's kernels, and waits
+  for them. The training thread only records that event.
+
+A caller may pass work to run in that thread once the copy is complete (the checkpointer
+plans the DCP write there when that needs no collectives).
+
+Buffers are allocated once (by the first save's thread) in shared memory,
+so the writer process reads them without another copy, and are reused: the caller must not
+start a snapshot before the previous save's write finished. Non-tensor values (learning
+rates in param_groups, ...) are taken from the state dict at `start()`.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+
+def share_snapshots_by_file_name() -> None:
+    """Hand shared tensors to other processes by shared-memory file name.
+
+    With torch's default `file_descriptor` strategy every storage of every save travels as
+    a file descriptor through a socket served by a thread of the training process; with
+    `file_system` the writer opens the shared memory by name. Measured here (191 MB state, 1
+    rank): background write 0.71 s -> 0.46 s per save. Set when the async mode starts.
+    """
+    torch.multiprocessing.set_sharing_strategy("file_system")
+
+
+class HostSnapshot:
+    """Reusable shared-memory host buffers for one state dict layout, and the copy into them."""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] | None = None
+        self._layout: list[tuple[torch.Size, torch.dtype, type, str]] | None = None
+        self._thread: threading.Thread | None = None
+        self._outcome: dict[str, Any] = {}
+        self._stream: Any = None
+
+    @property
+    def in_flight(self) -> bool:
+        """A copy was started and `wait()` has not yet returned for it."""
+        return self._thread is not None
+
+    def start(self, state: dict[str, Any], after_copy: Callable[[dict[str, Any]], Any] | None = None) -> None:
+        """Begin copying `state`'s tensors into host buffers, in the background.
+
+        `wait()` returns the snapshot (`state` over the buffers), or, with `after_copy`,
+        what `after_copy(snapshot)` returned: it runs in the background once the copy is
+        complete and must not run collectives (the loop runs its own meanwhile). The first
+        snapshot of a layout also allocates the buffers, in the background as well."""
+        if self.in_flight:
+            raise RuntimeError("HostSnapshot.start() while the previous copy is in flight; call wait()")
+        leaves, spec = tree_flatten(state)
+        tensors = [leaf.detach() for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        step_done = None
+        if any(t.is_cuda for t in tensors):
+            # The copy must see the finished step: order it after everything queued so far.
+            step_done = torch.cuda.Event()
+            step_done.record()
+        self._outcome = {}
+        # A daemon: a rank that dies mid-copy must not be kept alive by it.
+        self._thread = threading.Thread(
+            target=self._copy_in_background,
+            args=(leaves, spec, tensors, step_done, after_copy),
+            name="rtp-ckpt-snapshot",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def wait(self) -> Any:
+        """Block until the copy started by `start()` is complete; see `start()` for the result."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            raise RuntimeError("HostSnapshot.wait() without start()")
+        thread.join()
+        outcome, self._outcome = self._outcome, {}
+        if "error" in outcome:
+            raise RuntimeError("taking the checkpoint snapshot failed") from outcome["error"]
+        return outcome["result"]
+
+    def discard(self) -> None:
+        """Forget a copy in flight without raising (its save is being abandoned, e.g. before
+        an in-process restart). It ends on its own within the copy time and is joined."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=10)
+        self._outcome = {}
+
+    def _copy_in_background(
+        self,
+        leaves: list[Any],
+        spec: Any,
+        tensors: list[torch.Tensor],
+        step_done: Any,
+        after_copy: Callable[[dict[str, Any]], Any] | None,
+    ) -> None:
+        outcome = self._outcome
+        try:
+            layout = [(t.shape, t.dtype, type(t), t.device.type) for t in tensors]
+            if self._buffers is None or layout != self._layout:
+                self._buffers = [_new_host_buffer(t) for t in tensors]
+                self._layout = layout
+            pairs = [(_local(s), _local(t)) for s, t in zip(tensors, self._buffers, strict=True)]
+            if step_done is not None:
+                self._copy_from_device(pairs, step_done)
+            else:
+                with torch.no_grad():
+                    for source, target in pairs:
+                        target.copy_(source)
+            buffers = iter(self._buffers)
+            snapshot = tree_unflatten(
+                [next(buffers) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec
+            )
+            outcome["result"] = after_copy(snapshot) if after_copy is not None else snapshot
+        except BaseException as exc:  # re-raised by wait() on the training thread
+            outcome["error"] = exc
+
+    def _copy_from_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], step_done: Any) -> None:
+        """Copies on a side stream after `step_done`; this thread waits, the loop does not."""
+        device = next(source.device for source, _ in pairs if source.is_cuda)
+        with torch.cuda.device(device):  # the current device is per thread
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            with torch.no_grad(), torch.cuda.stream(self._stream):
+                self._stream.wait_event(step_done)
+                for source, target in pairs:
+                    target.copy_(source, non_blocking=source.is_cuda)
+            self._stream.synchronize()
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    """The plain tensor to copy: a DTensor's local shard (DTensor dispatch would be slower,
+    and is not meant to run off the training thread)."""
+    return value._local_tensor if isinstance(value, DTensor) else value
+
+
+def _new_host_buffer(value: torch.Tensor) -> torch.Tensor:
+    """An empty, compact host tensor shaped like `value` (like its local shard for a
+    DTensor) in shared memory, pinned when `value` is on a GPU.
+
+    Compact also for FSDP2's sharded parameters, which are views into padded buffers. A
+    DTensor buffer is a DTensor with the same mesh, placements and global shape over a host
+    local tensor: the form DCP plans and writes like any other shard (torch's own
+    `dcp.async_save` stages the same way)."""
+    local = _local(value)
+    host = torch.empty(local.shape, dtype=local.dtype).share_memory_()
+    if local.is_cuda and host.numel() > 0:
+        _pin(host)
+    if isinstance(value, DTensor):
+        # Built directly (no DTensor op): this runs off the training thread.
+        return DTensor(host, value._spec, requires_grad=False)
+    return host
+
+
+def _pin(host: torch.Tensor) -> None:
+    """Page-lock a shared-memory tensor (for every device: flag 1, "portable") so that
+    device-to-host copies into it are asynchronous (`pin_memory()` would allocate new,
+    unshared memory)."""
+    storage = host.untyped_storage()
+    pointer, size = storage.data_ptr(), storage.nbytes()
+    cudart = torch.cuda.cudart()
+    if int(cudart.cudaHostRegister(pointer, size, 1)) != 0:
+        return  # still correct, only slower: the copy then goes through staging memory
+    weakref.finalize(host, cudart.cudaHostUnregister, pointer)
