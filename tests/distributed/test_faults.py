@@ -139,7 +139,8 @@ def test_exhausted_restarts_fail_clearly_and_keep_the_last_checkpoint(dataset_di
     assert "InjectedFault: injected fault exception@10:0" in message
     assert "worker-group restarts used: 1 of 1" in message
     kept = latest_committed_checkpoint(tmp_path / "checkpoints", verify_hashes=True)
-    assert kept is not None and kept.name == "step_8"
+    # step_8's async save may or may not have committed before the fault at step 10
+    assert kept is not None and kept.name in {"step_4", "step_8"}
     assert f"last committed checkpoint: {kept}" in message
     assert_nothing_left(run_mark)
 

@@ -60,6 +60,7 @@ def test_model_version_exists_in_mlflow(local_run, mlflow_server):
     client = mlflow.MlflowClient(mlflow_server)
     version = client.get_model_version_by_alias("rtp-e2e", "champion")
     assert version.version == summary["mlflow"]["version"]
-    assert version.tags["rtp.checkpoint_dir"] == summary["checkpoint"]
+    assert version.tags["rtp.checkpoint_uri"] == Path(summary["checkpoint"]).resolve().as_uri()
+    assert version.tags["rtp.train.goodput_pct"], "the trainer's goodput travels with the model"
     assert version.tags["rtp.dataset_snapshot_id"] == Path(summary["dataset_snapshot"]).name
     assert summary["mlflow"]["model_uri"] == f"models:/rtp-e2e/{version.version}"
