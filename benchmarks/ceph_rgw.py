@@ -108,8 +108,11 @@ rgw data = {d}/rgw
         )
         self._run("ceph-mon", "-c", c, "--mkfs", "-i", "a", "--monmap", str(d / "monmap"))
         self._daemon("mon", "ceph-mon", "-c", c, "-i", "a", "-f")
-        self._run("ceph", "-c", c, "--connect-timeout", "30", "osd", "create")
-        self._run("ceph-osd", "-c", c, "-i", "0", "--mkfs", timeout_s=120)
+        # The OSD's uuid is given to both: without it the monitor sometimes refuses the new
+        # OSD at boot ("mon_cmd_maybe_osd_create fail: 'wrong fsid'") and the daemon exits.
+        osd_uuid = str(uuid.uuid4())
+        self._run("ceph", "-c", c, "--connect-timeout", "30", "osd", "create", osd_uuid)
+        self._run("ceph-osd", "-c", c, "-i", "0", "--mkfs", "--osd-uuid", osd_uuid, timeout_s=120)
         self._daemon("osd", "ceph-osd", "-c", c, "-i", "0", "-f")
         self._daemon("rgw", "radosgw", "-c", c, "-n", "client.rgw", "-f")
         self.endpoint_url = f"http://127.0.0.1:{rgw_port}"

@@ -6,7 +6,10 @@ were, so per-part MD5s verify a multipart ETag without a second pass) written in
 with `pwrite` into a preallocated `<name>.part`. A sidecar `<name>.part.ranges` records
 each finished range and its digests, so a killed stage resumes a large object where it
 stopped. The thread that finishes an object's last range verifies it, fsyncs it and
-renames it to its final name; nothing unverified ever carries a final name. Requests that
+renames it to its final name; nothing unverified ever carries a final name. Small objects
+are verified and renamed without an fsync each: the stage makes them durable with one
+`syncfs` of the destination before the snapshot is committed (`sync_filesystem`), and a
+resumed stage re-hashes the small files an earlier attempt left. Requests that
 fail with throttling (503 SlowDown), a 5xx or a dropped connection are retried with
 exponential backoff and full jitter.
 """
@@ -30,6 +33,7 @@ from components.stage_data.checksums import (
     MIB,
     Digester,
     Expectation,
+    plausible_part_sizes,
     split_ranges,
     verify_file,
     verify_file_any_part_size,
@@ -63,11 +67,33 @@ class VerificationError(Exception):
     """A body did not match what S3 said about it (retried, then a StageError)."""
 
 
+def usable_cpus() -> int:
+    """CPUs this process may use: its affinity, capped by a cgroup v2 CPU quota (a pod's limit)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return cpus
+
+
+def default_max_workers() -> int:
+    """Four requests in flight per usable CPU, 8 to 32.
+
+    The downloads run in Python threads: past a few per core they add no throughput (each
+    request needs the GIL for its headers and bookkeeping) but cost CPU in GIL hand-offs,
+    measured on 2 cores at 3000 small objects: 8 workers 4.9 s, 32 workers 8.0 s.
+    """
+    return min(32, max(8, 4 * usable_cpus()))
+
+
 @dataclass(frozen=True, slots=True)
 class TransferSettings:
     """How hard to push the endpoint. Defaults suit one pod staging onto FSx."""
 
-    max_workers: int = 32
+    max_workers: int = field(default_factory=default_max_workers)
     multipart_threshold_bytes: int = 64 * MIB
     part_size_bytes: int = 16 * MIB
     request_attempts: int = 6
@@ -191,6 +217,32 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def sync_filesystem(folder: Path) -> None:
+    """Make everything written on `folder`'s file system durable: one syncfs(2), else sync(2).
+
+    One call instead of an fsync per file: thousands of small-file fsyncs cost more than the
+    downloads themselves (each waits for a journal commit), while durability only matters
+    at the point the snapshot is committed and `current` switches.
+    """
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if _libc_syncfs(fd) != 0:
+            os.sync()
+    finally:
+        os.close(fd)
+
+
+def _libc_syncfs(fd: int) -> int:
+    """syncfs(2) through libc (Linux); -1 where it does not exist."""
+    import ctypes
+
+    try:
+        syncfs = ctypes.CDLL(None, use_errno=True).syncfs
+    except (AttributeError, OSError):
+        return -1
+    return int(syncfs(fd))
+
+
 def disk_full_error(path: Path, exc: OSError) -> StageError:
     return StageError(
         f"the destination is full while writing {path} ({exc.strerror}): free space on the volume, "
@@ -214,6 +266,7 @@ class ObjectJob:
     done_ranges: dict[int, dict[str, str]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     attempts_left: int = 0
+    part_size_guessed: bool = False  # ranges follow a guessed upload part size (see Downloader.plan)
 
     @property
     def partial(self) -> Path:
@@ -253,6 +306,16 @@ class Downloader:
             job.ranges = [(0, exp.size)]
             return
         job.parallel = True
+        if exp.needs_parts() and not exp.part_size:
+            # The server did not say the upload's part size (Ceph RGW 16 ignores HEAD
+            # ?partNumber=1). Ranges at the likeliest part size let the per-range MD5s check
+            # the multipart ETag without reading the file again; a wrong guess costs only
+            # the re-read that verification would have needed anyway (finish_ranged).
+            parts = exp.etag_parts or int(exp.checksum.rpartition("-")[2] or 0)
+            guesses = plausible_part_sizes(exp.size, parts)
+            if guesses:
+                job.expectation = exp = replace(exp, part_size=guesses[0])
+                job.part_size_guessed = True
         part = exp.part_size if exp.needs_parts() and exp.part_size else self.settings.part_size_bytes
         job.ranges = split_ranges(exp.size, part)
         job.done_ranges = self._resume_ranges(job)
@@ -338,7 +401,7 @@ class Downloader:
 
                     digester.add_part(chunks())
                     handle.flush()
-                os.fsync(fd)
+                # No fsync here: see sync_filesystem, called once before the snapshot commits.
             finally:
                 os.close(fd)
 
@@ -467,7 +530,9 @@ class Downloader:
             for index in range(len(job.ranges)):
                 digester.add_part_digests({k: bytes.fromhex(v) for k, v in job.done_ranges[index].items()})
             reason = digester.mismatch(parallel_parts=True)
-            if not reason and exp.algorithm and not exp.checksum_is_composite:
+            if reason and job.part_size_guessed:
+                reason = verify_file_any_part_size(job.partial, replace(exp, part_size=0))
+            elif not reason and exp.algorithm and not exp.checksum_is_composite:
                 reason = verify_file(job.partial, exp)  # a full-object checksum needs the whole body
         else:
             reason = verify_file_any_part_size(job.partial, exp)
