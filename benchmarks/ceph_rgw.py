@@ -25,6 +25,10 @@ ACCESS_KEY = "rtp-test-access"
 SECRET_KEY = "rtp-test-secret"
 
 
+class OSDExited(RuntimeError):
+    """The OSD daemon exited during start-up."""
+
+
 class CephRGW:
     def __init__(self, folder: Path | None = None, start_timeout_s: float = 120.0) -> None:
         self._tmp = None if folder else tempfile.TemporaryDirectory(prefix="rtp-ceph-")
@@ -56,7 +60,24 @@ class CephRGW:
             subprocess.Popen(list(args), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         )
 
-    def start(self) -> CephRGW:
+    def start(self, attempts: int = 3) -> CephRGW:
+        """Start the three daemons; a start whose OSD exits at boot is retried from scratch.
+
+        On a busy machine the OSD now and then exits right after boot ("mon_cmd_maybe_osd_create
+        fail: 'wrong fsid'"; cause not found, a fixed --osd-uuid does not avoid it); a fresh
+        cluster in a fresh folder then starts normally.
+        """
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._start_once()
+            except OSDExited:
+                if attempt == attempts:
+                    raise
+                shutil.rmtree(self.folder, ignore_errors=True)
+                self.folder.mkdir(parents=True, exist_ok=True)
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> CephRGW:
         d = self.folder
         for sub in ("mon", "osd", "run", "log", "rgw"):
             (d / sub).mkdir(parents=True, exist_ok=True)
@@ -108,11 +129,8 @@ rgw data = {d}/rgw
         )
         self._run("ceph-mon", "-c", c, "--mkfs", "-i", "a", "--monmap", str(d / "monmap"))
         self._daemon("mon", "ceph-mon", "-c", c, "-i", "a", "-f")
-        # The OSD's uuid is given to both: without it the monitor sometimes refuses the new
-        # OSD at boot ("mon_cmd_maybe_osd_create fail: 'wrong fsid'") and the daemon exits.
-        osd_uuid = str(uuid.uuid4())
-        self._run("ceph", "-c", c, "--connect-timeout", "30", "osd", "create", osd_uuid)
-        self._run("ceph-osd", "-c", c, "-i", "0", "--mkfs", "--osd-uuid", osd_uuid, timeout_s=120)
+        self._run("ceph", "-c", c, "--connect-timeout", "30", "osd", "create")
+        self._run("ceph-osd", "-c", c, "-i", "0", "--mkfs", timeout_s=120)
         self._daemon("osd", "ceph-osd", "-c", c, "-i", "0", "-f")
         self._daemon("rgw", "radosgw", "-c", c, "-n", "client.rgw", "-f")
         self.endpoint_url = f"http://127.0.0.1:{rgw_port}"
@@ -120,8 +138,9 @@ rgw data = {d}/rgw
         while True:
             for process in self.processes:
                 if process.poll() is not None:
-                    self.stop()
-                    raise RuntimeError(f"a Ceph daemon exited ({process.args!r}); logs in {d / 'log'}")
+                    self._stop_daemons()
+                    kind = OSDExited if process.args[0] == "ceph-osd" else RuntimeError
+                    raise kind(f"a Ceph daemon exited ({process.args!r}); logs in {d / 'log'}")
             try:
                 urllib.request.urlopen(self.endpoint_url, timeout=2).close()
                 break
@@ -153,6 +172,11 @@ rgw data = {d}/rgw
         }
 
     def stop(self) -> None:
+        self._stop_daemons()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def _stop_daemons(self) -> None:
         for process in reversed(self.processes):
             if process.poll() is None:
                 process.terminate()
@@ -163,8 +187,6 @@ rgw data = {d}/rgw
                 process.kill()
                 process.wait()
         self.processes.clear()
-        if self._tmp is not None:
-            self._tmp.cleanup()
 
     def __enter__(self) -> CephRGW:
         return self.start()

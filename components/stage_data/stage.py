@@ -6,10 +6,10 @@ checked against the manifest's size and mtime, or fully re-hashed with `verify_l
 "full"`; a damaged file is re-fetched). Files unchanged since the `current` snapshot are
 hard-linked from it. Everything else is downloaded in parallel (ranged for large objects)
 into `.staging/<id>/` under temporary names, verified against S3's checksums and renamed
-(large files fsynced one by one, small ones all at once by a `syncfs` of the destination);
+(made durable all at once, by one `syncfs` of the destination);
 the folder becomes `snapshots/<id>/` only when complete and durable, and `current` switches
 atomically, so readers of an older snapshot are never disturbed. A killed stage resumes
-from what is complete (small files left by it are re-hashed, not trusted by size). In `repository` mode (an FSx data repository association already
+from what is complete (files and ranges left by it are re-hashed, not trusted by size). In `repository` mode (an FSx data repository association already
 shows the objects as files) nothing is copied: files are checked, pre-loaded with
 `lfs hsm_restore` and hard-linked into the snapshot.
 """
@@ -214,17 +214,15 @@ def _previous_files(current: Path) -> dict[tuple[str, int, str], tuple[Path, dic
     }
 
 
-def _left_by_earlier_attempt(target: Path, obj: SourceObject, settings: TransferSettings) -> bool:
+def _left_by_earlier_attempt(target: Path, obj: SourceObject) -> bool:
     """Whether an interrupted attempt already finished this file (only verified files get final names).
 
-    A large file was fsynced before its rename, so its size is proof enough. Small files were
-    not (one syncfs covers them at commit), so after a crash one may have its final name but
-    not its bytes: it is re-hashed, which reads the disk but downloads nothing.
+    Files are not fsynced one by one (one syncfs covers them at commit), so after a crash a
+    file may have its final name but not its bytes: it is re-hashed, which reads the disk but
+    downloads nothing.
     """
     if not target.is_file() or target.is_symlink() or target.stat().st_size != obj.size:
         return False
-    if obj.size >= settings.multipart_threshold_bytes:
-        return True
     expectation = obj.expectation()
     if expectation.algorithm and not expectation.checksum:  # the listing names it, only a GET gives it
         expectation = replace(expectation, algorithm="")
@@ -407,7 +405,7 @@ def stage_dataset(
         reused = 0
         for obj in objects:
             target = tree.target(paths[obj.key])
-            if _left_by_earlier_attempt(target, obj, settings):
+            if _left_by_earlier_attempt(target, obj):
                 reused += 1
                 continue
             old = previous.get((obj.key, obj.size, obj.etag))

@@ -5,11 +5,12 @@ GET; a large one is split into ranges (the upload's own parts when S3 says how b
 were, so per-part MD5s verify a multipart ETag without a second pass) written in place
 with `pwrite` into a preallocated `<name>.part`. A sidecar `<name>.part.ranges` records
 each finished range and its digests, so a killed stage resumes a large object where it
-stopped. The thread that finishes an object's last range verifies it, fsyncs it and
-renames it to its final name; nothing unverified ever carries a final name. Small objects
-are verified and renamed without an fsync each: the stage makes them durable with one
-`syncfs` of the destination before the snapshot is committed (`sync_filesystem`), and a
-resumed stage re-hashes the small files an earlier attempt left. Requests that
+stopped (each recorded range is re-hashed from disk first, and fetched again if its bytes
+no longer match). The thread that finishes an object's last range verifies it and renames
+it to its final name; nothing unverified ever carries a final name. Nothing is fsynced
+file by file or range by range: the stage makes everything durable with one `syncfs` of
+the destination before the snapshot is committed (`sync_filesystem`), and a resumed stage
+re-hashes the files an earlier attempt left instead of trusting their size. Requests that
 fail with throttling (503 SlowDown), a 5xx or a dropped connection are retried with
 exponential backoff and full jitter.
 """
@@ -34,6 +35,7 @@ from components.stage_data.checksums import (
     Digester,
     Expectation,
     plausible_part_sizes,
+    read_chunks,
     split_ranges,
     verify_file,
     verify_file_any_part_size,
@@ -330,13 +332,28 @@ class Downloader:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
-                break  # a torn last line: everything before it was fsynced
+                break  # a torn last line
             if record.get("ranges") != len(job.ranges) or record.get("etag") != job.expectation.etag:
                 return {}  # a different object version or part layout: start over
-            done[int(record["index"])] = record["digests"]
+            index = int(record["index"])
+            # Ranges are not fsynced one by one: after a crash the record may have outlived
+            # the bytes, so a range counts as done only if the disk still holds what was hashed.
+            if 0 <= index < len(job.ranges) and self._range_on_disk(job, index, record["digests"]):
+                done[index] = record["digests"]
         if done:
             log.info("resuming %s: %d of %d ranges already on disk", job.key, len(done), len(job.ranges))
         return done
+
+    @staticmethod
+    def _range_on_disk(job: ObjectJob, index: int, digests: dict[str, str]) -> bool:
+        offset, length = job.ranges[index]
+        hashers = Digester(job.expectation).part_hashers()
+        if set(hashers) != set(digests):
+            return False
+        for chunk in read_chunks(job.partial, offset, length):
+            for hasher in hashers.values():
+                hasher.update(chunk)
+        return all(hasher.digest().hex() == digests[name] for name, hasher in hashers.items())
 
     # -- small objects
 
@@ -483,7 +500,6 @@ class Downloader:
                         hasher.update(chunk)
                     position += len(chunk)
                     self.on_bytes(len(chunk))
-                os.fdatasync(fd)
             finally:
                 os.close(fd)
             if position != offset + length:
@@ -517,8 +533,6 @@ class Downloader:
         with job.lock:
             with job.sidecar.open("a") as handle:
                 handle.write(json.dumps(record) + "\n")
-                handle.flush()
-                os.fsync(handle.fileno())
             job.done_ranges[index] = digest_hex
             return len(job.done_ranges) == len(job.ranges)
 
@@ -541,11 +555,6 @@ class Downloader:
             job.sidecar.unlink(missing_ok=True)
             job.done_ranges.clear()
             return reason
-        fd = os.open(job.partial, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
         os.replace(job.partial, job.target)
         job.sidecar.unlink(missing_ok=True)
         return ""
