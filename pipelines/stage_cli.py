@@ -17,8 +17,8 @@ def add_stage_parser(sub: argparse._SubParsersAction) -> None:
         description="Copy s3://bucket/prefix (or a local folder) into "
         "<fsx-mount-path>/rtp/datasets/<name>/snapshots/<id>/ and point <name>/current at it. "
         "Objects download in parallel (large ones in ranges), are verified against S3's checksums "
-        "(MD5 ETag, multipart ETag, CRC32/CRC32C/SHA-256), written under temporary names, fsynced and "
-        "renamed. An unchanged prefix transfers nothing; an interrupted stage resumes. Credentials come "
+        "(MD5 ETag, multipart ETag, CRC32/CRC32C/SHA-256), written under temporary names and renamed, and "
+        "synced to disk before the snapshot is committed. An unchanged prefix transfers nothing; an interrupted stage resumes. Credentials come "
         "from the standard AWS chain (IRSA, environment, profile).",
     )
     p.add_argument(
