@@ -213,3 +213,38 @@ def test_a_composite_checksum_without_its_parts_suffix_is_accepted_only_when_it_
     etag = _multipart_etag(data, 8 * MIB)
     assert verify_file(path, Expectation(len(data), etag, "CRC32", composite.decode(), 8 * MIB)) == ""
     assert "CRC32" in verify_file(path, Expectation(len(data), etag, "CRC32", "AAAAAA==", 8 * MIB))
+
+
+class _FakeResponse:
+    def __init__(self, status, headers=None, body=b""):
+        self.status, self.headers, self._body = status, headers or {}, body
+
+    def read(self):
+        return self._body
+
+    def release_conn(self):
+        pass
+
+
+def test_lean_client_addresses_aws_and_follows_the_bucket_region(monkeypatch):
+    """On AWS: virtual-hosted names on the regional endpoint (path style for dotted buckets), and a
+    bucket in another region is retried there once, signed for that region."""
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    lean = LeanS3Client()
+    assert lean._base("my-bucket") == "https://my-bucket.s3.us-east-1.amazonaws.com"
+    assert lean._base("my.dotted.bucket") == "https://s3.us-east-1.amazonaws.com/my.dotted.bucket"
+    seen = []
+
+    def request(method, url, headers, **_):
+        seen.append((url, headers["Authorization"]))
+        if len(seen) == 1:
+            return _FakeResponse(301, {"x-amz-bucket-region": "eu-west-1"})
+        return _FakeResponse(200, {"content-length": "7", "etag": '"e"'})
+
+    monkeypatch.setattr(lean._pool, "request", request)
+    assert lean.head_object(Bucket="my-bucket", Key="a b")["ContentLength"] == 7
+    assert seen[0][0] == "https://my-bucket.s3.us-east-1.amazonaws.com/a%20b"
+    assert seen[1][0] == "https://my-bucket.s3.eu-west-1.amazonaws.com/a%20b"
+    assert "/eu-west-1/s3/" in seen[1][1] and "/us-east-1/s3/" in seen[0][1]
