@@ -25,6 +25,10 @@ ACCESS_KEY = "rtp-test-access"
 SECRET_KEY = "rtp-test-secret"
 
 
+class OSDExited(RuntimeError):
+    """The OSD daemon exited during start-up."""
+
+
 class CephRGW:
     def __init__(self, folder: Path | None = None, start_timeout_s: float = 120.0) -> None:
         self._tmp = None if folder else tempfile.TemporaryDirectory(prefix="rtp-ceph-")
@@ -56,7 +60,24 @@ class CephRGW:
             subprocess.Popen(list(args), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         )
 
-    def start(self) -> CephRGW:
+    def start(self, attempts: int = 3) -> CephRGW:
+        """Start the three daemons; a start whose OSD exits at boot is retried from scratch.
+
+        On a busy machine the OSD now and then exits right after boot ("mon_cmd_maybe_osd_create
+        fail: 'wrong fsid'"; cause not found, a fixed --osd-uuid does not avoid it); a fresh
+        cluster in a fresh folder then starts normally.
+        """
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._start_once()
+            except OSDExited:
+                if attempt == attempts:
+                    raise
+                shutil.rmtree(self.folder, ignore_errors=True)
+                self.folder.mkdir(parents=True, exist_ok=True)
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> CephRGW:
         d = self.folder
         for sub in ("mon", "osd", "run", "log", "rgw"):
             (d / sub).mkdir(parents=True, exist_ok=True)
@@ -117,8 +138,9 @@ rgw data = {d}/rgw
         while True:
             for process in self.processes:
                 if process.poll() is not None:
-                    self.stop()
-                    raise RuntimeError(f"a Ceph daemon exited ({process.args!r}); logs in {d / 'log'}")
+                    self._stop_daemons()
+                    kind = OSDExited if process.args[0] == "ceph-osd" else RuntimeError
+                    raise kind(f"a Ceph daemon exited ({process.args!r}); logs in {d / 'log'}")
             try:
                 urllib.request.urlopen(self.endpoint_url, timeout=2).close()
                 break
@@ -150,6 +172,11 @@ rgw data = {d}/rgw
         }
 
     def stop(self) -> None:
+        self._stop_daemons()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def _stop_daemons(self) -> None:
         for process in reversed(self.processes):
             if process.poll() is None:
                 process.terminate()
@@ -160,8 +187,6 @@ rgw data = {d}/rgw
                 process.kill()
                 process.wait()
         self.processes.clear()
-        if self._tmp is not None:
-            self._tmp.cleanup()
 
     def __enter__(self) -> CephRGW:
         return self.start()

@@ -4,9 +4,10 @@ One invocation starts a real S3 server on loopback (single-node Ceph RGW, unless
 `--endpoint-url` names one, with credentials from the environment), uploads the same data
 for every contender (`--objects` small objects of `--object-kib` KiB plus `--big-objects`
 objects of `--big-mib` MiB, multipart-uploaded), and times for each: a full stage into an
-empty folder, then a re-stage of the unchanged prefix. `rtp stage` and `aws s3 sync` run as
-subprocesses (start-up included); the boto3 loop runs in-process, one GET at a time, and
-skips files whose size already matches on the re-stage. Targets: full stage at least
+empty folder, then a second run of the same command over the unchanged prefix. All three
+run as subprocesses, so each pays its own interpreter start-up: `rtp stage`, `aws s3 sync`,
+and a plain boto3 loop (`python -m benchmarks.staging boto3-loop`, one GET at a time, which
+skips files whose size already matches on the second run). Targets: full stage at least
 1.5x faster than `aws s3 sync`; a no-change re-stage at most 5% of the full stage.
 """
 
@@ -74,8 +75,9 @@ def run_rtp(endpoint: str, dest: Path, env: dict[str, str], max_workers: int) ->
     command = [
         sys.executable, "-m", "pipelines.cli", "stage", "--source", f"s3://{BUCKET}/{PREFIX}",
         "--endpoint-url", endpoint, "--fsx-mount-path", str(dest), "--dataset-name", "bench",
-        "--max-workers", str(max_workers),
     ]  # fmt: skip
+    if max_workers:
+        command += ["--max-workers", str(max_workers)]
     full = _timed(command, env)
     nochange = _timed(command, env)
     objects, size = _folder_bytes(dest / "rtp/datasets/bench/current/")
@@ -99,27 +101,27 @@ def run_awscli(endpoint: str, dest: Path, env: dict[str, str]) -> dict[str, Any]
     return {"full_s": full, "nochange_s": nochange, "bytes": size, "objects": objects}
 
 
-def run_boto3_sequential(endpoint: str, dest: Path) -> dict[str, Any]:
-    from components.stage_data.source import s3_client
+def boto3_loop(endpoint: str, dest: Path) -> None:
+    """The plain baseline: list, then GET each object in turn unless a file of its size exists."""
+    import boto3
 
-    client = s3_client(endpoint)
+    client = boto3.client("s3", endpoint_url=endpoint)
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=PREFIX):
+        for item in page.get("Contents", []):
+            target = dest / item["Key"][len(PREFIX) :]
+            if target.is_file() and target.stat().st_size == item["Size"]:
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            body = client.get_object(Bucket=BUCKET, Key=item["Key"])["Body"]
+            with target.open("wb") as handle:
+                for chunk in body.iter_chunks(MIB):
+                    handle.write(chunk)
 
-    def sync() -> float:
-        started = time.perf_counter()
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=PREFIX):
-            for item in page.get("Contents", []):
-                target = dest / item["Key"][len(PREFIX) :]
-                if target.is_file() and target.stat().st_size == item["Size"]:
-                    continue
-                target.parent.mkdir(parents=True, exist_ok=True)
-                body = client.get_object(Bucket=BUCKET, Key=item["Key"])["Body"]
-                with target.open("wb") as handle:
-                    for chunk in body.iter_chunks(MIB):
-                        handle.write(chunk)
-        return time.perf_counter() - started
 
-    full = sync()
-    nochange = sync()
+def run_boto3_sequential(endpoint: str, dest: Path, env: dict[str, str]) -> dict[str, Any]:
+    command = [sys.executable, "-m", "benchmarks.staging", "boto3-loop", endpoint, str(dest)]
+    full = _timed(command, env)
+    nochange = _timed(command, env)
     objects, size = _folder_bytes(dest)
     return {"full_s": full, "nochange_s": nochange, "bytes": size, "objects": objects}
 
@@ -131,7 +133,7 @@ def run_benchmark(
     big_objects: int,
     big_mib: int,
     endpoint_url: str = "",
-    max_workers: int = 32,
+    max_workers: int = 0,
     contenders: tuple[str, ...] = ("rtp", "awscli", "boto3_sequential"),
 ) -> dict[str, Any]:
     from benchmarks.ceph_rgw import CephRGW
@@ -162,7 +164,7 @@ def run_benchmark(
             if "awscli" in contenders:
                 results["awscli"] = run_awscli(endpoint_url, root / "awscli", env)
             if "boto3_sequential" in contenders:
-                results["boto3_sequential"] = run_boto3_sequential(endpoint_url, root / "boto3")
+                results["boto3_sequential"] = run_boto3_sequential(endpoint_url, root / "boto3", env)
             for name, result in results.items():
                 if (result["objects"], result["bytes"]) != (count, size):
                     raise RuntimeError(f"{name} staged {result['objects']} objects / {result['bytes']} bytes, "
@@ -199,7 +201,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--big-mib", type=int, default=256, help="size of each large object (default: %(default)s)"
     )
     parser.add_argument(
-        "--max-workers", type=int, default=32, help="rtp stage parallel requests (default: %(default)s)"
+        "--max-workers", type=int, default=0, help="rtp stage --max-workers (default: rtp stage's own)"
     )
     parser.add_argument(
         "--endpoint-url",
@@ -222,3 +224,9 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
+
+
+if __name__ == "__main__":  # `python -m benchmarks.staging boto3-loop ENDPOINT DEST`: the baseline process
+    if sys.argv[1:2] != ["boto3-loop"] or len(sys.argv) != 4:
+        sys.exit("usage: python -m benchmarks.staging boto3-loop ENDPOINT DEST")
+    boto3_loop(sys.argv[2], Path(sys.argv[3]))

@@ -7,7 +7,7 @@ import json
 import os
 
 from components.stage_data.checksums import MIB
-from components.stage_data.stage import MODES, VERIFY_LOCAL
+from components.stage_data.stage import MODES, S3_CLIENTS, VERIFY_LOCAL
 
 
 def add_stage_parser(sub: argparse._SubParsersAction) -> None:
@@ -17,8 +17,8 @@ def add_stage_parser(sub: argparse._SubParsersAction) -> None:
         description="Copy s3://bucket/prefix (or a local folder) into "
         "<fsx-mount-path>/rtp/datasets/<name>/snapshots/<id>/ and point <name>/current at it. "
         "Objects download in parallel (large ones in ranges), are verified against S3's checksums "
-        "(MD5 ETag, multipart ETag, CRC32/CRC32C/SHA-256), written under temporary names, fsynced and "
-        "renamed. An unchanged prefix transfers nothing; an interrupted stage resumes. Credentials come "
+        "(MD5 ETag, multipart ETag, CRC32/CRC32C/SHA-256), written under temporary names and renamed, and "
+        "synced to disk before the snapshot is committed. An unchanged prefix transfers nothing; an interrupted stage resumes. Credentials come "
         "from the standard AWS chain (IRSA, environment, profile).",
     )
     p.add_argument(
@@ -39,7 +39,12 @@ def add_stage_parser(sub: argparse._SubParsersAction) -> None:
         help="root of the shared volume (a local folder works)",
     )
     p.add_argument("--dataset-name", default="demo-corpus", help="dataset folder name (default: %(default)s)")
-    p.add_argument("--max-workers", type=int, default=32, help="parallel requests (default: %(default)s)")
+    p.add_argument(
+        "--max-workers",
+        type=int,
+        default=0,
+        help="parallel requests (default: 4 per usable CPU, 8 to 32)",
+    )
     p.add_argument(
         "--multipart-threshold-mib",
         type=int,
@@ -63,6 +68,13 @@ def add_stage_parser(sub: argparse._SubParsersAction) -> None:
         "checked, pre-loaded (lfs hsm_restore) and hard-linked (default: %(default)s)",
     )
     p.add_argument(
+        "--s3-client",
+        choices=S3_CLIENTS,
+        default="lean",
+        help="lean: SigV4-signed requests over a urllib3 pool (botocore's credentials and signer, a "
+        "fraction of its per-request CPU); botocore: the full botocore client (default: %(default)s)",
+    )
+    p.add_argument(
         "--repository-dir", default="", help="with --mode repository: the FSx folder linked to the prefix"
     )
     p.set_defaults(handler=_cmd_stage)
@@ -70,11 +82,12 @@ def add_stage_parser(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_stage(args: argparse.Namespace) -> int:
     from components.stage_data.stage import StageError, TransferSettings, stage_dataset
+    from components.stage_data.transfer import default_max_workers
 
-    if args.max_workers < 1 or args.part_size_mib < 1 or args.multipart_threshold_mib < 1:
+    if args.max_workers < 0 or args.part_size_mib < 1 or args.multipart_threshold_mib < 1:
         raise StageError("--max-workers and --multipart-threshold-mib must be >= 1 and --part-size-mib >= 1")
     settings = TransferSettings(
-        max_workers=args.max_workers,
+        max_workers=args.max_workers or default_max_workers(),
         multipart_threshold_bytes=args.multipart_threshold_mib * MIB,
         part_size_bytes=args.part_size_mib * MIB,
     )
@@ -87,6 +100,7 @@ def _cmd_stage(args: argparse.Namespace) -> int:
         mode=args.mode,
         repository_dir=args.repository_dir,
         verify_local=args.verify_local,
+        s3_client_kind=args.s3_client,
     )
     print(json.dumps(result.as_dict(), indent=2))
     return 0

@@ -5,10 +5,11 @@ maps to a snapshot that already exists and nothing is transferred (its files are
 checked against the manifest's size and mtime, or fully re-hashed with `verify_local=
 "full"`; a damaged file is re-fetched). Files unchanged since the `current` snapshot are
 hard-linked from it. Everything else is downloaded in parallel (ranged for large objects)
-into `.staging/<id>/` under temporary names, verified against S3's checksums, fsynced and
-renamed; the folder becomes `snapshots/<id>/` only when complete and `current` switches
+into `.staging/<id>/` under temporary names, verified against S3's checksums and renamed
+(made durable all at once, by one `syncfs` of the destination);
+the folder becomes `snapshots/<id>/` only when complete and durable, and `current` switches
 atomically, so readers of an older snapshot are never disturbed. A killed stage resumes
-from what is complete. In `repository` mode (an FSx data repository association already
+from what is complete (files and ranges left by it are re-hashed, not trusted by size). In `repository` mode (an FSx data repository association already
 shows the objects as files) nothing is copied: files are checked, pre-loaded with
 `lfs hsm_restore` and hard-linked into the snapshot.
 """
@@ -21,11 +22,12 @@ import json
 import logging
 import os
 import posixpath
+import queue
 import shutil
 import time
 from collections.abc import Iterable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,7 @@ from components.stage_data.source import (
     parse_s3_uri,
     parse_source,
     s3_client,
+    staging_client,
 )
 from components.stage_data.transfer import (
     Downloader,
@@ -50,6 +53,7 @@ from components.stage_data.transfer import (
     StageError,
     TransferSettings,
     fsync_dir,
+    sync_filesystem,
 )
 
 MANIFEST_NAME = "manifest.json"  # trainer.data.MANIFEST_NAME (not imported: it pulls in torch)
@@ -69,6 +73,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MODES = ("copy", "repository")
+S3_CLIENTS = ("lean", "botocore")  # see components/stage_data/lean_s3.py
 VERIFY_LOCAL = ("stat", "full")
 TEMP_SUFFIXES = (".part", ".part.ranges")
 
@@ -172,10 +177,19 @@ def _read_manifest(folder: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text())
 
 
+def manifest_text(manifest: dict[str, Any]) -> str:
+    """The manifest as JSON with one file entry per line: readable and diffable, yet written by
+    json's C encoder (`indent=` would switch to the pure-Python one, ~10x slower for big listings)."""
+    head = {k: v for k, v in manifest.items() if k != "files"}
+    lines = [json.dumps(entry, separators=(",", ":")) for entry in manifest["files"]]
+    opening = json.dumps(head)[:-1] + ", " if head else "{"
+    return opening + '"files": [\n' + ",\n".join(lines) + "\n]}\n"
+
+
 def _write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
     tmp = folder / f".{MANIFEST_NAME}.tmp"
     with tmp.open("w") as handle:
-        json.dump(manifest, handle, indent=1)
+        handle.write(manifest_text(manifest))
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, folder / MANIFEST_NAME)
@@ -198,6 +212,23 @@ def _previous_files(current: Path) -> dict[tuple[str, int, str], tuple[Path, dic
     return {
         (e["key"], int(e["size"]), e["etag"]): (current.resolve() / e["path"], e) for e in manifest["files"]
     }
+
+
+def _left_by_earlier_attempt(target: Path, obj: SourceObject) -> bool:
+    """Whether an interrupted attempt already finished this file (only verified files get final names).
+
+    Files are not fsynced one by one (one syncfs covers them at commit), so after a crash a
+    file may have its final name but not its bytes: it is re-hashed, which reads the disk but
+    downloads nothing.
+    """
+    if not target.is_file() or target.is_symlink() or target.stat().st_size != obj.size:
+        return False
+    expectation = obj.expectation()
+    if expectation.algorithm and not expectation.checksum:  # the listing names it, only a GET gives it
+        expectation = replace(expectation, algorithm="")
+    if not expectation.checkable() and not expectation.needs_parts():
+        return False  # nothing to check it against: fetch it again
+    return not verify_file_any_part_size(target, expectation)
 
 
 def _check_free_space(folder: Path, needed_bytes: int) -> None:
@@ -243,48 +274,58 @@ def _describe_all(
 def _run_downloads(
     downloader: Downloader, jobs: list[ObjectJob], pool: ThreadPoolExecutor, progress: Progress
 ) -> None:
-    """Run every job's GETs on the pool; ranged jobs are finished by whoever ends their last range."""
-    pending: dict[Future[Any], tuple[str, ObjectJob]] = {}
+    """Run every job's GETs on the pool; ranged jobs are finished by whoever ends their last range.
+
+    Finished work items come back through a queue (each future's done-callback puts it
+    there): `concurrent.futures.wait` over thousands of pending futures re-registers a
+    waiter on every one of them per call, which costs more CPU than the small GETs do.
+    """
+    finished: queue.SimpleQueue[tuple[Future[Any], str, ObjectJob]] = queue.SimpleQueue()
+    pending: set[Future[Any]] = set()
+
+    def submit(kind: str, job: ObjectJob, call: Any, *args: Any) -> None:
+        future = pool.submit(call, job, *args)
+        pending.add(future)
+        future.add_done_callback(lambda f: finished.put((f, kind, job)))
 
     def start(job: ObjectJob) -> None:
         downloader.plan(job)
         if not job.parallel:
-            pending[pool.submit(downloader.fetch_whole, job)] = ("whole", job)
+            submit("whole", job, downloader.fetch_whole)
             return
         downloader.open_partial(job)
         todo = job.pending_ranges()
         if not todo:
-            pending[pool.submit(downloader.finish_ranged, job)] = ("finish", job)
+            submit("finish", job, downloader.finish_ranged)
         for index in todo:
-            pending[pool.submit(downloader.fetch_range, job, index)] = ("range", job)
+            submit("range", job, downloader.fetch_range, index)
 
     for job in jobs:
         start(job)
     try:
         while pending:
-            done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
-            for future in done:
-                kind, job = pending.pop(future)
-                value = future.result()  # re-raises StageError from the worker
-                if kind == "whole":
+            future, kind, job = finished.get()
+            pending.discard(future)
+            value = future.result()  # re-raises StageError from the worker
+            if kind == "whole":
+                progress.add_file()
+            elif kind == "range" and value:
+                submit("finish", job, downloader.finish_ranged)
+            elif kind == "finish":
+                if not value:
                     progress.add_file()
-                elif kind == "range" and value:
-                    pending[pool.submit(downloader.finish_ranged, job)] = ("finish", job)
-                elif kind == "finish":
-                    if not value:
-                        progress.add_file()
-                        continue
-                    job.attempts_left -= 1
-                    log.warning("s3://%s/%s failed verification (%s)", job.bucket, job.key, value)
-                    if job.attempts_left <= 0:
-                        raise StageError(
-                            f"s3://{job.bucket}/{job.key} did not match its size/checksum after "
-                            f"{downloader.settings.verify_attempts} attempts ({value}): the object may be "
-                            "changing or the network corrupting data; re-run the stage"
-                        )
-                    attempts = job.attempts_left
-                    start(job)
-                    job.attempts_left = attempts
+                    continue
+                job.attempts_left -= 1
+                log.warning("s3://%s/%s failed verification (%s)", job.bucket, job.key, value)
+                if job.attempts_left <= 0:
+                    raise StageError(
+                        f"s3://{job.bucket}/{job.key} did not match its size/checksum after "
+                        f"{downloader.settings.verify_attempts} attempts ({value}): the object may be "
+                        "changing or the network corrupting data; re-run the stage"
+                    )
+                attempts = job.attempts_left
+                start(job)
+                job.attempts_left = attempts
     except BaseException:
         for future in pending:
             future.cancel()
@@ -296,7 +337,7 @@ def stage_dataset(
     fsx_mount_path: str,
     dataset_name: str,
     endpoint_url: str | None = None,
-    max_workers: int = 32,
+    max_workers: int | None = None,
     client: Any = None,
     *,
     settings: TransferSettings | None = None,
@@ -304,6 +345,7 @@ def stage_dataset(
     repository_dir: str = "",
     verify_local: str = "stat",
     progress_stream: Any = None,
+    s3_client_kind: str = "lean",
 ) -> StageResult:
     """Stage `source` (s3://bucket/prefix or a local folder) as a snapshot of dataset `dataset_name`."""
     started = time.perf_counter()
@@ -311,13 +353,19 @@ def stage_dataset(
         raise StageError(f"mode {mode!r} is not one of {', '.join(MODES)}")
     if verify_local not in VERIFY_LOCAL:
         raise StageError(f"verify_local {verify_local!r} is not one of {', '.join(VERIFY_LOCAL)}")
-    settings = settings or TransferSettings(max_workers=max_workers)
+    if s3_client_kind not in S3_CLIENTS:
+        raise StageError(f"s3_client_kind {s3_client_kind!r} is not one of {', '.join(S3_CLIENTS)}")
+    settings = settings or (TransferSettings(max_workers=max_workers) if max_workers else TransferSettings())
     parsed = parse_source(source)
     if parsed.kind == "local":
         client = LocalFolderClient()
         objects = list_local_folder(parsed.bucket)
     else:
-        client = client or s3_client(endpoint_url, max_pool_connections=settings.max_workers + 8)
+        if client is None and s3_client_kind == "lean":
+            from components.stage_data.lean_s3 import LeanS3Client
+
+            client = LeanS3Client(endpoint_url, max_pool_connections=settings.max_workers + 8)
+        client = client or staging_client(endpoint_url, max_pool_connections=settings.max_workers + 8)
         objects = list_objects(client, parsed.bucket, parsed.prefix)
     paths = relative_paths((o.key for o in objects), parsed.prefix)
     snap = snapshot_id(objects)
@@ -357,8 +405,8 @@ def stage_dataset(
         reused = 0
         for obj in objects:
             target = tree.target(paths[obj.key])
-            if target.is_file() and not target.is_symlink() and target.stat().st_size == obj.size:
-                reused += 1  # finished by an interrupted earlier attempt (renamed only once verified)
+            if _left_by_earlier_attempt(target, obj):
+                reused += 1
                 continue
             old = previous.get((obj.key, obj.size, obj.etag))
             if (
@@ -398,6 +446,7 @@ def stage_dataset(
                 entry["part_size"] = obj.part_size
             entry["mtime_ns"] = target.stat().st_mtime_ns
             entries.append(entry)
+        sync_filesystem(staging)  # every file durable before the snapshot can become `current`
         manifest = {
             "source": source,
             "snapshot_id": snap,
@@ -534,6 +583,7 @@ def _recheck_snapshot(
             progress.close()
         for entry in damaged:
             entry["mtime_ns"] = (final / entry["path"]).stat().st_mtime_ns
+        sync_filesystem(final)
         _write_manifest(final, manifest)
         downloaded = sum(o.size for o in objects)
     else:

@@ -5,8 +5,12 @@ GET; a large one is split into ranges (the upload's own parts when S3 says how b
 were, so per-part MD5s verify a multipart ETag without a second pass) written in place
 with `pwrite` into a preallocated `<name>.part`. A sidecar `<name>.part.ranges` records
 each finished range and its digests, so a killed stage resumes a large object where it
-stopped. The thread that finishes an object's last range verifies it, fsyncs it and
-renames it to its final name; nothing unverified ever carries a final name. Requests that
+stopped (each recorded range is re-hashed from disk first, and fetched again if its bytes
+no longer match). The thread that finishes an object's last range verifies it and renames
+it to its final name; nothing unverified ever carries a final name. Nothing is fsynced
+file by file or range by range: the stage makes everything durable with one `syncfs` of
+the destination before the snapshot is committed (`sync_filesystem`), and a resumed stage
+re-hashes the files an earlier attempt left instead of trusting their size. Requests that
 fail with throttling (503 SlowDown), a 5xx or a dropped connection are retried with
 exponential backoff and full jitter.
 """
@@ -30,6 +34,8 @@ from components.stage_data.checksums import (
     MIB,
     Digester,
     Expectation,
+    plausible_part_sizes,
+    read_chunks,
     split_ranges,
     verify_file,
     verify_file_any_part_size,
@@ -63,11 +69,33 @@ class VerificationError(Exception):
     """A body did not match what S3 said about it (retried, then a StageError)."""
 
 
+def usable_cpus() -> int:
+    """CPUs this process may use: its affinity, capped by a cgroup v2 CPU quota (a pod's limit)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return cpus
+
+
+def default_max_workers() -> int:
+    """Four requests in flight per usable CPU, 8 to 32.
+
+    The downloads run in Python threads: past a few per core they add no throughput (each
+    request needs the GIL for its headers and bookkeeping) but cost CPU in GIL hand-offs,
+    measured on 2 cores at 3000 small objects: 8 workers 4.9 s, 32 workers 8.0 s.
+    """
+    return min(32, max(8, 4 * usable_cpus()))
+
+
 @dataclass(frozen=True, slots=True)
 class TransferSettings:
     """How hard to push the endpoint. Defaults suit one pod staging onto FSx."""
 
-    max_workers: int = 32
+    max_workers: int = field(default_factory=default_max_workers)
     multipart_threshold_bytes: int = 64 * MIB
     part_size_bytes: int = 16 * MIB
     request_attempts: int = 6
@@ -191,6 +219,32 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def sync_filesystem(folder: Path) -> None:
+    """Make everything written on `folder`'s file system durable: one syncfs(2), else sync(2).
+
+    One call instead of an fsync per file: thousands of small-file fsyncs cost more than the
+    downloads themselves (each waits for a journal commit), while durability only matters
+    at the point the snapshot is committed and `current` switches.
+    """
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if _libc_syncfs(fd) != 0:
+            os.sync()
+    finally:
+        os.close(fd)
+
+
+def _libc_syncfs(fd: int) -> int:
+    """syncfs(2) through libc (Linux); -1 where it does not exist."""
+    import ctypes
+
+    try:
+        syncfs = ctypes.CDLL(None, use_errno=True).syncfs
+    except (AttributeError, OSError):
+        return -1
+    return int(syncfs(fd))
+
+
 def disk_full_error(path: Path, exc: OSError) -> StageError:
     return StageError(
         f"the destination is full while writing {path} ({exc.strerror}): free space on the volume, "
@@ -214,6 +268,7 @@ class ObjectJob:
     done_ranges: dict[int, dict[str, str]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     attempts_left: int = 0
+    part_size_guessed: bool = False  # ranges follow a guessed upload part size (see Downloader.plan)
 
     @property
     def partial(self) -> Path:
@@ -253,6 +308,16 @@ class Downloader:
             job.ranges = [(0, exp.size)]
             return
         job.parallel = True
+        if exp.needs_parts() and not exp.part_size:
+            # The server did not say the upload's part size (Ceph RGW 16 ignores HEAD
+            # ?partNumber=1). Ranges at the likeliest part size let the per-range MD5s check
+            # the multipart ETag without reading the file again; a wrong guess costs only
+            # the re-read that verification would have needed anyway (finish_ranged).
+            parts = exp.etag_parts or int(exp.checksum.rpartition("-")[2] or 0)
+            guesses = plausible_part_sizes(exp.size, parts)
+            if guesses:
+                job.expectation = exp = replace(exp, part_size=guesses[0])
+                job.part_size_guessed = True
         part = exp.part_size if exp.needs_parts() and exp.part_size else self.settings.part_size_bytes
         job.ranges = split_ranges(exp.size, part)
         job.done_ranges = self._resume_ranges(job)
@@ -267,13 +332,28 @@ class Downloader:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
-                break  # a torn last line: everything before it was fsynced
+                break  # a torn last line
             if record.get("ranges") != len(job.ranges) or record.get("etag") != job.expectation.etag:
                 return {}  # a different object version or part layout: start over
-            done[int(record["index"])] = record["digests"]
+            index = int(record["index"])
+            # Ranges are not fsynced one by one: after a crash the record may have outlived
+            # the bytes, so a range counts as done only if the disk still holds what was hashed.
+            if 0 <= index < len(job.ranges) and self._range_on_disk(job, index, record["digests"]):
+                done[index] = record["digests"]
         if done:
             log.info("resuming %s: %d of %d ranges already on disk", job.key, len(done), len(job.ranges))
         return done
+
+    @staticmethod
+    def _range_on_disk(job: ObjectJob, index: int, digests: dict[str, str]) -> bool:
+        offset, length = job.ranges[index]
+        hashers = Digester(job.expectation).part_hashers()
+        if set(hashers) != set(digests):
+            return False
+        for chunk in read_chunks(job.partial, offset, length):
+            for hasher in hashers.values():
+                hasher.update(chunk)
+        return all(hasher.digest().hex() == digests[name] for name, hasher in hashers.items())
 
     # -- small objects
 
@@ -338,7 +418,7 @@ class Downloader:
 
                     digester.add_part(chunks())
                     handle.flush()
-                os.fsync(fd)
+                # No fsync here: see sync_filesystem, called once before the snapshot commits.
             finally:
                 os.close(fd)
 
@@ -420,7 +500,6 @@ class Downloader:
                         hasher.update(chunk)
                     position += len(chunk)
                     self.on_bytes(len(chunk))
-                os.fdatasync(fd)
             finally:
                 os.close(fd)
             if position != offset + length:
@@ -454,8 +533,6 @@ class Downloader:
         with job.lock:
             with job.sidecar.open("a") as handle:
                 handle.write(json.dumps(record) + "\n")
-                handle.flush()
-                os.fsync(handle.fileno())
             job.done_ranges[index] = digest_hex
             return len(job.done_ranges) == len(job.ranges)
 
@@ -467,7 +544,9 @@ class Downloader:
             for index in range(len(job.ranges)):
                 digester.add_part_digests({k: bytes.fromhex(v) for k, v in job.done_ranges[index].items()})
             reason = digester.mismatch(parallel_parts=True)
-            if not reason and exp.algorithm and not exp.checksum_is_composite:
+            if reason and job.part_size_guessed:
+                reason = verify_file_any_part_size(job.partial, replace(exp, part_size=0))
+            elif not reason and exp.algorithm and not exp.checksum_is_composite:
                 reason = verify_file(job.partial, exp)  # a full-object checksum needs the whole body
         else:
             reason = verify_file_any_part_size(job.partial, exp)
@@ -476,11 +555,6 @@ class Downloader:
             job.sidecar.unlink(missing_ok=True)
             job.done_ranges.clear()
             return reason
-        fd = os.open(job.partial, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
         os.replace(job.partial, job.target)
         job.sidecar.unlink(missing_ok=True)
         return ""

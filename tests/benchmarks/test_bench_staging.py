@@ -1,0 +1,51 @@
+"""`rtp bench staging` at toy size against moto: every contender runs twice and reports the JSON the
+issue documents (no timing asserts: a shared machine makes them noise; the docs hold the measurement)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_bench_staging_reports_every_contender(tmp_path):
+    from moto.server import ThreadedMotoServer
+
+    from benchmarks.staging import aws_executable
+
+    try:
+        aws_executable()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+    }
+    out = tmp_path / "bench.json"
+    command = [sys.executable, "-m", "pipelines.cli", "bench", "staging", "--endpoint-url", f"http://{host}:{port}",
+               "--objects", "12", "--object-kib", "2", "--big-objects", "1", "--big-mib", "9", "--json", str(out)]  # fmt: skip
+    try:
+        result = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=200, stdin=subprocess.DEVNULL
+        )
+    finally:
+        server.stop()
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert set(data) == {"rtp", "awscli", "boto3_sequential"}
+    expected_bytes = sum(2048 - i % 7 + 8 for i in range(12)) + 9 * 2**20
+    for name, row in data.items():
+        assert set(row) == {"full_s", "nochange_s", "bytes", "objects"}, name
+        assert (row["objects"], row["bytes"]) == (13, expected_bytes), name
+        assert row["full_s"] > 0 and row["nochange_s"] > 0, name
+    assert "rtp" in result.stdout and "faster than aws s3 sync" in result.stdout
