@@ -51,6 +51,7 @@ def register_model(
         dataset_snapshot_id=str(dataset.metadata.get("snapshot_id", "")),
         dataset_manifest_sha256=str(dataset.metadata.get("manifest_sha256", "")),
         training_figures=training_figures(folder / "train" / "summary.json"),
+        training_report=str(folder / "train" / "goodput.html"),
     )
     result = register_checkpoint(model.metadata["checkpoint_dir"], model_name, decision, lineage)
     record_step(folder, "register", started, **result.as_dict())

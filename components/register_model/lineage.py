@@ -37,6 +37,8 @@ class Lineage:
     training_config_sha256: str = ""
     code_version: str = ""
     training_figures: dict[str, Any] | None = None
+    training_report: str = ""
+    """The trainer's goodput report (goodput.html), logged as an artifact of the MLflow run."""
 
 
 def lineage_tags(lineage: Lineage) -> dict[str, str]:

@@ -164,8 +164,10 @@ def _signature() -> Any:
     )
 
 
-def _log_model(model: Any, config: Any, meta: dict[str, Any], tags: dict[str, str]) -> Any:
-    """One MLflow run holding the pyfunc model; returns its ModelInfo."""
+def _log_model(
+    model: Any, config: Any, meta: dict[str, Any], tags: dict[str, str], lineage: Lineage | None = None
+) -> Any:
+    """One MLflow run holding the pyfunc model (and the training report); returns its ModelInfo."""
     import mlflow
     import pandas as pd
 
@@ -178,6 +180,10 @@ def _log_model(model: Any, config: Any, meta: dict[str, Any], tags: dict[str, st
         mlflow.log_params({f"model.{k}": v for k, v in config.to_dict()["model"].items()})
         mlflow.log_metric("checkpoint_step", float(meta["step"]))
         mlflow.set_tags(tags)
+        figures = (lineage.training_figures if lineage else None) or {}
+        mlflow.log_metrics({f"train.{k}": float(v) for k, v in figures.items() if isinstance(v, int | float)})
+        if lineage and lineage.training_report and Path(lineage.training_report).is_file():
+            mlflow.log_artifact(lineage.training_report, artifact_path="reports")
         info = mlflow.pyfunc.log_model(
             name="model",
             python_model=str(SERVING_MODEL),
@@ -245,7 +251,7 @@ def register_checkpoint(
         )
     )
     info = call_with_retries(
-        f"log the model of {checkpoint_dir}", lambda: _log_model(model, config, meta, tags), retry
+        f"log the model of {checkpoint_dir}", lambda: _log_model(model, config, meta, tags, base), retry
     )
 
     def find_or_create() -> Any:

@@ -62,5 +62,7 @@ def test_model_version_exists_in_mlflow(local_run, mlflow_server):
     assert version.version == summary["mlflow"]["version"]
     assert version.tags["rtp.checkpoint_uri"] == Path(summary["checkpoint"]).resolve().as_uri()
     assert version.tags["rtp.train.goodput_pct"], "the trainer's goodput travels with the model"
+    reports = [a.path for a in client.list_artifacts(version.run_id, "reports")]
+    assert reports == ["reports/goodput.html"], "the goodput report is logged with the model"
     assert version.tags["rtp.dataset_snapshot_id"] == Path(summary["dataset_snapshot"]).name
     assert summary["mlflow"]["model_uri"] == f"models:/rtp-e2e/{version.version}"
