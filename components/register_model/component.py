@@ -2,7 +2,7 @@
 
 from typing import NamedTuple
 
-from kfp.dsl import Dataset, Input, Model
+from kfp.dsl import Dataset, Input, Markdown, Metrics, Model, Output
 
 
 def register_model(
@@ -14,6 +14,8 @@ def register_model(
     run_name: str,
     run_id: str,
     pipeline_version: str,
+    metrics: Output[Metrics],
+    report: Output[Markdown],
 ) -> NamedTuple("Outputs", [("model_uri", str), ("version", str)]):  # type: ignore[valid-type]  # the form KFP reads
     """Log the checkpoint to MLflow as a servable model, register a version, and set its alias.
 
@@ -30,6 +32,8 @@ def register_model(
         run_name: run folder name; empty uses the KFP run id.
         run_id: the KFP run id (filled in by the pipeline).
         pipeline_version: version of the pipeline definition (recorded as lineage).
+        metrics: the registered version number, and whether this task created it (0 on a retry).
+        report: the model URI, version, alias and how to load it.
 
     Returns:
         model_uri: models:/<name>/<version>; version: the registered version.
@@ -55,5 +59,14 @@ def register_model(
     )
     result = register_checkpoint(model.metadata["checkpoint_dir"], model_name, decision, lineage)
     record_step(folder, "register", started, **result.as_dict())
+    metrics.log_metric("registered_version", int(result.version))
+    metrics.log_metric("created", int(result.created))
+    with open(report.path, "w") as handle:
+        handle.write(
+            f"# Registered {result.model_name} version {result.version}\n\n"
+            f"| | |\n|---|---|\n| model URI | `{result.model_uri}` |\n| alias | `{result.alias}` |\n"
+            f"| new version | {'yes' if result.created else 'no (this checkpoint was registered before)'} |\n\n"
+            f'Load it with `mlflow.pyfunc.load_model("models:/{result.model_name}@{result.alias}")`.\n'
+        )
     Outputs = namedtuple("Outputs", ["model_uri", "version"])
     return Outputs(result.model_uri, result.version)
