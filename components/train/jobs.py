@@ -131,8 +131,17 @@ def ft_launcher_command(settings: JobSettings, rdzv_host_env: str, rdzv_port_env
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint=$({rdzv_host_env}):$({rdzv_port_env})",
         f"--rdzv-id={settings.name}",
+        # Multi-node GPU jobs start slowly (NCCL set-up, loading a large checkpoint): the
+        # heartbeat timeouts until learned follow AWS's EKS test case, not the local defaults.
         *launcher_flags(
-            LauncherSettings(max_restarts=settings.max_restarts), cpu=settings.gpus_per_node == 0
+            LauncherSettings(
+                max_restarts=settings.max_restarts,
+                initial_heartbeat_timeout_s=1200,
+                heartbeat_timeout_s=900,
+                workers_stop_timeout_s=30,
+                monitor_interval_s=5,
+            ),
+            cpu=settings.gpus_per_node == 0,
         ),
     ]
     return [*command, "-m", "trainer", *settings.trainer_args]
