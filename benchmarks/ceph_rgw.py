@@ -17,6 +17,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 from types import TracebackType
+from typing import cast
 
 from pipelines.services import free_port
 
@@ -139,7 +140,7 @@ rgw data = {d}/rgw
             for process in self.processes:
                 if process.poll() is not None:
                     self._stop_daemons()
-                    kind = OSDExited if process.args[0] == "ceph-osd" else RuntimeError
+                    kind = OSDExited if cast(list[str], process.args)[0] == "ceph-osd" else RuntimeError
                     raise kind(f"a Ceph daemon exited ({process.args!r}); logs in {d / 'log'}")
             try:
                 urllib.request.urlopen(self.endpoint_url, timeout=2).close()

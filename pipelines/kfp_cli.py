@@ -105,7 +105,8 @@ def _add_upload(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_upload(args: argparse.Namespace) -> int:
-    from pipelines.kfp_client import source_identity, upload
+    from components.versioning import source_identity
+    from pipelines.kfp_client import upload
 
     with tempfile.TemporaryDirectory(prefix="rtp-upload-") as folder:
         package = _local_package(args, Path(folder))

@@ -15,7 +15,6 @@ import io
 import json
 import logging
 import os
-import subprocess
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -30,7 +29,6 @@ from pipelines.ops import OpsError
 
 log = logging.getLogger(__name__)
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
 _PAGE_SIZE = 100
 
 
@@ -63,34 +61,6 @@ def compile_package(folder: Path, image: str) -> Package:
     from pipelines.pipeline import compile_pipeline
 
     return load_package(compile_pipeline(str(folder / "pipeline.yaml"), image=image))
-
-
-def source_identity() -> tuple[str, str, bool]:
-    """(package version, git commit, uncommitted changes) of this checkout of rtp."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        package_version = version("rtp")
-    except PackageNotFoundError:
-        package_version = "0.0.0"
-    try:
-        commit = subprocess.run(
-            ["git", "-C", str(PROJECT_ROOT), "rev-parse", "--short=7", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        status = subprocess.run(
-            ["git", "-C", str(PROJECT_ROOT), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return package_version, "", False  # an installed copy, not a git checkout
-    return package_version, commit, bool(status.strip())
 
 
 # --- connection -----------------------------------------------------------------------------

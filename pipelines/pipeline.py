@@ -32,12 +32,9 @@ DEFAULT_MODEL_NAME = "rtp-byte-lm"
 
 def pipeline_version() -> str:
     """The pipeline definition's version, recorded on every registered model version."""
-    import importlib.metadata
+    from components.versioning import package_version
 
-    try:
-        return f"{PIPELINE_NAME}-{importlib.metadata.version('rtp')}"
-    except importlib.metadata.PackageNotFoundError:
-        return f"{PIPELINE_NAME}-unknown"
+    return f"{PIPELINE_NAME}-{package_version(default='unknown')}"
 
 
 def build_pipeline(

@@ -155,7 +155,8 @@ def root_cause(log_text: str) -> str | None:
         if _ERROR_LINE.match(line) and "ChildFailedError" not in line:
             found.append(line)
     injected = [line for line in found if "InjectedFault" in line]
-    return (injected or found or [None])[0]
+    candidates = injected or found
+    return candidates[0] if candidates else None
 
 
 @contextlib.contextmanager

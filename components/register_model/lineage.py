@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,24 +98,11 @@ def training_figures(summary_path: str | Path) -> dict[str, Any]:
 
 def code_version() -> str:
     """rtp's package version, plus the git commit when running from a checkout."""
-    import importlib.metadata
     import os
+
+    from components.versioning import source_identity
 
     if os.environ.get(CODE_VERSION_ENV):
         return os.environ[CODE_VERSION_ENV]
-    try:
-        version = importlib.metadata.version("rtp")
-    except importlib.metadata.PackageNotFoundError:
-        version = "unknown"
-    source = Path(__file__).resolve().parents[2]
-    try:
-        commit = subprocess.run(
-            ["git", "-C", str(source), "rev-parse", "--short=12", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
+    version, commit, _ = source_identity(commit_length=12)
     return f"{version}+g{commit}" if commit else version

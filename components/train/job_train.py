@@ -9,16 +9,14 @@ validate and register do not care which launcher trained the model.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
 from components.train.jobs import JOB_LAUNCHERS, JobSettings, JobSettingsError, job_manifest, job_name
 from components.train.k8s_launcher import JobFailed, in_cluster_api_client, pod_namespace, run_job
-from trainer.config import DEFAULT_CHECKPOINT_MODE, build_config, parse_overrides
-from trainer.faults import parse_faults
-from trainer.launch import trainer_arguments
+from components.train.train import plan_run, run_result
+from trainer.config import DEFAULT_CHECKPOINT_MODE
 
 
 def job_settings_for_run(
@@ -39,29 +37,23 @@ def job_settings_for_run(
     **job_fields: Any,
 ) -> JobSettings:
     """JobSettings whose pods train this run into `run_folder` (checked, pure)."""
-    override_items = parse_overrides(overrides)
-    # Fail here, in one line, on a bad override, before any GPU pod is scheduled.
-    build_config(
-        preset,
-        [
-            *override_items,
-            f"run.steps={steps}",
-            f"checkpoint.every_steps={checkpoint_every}",
-            f"checkpoint.mode={checkpoint_mode}",
-        ],
-    )
-    args = trainer_arguments(
+    _, args = plan_run(
         dataset_dir=dataset_dir,
-        workdir=str(Path(run_folder) / "train"),
+        run_folder=run_folder,
         steps=steps,
         checkpoint_every=checkpoint_every,
         checkpoint_mode=checkpoint_mode,
         seed=seed,
         preset=preset,
-        checkpoint_dir=str(Path(run_folder) / "checkpoints"),
-        overrides=override_items,
-        faults=[str(spec) for spec in parse_faults(faults)],
+        overrides=overrides,
+        faults=faults,
     )
+    return _job_settings(args, run_id, namespace, image, nproc_per_node, job_fields)
+
+
+def _job_settings(
+    args: list[str], run_id: str, namespace: str, image: str, nproc_per_node: int, job_fields: dict[str, Any]
+) -> JobSettings:
     return JobSettings(
         name=job_name(run_id),
         namespace=namespace,
@@ -102,22 +94,18 @@ def train_with_job(
     # The engine's own deadline backs up this step's timeout for when the step's pod dies
     # without cleaning up (node loss) and the exit handler cannot run either.
     job_fields.setdefault("deadline_s", int(timeout_s) + 600)
-    settings = job_settings_for_run(
+    config, args = plan_run(
         dataset_dir=dataset_dir,
         run_folder=run_folder,
-        run_id=run_id,
-        namespace=pod_namespace(namespace),
-        image=image,
         steps=steps,
-        nproc_per_node=nproc_per_node,
         checkpoint_every=checkpoint_every,
         checkpoint_mode=checkpoint_mode,
         seed=seed,
         preset=preset,
         overrides=overrides,
         faults=faults,
-        **job_fields,
     )
+    settings = _job_settings(args, run_id, pod_namespace(namespace), image, nproc_per_node, job_fields)
     manifest = job_manifest(launcher, settings)
     summary_path = Path(run_folder) / "train" / "summary.json"
     # A summary left by an earlier attempt must not pass for this job's result.
@@ -134,20 +122,4 @@ def train_with_job(
             f"{settings.pvc_name!r} mounted at {settings.mount_path} in both the step and the job?"
         )
     summary = json.loads(summary_path.read_text())
-    config = build_config(
-        preset,
-        [
-            *parse_overrides(overrides),
-            f"run.steps={steps}",
-            f"checkpoint.every_steps={checkpoint_every}",
-            f"checkpoint.mode={checkpoint_mode}",
-        ],
-    )
-    return {
-        **summary,
-        "preset": preset,
-        "launcher": launcher,
-        "job_name": settings.name,
-        "config_sha256": hashlib.sha256(config.to_json().encode()).hexdigest(),
-        "model_config": config.to_dict()["model"],
-    }
+    return {**run_result(summary, config, preset), "launcher": launcher, "job_name": settings.name}

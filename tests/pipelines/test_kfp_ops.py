@@ -14,9 +14,9 @@ from pathlib import Path
 import kfp
 import pytest
 
+from components.versioning import source_identity
 from pipelines import ops
 from pipelines.cli import main
-from pipelines.kfp_client import source_identity
 from pipelines.pipeline import compile_pipeline
 from tests.fakes.kfp_api import FakeKfpApi
 
