@@ -25,22 +25,26 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import CHECKPOINT_MODES, build_config
-from trainer.launch import run_local_training, trainer_arguments
+from trainer.launch import run_local_training
 
 
 def run_mode(
     mode: str, dataset_dir: Path, workdir: Path, *, nproc: int, steps: int, every: int, preset: str
 ) -> dict[str, Any]:
-    args = trainer_arguments(
-        dataset_dir=str(dataset_dir),
-        workdir=str(workdir),
-        steps=steps,
-        checkpoint_every=every,
-        seed=1,
-        preset=preset,
-        overrides=[f"checkpoint.mode={mode}", "checkpoint.keep_last=2", "run.log_every_steps=1000"],
+    config = build_config(
+        preset,
+        [
+            f"data.dataset_dir={dataset_dir}",
+            f"run.workdir={workdir}",
+            f"run.steps={steps}",
+            f"checkpoint.every_steps={every}",
+            f"checkpoint.mode={mode}",
+            "run.seed=1",
+            "checkpoint.keep_last=2",
+            "run.log_every_steps=1000",
+        ],
     )
-    summary = run_local_training(nproc, args, workdir, echo=False)
+    summary = run_local_training(nproc, config, echo=False).to_dict()
     saves = summary["checkpoint_saves"]
     blocked = [save["blocked_s"] for save in saves]
     return {

@@ -24,7 +24,7 @@ def measure(nproc: int, steps: int, repeats: int) -> dict:
     runs = []
     for _ in range(repeats):
         with tempfile.TemporaryDirectory(prefix="rtp-bench-") as workdir:
-            summary = run_local(LocalOptions(workdir=workdir, steps=steps, nproc=nproc))
+            summary = run_local(LocalOptions(workdir=workdir, nproc=nproc, training={"steps": steps}))
             runs.append(
                 {
                     "elapsed_s": summary["elapsed_s"],

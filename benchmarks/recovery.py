@@ -25,22 +25,27 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from trainer.launch import LauncherSettings, TrainingFailed, run_local_training, trainer_arguments
+from trainer.config import TrainConfig, build_config
+from trainer.launch import LauncherSettings, TrainingFailed, run_local_training
 
 MECHANISMS = ("inprocess", "launcher", "cold")
 
 
-def _args(
+def _config(
     dataset: Path, workdir: Path, steps: int, every: int, faults: list[str], extra: list[str]
-) -> list[str]:
-    return trainer_arguments(
-        dataset_dir=str(dataset),
-        workdir=str(workdir),
-        steps=steps,
-        checkpoint_every=every,
-        seed=3,
-        faults=faults,
-        overrides=["run.log_every_steps=1000", *extra],
+) -> TrainConfig:
+    return build_config(
+        "tiny-cpu",
+        [
+            f"data.dataset_dir={dataset}",
+            f"run.workdir={workdir}",
+            f"run.steps={steps}",
+            f"checkpoint.every_steps={every}",
+            "run.seed=3",
+            f"run.faults={','.join(faults)}",
+            "run.log_every_steps=1000",
+            *extra,
+        ],
     )
 
 
@@ -57,29 +62,29 @@ def run_mechanism(
 ) -> dict[str, Any]:
     timeouts = [f"resilience.collective_timeout_s={collective_timeout_s:g}"]
     if mechanism == "inprocess":
-        args = _args(dataset, workdir, steps, every, faults, timeouts)
-        summary = run_local_training(
-            nproc, args, workdir, echo=False, settings=LauncherSettings(max_restarts=3)
-        )
+        config = _config(dataset, workdir, steps, every, faults, timeouts)
+        summary = run_local_training(nproc, config, echo=False, settings=LauncherSettings(max_restarts=3))
     elif mechanism == "launcher":
-        args = _args(dataset, workdir, steps, every, faults, [*timeouts, "resilience.inprocess_restarts=0"])
-        summary = run_local_training(
-            nproc, args, workdir, echo=False, settings=LauncherSettings(max_restarts=3)
+        config = _config(
+            dataset, workdir, steps, every, faults, [*timeouts, "resilience.inprocess_restarts=0"]
         )
+        summary = run_local_training(nproc, config, echo=False, settings=LauncherSettings(max_restarts=3))
     else:
-        args = _args(dataset, workdir, steps, every, faults, [*timeouts, "resilience.inprocess_restarts=0"])
+        config = _config(
+            dataset, workdir, steps, every, faults, [*timeouts, "resilience.inprocess_restarts=0"]
+        )
         no_restarts = LauncherSettings(max_restarts=0)
         for launch in range(len(faults) + 1):
             try:
                 summary = run_local_training(
-                    nproc, args, workdir, echo=False, settings=no_restarts, new_run=launch == 0
+                    nproc, config, echo=False, settings=no_restarts, new_run=launch == 0
                 )
                 break
             except TrainingFailed:
                 continue  # the "pod" died: start a new launcher for the same run
         else:
             raise TrainingFailed(f"cold restarts did not finish the run; see {workdir}/logs/train.log")
-    restarts = [r for r in summary["restarts"] if r["downtime_s"] is not None]
+    restarts = [r for r in summary.restarts if r["downtime_s"] is not None]
 
     def median(key: str) -> float | None:
         values = [r[key] for r in restarts if r.get(key) is not None]
@@ -90,10 +95,10 @@ def run_mechanism(
         "shutdown_s_median": median("shutdown_s"),
         "startup_s_median": median("startup_s"),
         "faults": len(restarts),
-        "mechanisms_seen": sorted({r["mechanism"] for r in summary["restarts"]}),
-        "steps_redone": summary["lost_steps"],
-        "goodput_pct": summary["goodput_pct"],
-        "model_sha256": summary["model_sha256"],
+        "mechanisms_seen": sorted({r["mechanism"] for r in summary.restarts}),
+        "steps_redone": summary.lost_steps,
+        "goodput_pct": summary.goodput_pct,
+        "model_sha256": summary.model_sha256,
     }
 
 
@@ -113,8 +118,8 @@ def run_benchmark(
     with tempfile.TemporaryDirectory(prefix="rtp-bench-recovery-") as tmp:
         root = workdir or Path(tmp)
         dataset = write_local_dataset(root / "dataset", budget_bytes=300_000)
-        baseline_args = _args(dataset, root / "fault-free", steps, every, [], [])
-        baseline = run_local_training(nproc, baseline_args, root / "fault-free", echo=False)
+        baseline_config = _config(dataset, root / "fault-free", steps, every, [], [])
+        baseline = run_local_training(nproc, baseline_config, echo=False)
         results: dict[str, Any] = {}
         for mechanism in mechanisms:
             result = run_mechanism(
@@ -127,17 +132,17 @@ def run_benchmark(
                 faults=faults,
                 collective_timeout_s=collective_timeout_s,
             )
-            result["exact"] = result.pop("model_sha256") == baseline["model_sha256"]
+            result["exact"] = result.pop("model_sha256") == baseline.model_sha256
             results[mechanism] = result
     return {
         **results,
         "settings": {
             "nproc": nproc,
             "steps": steps,
-            "checkpoint_every": every,
+            "checkpoint.every_steps": every,
             "faults": faults,
             "collective_timeout_s": collective_timeout_s,
-            "fault_free_model_sha256": baseline["model_sha256"],
+            "fault_free_model_sha256": baseline.model_sha256,
         },
     }
 
@@ -145,7 +150,7 @@ def run_benchmark(
 def format_table(result: dict[str, Any]) -> str:
     s = result["settings"]
     lines = [
-        f"{s['nproc']} ranks, {s['steps']} steps, checkpoint every {s['checkpoint_every']}, faults {', '.join(s['faults'])}, "
+        f"{s['nproc']} ranks, {s['steps']} steps, checkpoint every {s['checkpoint.every_steps']}, faults {', '.join(s['faults'])}, "
         f"gloo timeout {s['collective_timeout_s']:g}s",
         f"{'mechanism':<10} {'fault->resumed':>14} {'shutdown':>9} {'startup':>8} {'faults':>6} {'redone':>6} {'exact':>6}",
     ]

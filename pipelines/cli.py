@@ -18,7 +18,14 @@ from pipelines.k8s_cli import add_platform_arguments, add_render_job_parser, pla
 from pipelines.kfp_cli import add_kfp_parsers
 from pipelines.local import LocalOptions
 from pipelines.stage_cli import add_prepare_data_parser, add_stage_parser
-from trainer.config import CHECKPOINT_MODES
+from trainer.arguments import (
+    PIPELINE_SETTINGS,
+    add_named_arguments,
+    add_preset_argument,
+    add_training_arguments,
+    config_from_args,
+    named_from_args,
+)
 
 EPILOG = """examples:
   rtp local                              # whole pipeline on embedded defaults
@@ -42,34 +49,13 @@ def _add_local(sub: argparse._SubParsersAction) -> None:
         "file in the work dir unless --mlflow-uri). Writes <workdir>/summary.json.",
     )
     p.add_argument("--workdir", default=defaults.workdir, help="all outputs go here (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=defaults.steps, help="training steps (default: %(default)s)")
     p.add_argument(
         "--nproc", type=int, default=defaults.nproc, help="training processes (default: %(default)s)"
     )
-    p.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=defaults.checkpoint_every,
-        help="checkpoint every N steps (default: %(default)s)",
-    )
-    p.add_argument(
-        "--checkpoint-mode",
-        default=defaults.checkpoint_mode,
-        choices=CHECKPOINT_MODES,
-        help="how checkpoints are written: async (NVRx) overlaps the write with training (default: %(default)s)",
-    )
-    p.add_argument("--seed", type=int, default=defaults.seed, help="random seed (default: %(default)s)")
-    p.add_argument("--preset", default=defaults.preset, help="model preset (default: %(default)s)")
+    add_preset_argument(p)
+    add_named_arguments(p, PIPELINE_SETTINGS)
     p.add_argument(
         "--overrides", default="", help="extra trainer config, e.g. 'optimizer.lr=1e-3 model.n_layers=3'"
-    )
-    p.add_argument(
-        "--fault",
-        action="append",
-        default=[],
-        metavar="KIND@STEP[:RANK]",
-        help="inject a fault into training (chaos drill): KIND is exception, hang, sigkill or "
-        "sigkill-during-save; repeatable",
     )
     p.add_argument(
         "--source",
@@ -105,14 +91,10 @@ def _cmd_local(args: argparse.Namespace) -> int:
         raise UserError(f"--source {args.source!r} must look like s3://bucket/prefix")
     options = LocalOptions(
         workdir=args.workdir,
-        steps=args.steps,
         nproc=args.nproc,
-        checkpoint_every=args.checkpoint_every,
-        checkpoint_mode=args.checkpoint_mode,
-        seed=args.seed,
         preset=args.preset,
         overrides=args.overrides,
-        faults=",".join(args.fault) or "none",
+        training=named_from_args(args, PIPELINE_SETTINGS),
         source=args.source,
         s3_endpoint_url=args.s3_endpoint_url,
         mlflow_uri=args.mlflow_uri,
@@ -127,20 +109,18 @@ def _cmd_local(args: argparse.Namespace) -> int:
 
 
 def _check_training_options(options: LocalOptions) -> None:
-    from trainer.config import build_config, parse_overrides
+    """Fail on bad training input before any step starts (the train step would, later)."""
+    from components.train.train import TrainRequest
 
     if options.nproc < 1:
         raise UserError(f"--nproc must be at least 1, got {options.nproc}")
-    build_config(
-        options.preset,
-        [
-            *parse_overrides(options.overrides),
-            f"run.steps={options.steps}",
-            f"checkpoint.every_steps={options.checkpoint_every}",
-            f"checkpoint.mode={options.checkpoint_mode}",
-            f"run.faults={options.faults if options.faults != 'none' else ''}",
-        ],
-    )
+    TrainRequest(
+        dataset_dir="<staged>",
+        run_folder=Path(options.workdir),
+        preset=options.preset,
+        overrides=options.overrides,
+        settings=options.training,
+    ).config()
 
 
 def _add_compile(sub: argparse._SubParsersAction) -> None:
@@ -171,16 +151,15 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
 
 def _add_train_local(sub: argparse._SubParsersAction) -> None:
-    from trainer.__main__ import add_training_arguments
-
     p = sub.add_parser(
         "train-local",
         help="train on this machine with N local processes",
         description="Start N training ranks under ft_launcher on this machine. Soft faults (an "
         "exception, a hang) restart training in-process; a killed or hung rank restarts the worker "
         "group (--max-restarts). Resumes from the latest committed checkpoint in the checkpoint dir; "
-        "SIGTERM saves a final checkpoint and exits cleanly. Writes <workdir>/summary.json (with "
-        "restarts[], goodput_pct, lost_steps, model_sha256) and <workdir>/goodput.html.",
+        "SIGTERM saves a final checkpoint and exits cleanly. Writes <workdir>/config.json (what the "
+        "ranks train with), <workdir>/summary.json (with restarts[], goodput_pct, lost_steps, "
+        "model_sha256) and <workdir>/goodput.html.",
     )
     p.add_argument("--nproc", type=int, default=2, help="training processes (default: %(default)s)")
     p.add_argument(
@@ -194,40 +173,18 @@ def _add_train_local(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_train_local(args: argparse.Namespace) -> int:
-    from trainer.__main__ import config_from_args
-    from trainer.launch import LauncherSettings, run_local_training, trainer_arguments
+    from trainer.launch import LauncherSettings, run_local_training
 
     if args.nproc < 1:
         raise UserError(f"--nproc must be at least 1, got {args.nproc}")
-    config = config_from_args(args)  # fail fast on bad flags, before any process starts
-    trainer_args = trainer_arguments(
-        dataset_dir=args.dataset_dir,
-        workdir=args.workdir,
-        steps=config.run.steps,
-        checkpoint_every=config.checkpoint.every_steps,
-        checkpoint_mode=config.checkpoint.mode,
-        seed=config.run.seed,
-        preset=args.preset,
-        checkpoint_dir=args.checkpoint_dir,
-        stop_after=args.stop_after,
-        overrides=args.override,
-        faults=args.fault,
-        inprocess_restarts=args.inprocess_restarts,
-    )
     if args.max_restarts < 0:
         raise UserError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    config = config_from_args(args)  # fail fast on bad flags, before any process starts
     settings = LauncherSettings(max_restarts=args.max_restarts)
-    summary = run_local_training(args.nproc, trainer_args, args.workdir, settings=settings)
-    print(
-        json.dumps(
-            {
-                k: summary.get(k)
-                for k in ("steps", "final_loss", "checkpoint", "model_sha256", "goodput_pct", "lost_steps")
-            }
-            | {"restarts": len(summary.get("restarts", []))},
-            indent=2,
-        )
-    )
+    summary = run_local_training(args.nproc, config, settings=settings)
+    shown = ("steps", "final_loss", "checkpoint", "model_sha256", "goodput_pct", "lost_steps")
+    report = {key: getattr(summary, key) for key in shown} | {"restarts": len(summary.restarts)}
+    print(json.dumps(report, indent=2))
     return 0
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from components.train.jobs import DEFAULT_LAUNCHER, DEFAULT_TRAINING_RUNTIME, JOB_LAUNCHERS, LAUNCHERS
 from pipelines.platform import DEFAULT_GPU_TOLERATIONS, DEFAULT_PVC_NAME, IMAGE_PULL_POLICIES, PlatformOptions
+from trainer.arguments import PIPELINE_SETTINGS, add_named_arguments, add_preset_argument, named_from_args
 
 
 def add_platform_arguments(p: argparse.ArgumentParser) -> None:
@@ -77,7 +78,6 @@ def platform_options_from_args(args: argparse.Namespace) -> PlatformOptions:
 
 def add_render_job_parser(sub: argparse._SubParsersAction) -> None:
     from components import DEFAULT_IMAGE
-    from trainer.config import CHECKPOINT_MODES, DEFAULT_CHECKPOINT_MODE
 
     p = sub.add_parser(
         "render-job",
@@ -134,11 +134,8 @@ def add_render_job_parser(sub: argparse._SubParsersAction) -> None:
         "--training-runtime", default=DEFAULT_TRAINING_RUNTIME, help="TrainJob runtime (default: %(default)s)"
     )
     p.add_argument("--dataset-name", default="demo-corpus", help="dataset under <mount>/rtp/datasets")
-    p.add_argument("--steps", type=int, default=40, help="(default: %(default)s)")
-    p.add_argument("--checkpoint-every", type=int, default=10, help="(default: %(default)s)")
-    p.add_argument("--checkpoint-mode", default=DEFAULT_CHECKPOINT_MODE, choices=CHECKPOINT_MODES)
-    p.add_argument("--seed", type=int, default=1234, help="(default: %(default)s)")
-    p.add_argument("--preset", default="tiny-cpu", help="model preset (default: %(default)s)")
+    add_preset_argument(p)
+    add_named_arguments(p, PIPELINE_SETTINGS)
     p.add_argument("--overrides", default="", help="extra trainer config, 'section.field=value ...'")
     p.set_defaults(handler=_cmd_render_job)
 
@@ -157,20 +154,21 @@ def render_job(args: argparse.Namespace) -> dict[str, Any]:
     from components.layout import dataset_root, run_dir
     from components.train.job_train import job_settings_for_run
     from components.train.jobs import job_manifest
+    from components.train.train import TrainRequest
 
-    settings = job_settings_for_run(
+    request = TrainRequest(
         dataset_dir=str(dataset_root(args.fsx_mount_path, args.dataset_name) / "current"),
         run_folder=run_dir(args.fsx_mount_path, args.run_name, args.run_id),
+        preset=args.preset,
+        overrides=args.overrides,
+        settings=named_from_args(args, PIPELINE_SETTINGS),
+    )
+    settings = job_settings_for_run(
+        request,
         run_id=args.run_id,
         namespace=args.namespace,
         image=args.image,
-        steps=args.steps,
         nproc_per_node=args.nproc_per_node,
-        checkpoint_every=args.checkpoint_every,
-        checkpoint_mode=args.checkpoint_mode,
-        seed=args.seed,
-        preset=args.preset,
-        overrides=args.overrides,
         nnodes=args.nnodes,
         gpus_per_node=args.gpus_per_node,
         efa_per_node=args.efa_per_node,

@@ -13,12 +13,12 @@ import logging
 import os
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from components.layout import run_dir
-from trainer.config import DEFAULT_CHECKPOINT_MODE
+from trainer.config import DEFAULT_PRESET
 from trainer.events import write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -35,14 +35,12 @@ class LocalRunError(RuntimeError):
 @dataclass(kw_only=True)
 class LocalOptions:
     workdir: str = "rtp-work"
-    steps: int = 40
     nproc: int = 2
-    checkpoint_every: int = 10
-    checkpoint_mode: str = DEFAULT_CHECKPOINT_MODE
-    seed: int = 1234
-    preset: str = "tiny-cpu"
+    preset: str = DEFAULT_PRESET
     overrides: str = ""
-    faults: str = "none"
+    training: dict[str, Any] = field(default_factory=dict)
+    """Named training settings (trainer.arguments.PIPELINE_SETTINGS) by pipeline parameter
+    name; those not given, or None, keep the pipeline's defaults."""
     source: str = ""
     s3_endpoint_url: str = ""
     mlflow_uri: str = ""
@@ -133,14 +131,10 @@ def run_local(options: LocalOptions) -> dict[str, Any]:
                 fsx_mount_path=str(fsx),
                 dataset_name=options.dataset_name,
                 run_name=run_name,
-                steps=options.steps,
                 nproc=options.nproc,
-                checkpoint_every=options.checkpoint_every,
-                checkpoint_mode=options.checkpoint_mode,
-                seed=options.seed,
                 preset=options.preset,
                 overrides=options.overrides,
-                faults=options.faults,
+                **{name: value for name, value in options.training.items() if value is not None},
                 max_loss=options.max_loss,
                 model_name=options.model_name,
             )

@@ -23,11 +23,16 @@ from components.train.jobs import DEFAULT_LAUNCHER, DEFAULT_TRAINING_RUNTIME
 from components.validate_checkpoint.component import validate_checkpoint
 from pipelines import platform
 from pipelines.platform import PlatformOptions
-from trainer.config import DEFAULT_CHECKPOINT_MODE
+from trainer.config import DEFAULT_PRESET, named_settings
 
 PIPELINE_NAME = "rtp-resilient-training"
 DEFAULT_SOURCE = "s3://rtp-demo/corpus/"
 DEFAULT_MODEL_NAME = "rtp-byte-lm"
+
+
+def _default(param: str) -> Any:
+    """A training parameter's default: the trainer config's, declared once there."""
+    return named_settings()[param].default
 
 
 def pipeline_version() -> str:
@@ -48,123 +53,6 @@ def build_pipeline(
     validate_op = as_component(validate_checkpoint, image)
     register_op = as_component(register_model, image)
 
-    def _steps(
-        *,
-        source: Any,
-        s3_endpoint_url: Any,
-        fsx_mount_path: Any,
-        dataset_name: Any,
-        run_name: Any,
-        run_id: Any,
-        steps: Any,
-        nproc: Any,
-        checkpoint_every: Any,
-        checkpoint_mode: Any,
-        seed: Any,
-        preset: Any,
-        overrides: Any,
-        faults: Any,
-        max_loss: Any,
-        min_improvement: Any,
-        model_name: Any,
-        launcher: Any,
-        nnodes: Any,
-        gpus_per_node: Any,
-        efa_per_node: Any,
-        job_namespace: Any,
-        training_runtime: Any,
-        job_timeout_s: Any,
-        fsx_pvc_name: Any,
-        gpu_node_selector: Any,
-        gpu_tolerations: Any,
-        mlflow_secret_name: Any,
-    ) -> None:
-        stage = stage_op(
-            source=source,
-            s3_endpoint_url=s3_endpoint_url,
-            fsx_mount_path=fsx_mount_path,
-            dataset_name=dataset_name,
-            run_name=run_name,
-            run_id=run_id,
-        ).set_display_name("Stage the dataset from S3 onto FSx")
-        train = train_op(
-            dataset=stage.outputs["dataset"],
-            fsx_mount_path=fsx_mount_path,
-            run_name=run_name,
-            run_id=run_id,
-            steps=steps,
-            nproc=nproc,
-            checkpoint_every=checkpoint_every,
-            checkpoint_mode=checkpoint_mode,
-            seed=seed,
-            preset=preset,
-            overrides=overrides,
-            faults=faults,
-            launcher=launcher,
-            nnodes=nnodes,
-            gpus_per_node=gpus_per_node,
-            efa_per_node=efa_per_node,
-            job_image=image,
-            job_namespace=job_namespace,
-            training_runtime=training_runtime,
-            job_timeout_s=job_timeout_s,
-            fsx_pvc_name=fsx_pvc_name,
-            node_selector=gpu_node_selector,
-            tolerations=gpu_tolerations,
-            image_pull_secrets=list(options.image_pull_secrets),
-        ).set_display_name("Train the model with FSDP and checkpoints")
-        platform.configure_train_pod(
-            train,
-            options=options,
-            node_selector=gpu_node_selector,
-            tolerations=gpu_tolerations,
-        )
-        validate = validate_op(
-            model=train.outputs["model"],
-            dataset=stage.outputs["dataset"],
-            fsx_mount_path=fsx_mount_path,
-            run_name=run_name,
-            run_id=run_id,
-            max_loss=max_loss,
-            min_improvement=min_improvement,
-            model_name=model_name,
-            # Every checkpoint the train step commits is a resume point: it must hold optimizer state.
-            require_optimizer_state=True,
-        ).set_display_name("Validate the checkpoint on held-out data")
-        for task in (stage, train, validate):
-            # Each step writes to the shared volume: a cached result could point at a
-            # folder another run has since changed. Staging needs no KFP cache: it is
-            # keyed by the snapshot id (a hash of the S3 listing) and re-staging an
-            # unchanged prefix transfers nothing. Training is never cached.
-            task.set_caching_options(False)
-        # S3 and MLflow hiccups are worth retrying; a failed training run is not retried
-        # blindly here (its own launcher restarts ranks and resumes from checkpoints).
-        stage.set_retry(num_retries=3, backoff_duration="30s", backoff_factor=2, backoff_max_duration="600s")
-        with dsl.If(validate.outputs["Output"] != "reject", name="If validation accepted the model"):
-            register = (
-                register_op(
-                    model=train.outputs["model"],
-                    dataset=stage.outputs["dataset"],
-                    decision=validate.outputs["Output"],
-                    model_name=model_name,
-                    fsx_mount_path=fsx_mount_path,
-                    run_name=run_name,
-                    run_id=run_id,
-                    pipeline_version=pipeline_version(),
-                )
-                .set_display_name("Register the model in MLflow")
-                .set_caching_options(False)
-            )
-            register.set_retry(
-                num_retries=3, backoff_duration="30s", backoff_factor=2, backoff_max_duration="600s"
-            )
-            platform.use_mlflow_secret(register, mlflow_secret_name)
-        # Validate scores the current champion from MLflow: it needs the same credentials.
-        platform.use_mlflow_secret(validate, mlflow_secret_name)
-        for task in (stage, train, validate, register):
-            platform.mount_fsx(task, fsx_pvc_name, options)
-            platform.apply_common(task, options)
-
     @dsl.pipeline(
         name=PIPELINE_NAME,
         description="Stage data from S3 to FSx, train with FSDP and "
@@ -176,12 +64,12 @@ def build_pipeline(
         fsx_mount_path: str = options.fsx_mount_path,
         dataset_name: str = "demo-corpus",
         run_name: str = "",
-        steps: int = 40,
+        steps: int = _default("steps"),
         nproc: int = 2,
-        checkpoint_every: int = 10,
-        checkpoint_mode: str = DEFAULT_CHECKPOINT_MODE,
-        seed: int = 1234,
-        preset: str = "tiny-cpu",
+        checkpoint_every: int = _default("checkpoint_every"),
+        checkpoint_mode: str = _default("checkpoint_mode"),
+        seed: int = _default("seed"),
+        preset: str = DEFAULT_PRESET,
         overrides: str = "",
         faults: str = "none",
         max_loss: float = 4.0,
@@ -238,11 +126,17 @@ def build_pipeline(
         cleanup.set_caching_options(False)
         platform.apply_common(cleanup, options)
         with dsl.ExitHandler(cleanup, name="Stage the data then train, validate and register the model"):
-            _steps(
+            stage = stage_op(
                 source=source,
                 s3_endpoint_url=s3_endpoint_url,
                 fsx_mount_path=fsx_mount_path,
                 dataset_name=dataset_name,
+                run_name=run_name,
+                run_id=run_id,
+            ).set_display_name("Stage the dataset from S3 onto FSx")
+            train = train_op(
+                dataset=stage.outputs["dataset"],
+                fsx_mount_path=fsx_mount_path,
                 run_name=run_name,
                 run_id=run_id,
                 steps=steps,
@@ -253,21 +147,72 @@ def build_pipeline(
                 preset=preset,
                 overrides=overrides,
                 faults=faults,
-                max_loss=max_loss,
-                min_improvement=min_improvement,
-                model_name=model_name,
                 launcher=launcher,
                 nnodes=nnodes,
                 gpus_per_node=gpus_per_node,
                 efa_per_node=efa_per_node,
+                job_image=image,
                 job_namespace=job_namespace,
                 training_runtime=training_runtime,
                 job_timeout_s=job_timeout_s,
                 fsx_pvc_name=fsx_pvc_name,
-                gpu_node_selector=gpu_node_selector,
-                gpu_tolerations=gpu_tolerations,
-                mlflow_secret_name=mlflow_secret_name,
+                node_selector=gpu_node_selector,
+                tolerations=gpu_tolerations,
+                image_pull_secrets=list(options.image_pull_secrets),
+            ).set_display_name("Train the model with FSDP and checkpoints")
+            platform.configure_train_pod(
+                train,
+                options=options,
+                node_selector=gpu_node_selector,
+                tolerations=gpu_tolerations,
             )
+            validate = validate_op(
+                model=train.outputs["model"],
+                dataset=stage.outputs["dataset"],
+                fsx_mount_path=fsx_mount_path,
+                run_name=run_name,
+                run_id=run_id,
+                max_loss=max_loss,
+                min_improvement=min_improvement,
+                model_name=model_name,
+                # Every checkpoint the train step commits is a resume point: it must hold optimizer state.
+                require_optimizer_state=True,
+            ).set_display_name("Validate the checkpoint on held-out data")
+            for task in (stage, train, validate):
+                # Each step writes to the shared volume: a cached result could point at a
+                # folder another run has since changed. Staging needs no KFP cache: it is
+                # keyed by the snapshot id (a hash of the S3 listing) and re-staging an
+                # unchanged prefix transfers nothing. Training is never cached.
+                task.set_caching_options(False)
+            # S3 and MLflow hiccups are worth retrying; a failed training run is not retried
+            # blindly here (its own launcher restarts ranks and resumes from checkpoints).
+            stage.set_retry(
+                num_retries=3, backoff_duration="30s", backoff_factor=2, backoff_max_duration="600s"
+            )
+            with dsl.If(validate.outputs["Output"] != "reject", name="If validation accepted the model"):
+                register = (
+                    register_op(
+                        model=train.outputs["model"],
+                        dataset=stage.outputs["dataset"],
+                        decision=validate.outputs["Output"],
+                        model_name=model_name,
+                        fsx_mount_path=fsx_mount_path,
+                        run_name=run_name,
+                        run_id=run_id,
+                        pipeline_version=pipeline_version(),
+                    )
+                    .set_display_name("Register the model in MLflow")
+                    .set_caching_options(False)
+                )
+                register.set_retry(
+                    num_retries=3, backoff_duration="30s", backoff_factor=2, backoff_max_duration="600s"
+                )
+                platform.use_mlflow_secret(register, mlflow_secret_name)
+            # Validate scores the current champion from MLflow: it needs the same credentials.
+            platform.use_mlflow_secret(validate, mlflow_secret_name)
+            for task in (stage, train, validate, register):
+                platform.mount_fsx(task, fsx_pvc_name, options)
+                platform.apply_common(task, options)
 
     return rtp_pipeline
 

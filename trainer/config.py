@@ -1,22 +1,46 @@
-"""The training configuration: one tree of dataclasses, named presets, `key=value` overrides.
+"""The training configuration: the single source of truth for a training run.
 
-A setting has one name everywhere: `checkpoint.every_steps` here is `--checkpoint-every`
-on the command line and `checkpoint_every` in the pipeline. The whole tree round-trips
-through JSON so it can be stored inside every checkpoint and compared on resume.
+One tree of dataclasses, named presets, `key=value` overrides, and the table of *named
+settings*: the fields that have their own pipeline parameter and command-line flag (a
+field's `param` metadata). `checkpoint.every_steps` is `checkpoint_every` in the pipeline
+and `--checkpoint-every` on the command line; its default, its help (the docstring under
+the field) and its allowed values (a Literal type) are declared here once, and
+trainer/arguments.py generates the flags from them. Every entry point turns user input
+into a config through `resolve_config`, so the config recorded for a run is the config
+it trained with. The whole tree round-trips through JSON (`<run>/train/config.json`, and
+inside every checkpoint, compared on resume).
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
 import hashlib
+import inspect
+import itertools
 import json
+import typing
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 from trainer.faults import FaultSpecError, parse_faults
 
-CHECKPOINT_MODES = ("off", "sync", "torch-async", "async")
-DEFAULT_CHECKPOINT_MODE = "async"
+CheckpointMode = Literal["off", "sync", "torch-async", "async"]
+CHECKPOINT_MODES: tuple[str, ...] = typing.get_args(CheckpointMode)
+DEFAULT_CHECKPOINT_MODE: CheckpointMode = "async"
+DEFAULT_PRESET = "tiny-cpu"
+
+
+def named(param: str, default: Any, *, path: bool = False) -> Any:
+    """A field with its own pipeline parameter `param` (flag `--param-with-dashes`).
+
+    Overrides may not set it: the named parameter is its one source. `path` marks a
+    location on disk, which entry points derive from the run folder.
+    """
+    return field(default=default, metadata={"param": param, "path": path})
 
 
 class ConfigError(ValueError):
@@ -39,7 +63,7 @@ class ModelConfig:
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
-    dataset_dir: str = ""
+    dataset_dir: str = named("dataset_dir", "", path=True)
     """A staged dataset snapshot (folder with manifest.json), as written by the stage step."""
     batch_size: int = 8
     """Sequences per rank per step."""
@@ -61,11 +85,12 @@ class OptimizerConfig:
 
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
-    mode: str = DEFAULT_CHECKPOINT_MODE
-    """off | sync (torch dcp.save) | torch-async (dcp.async_save) | async (NVRx persistent worker)."""
-    dir: str = ""
+    mode: CheckpointMode = named("checkpoint_mode", DEFAULT_CHECKPOINT_MODE)
+    """How checkpoints are written: async (NVRx persistent worker, overlaps the write with
+    training), torch-async (dcp.async_save), sync (dcp.save) or off."""
+    dir: str = named("checkpoint_dir", "", path=True)
     """Folder holding step_<N>/ checkpoints; empty means <workdir>/checkpoints."""
-    every_steps: int = 10
+    every_steps: int = named("checkpoint_every", 10)
     """Save a checkpoint every N steps (and always after the last step)."""
     keep_last: int = 3
     """Committed checkpoints to keep; older ones are deleted after a new one commits."""
@@ -80,23 +105,25 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True, slots=True)
 class RunConfig:
-    steps: int = 40
+    steps: int = named("steps", 40)
     """Total optimizer steps of the run (a resumed run continues up to this number)."""
-    seed: int = 1234
-    workdir: str = "rtp-work/train"
-    """Where checkpoints, logs and summary.json go."""
+    seed: int = named("seed", 1234)
+    """Random seed for weights and data order."""
+    workdir: str = named("workdir", "rtp-work/train", path=True)
+    """Where checkpoints, events.jsonl, logs and summary.json go."""
     log_every_steps: int = 5
-    stop_after_steps: int = 0
+    stop_after_steps: int = named("stop_after", 0)
     """Stop (exit cleanly) once this step is reached and checkpointed; 0 = never. Lets a
     test or an operator interrupt a run at a known step and resume it later."""
-    faults: str = ""
-    """Injected faults, `KIND@STEP[:RANK]` separated by commas (trainer/faults.py); for
-    tests, demos and chaos drills. Empty = none."""
+    faults: str = named("faults", "")
+    """Injected faults for a drill or test, `KIND@STEP[:RANK]` separated by commas: KIND is
+    exception, hang, sigkill or sigkill-during-save; each fires once per run on RANK
+    (default 0). Empty (or none) = no faults."""
 
 
 @dataclass(kw_only=True, slots=True)
 class ResilienceConfig:
-    inprocess_restarts: int = 3
+    inprocess_restarts: int = named("inprocess_restarts", 3)
     """Soft faults (an exception, a hang) restart training inside the same processes (NVRx
     in-process restart) up to this many times per process; 0 turns the layer off and leaves
     every fault to the launcher (ft_launcher restarts the whole worker group)."""
@@ -128,6 +155,38 @@ class TrainConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, indent=2)
+
+    def to_compact_json(self) -> str:
+        """One line, for a command-line argument (`--config={...}` in a job's pods)."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainConfig:
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"a training config must be JSON: {exc}") from None
+        if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
+            raise ConfigError("a training config must be a JSON object of sections")
+        config = cls.from_dict(raw)
+        validate(config)
+        return config
+
+    @classmethod
+    def read(cls, path: str | Path) -> TrainConfig:
+        """A config written by `write` (`<run>/train/config.json`), validated."""
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the training config {path}: {exc.strerror}") from None
+        return cls.from_json(text)
+
+    def write(self, path: str | Path) -> Path:
+        """Write the config as JSON atomically (a reader never sees half a file)."""
+        from trainer.events import write_json_atomic
+
+        write_json_atomic(Path(path), self.to_dict())
+        return Path(path)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> TrainConfig:
@@ -212,23 +271,145 @@ def _coerce(dotted_key: str, value: Any, target: type) -> Any:
         raise ConfigError(f"{dotted_key} must be {target.__name__}, got {value!r}") from None
 
 
+@dataclass(frozen=True, slots=True)
+class NamedSetting:
+    """A config field with its own pipeline parameter and flag (see `named`)."""
+
+    param: str
+    key: str
+    """Dotted config key, e.g. checkpoint.every_steps."""
+    type: Any
+    default: Any
+    help: str
+    path: bool
+
+    @property
+    def flag(self) -> str:
+        # `faults` is given one fault at a time on the command line: --fault KIND@STEP.
+        return "--fault" if self.param == "faults" else "--" + self.param.replace("_", "-")
+
+    @property
+    def choices(self) -> tuple[Any, ...] | None:
+        return typing.get_args(self.type) if typing.get_origin(self.type) is Literal else None
+
+    @property
+    def scalar_type(self) -> type:
+        choices = self.choices
+        return type(choices[0]) if choices else self.type
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstrings written under a dataclass's fields (the help of flags and docs)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, after in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+@functools.cache
+def named_settings() -> dict[str, NamedSetting]:
+    """Every named setting by parameter name, in config order."""
+    found = {}
+    for section in dataclasses.fields(TrainConfig):
+        section_cls = section.default_factory  # type: ignore[misc]
+        assert isinstance(section_cls, type)
+        hints = typing.get_type_hints(section_cls)
+        docs = field_docs(section_cls)
+        for item in dataclasses.fields(section_cls):
+            if "param" not in item.metadata:
+                continue
+            param = item.metadata["param"]
+            found[param] = NamedSetting(
+                param=param,
+                key=f"{section.name}.{item.name}",
+                type=hints[item.name],
+                default=item.default,
+                help=docs.get(item.name, ""),
+                path=item.metadata["path"],
+            )
+    return found
+
+
+def resolve_config(
+    *,
+    preset: str = DEFAULT_PRESET,
+    named: Mapping[str, Any] | None = None,
+    overrides: Sequence[str] = (),
+    base: TrainConfig | None = None,
+) -> TrainConfig:
+    """The one way an entry point turns user input into a checked config.
+
+    Starts from `base` (a config read from a file) or `preset`, applies the free-form
+    `overrides` (`section.field=value`), then the named settings (`{"steps": 40, ...}`,
+    None meaning "not given"). An override may not set a field that has a named parameter
+    (it has one source: its parameter) or a path (paths come from the run folder).
+    """
+    settings = named_settings()
+    owned = {setting.key: setting for setting in settings.values()}
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        if key in owned:
+            setting = owned[key]
+            where = (
+                f"a path: the pipeline derives it from the run folder; `rtp train-local` takes {setting.flag}"
+                if setting.path
+                else f"set by its own parameter: {setting.param} in the pipeline, {setting.flag} on the command line"
+            )
+            raise ConfigError(f"override {item!r} is refused: {key} is {where}")
+    items = list(overrides)
+    for param, value in (named or {}).items():
+        if param not in settings:
+            raise ConfigError(f"unknown named setting {param!r}; known: {', '.join(settings)}")
+        if value is None:
+            continue
+        if param == "faults":
+            value = normalize_faults(value)
+        items.append(f"{settings[param].key}={value}")
+    if base is None:
+        return build_config(preset, items)
+    config = TrainConfig.from_dict(base.to_dict())
+    apply_overrides(config, items)
+    validate(config)
+    return config
+
+
+def normalize_faults(value: str | Sequence[str]) -> str:
+    """Faults as one comma-separated string; 'none' (the pipeline's default) means none."""
+    text = value if isinstance(value, str) else ",".join(value)
+    return "" if text.strip().lower() == "none" else text
+
+
 def parse_overrides(text: str) -> list[str]:
     """Split a free-form overrides string ('a.b=1 c.d=2' or comma-separated) into items."""
     return [item for item in text.replace(",", " ").split() if item]
 
 
-def build_config(preset: str = "tiny-cpu", overrides: list[str] | None = None) -> TrainConfig:
+def build_config(preset: str = DEFAULT_PRESET, overrides: list[str] | None = None) -> TrainConfig:
     """A preset with `section.field=value` overrides applied, validated."""
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     config = TrainConfig.from_dict(PRESETS[preset])
-    for item in overrides or []:
+    apply_overrides(config, overrides or [])
+    validate(config)
+    return config
+
+
+def apply_overrides(config: TrainConfig, overrides: Sequence[str]) -> None:
+    """Apply `section.field=value` items in order (a later item wins), typed by the field."""
+    for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"override {item!r} is not key=value (e.g. optimizer.lr=1e-3)")
         _set(config, key.strip(), value.strip())
-    validate(config)
-    return config
 
 
 def validate(config: TrainConfig) -> None:

@@ -6,8 +6,9 @@ rank): `--standalone` picks a free rendezvous port on loopback, starts `nproc` c
 when a rank dies or stops heart-beating (the hard faults in-process restart cannot
 handle). The NIC monitor is turned off on CPU (it needs NVML). The command is built by a
 pure function so it can be shown and tested; `run_local_training` marks the start of a new
-run in the event log, streams the ranks' output to a log file and the caller's stdout,
-and returns the run's summary.json.
+run in the event log, writes the run's config where every rank reads it, streams the
+ranks' output to a log file and the caller's stdout, and returns the run's summary.json
+as a TrainSummary.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from trainer.config import TrainConfig
+from trainer.summary import TrainSummary
 
 
 class TrainingFailed(RuntimeError):
@@ -86,40 +90,12 @@ def launcher_flags(settings: LauncherSettings, cpu: bool) -> list[str]:
     ]
 
 
-def trainer_arguments(
-    *,
-    dataset_dir: str,
-    workdir: str,
-    steps: int,
-    checkpoint_every: int,
-    seed: int,
-    preset: str = "tiny-cpu",
-    checkpoint_mode: str | None = None,
-    checkpoint_dir: str | None = None,
-    stop_after: int | None = None,
-    overrides: list[str] | None = None,
-    faults: list[str] | None = None,
-    inprocess_restarts: int | None = None,
-) -> list[str]:
-    args = [
-        f"--preset={preset}",
-        f"--dataset-dir={dataset_dir}",
-        f"--workdir={workdir}",
-        f"--steps={steps}",
-        f"--checkpoint-every={checkpoint_every}",
-        f"--seed={seed}",
-    ]
-    if checkpoint_mode:
-        args.append(f"--checkpoint-mode={checkpoint_mode}")
-    if checkpoint_dir:
-        args.append(f"--checkpoint-dir={checkpoint_dir}")
-    if stop_after:
-        args.append(f"--stop-after={stop_after}")
-    args += [f"--fault={item}" for item in faults or []]
-    if inprocess_restarts is not None:
-        args.append(f"--inprocess-restarts={inprocess_restarts}")
-    args += [f"--override={item}" for item in overrides or []]
-    return args
+CONFIG_FILE = "config.json"
+
+
+def trainer_arguments(config_path: str | Path) -> list[str]:
+    """What every rank is started with: the one serialized config (`TrainConfig.write`)."""
+    return [f"--config={config_path}"]
 
 
 def _has_cuda() -> bool:
@@ -194,18 +170,19 @@ def mark_new_run(workdir: str | Path) -> None:
 
 def run_local_training(
     nproc: int,
-    trainer_args: list[str],
-    workdir: str | Path,
+    config: TrainConfig,
     echo: bool = True,
     settings: LauncherSettings | None = None,
     new_run: bool = True,
-) -> dict[str, Any]:
-    """Run the ranks to completion; raise TrainingFailed with the log's tail on failure.
+) -> TrainSummary:
+    """Run the ranks to completion on `config`; raise TrainingFailed with the log's tail on
+    failure. The config is written to `<workdir>/config.json` and is all the ranks read.
 
     `new_run=False` continues the previous run's fault records and goodput window: a
     relaunch after the whole launcher died (what a pod restart does)."""
-    work = Path(workdir)
+    work = Path(config.run.workdir)
     (work / "logs").mkdir(parents=True, exist_ok=True)
+    trainer_args = trainer_arguments(config.write(work / CONFIG_FILE))
     if new_run:
         mark_new_run(work)
     log_path = work / "logs" / "train.log"
@@ -242,8 +219,7 @@ def run_local_training(
         cause = f"{fatal} (not retried: a restart would fail the same way)" if fatal else root_cause(text)
         reason = f": {cause}" if cause else ""
         restarts = len(re.findall(r"will restart worker group", text))
-        named = [arg.split("=", 1)[1] for arg in trainer_args if arg.startswith("--checkpoint-dir=")]
-        kept = latest_committed_checkpoint(Path(named[-1]) if named else work / "checkpoints")
+        kept = latest_committed_checkpoint(Path(config.checkpoint_dir()))
         raise TrainingFailed(
             f"training exited with code {returncode}{reason}; worker-group restarts used: {restarts}"
             f"{f' of {settings.max_restarts}' if settings else ''}; last committed checkpoint: "
@@ -252,4 +228,4 @@ def run_local_training(
         )
     if not summary_path.is_file():
         raise TrainingFailed(f"training exited cleanly but wrote no {summary_path}; see {log_path}")
-    return json.loads(summary_path.read_text())
+    return TrainSummary.read(summary_path)

@@ -13,6 +13,7 @@ Kubernetes grace period is spent saving instead of losing the steps since the la
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -29,10 +30,11 @@ from trainer import checkpoint
 from trainer.checkpointer import Checkpointer, SaveRecord, efficiency_pct
 from trainer.config import TrainConfig
 from trainer.data import StepSampler, load_tokens, split_files
-from trainer.events import EventLog, write_json_atomic
+from trainer.events import EventLog
 from trainer.faults import FaultInjector, parse_faults
 from trainer.model import ByteLM, next_token_loss
 from trainer.parallelize import apply_fsdp, init_distributed, set_collective_timeout, training_device
+from trainer.summary import TrainSummary
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +104,7 @@ class _StopRequest:
 
 def train(
     config: TrainConfig, store: dist.Store | None = None, hooks: TrainHooks | None = None
-) -> dict[str, Any]:
+) -> TrainSummary:
     """Run (or resume) training to `config.run.steps`; returns the summary (rank 0's view).
 
     `store` and `hooks` come from trainer/resilience.py: the rendezvous store of this
@@ -275,38 +277,38 @@ def train(
     blocked_total = sum(record.blocked_s for record in checkpointer.records)
     latest_now = checkpoint.latest_committed_checkpoint(ckpt_root)
     final_step = losses[-1][0] if losses else last_step
-    summary = {
-        "steps": final_step,
-        "target_steps": config.run.steps,
-        "completed": final_step >= config.run.steps,
-        "stopped_by_signal": stopped_by_signal,
-        "steps_run": steps_run,
-        "final_loss": losses[-1][1] if losses else None,
-        "losses": [{"step": s, "loss": v} for s, v in losses],
-        "checkpoint": str(latest_now) if latest_now else None,
-        "checkpoint_mode": ckpt_cfg.mode,
-        "resumed_from": resumed_from,
-        "checkpoint_saves": saves,
-        "checkpoint_blocked_s": blocked_total,
-        "efficiency_pct": efficiency_pct(blocked_total, loop_wall_s),
-        "final_drain_s": final_drain_s,
-        "checkpointer_start_s": checkpointer_start_s,
-        "checkpointer_teardown_s": teardown_s,
-        "loop_wall_s": loop_wall_s,
-        "world_size": world,
-        "device": device.type,
-        "model_sha256": model_sha256(model),
-        "train_seconds": step_seconds,
-        "wall_seconds": time.perf_counter() - wall_start,
-    }
+    summary = TrainSummary(
+        steps=final_step,
+        target_steps=config.run.steps,
+        completed=final_step >= config.run.steps,
+        stopped_by_signal=stopped_by_signal,
+        steps_run=steps_run,
+        final_loss=losses[-1][1] if losses else None,
+        losses=[{"step": s, "loss": v} for s, v in losses],
+        checkpoint=str(latest_now) if latest_now else None,
+        checkpoint_mode=ckpt_cfg.mode,
+        resumed_from=resumed_from,
+        checkpoint_saves=saves,
+        checkpoint_blocked_s=blocked_total,
+        efficiency_pct=efficiency_pct(blocked_total, loop_wall_s),
+        final_drain_s=final_drain_s,
+        checkpointer_start_s=checkpointer_start_s,
+        checkpointer_teardown_s=teardown_s,
+        loop_wall_s=loop_wall_s,
+        world_size=world,
+        device=device.type,
+        model_sha256=model_sha256(model),
+        train_seconds=step_seconds,
+        wall_seconds=time.perf_counter() - wall_start,
+    )
     if rank == 0:
         from trainer import goodput, report
         from trainer.faults import fired_faults
 
-        summary.update(goodput.analyze_run(workdir, time.time()))
+        summary = dataclasses.replace(summary, **goodput.analyze_run(workdir, time.time()))
         report_path = report.write_goodput_report(
-            workdir / "goodput.html", summary, goodput.read_events(workdir), fired_faults(workdir)
+            workdir / "goodput.html", summary.to_dict(), goodput.read_events(workdir), fired_faults(workdir)
         )
-        summary["goodput_report"] = str(report_path)
-        write_json_atomic(workdir / "summary.json", summary)
+        summary.goodput_report = str(report_path)
+        summary.write(workdir / "summary.json")
     return summary

@@ -31,6 +31,7 @@ from trainer.checkpointer import abandon_all
 from trainer.config import TrainConfig
 from trainer.faults import record_fatal_error, recorded_fatal_error
 from trainer.loop import TrainHooks, train
+from trainer.summary import TrainSummary
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +160,7 @@ def _fatal_errors() -> tuple[type[BaseException], ...]:
     return (DataError, ConfigError, CheckpointError, FaultSpecError, FloatingPointError)
 
 
-def run_training(config: TrainConfig, process_started_at: float | None = None) -> dict[str, Any]:
+def run_training(config: TrainConfig, process_started_at: float | None = None) -> TrainSummary | None:
     """Train to the end through both layers; returns rank 0's summary (others: their view).
 
     An error no restart can fix (`_fatal_errors`) is recorded in the workdir and ends the
@@ -186,7 +187,7 @@ def _attempt(
     launcher: _LauncherClient,
     call_wrapper: Any,
     detected_at: float | None,
-) -> dict[str, Any]:
+) -> TrainSummary:
     attempt = call_wrapper.iteration if call_wrapper is not None else 0
     hooks = _Hooks(launcher, call_wrapper, attempt, detected_at)
     try:
@@ -201,7 +202,7 @@ def _attempt(
         raise
 
 
-def _run_inprocess(config: TrainConfig, store: dist.Store, launcher: _LauncherClient) -> dict[str, Any]:
+def _run_inprocess(config: TrainConfig, store: dist.Store, launcher: _LauncherClient) -> TrainSummary | None:
     from nvidia_resiliency_ext import inprocess
 
     r = config.resilience
@@ -218,7 +219,7 @@ def _run_inprocess(config: TrainConfig, store: dist.Store, launcher: _LauncherCl
             abandon_all()  # again: the loop's own abandon may have been cut short
             return state
 
-    def wrapped(config: TrainConfig, call_wrapper: inprocess.CallWrapper | None = None) -> dict[str, Any]:
+    def wrapped(config: TrainConfig, call_wrapper: inprocess.CallWrapper | None = None) -> TrainSummary:
         if call_wrapper is not None and call_wrapper.iteration > 0:
             log.warning(
                 "in-process restart %d: resuming from the latest committed checkpoint", call_wrapper.iteration
@@ -243,4 +244,4 @@ def _run_inprocess(config: TrainConfig, store: dist.Store, launcher: _LauncherCl
         termination_grace_time=datetime.timedelta(seconds=2),
     )
     result = wrapper(wrapped)(config)
-    return result if isinstance(result, dict) else {}
+    return result if isinstance(result, TrainSummary) else None

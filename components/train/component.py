@@ -68,41 +68,35 @@ def train_model(
     import time
 
     from components.layout import record_step, run_dir
-    from components.train.train import train_in_pod
+    from components.train.train import TrainRequest, train_in_pod
 
     started = time.time()
     folder = run_dir(fsx_mount_path, run_name, run_id)
+    request = TrainRequest(
+        dataset_dir=dataset.metadata["snapshot_dir"],
+        run_folder=folder,
+        preset=preset,
+        overrides=overrides,
+        settings={
+            "steps": steps,
+            "checkpoint_every": checkpoint_every,
+            "checkpoint_mode": checkpoint_mode,
+            "seed": seed,
+            "faults": faults,
+        },
+    )
     if launcher == "inpod":
-        summary = train_in_pod(
-            dataset_dir=dataset.metadata["snapshot_dir"],
-            run_folder=folder,
-            steps=steps,
-            nproc=nproc,
-            checkpoint_every=checkpoint_every,
-            checkpoint_mode=checkpoint_mode,
-            seed=seed,
-            preset=preset,
-            overrides=overrides,
-            faults=faults,
-        )
+        result = train_in_pod(request, nproc=nproc)
     else:
         from components.train.job_train import train_with_job
 
-        summary = train_with_job(
+        result = train_with_job(
             launcher,
-            dataset_dir=dataset.metadata["snapshot_dir"],
-            run_folder=folder,
+            request,
             run_id=run_id,
             namespace=job_namespace,
             image=job_image,
-            steps=steps,
             nproc_per_node=nproc,
-            checkpoint_every=checkpoint_every,
-            checkpoint_mode=checkpoint_mode,
-            seed=seed,
-            preset=preset,
-            overrides=overrides,
-            faults=faults,
             timeout_s=job_timeout_s,
             nnodes=nnodes,
             gpus_per_node=gpus_per_node,
@@ -114,37 +108,38 @@ def train_model(
             tolerations=tolerations,
             image_pull_secrets=image_pull_secrets,
         )
+    summary = result.summary
     model.metadata.update(
         {
-            "checkpoint_dir": summary["checkpoint"],
-            "step": summary["steps"],
-            "model_config": summary["model_config"],
-            "model_sha256": summary["model_sha256"],
-            "config_sha256": summary["config_sha256"],
+            "checkpoint_dir": summary.checkpoint,
+            "step": summary.steps,
+            "model_config": result.model_config,
+            "model_sha256": summary.model_sha256,
+            "config_sha256": result.config_sha256,
             "dataset_snapshot_id": dataset.metadata.get("snapshot_id", ""),
-            "goodput_pct": summary.get("goodput_pct"),
-            "efficiency_pct": summary.get("efficiency_pct"),
-            "restarts": len(summary.get("restarts", [])),
-            "goodput_report": summary.get("goodput_report", ""),
+            "goodput_pct": summary.goodput_pct,
+            "efficiency_pct": summary.efficiency_pct,
+            "restarts": len(summary.restarts),
+            "goodput_report": summary.goodput_report,
         }
     )
     with open(model.path, "w") as handle:
-        json.dump({"checkpoint_dir": summary["checkpoint"], "step": summary["steps"]}, handle)
-    if summary["final_loss"] is not None:
-        metrics.log_metric("final_loss", summary["final_loss"])
-    metrics.log_metric("steps", summary["steps"])
-    metrics.log_metric("train_seconds", round(summary["train_seconds"], 3))
-    metrics.log_metric("checkpoint_efficiency_pct", round(summary["efficiency_pct"], 2))
-    metrics.log_metric("goodput_pct", summary["goodput_pct"])
-    metrics.log_metric("restarts", len(summary["restarts"]))
-    metrics.log_metric("steps_redone", summary["lost_steps"])
-    shutil.copyfile(summary["goodput_report"], goodput_report.path)
+        json.dump({"checkpoint_dir": summary.checkpoint, "step": summary.steps}, handle)
+    if summary.final_loss is not None:
+        metrics.log_metric("final_loss", summary.final_loss)
+    metrics.log_metric("steps", summary.steps)
+    metrics.log_metric("train_seconds", round(summary.train_seconds, 3))
+    metrics.log_metric("checkpoint_efficiency_pct", round(summary.efficiency_pct, 2))
+    metrics.log_metric("goodput_pct", summary.goodput_pct)
+    metrics.log_metric("restarts", len(summary.restarts))
+    metrics.log_metric("steps_redone", summary.lost_steps)
+    shutil.copyfile(summary.goodput_report, goodput_report.path)
     record_step(
         folder,
         "train",
         started,
-        steps=summary["steps"],
-        final_loss=summary["final_loss"],
-        checkpoint=summary["checkpoint"],
-        model_sha256=summary["model_sha256"],
+        steps=summary.steps,
+        final_loss=summary.final_loss,
+        checkpoint=summary.checkpoint,
+        model_sha256=summary.model_sha256,
     )

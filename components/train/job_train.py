@@ -1,6 +1,6 @@
 """The train step's multi-node path: training as a PyTorchJob or TrainJob, not in this pod.
 
-`train_with_job` builds the same `python -m trainer` arguments as the in-pod path, wraps
+`train_with_job` hands the pods the same config as the in-pod path (`--config`), wraps
 them in a job manifest (`jobs`), runs it to the end (`k8s_launcher`), and then reads the
 summary that global rank 0 wrote onto the shared FSx volume, which this pod mounts at
 the same path as the job's pods. So the result looks exactly like `train_in_pod`'s, and
@@ -9,56 +9,44 @@ validate and register do not care which launcher trained the model.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 from components.train.jobs import JOB_LAUNCHERS, JobSettings, JobSettingsError, job_manifest, job_name
 from components.train.k8s_launcher import JobFailed, in_cluster_api_client, pod_namespace, run_job
-from components.train.train import plan_run, run_result
-from trainer.config import DEFAULT_CHECKPOINT_MODE
+from components.train.train import TrainRequest, TrainResult
+from trainer.config import TrainConfig
+from trainer.launch import CONFIG_FILE
+from trainer.summary import TrainSummary
 
 
 def job_settings_for_run(
+    request: TrainRequest,
     *,
-    dataset_dir: str,
-    run_folder: str | Path,
     run_id: str,
     namespace: str,
     image: str,
-    steps: int,
     nproc_per_node: int,
-    checkpoint_every: int,
-    checkpoint_mode: str = DEFAULT_CHECKPOINT_MODE,
-    seed: int,
-    preset: str,
-    overrides: str = "",
-    faults: str = "",
     **job_fields: Any,
 ) -> JobSettings:
-    """JobSettings whose pods train this run into `run_folder` (checked, pure)."""
-    _, args = plan_run(
-        dataset_dir=dataset_dir,
-        run_folder=run_folder,
-        steps=steps,
-        checkpoint_every=checkpoint_every,
-        checkpoint_mode=checkpoint_mode,
-        seed=seed,
-        preset=preset,
-        overrides=overrides,
-        faults=faults,
-    )
-    return _job_settings(args, run_id, namespace, image, nproc_per_node, job_fields)
+    """JobSettings whose pods train this run into its run folder (checked, pure)."""
+    return _job_settings(request.config(), run_id, namespace, image, nproc_per_node, job_fields)
 
 
 def _job_settings(
-    args: list[str], run_id: str, namespace: str, image: str, nproc_per_node: int, job_fields: dict[str, Any]
+    config: TrainConfig,
+    run_id: str,
+    namespace: str,
+    image: str,
+    nproc_per_node: int,
+    job_fields: dict[str, Any],
 ) -> JobSettings:
+    # The config travels inline (compact JSON), so the manifest alone says what the pods
+    # train; the step also writes it to <run>/train/config.json as the run's record.
     return JobSettings(
         name=job_name(run_id),
         namespace=namespace,
         image=image,
-        trainer_args=args,
+        trainer_args=[f"--config={config.to_compact_json()}"],
         run_id=run_id,
         nproc_per_node=nproc_per_node,
         **job_fields,
@@ -67,26 +55,18 @@ def _job_settings(
 
 def train_with_job(
     launcher: str,
+    request: TrainRequest,
     *,
-    dataset_dir: str,
-    run_folder: str | Path,
     run_id: str,
     namespace: str = "",
     image: str,
-    steps: int,
     nproc_per_node: int,
-    checkpoint_every: int,
-    checkpoint_mode: str = DEFAULT_CHECKPOINT_MODE,
-    seed: int,
-    preset: str,
-    overrides: str = "",
-    faults: str = "",
     timeout_s: float,
     poll_interval_s: float = 10.0,
     api_client: Any = None,
     **job_fields: Any,
-) -> dict[str, Any]:
-    """Train as a `launcher` job; returns the trainer's summary plus the config used."""
+) -> TrainResult:
+    """Train as a `launcher` job; returns the summary rank 0 wrote and the config used."""
     if launcher not in JOB_LAUNCHERS:
         raise JobSettingsError(f"launcher {launcher!r} is not one of inpod, {', '.join(JOB_LAUNCHERS)}")
     if not image:
@@ -94,20 +74,11 @@ def train_with_job(
     # The engine's own deadline backs up this step's timeout for when the step's pod dies
     # without cleaning up (node loss) and the exit handler cannot run either.
     job_fields.setdefault("deadline_s", int(timeout_s) + 600)
-    config, args = plan_run(
-        dataset_dir=dataset_dir,
-        run_folder=run_folder,
-        steps=steps,
-        checkpoint_every=checkpoint_every,
-        checkpoint_mode=checkpoint_mode,
-        seed=seed,
-        preset=preset,
-        overrides=overrides,
-        faults=faults,
-    )
-    settings = _job_settings(args, run_id, pod_namespace(namespace), image, nproc_per_node, job_fields)
+    config = request.config()
+    settings = _job_settings(config, run_id, pod_namespace(namespace), image, nproc_per_node, job_fields)
     manifest = job_manifest(launcher, settings)
-    summary_path = Path(run_folder) / "train" / "summary.json"
+    config.write(request.workdir / CONFIG_FILE)
+    summary_path = request.workdir / "summary.json"
     # A summary left by an earlier attempt must not pass for this job's result.
     summary_path.unlink(missing_ok=True)
     run_job(
@@ -121,5 +92,10 @@ def train_with_job(
             f"{manifest['kind']} {settings.name} succeeded but wrote no {summary_path}: is the FSx PVC "
             f"{settings.pvc_name!r} mounted at {settings.mount_path} in both the step and the job?"
         )
-    summary = json.loads(summary_path.read_text())
-    return {**run_result(summary, config, preset), "launcher": launcher, "job_name": settings.name}
+    return TrainResult(
+        summary=TrainSummary.read(summary_path),
+        config=config,
+        preset=request.preset,
+        launcher=launcher,
+        job_name=settings.name,
+    )

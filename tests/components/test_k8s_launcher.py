@@ -10,7 +10,6 @@ covered only by the manifests' schema checks and by docs/eks.md.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -22,7 +21,10 @@ from kubernetes import client
 from components.train.job_train import train_with_job
 from components.train.jobs import RUN_ID_LABEL, JobSettings, job_manifest
 from components.train.k8s_launcher import JobFailed, JobTimedOut, delete_run_jobs, run_job
+from components.train.train import TrainRequest
 from tests.fakes.kube_api import FakeKubernetes, Scenario
+from trainer.config import TrainConfig
+from trainer.summary import TrainSummary
 
 pytestmark = pytest.mark.shared_specs
 RUN_ID = "5e1f7a10-0c4b-4c1e-9d7e-0123456789ab"
@@ -144,29 +146,44 @@ def test_cleanup_deletes_only_this_runs_jobs(fake):
     assert delete_run_jobs(api, "team-a", RUN_ID) == []
 
 
+def fake_summary(steps: int, checkpoint: str) -> TrainSummary:
+    return TrainSummary(
+        steps=steps, target_steps=steps, completed=True, stopped_by_signal=False, steps_run=steps,
+        final_loss=4.2, losses=[{"step": steps, "loss": 4.2}], checkpoint=checkpoint, checkpoint_mode="async",
+        resumed_from=None, checkpoint_saves=[], checkpoint_blocked_s=0.0, efficiency_pct=100.0,
+        final_drain_s=0.0, checkpointer_start_s=0.0, checkpointer_teardown_s=0.0, loop_wall_s=1.5,
+        world_size=4, device="cpu", model_sha256="ab" * 32, train_seconds=1.5, wall_seconds=2.0,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("launcher", ["pytorchjob", "trainjob"])
 def test_train_with_job_returns_the_summary_rank0_wrote(fake, tmp_path, launcher):
     run_folder = tmp_path / "fsx" / "rtp" / "runs" / "r1"
     (run_folder / "train").mkdir(parents=True)
     (run_folder / "train" / "summary.json").write_text('{"stale": true}')
-    written = {"steps": 4, "final_loss": 4.2, "checkpoint": str(run_folder / "checkpoints" / "step_4"),
-               "model_sha256": "ab" * 32, "train_seconds": 1.5}  # fmt: skip
+    written = fake_summary(steps=4, checkpoint=str(run_folder / "checkpoints" / "step_4"))
 
     def rank0_writes_summary(job: dict) -> None:
         # Stands in for global rank 0 writing onto the shared volume at the end of training.
         args = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["command"] if (
             job["kind"] == "PyTorchJob") else job["spec"]["trainer"]["command"]  # fmt: skip
-        assert f"--workdir={run_folder / 'train'}" in args
-        (run_folder / "train" / "summary.json").write_text(json.dumps(written))
+        [inline] = [arg.removeprefix("--config=") for arg in args if arg.startswith("--config=")]
+        pods_config = TrainConfig.from_json(inline)
+        assert pods_config.run.workdir == str(run_folder / "train") and pods_config.run.steps == 4
+        assert TrainConfig.read(run_folder / "train" / "config.json") == pods_config  # the run's record
+        written.write(run_folder / "train" / "summary.json")
 
     fake.on_success = rank0_writes_summary
-    summary = train_with_job(
-        launcher, dataset_dir=str(tmp_path / "data"), run_folder=run_folder, run_id=RUN_ID, namespace="team-a",
-        image="example.com/rtp:1", steps=4, nproc_per_node=2, checkpoint_every=2, seed=1, preset="tiny-cpu",
+    request = TrainRequest(
+        dataset_dir=str(tmp_path / "data"), run_folder=run_folder, preset="tiny-cpu",
+        settings={"steps": 4, "checkpoint_every": 2, "seed": 1},
+    )  # fmt: skip
+    result = train_with_job(
+        launcher, request, run_id=RUN_ID, namespace="team-a", image="example.com/rtp:1", nproc_per_node=2,
         timeout_s=30, poll_interval_s=0.01, api_client=api_client(fake), nnodes=2, pvc_name="fsx-claim",
         mount_path=str(tmp_path / "fsx"),
     )  # fmt: skip
-    assert summary["checkpoint"] == written["checkpoint"]
+    assert result.summary == written
     created = fake.jobs[next(iter(fake.jobs))].body["spec"]
     deadline = (
         created["runPolicy"]["activeDeadlineSeconds"]
@@ -174,16 +191,16 @@ def test_train_with_job_returns_the_summary_rank0_wrote(fake, tmp_path, launcher
         else created["activeDeadlineSeconds"]
     )
     assert deadline == 30 + 600
-    assert summary["launcher"] == launcher and summary["job_name"].startswith("rtp-train-5e1f7a10")
-    assert summary["model_config"]["n_layers"] >= 1
+    assert result.launcher == launcher and result.job_name.startswith("rtp-train-5e1f7a10")
+    assert result.model_config["n_layers"] >= 1 and result.config.checkpoint.every_steps == 2
 
 
 def test_train_with_job_without_a_summary_names_the_volume(fake, tmp_path):
     with pytest.raises(JobFailed, match=r"wrote no .*summary\.json.*fsx-claim"):
         train_with_job(
-            "pytorchjob", dataset_dir="/fsx/d", run_folder=tmp_path / "run", run_id=RUN_ID, namespace="team-a",
-            image="example.com/rtp:1", steps=4, nproc_per_node=1, checkpoint_every=2, seed=1, preset="tiny-cpu",
-            timeout_s=30, poll_interval_s=0.01, api_client=api_client(fake), pvc_name="fsx-claim",
+            "pytorchjob", TrainRequest(dataset_dir="/fsx/d", run_folder=tmp_path / "run"), run_id=RUN_ID,
+            namespace="team-a", image="example.com/rtp:1", nproc_per_node=1, timeout_s=30, poll_interval_s=0.01,
+            api_client=api_client(fake), pvc_name="fsx-claim",
         )  # fmt: skip
 
 

@@ -2,23 +2,29 @@ import json
 import sys
 from pathlib import Path
 
-from trainer.launch import run_local_training, trainer_arguments
+from trainer.config import resolve_config
+from trainer.launch import run_local_training
 
 
 def train(
-    dataset_dir, workdir, nproc: int = 2, steps: int = 12, every: int = 4, overrides=(), **extra
+    dataset_dir, workdir, nproc: int = 2, steps: int = 12, every: int = 4, overrides=(), **named
 ) -> dict:
-    """A real multi-process run through the launcher; returns its summary.json."""
-    args = trainer_arguments(
-        dataset_dir=str(dataset_dir),
-        workdir=str(workdir),
-        steps=steps,
-        checkpoint_every=every,
-        seed=7,
+    """A real multi-process run through the launcher; returns its summary.json as a dict.
+
+    `named` are the trainer's named settings (checkpoint_mode=, faults=, stop_after=, ...),
+    resolved with `overrides` the way every entry point resolves them."""
+    config = resolve_config(
+        named={
+            "dataset_dir": str(dataset_dir),
+            "workdir": str(workdir),
+            "steps": steps,
+            "checkpoint_every": every,
+            "seed": 7,
+            **named,
+        },
         overrides=list(overrides),
-        **extra,
     )
-    return run_local_training(nproc, args, workdir, echo=False)
+    return run_local_training(nproc, config, echo=False).to_dict()
 
 
 def train_local_command(dataset_dir, workdir, steps: int, every: int, *extra: str) -> list[str]:

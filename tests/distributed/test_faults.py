@@ -19,7 +19,8 @@ import pytest
 
 from tests.distributed.conftest import train
 from trainer.checkpoint import latest_committed_checkpoint, verify_checkpoint
-from trainer.launch import LauncherSettings, TrainingFailed, run_local_training, trainer_arguments
+from trainer.config import resolve_config
+from trainer.launch import LauncherSettings, TrainingFailed, run_local_training
 
 pytestmark = pytest.mark.distributed
 
@@ -130,18 +131,20 @@ def test_a_hang_on_a_single_rank_is_recovered_without_help(dataset_dir, tmp_path
 
 
 def test_exhausted_restarts_fail_clearly_and_keep_the_last_checkpoint(dataset_dir, tmp_path, run_mark):
-    args = trainer_arguments(
-        dataset_dir=str(dataset_dir),
-        workdir=str(tmp_path),
-        steps=STEPS,
-        checkpoint_every=EVERY,
-        seed=7,
+    config = resolve_config(
+        named={
+            "dataset_dir": str(dataset_dir),
+            "workdir": str(tmp_path),
+            "steps": STEPS,
+            "checkpoint_every": EVERY,
+            "seed": 7,
+            "faults": ["exception@6:1", "exception@10:0"],
+            "inprocess_restarts": 0,
+        },
         overrides=FAST,
-        faults=["exception@6:1", "exception@10:0"],
-        inprocess_restarts=0,
     )
     with pytest.raises(TrainingFailed) as failure:
-        run_local_training(2, args, tmp_path, echo=False, settings=LauncherSettings(max_restarts=1))
+        run_local_training(2, config, echo=False, settings=LauncherSettings(max_restarts=1))
     message = str(failure.value)
     assert "InjectedFault: injected fault exception@10:0" in message
     assert "worker-group restarts used: 1 of 1" in message

@@ -64,8 +64,8 @@ def test_async_saves_hold_the_weights_of_their_step(mode, dataset_dir, tmp_path)
         tmp_path,
         steps=10,
         every=2,
+        checkpoint_mode=mode,
         overrides=[
-            f"checkpoint.mode={mode}",
             "checkpoint.keep_last=100",
             "checkpoint.record_weight_hashes=true",
         ],
@@ -84,7 +84,8 @@ def test_retention_keeps_the_last_k_and_every_mth(dataset_dir, tmp_path):
         tmp_path,
         steps=12,
         every=2,
-        overrides=["checkpoint.keep_last=2", "checkpoint.keep_every_steps=4", "checkpoint.mode=sync"],
+        checkpoint_mode="sync",
+        overrides=["checkpoint.keep_last=2", "checkpoint.keep_every_steps=4"],
     )
     assert [step for step, _ in committed_steps(tmp_path / "checkpoints")] == [12, 10, 8, 4]
     assert not list((tmp_path / "checkpoints").glob("*.tmp"))

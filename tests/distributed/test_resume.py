@@ -40,7 +40,7 @@ def test_uninterrupted_run_trains_and_checkpoints(uninterrupted):
 
 @pytest.mark.parametrize("mode", ["sync", "torch-async", "async"])
 def test_stopped_and_resumed_run_matches_uninterrupted(mode, dataset_dir, tmp_path, uninterrupted):
-    first = train(dataset_dir, tmp_path, overrides=[f"checkpoint.mode={mode}"], stop_after=6)
+    first = train(dataset_dir, tmp_path, checkpoint_mode=mode, stop_after=6)
     assert first["steps"] == 6 and not first["completed"]
     assert first["checkpoint"].endswith("step_6")
     assert first["model_sha256"] != uninterrupted["model_sha256"]

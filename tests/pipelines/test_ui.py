@@ -6,9 +6,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from components.train.train import TrainRequest
 from pipelines import ops
 from pipelines.pipeline import compile_pipeline
-from trainer.config import build_config, parse_overrides
+from trainer.arguments import PIPELINE_SETTINGS
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +44,12 @@ def test_every_parameter_default_is_accepted_and_makes_a_valid_training_config(s
             assert float(value).is_integer(), name
             value = int(value)
         defaults[name] = ops.check_allowed_value(name, value)
-    build_config(
-        defaults["preset"],
-        [
-            *parse_overrides(defaults["overrides"]),
-            f"run.steps={defaults['steps']}",
-            f"checkpoint.every_steps={defaults['checkpoint_every']}",
-            f"checkpoint.mode={defaults['checkpoint_mode']}",
-        ],
-    )
+    # The defaults a user sees in the UI make a valid training config.
+    TrainRequest(
+        dataset_dir="d",
+        run_folder=Path("r"),
+        preset=defaults["preset"],
+        overrides=defaults["overrides"],
+        settings={name: defaults[name] for name in PIPELINE_SETTINGS},
+    ).config()
     assert defaults["source"].startswith("s3://") and defaults["fsx_mount_path"].startswith("/")

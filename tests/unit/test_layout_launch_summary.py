@@ -25,17 +25,7 @@ def test_unsafe_folder_names_are_refused(name):
 
 
 def test_launch_command_runs_the_trainer_module_under_ft_launcher():
-    args = trainer_arguments(
-        dataset_dir="d",
-        workdir="w",
-        steps=5,
-        checkpoint_every=2,
-        seed=1,
-        stop_after=3,
-        overrides=["optimizer.lr=0.1"],
-        faults=["exception@3:1"],
-        inprocess_restarts=0,
-    )
+    args = trainer_arguments("w/config.json")
     command = build_launch_command(4, args, python="py", settings=LauncherSettings(max_restarts=5))
     assert command[:5] == [
         "py",
@@ -47,8 +37,7 @@ def test_launch_command_runs_the_trainer_module_under_ft_launcher():
     assert "--max-restarts=5" in command and "--ft-enable-nic-monitor=false" in command
     trainer_at = command.index("trainer")
     assert command[trainer_at - 1] == "-m"
-    assert "--stop-after=3" in command and "--override=optimizer.lr=0.1" in command
-    assert "--fault=exception@3:1" in command and "--inprocess-restarts=0" in command
+    assert command[trainer_at + 1 :] == ["--config=w/config.json"]
     assert "--ft-enable-nic-monitor=true" in build_launch_command(1, args, cpu=False)
     with pytest.raises(ValueError):
         build_launch_command(0, args)

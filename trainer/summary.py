@@ -1,0 +1,81 @@
+"""What a training run reports when it ends: `<workdir>/summary.json` as a dataclass.
+
+Rank 0 writes it once the loop is done; `rtp train-local`, the train step (in its pod or
+after a job) and the benchmarks read it back with `TrainSummary.read`. Having one typed
+record instead of a string-keyed dict built in several places means a field is named,
+typed and documented once, and a reader fails loudly on a summary it does not understand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainSummary:
+    steps: int
+    """The last step trained (equals target_steps when the run completed)."""
+    target_steps: int
+    completed: bool
+    stopped_by_signal: bool
+    """SIGTERM arrived: the run saved a final checkpoint and stopped early."""
+    steps_run: int
+    """Steps this attempt trained (after resuming)."""
+    final_loss: float | None
+    losses: list[dict[str, Any]]
+    """Training loss by step, as {"step", "loss"} records."""
+    checkpoint: str | None
+    """The latest committed checkpoint folder, or None when none was written."""
+    checkpoint_mode: str
+    resumed_from: str | None
+    checkpoint_saves: list[dict[str, Any]]
+    checkpoint_blocked_s: float
+    """Seconds the loop waited on checkpoint saves in total."""
+    efficiency_pct: float
+    """Share of the loop's wall time not spent blocked on checkpoints."""
+    final_drain_s: float
+    checkpointer_start_s: float
+    checkpointer_teardown_s: float
+    loop_wall_s: float
+    world_size: int
+    device: str
+    model_sha256: str
+    """SHA-256 of the full trained weights: equal runs have equal hashes."""
+    train_seconds: float
+    wall_seconds: float
+    # Rank 0 adds the goodput analysis of the whole run (all attempts) and its report.
+    restarts: list[dict[str, Any]] = field(default_factory=list)
+    goodput_pct: float = 0.0
+    productive_s: float = 0.0
+    run_wall_s: float = 0.0
+    lost_steps: int = 0
+    """Steps trained again after restarts."""
+    faults_injected: int = 0
+    goodput_report: str = ""
+    """Path of the run's goodput.html."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> TrainSummary:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(
+                f"training summary has unknown fields {unknown}: written by another rtp version?"
+            )
+        return cls(**raw)
+
+    @classmethod
+    def read(cls, path: str | Path) -> TrainSummary:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def write(self, path: str | Path) -> None:
+        from trainer.events import write_json_atomic
+
+        write_json_atomic(Path(path), self.to_dict())
