@@ -2,18 +2,15 @@ import json
 import sys
 from pathlib import Path
 
-from trainer.config import resolve_config
+from trainer.config import TrainConfig, resolve_config
 from trainer.launch import run_local_training
 
 
-def train(
-    dataset_dir, workdir, nproc: int = 2, steps: int = 12, every: int = 4, overrides=(), **named
-) -> dict:
-    """A real multi-process run through the launcher; returns its summary.json as a dict.
-
-    `named` are the trainer's named settings (checkpoint_mode=, faults=, stop_after=, ...),
-    resolved with `overrides` the way every entry point resolves them."""
-    config = resolve_config(
+def run_config(dataset_dir, workdir, steps: int = 12, every: int = 4, overrides=(), **named) -> TrainConfig:
+    """The config of a test run with seed 7. `named` are the trainer's named settings
+    (checkpoint_mode=, faults=, stop_after=, ...), resolved with `overrides` the way every
+    entry point resolves them."""
+    return resolve_config(
         named={
             "dataset_dir": str(dataset_dir),
             "workdir": str(workdir),
@@ -24,6 +21,13 @@ def train(
         },
         overrides=list(overrides),
     )
+
+
+def train(
+    dataset_dir, workdir, nproc: int = 2, steps: int = 12, every: int = 4, overrides=(), **named
+) -> dict:
+    """A real multi-process run through the launcher; returns its summary.json as a dict."""
+    config = run_config(dataset_dir, workdir, steps, every, overrides, **named)
     return run_local_training(nproc, config, echo=False).to_dict()
 
 

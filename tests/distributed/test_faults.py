@@ -19,7 +19,6 @@ import pytest
 
 from tests.distributed.conftest import train
 from trainer.checkpoint import latest_committed_checkpoint, verify_checkpoint
-from trainer.config import resolve_config
 from trainer.launch import LauncherSettings, TrainingFailed, run_local_training
 
 pytestmark = pytest.mark.distributed
@@ -131,17 +130,14 @@ def test_a_hang_on_a_single_rank_is_recovered_without_help(dataset_dir, tmp_path
 
 
 def test_exhausted_restarts_fail_clearly_and_keep_the_last_checkpoint(dataset_dir, tmp_path, run_mark):
-    config = resolve_config(
-        named={
-            "dataset_dir": str(dataset_dir),
-            "workdir": str(tmp_path),
-            "steps": STEPS,
-            "checkpoint_every": EVERY,
-            "seed": 7,
-            "faults": ["exception@6:1", "exception@10:0"],
-            "inprocess_restarts": 0,
-        },
-        overrides=FAST,
+    config = run_config(
+        dataset_dir,
+        tmp_path,
+        STEPS,
+        EVERY,
+        FAST,
+        faults=["exception@6:1", "exception@10:0"],
+        inprocess_restarts=0,
     )
     with pytest.raises(TrainingFailed) as failure:
         run_local_training(2, config, echo=False, settings=LauncherSettings(max_restarts=1))
