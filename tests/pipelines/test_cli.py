@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from pipelines.cli import build_parser, main
+from rtp_cli.main import build_parser, main
 
 SUBCOMMANDS = {
     "local": [
@@ -54,7 +54,7 @@ def test_subcommand_help_documents_its_flags(command, flags, capsys):
 
 def test_installed_console_script_runs():
     result = subprocess.run(
-        [sys.executable, "-m", "pipelines.cli", "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "rtp_cli.main", "--help"], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0
     assert "rtp local" in result.stdout

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipelines.cli import build_parser
+from rtp_cli.main import build_parser
 
 FLAGS = {
     "upload": ["--host", "--token", "--namespace", "--name", "--version", "--package", "--image"],

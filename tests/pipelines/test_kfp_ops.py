@@ -15,9 +15,9 @@ import kfp
 import pytest
 
 from components.versioning import source_identity
-from pipelines import ops
-from pipelines.cli import main
 from pipelines.pipeline import compile_pipeline
+from rtp_cli import kfp_checks as ops
+from rtp_cli.main import main
 from tests.fakes.kfp_api import FakeKfpApi
 
 pytestmark = [pytest.mark.shared_specs, pytest.mark.timeout(120)]
@@ -357,7 +357,7 @@ def test_token_from_file_and_namespace_from_environment_work(
 
 
 def test_unreachable_host_is_a_clear_message(package, capsys):
-    from pipelines.services import free_port
+    from rtp_cli.embedded_s3 import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     code, _, err = rtp(capsys, "runs", "--host", url)

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines import ops
 from pipelines.pipeline import compile_pipeline
+from rtp_cli import kfp_checks as ops
 from trainer.config import build_config, parse_overrides
 
 

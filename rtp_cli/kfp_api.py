@@ -2,7 +2,7 @@
 
 Each function does one operation against the KFP v2beta1 API and returns plain data;
 the decisions (parameter checks, cron form, version names, token choice) live in
-`pipelines.ops`. API failures become `OpsError` with a message saying what to do: 401 and
+`rtp_cli.kfp_checks`. API failures become `OpsError` with a message saying what to do: 401 and
 403 name the token source and namespace, an unreachable host names the URL.
 """
 
@@ -24,8 +24,8 @@ from typing import Any
 
 import yaml
 
-from pipelines import ops
-from pipelines.ops import OpsError
+from rtp_cli import kfp_checks as ops
+from rtp_cli.kfp_checks import OpsError
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ import datetime as dt
 
 import pytest
 
-from pipelines import ops
-from pipelines.ops import OpsError
+from rtp_cli import kfp_checks as ops
+from rtp_cli.kfp_checks import OpsError
 
 SPEC = {
     "root": {

@@ -14,10 +14,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from pipelines.k8s_cli import add_platform_arguments, add_render_job_parser, platform_options_from_args
-from pipelines.kfp_cli import add_kfp_parsers
-from pipelines.local import LocalOptions
-from pipelines.stage_cli import add_prepare_data_parser, add_stage_parser
+from rtp_cli.job_commands import add_platform_arguments, add_render_job_parser, platform_options_from_args
+from rtp_cli.kfp_commands import add_kfp_parsers
+from rtp_cli.local_run import LocalOptions
+from rtp_cli.stage_commands import add_prepare_data_parser, add_stage_parser
 from trainer.config import CHECKPOINT_MODES
 
 EPILOG = """examples:
@@ -99,7 +99,7 @@ def _add_local(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_local(args: argparse.Namespace) -> int:
-    from pipelines.local import format_summary, run_local
+    from rtp_cli.local_run import format_summary, run_local
 
     if args.source and not args.source.startswith("s3://"):
         raise UserError(f"--source {args.source!r} must look like s3://bucket/prefix")
@@ -424,9 +424,9 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from components.register_model.bundle import BundleError
     from components.register_model.register import RegistrationError
     from components.stage_data.stage import StageError
-    from pipelines.local import LocalRunError
-    from pipelines.ops import OpsError
     from pipelines.prepare_data import PrepareError
+    from rtp_cli.kfp_checks import OpsError
+    from rtp_cli.local_run import LocalRunError
     from trainer.checkpoint import CheckpointError
     from trainer.config import ConfigError
     from trainer.data import DataError

@@ -2,7 +2,7 @@
 
 Each handler checks everything it can offline first (parameters against the compiled
 pipeline, cron and interval syntax, concurrency range), so bad input is rejected before
-any request; then it connects with `pipelines.kfp_client` and prints one line per outcome.
+any request; then it connects with `rtp_cli.kfp_api` and prints one line per outcome.
 Every command is safe to repeat: upload of an existing version and schedule with an
 unchanged definition do nothing and say so.
 """
@@ -15,8 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pipelines import ops
-from pipelines.ops import OpsError
+from rtp_cli import kfp_checks as ops
+from rtp_cli.kfp_checks import OpsError
 
 DEFAULT_EXPERIMENT = "rtp"
 
@@ -68,13 +68,13 @@ def _params_argument(p: argparse.ArgumentParser) -> None:
 
 
 def _local_package(args: argparse.Namespace, folder: Path) -> Any:
-    from pipelines.kfp_client import compile_package, load_package
+    from rtp_cli.kfp_api import compile_package, load_package
 
     return load_package(args.package) if args.package else compile_package(folder, args.image)
 
 
 def _connect(args: argparse.Namespace) -> Any:
-    from pipelines.kfp_client import connect
+    from rtp_cli.kfp_api import connect
 
     return connect(args.host, token=args.token, namespace=args.namespace, ui_host=args.ui_host)
 
@@ -106,7 +106,7 @@ def _add_upload(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_upload(args: argparse.Namespace) -> int:
     from components.versioning import source_identity
-    from pipelines.kfp_client import upload
+    from rtp_cli.kfp_api import upload
 
     with tempfile.TemporaryDirectory(prefix="rtp-upload-") as folder:
         package = _local_package(args, Path(folder))
@@ -165,7 +165,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 
 
 def _resolve_version(conn: Any, name: str, version: str) -> tuple[str, dict[str, Any]]:
-    from pipelines.kfp_client import find_pipeline, find_version
+    from rtp_cli.kfp_api import find_pipeline, find_version
 
     pipeline = find_pipeline(conn, name)
     if pipeline is None:
@@ -177,7 +177,7 @@ def _resolve_version(conn: Any, name: str, version: str) -> tuple[str, dict[str,
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from pipelines.kfp_client import ensure_experiment, start_run, utc_now, version_spec, wait_for_run
+    from rtp_cli.kfp_api import ensure_experiment, start_run, utc_now, version_spec, wait_for_run
 
     if args.poll_s <= 0 or args.timeout_s <= 0:
         raise OpsError("--poll-s and --timeout-s must be positive")
@@ -270,7 +270,7 @@ def _add_schedule(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_schedule(args: argparse.Namespace) -> int:
-    from pipelines import kfp_client as kc
+    from rtp_cli import kfp_api as kc
 
     cron = ops.kfp_cron(args.cron) if args.cron else None
     interval_s = ops.interval_seconds(args.interval) if args.interval else None
@@ -377,7 +377,7 @@ def _add_runs(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_runs(args: argparse.Namespace) -> int:
-    from pipelines import kfp_client as kc
+    from rtp_cli import kfp_api as kc
 
     if not 1 <= args.limit <= 1000:
         raise OpsError(f"--limit {args.limit} must be within 1-1000")
