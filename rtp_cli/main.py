@@ -1,8 +1,10 @@
-"""The `rtp` command line: each subcommand calls the same function its pipeline step calls.
+"""The `rtp` entry point: builds the parser from the per-command modules and runs a handler.
 
-Heavy libraries (torch, kfp, mlflow, boto3) are imported inside the subcommand that needs
-them, so `rtp --help` is instant. Errors a user can cause end with one line that says
-what was wrong and what to do, and exit code 2.
+Each subcommand calls the same function its pipeline step calls. `rtp local` and
+`rtp train-local`, whose flags mirror the trainer's, are defined here; the others live in
+the `*_commands.py` modules beside this one. Heavy libraries (torch, kfp, mlflow, boto3)
+are imported inside the subcommand that needs them, so `rtp --help` is instant. Errors a
+user can cause end with one line that says what was wrong and what to do, and exit code 2.
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ import json
 import logging
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
-from rtp_cli.job_commands import add_platform_arguments, add_render_job_parser, platform_options_from_args
+from rtp_cli.bench_commands import add_bench_parser
+from rtp_cli.checkpoint_commands import add_register_parser, add_validate_parser
+from rtp_cli.compile_commands import add_compile_parser
+from rtp_cli.errors import UserError
+from rtp_cli.job_commands import add_render_job_parser
 from rtp_cli.kfp_commands import add_kfp_parsers
 from rtp_cli.local_run import LocalOptions
 from rtp_cli.stage_commands import add_prepare_data_parser, add_stage_parser
@@ -143,33 +148,6 @@ def _check_training_options(options: LocalOptions) -> None:
     )
 
 
-def _add_compile(sub: argparse._SubParsersAction) -> None:
-    from components import DEFAULT_IMAGE
-
-    p = sub.add_parser(
-        "compile",
-        help="write the pipeline's KFP IR YAML",
-        description="Compile the pipeline to KFP IR YAML for upload to Kubeflow Pipelines.",
-    )
-    p.add_argument("-o", "--output", default="pipeline.yaml", help="output file (default: %(default)s)")
-    p.add_argument(
-        "--image",
-        default=DEFAULT_IMAGE,
-        help="component image built from the Dockerfile (default: %(default)s)",
-    )
-    add_platform_arguments(p)
-    p.set_defaults(handler=_cmd_compile)
-
-
-def _cmd_compile(args: argparse.Namespace) -> int:
-    from pipelines.pipeline import compile_pipeline
-
-    options = platform_options_from_args(args)
-    path = compile_pipeline(args.output, image=args.image, launcher=args.launcher, options=options)
-    print(f"wrote {path} (image {args.image}, launcher {args.launcher})")
-    return 0
-
-
 def _add_train_local(sub: argparse._SubParsersAction) -> None:
     from trainer.__main__ import add_training_arguments
 
@@ -231,167 +209,6 @@ def _cmd_train_local(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_validate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "validate",
-        help="check a checkpoint and score it on the holdout split",
-        description="Verify a committed checkpoint (manifest, SHA-256, tensor shapes, optimizer state, "
-        "loadable on one CPU process, finite), compute its holdout loss and compare it with the current "
-        "champion in MLflow (--champion-model, on the same holdout). Prints the report; exit code 1 when "
-        "the decision is reject.",
-    )
-    p.add_argument(
-        "--checkpoint", required=True, help="a step_<N> folder, or a checkpoints folder (its latest is used)"
-    )
-    p.add_argument(
-        "--dataset-dir", required=True, help="the staged dataset snapshot the model was trained on"
-    )
-    p.add_argument(
-        "--max-loss", type=float, default=4.0, help="highest acceptable holdout loss (default: %(default)s)"
-    )
-    p.add_argument(
-        "--min-improvement",
-        type=float,
-        default=0.0,
-        help="how much lower than the champion's the loss must be to replace it (default: %(default)s)",
-    )
-    p.add_argument(
-        "--champion-model",
-        default="",
-        help="registered model whose champion to compare with (default: no comparison)",
-    )
-    p.add_argument("--mlflow-uri", default="", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI)")
-    p.add_argument(
-        "--require-optimizer-state",
-        action="store_true",
-        help="fail when the checkpoint holds no optimizer state (cannot be resumed)",
-    )
-    p.add_argument("--report", default="", help="also write the Markdown report to this file")
-    p.set_defaults(handler=_cmd_validate)
-
-
-def _resolve_checkpoint(path: str) -> str:
-    from trainer.checkpoint import latest_committed_checkpoint
-
-    folder = Path(path)
-    if (folder / ".metadata").exists() or folder.name.startswith("step_"):
-        return str(folder)
-    latest = latest_committed_checkpoint(folder)
-    if latest is None:
-        raise UserError(f"no committed checkpoint under {folder}")
-    return str(latest)
-
-
-def _cmd_validate(args: argparse.Namespace) -> int:
-    from components.validate_checkpoint.validate import report_markdown, validate_checkpoint
-
-    _use_mlflow_uri(args.mlflow_uri)
-    result = validate_checkpoint(
-        _resolve_checkpoint(args.checkpoint),
-        args.dataset_dir,
-        args.max_loss,
-        min_improvement=args.min_improvement,
-        champion_model_name=args.champion_model,
-        require_optimizer_state=args.require_optimizer_state,
-    )
-    report = report_markdown(result)
-    if args.report:
-        Path(args.report).write_text(report)
-    print(report)
-    return 0 if result.decision != "reject" else 1
-
-
-def _use_mlflow_uri(uri: str) -> None:
-    """An explicit --mlflow-uri (local use) wins over MLFLOW_TRACKING_URI."""
-    if uri:
-        import mlflow
-
-        mlflow.set_tracking_uri(uri)
-
-
-def _add_register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "register",
-        help="log a checkpoint to MLflow and register a version",
-        description="Log a validated checkpoint as an MLflow pyfunc model (safetensors weights, config, "
-        "tokenizer description), register a version with lineage tags and set its alias. Registering the "
-        "same checkpoint again returns the existing version. The tracking server comes from "
-        "MLFLOW_TRACKING_URI (or --mlflow-uri); unreachable servers are retried with backoff.",
-    )
-    p.add_argument(
-        "--checkpoint", required=True, help="a step_<N> folder, or a checkpoints folder (its latest is used)"
-    )
-    p.add_argument("--model-name", default="rtp-byte-lm", help="registered model name (default: %(default)s)")
-    p.add_argument(
-        "--alias",
-        default="champion",
-        choices=["champion", "challenger"],
-        help="alias for the version: the validate decision (default: %(default)s)",
-    )
-    p.add_argument("--dataset-dir", default="", help="the dataset snapshot trained on (recorded as lineage)")
-    p.add_argument("--mlflow-uri", default="", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI)")
-    p.set_defaults(handler=_cmd_register)
-
-
-def _cmd_register(args: argparse.Namespace) -> int:
-    from components.register_model.lineage import Lineage, dataset_facts, training_figures
-    from components.register_model.register import register_checkpoint
-
-    _use_mlflow_uri(args.mlflow_uri)
-    checkpoint_dir = _resolve_checkpoint(args.checkpoint)
-    snapshot_id, manifest_sha256 = dataset_facts(args.dataset_dir) if args.dataset_dir else ("", "")
-    lineage = Lineage(
-        dataset_snapshot_id=snapshot_id,
-        dataset_manifest_sha256=manifest_sha256,
-        # <run>/checkpoints/step_N -> <run>/train/summary.json, where the trainer writes it
-        training_figures=training_figures(Path(checkpoint_dir).parent.parent / "train" / "summary.json"),
-    )
-    result = register_checkpoint(checkpoint_dir, args.model_name, args.alias, lineage)
-    print(json.dumps(result.as_dict(), indent=2))
-    return 0
-
-
-def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from benchmarks import checkpoint as bench_checkpoint
-    from benchmarks import recovery as bench_recovery
-    from benchmarks import staging as bench_staging
-
-    p = sub.add_parser(
-        "bench",
-        help="side-by-side benchmarks (JSON + table)",
-        description="Benchmarks that compare alternatives in one run and print JSON and a table.",
-    )
-    kinds = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
-    ckpt = kinds.add_parser(
-        "checkpoint",
-        help="the same training under every checkpoint mode",
-        description=bench_checkpoint.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    bench_checkpoint.add_arguments(ckpt)
-    ckpt.set_defaults(handler=bench_checkpoint.main)
-    recovery = kinds.add_parser(
-        "recovery",
-        help="the same soft fault under in-process, ft_launcher and cold restart",
-        description=bench_recovery.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    bench_recovery.add_arguments(recovery)
-    recovery.set_defaults(handler=bench_recovery.main)
-    staging = kinds.add_parser(
-        "staging",
-        help="rtp stage vs aws s3 sync vs a sequential boto3 loop on a real S3 server",
-        description=bench_staging.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    bench_staging.add_arguments(staging)
-    staging.set_defaults(handler=bench_staging.main)
-
-
-class UserError(Exception):
-    """Bad input from the command line."""
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rtp",
@@ -404,13 +221,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add in (
         _add_local,
-        _add_compile,
+        add_compile_parser,
         _add_train_local,
         add_stage_parser,
         add_prepare_data_parser,
-        _add_validate,
-        _add_register,
-        _add_bench,
+        add_validate_parser,
+        add_register_parser,
+        add_bench_parser,
         add_kfp_parsers,
         add_render_job_parser,
     ):
