@@ -242,7 +242,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from components.register_model.register import RegistrationError
     from components.stage_data.stage import StageError
     from pipelines.prepare_data import PrepareError
-    from rtp_cli.kfp_checks import OpsError
+    from rtp_cli.kfp_checks import KfpError
     from rtp_cli.local_run import LocalRunError
     from trainer.checkpoint import CheckpointError
     from trainer.config import ConfigError
@@ -258,7 +258,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
         PrepareError,
         TrainingFailed,
         LocalRunError,
-        OpsError,
+        KfpError,
         RegistryUnavailable,
         RegistrationError,
         BundleError,

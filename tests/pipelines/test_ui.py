@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from pipelines.pipeline import compile_pipeline
-from rtp_cli import kfp_checks as ops
+from rtp_cli import kfp_checks
 from trainer.config import build_config, parse_overrides
 
 
@@ -34,7 +34,7 @@ def test_every_task_name_reads_as_a_sentence(spec):
 
 
 def test_every_parameter_default_is_accepted_and_makes_a_valid_training_config(spec):
-    parameters = ops.pipeline_parameters(spec)
+    parameters = kfp_checks.pipeline_parameters(spec)
     defaults = {}
     for name, parameter in parameters.items():
         assert parameter.description, f"{name} has no description"
@@ -42,7 +42,7 @@ def test_every_parameter_default_is_accepted_and_makes_a_valid_training_config(s
         if parameter.parameter_type == "NUMBER_INTEGER":
             assert float(value).is_integer(), name
             value = int(value)
-        defaults[name] = ops.check_allowed_value(name, value)
+        defaults[name] = kfp_checks.check_allowed_value(name, value)
     build_config(
         defaults["preset"],
         [
