@@ -1,5 +1,7 @@
-"""The `rtp` operator command line: run the pipeline locally, upload, run and schedule it on
-Kubeflow Pipelines, render Kubernetes training jobs, and stage or prepare data by hand.
+"""The `rtp` operator command line, apart from the pipeline definition in `pipelines/`.
 
-The pipeline definition itself lives in `pipelines/`; this package only drives it.
+It runs the whole pipeline on one machine (`rtp local`), compiles it, operates it on
+Kubeflow Pipelines (upload, run, schedule, runs), renders the multi-node training job, and
+runs single steps (stage, prepare-data, train-local, validate, register) and benchmarks by
+hand. `rtp_cli.main` is the entry point; each subcommand calls the function its step calls.
 """
