@@ -75,7 +75,7 @@ def run_benchmark(
 ) -> dict[str, Any]:
     import torch
 
-    from pipelines.demo_data import write_local_dataset
+    from rtp_cli.demo_data import write_local_dataset
     from trainer.model import ByteLM
 
     config = build_config(preset)

@@ -15,7 +15,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from pipelines.local import LocalOptions, run_local
+from rtp_cli.local_run import LocalOptions, run_local
 
 STEP_ORDER = ("stage", "train", "validate", "register")
 

@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 WHEELS=${RTP_WHEELS:-benchmarks/wheels}
 
-if ! "$PYTHON" -c "import trainer.checkpointer, pipelines.cli" 2>/dev/null; then
+if ! "$PYTHON" -c "import trainer.checkpointer, rtp_cli.main" 2>/dev/null; then
   if [ -d "$WHEELS" ]; then
     "$PYTHON" -m pip install --no-index --find-links "$WHEELS" --no-build-isolation -e .
   else
@@ -46,5 +46,5 @@ NPROC=1
 if [ "$NGPU" -ge 2 ]; then NPROC=2; fi
 JSON=${OUT:-/tmp}/gpu-bench.json
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
-timeout 450 "$PYTHON" -m pipelines.cli bench checkpoint --preset gpu-1b --modes off,sync,torch-async,async \
+timeout 450 "$PYTHON" -m rtp_cli.main bench checkpoint --preset gpu-1b --modes off,sync,torch-async,async \
   --nproc "$NPROC" --steps 12 --every 4 --json "$JSON"

@@ -112,7 +112,7 @@ def run_benchmark(
     collective_timeout_s: float,
     workdir: Path | None = None,
 ) -> dict[str, Any]:
-    from pipelines.demo_data import write_local_dataset
+    from rtp_cli.demo_data import write_local_dataset
 
     faults = [f"exception@{step}:{min(1, nproc - 1)}" for step in fault_steps]
     with tempfile.TemporaryDirectory(prefix="rtp-bench-recovery-") as tmp:

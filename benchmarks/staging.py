@@ -73,7 +73,7 @@ def _folder_bytes(folder: Path) -> tuple[int, int]:
 
 def run_rtp(endpoint: str, dest: Path, env: dict[str, str], max_workers: int) -> dict[str, Any]:
     command = [
-        sys.executable, "-m", "pipelines.cli", "stage", "--source", f"s3://{BUCKET}/{PREFIX}",
+        sys.executable, "-m", "rtp_cli.main", "stage", "--source", f"s3://{BUCKET}/{PREFIX}",
         "--endpoint-url", endpoint, "--fsx-mount-path", str(dest), "--dataset-name", "bench",
     ]  # fmt: skip
     if max_workers:

@@ -1,1 +1,1 @@
-"""The pipeline wiring, its compilation, the `rtp` command line, and `rtp local`."""
+"""The pipeline definition: the `@dsl.pipeline` wiring and its platform settings (`rtp_cli` drives it)."""

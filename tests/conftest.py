@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.demo_data import write_local_dataset
-from pipelines.services import free_port
+from rtp_cli.demo_data import write_local_dataset
+from rtp_cli.embedded_s3 import free_port
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 SHARED_SPECS = PROJECT_ROOT.parent / "shared" / "specs"

@@ -14,7 +14,7 @@ def test_bench_checkpoint_reports_every_mode(tmp_path):
     command = [
         sys.executable,
         "-m",
-        "pipelines.cli",
+        "rtp_cli.main",
         "bench",
         "checkpoint",
         "--preset",

@@ -32,7 +32,7 @@ def test_bench_staging_reports_every_contender(tmp_path):
         "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
     }
     out = tmp_path / "bench.json"
-    command = [sys.executable, "-m", "pipelines.cli", "bench", "staging", "--endpoint-url", f"http://{host}:{port}",
+    command = [sys.executable, "-m", "rtp_cli.main", "bench", "staging", "--endpoint-url", f"http://{host}:{port}",
                "--objects", "12", "--object-kib", "2", "--big-objects", "1", "--big-mib", "9", "--json", str(out)]  # fmt: skip
     try:
         result = subprocess.run(

@@ -14,7 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pipelines.services import free_port
+from rtp_cli.embedded_s3 import free_port
 
 
 class RestartableMlflowServer:

@@ -36,7 +36,7 @@ def train_local_command(dataset_dir, workdir, steps: int, every: int, *extra: st
     return [
         sys.executable,
         "-m",
-        "pipelines.cli",
+        "rtp_cli.main",
         "train-local",
         "--nproc",
         "2",

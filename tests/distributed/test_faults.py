@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.distributed.conftest import train
+from tests.distributed.conftest import run_config, train
 from trainer.checkpoint import latest_committed_checkpoint, verify_checkpoint
 from trainer.launch import LauncherSettings, TrainingFailed, run_local_training
 

@@ -50,7 +50,7 @@ def test_stopped_and_resumed_run_matches_uninterrupted(mode, dataset_dir, tmp_pa
     torn.mkdir()
     (torn / "__0_0.distcp").write_bytes(b"partial")
 
-    resumed = train(dataset_dir, tmp_path, overrides=[f"checkpoint.mode={mode}"])
+    resumed = train(dataset_dir, tmp_path, checkpoint_mode=mode)
     assert resumed["resumed_from"].endswith("step_6")
     assert resumed["steps_run"] == STEPS - 6
     assert resumed["model_sha256"] == uninterrupted["model_sha256"]

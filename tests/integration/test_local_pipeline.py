@@ -18,7 +18,7 @@ def local_run(tmp_path_factory, mlflow_server):
     command = [
         sys.executable,
         "-m",
-        "pipelines.cli",
+        "rtp_cli.main",
         "local",
         "--workdir",
         str(workdir),

@@ -136,7 +136,7 @@ def test_killed_stage_resumes_without_downloading_again(seeded, tmp_path):
             [
                 sys.executable,
                 "-m",
-                "pipelines.cli",
+                "rtp_cli.main",
                 "stage",
                 "--source",
                 f"s3://{bucket}/data/",

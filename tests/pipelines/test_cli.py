@@ -1,9 +1,15 @@
+"""The `rtp` command line: every subcommand is listed and documents its flags, the console
+script points at the entry point, and bad input ends in one line with exit code 2."""
+
+import configparser
+import importlib
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from pipelines.cli import build_parser, main
+from rtp_cli.main import build_parser, main
 
 SUBCOMMANDS = {
     "local": [
@@ -30,6 +36,19 @@ SUBCOMMANDS = {
     "validate": ["--checkpoint", "--dataset-dir", "--max-loss"],
     "register": ["--checkpoint", "--model-name", "--alias"],
     "bench": ["checkpoint"],
+    "upload": ["--host", "--token", "--namespace", "--name", "--version", "--package", "--image"],
+    "run": ["--host", "--experiment", "--param", "--version", "--wait", "--timeout-s"],
+    "schedule": [
+        "--name",
+        "--cron",
+        "--interval",
+        "--max-concurrency",
+        "--catchup",
+        "--enable",
+        "--disable",
+        "--delete",
+    ],
+    "runs": ["--host", "--experiment", "--limit", "--fsx-mount-path"],
 }
 
 
@@ -39,7 +58,7 @@ def test_top_level_help_lists_every_subcommand(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     for name in SUBCOMMANDS:
-        assert name in out
+        assert f"    {name} " in out, f"rtp --help does not list {name}"
 
 
 @pytest.mark.parametrize(("command", "flags"), SUBCOMMANDS.items())
@@ -54,10 +73,19 @@ def test_subcommand_help_documents_its_flags(command, flags, capsys):
 
 def test_installed_console_script_runs():
     result = subprocess.run(
-        [sys.executable, "-m", "pipelines.cli", "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "rtp_cli.main", "--help"], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0
     assert "rtp local" in result.stdout
+
+
+def test_console_script_is_the_entry_point():
+    setup = configparser.ConfigParser()
+    setup.read(Path(__file__).resolve().parents[2] / "setup.cfg")
+    name, target = setup["options.entry_points"]["console_scripts"].strip().split(" = ")
+    module, attribute = target.split(":")
+    assert name == "rtp"
+    assert getattr(importlib.import_module(module), attribute) is main
 
 
 @pytest.mark.parametrize(
@@ -80,3 +108,11 @@ def test_compile_writes_the_requested_image(tmp_path, capsys):
     target = tmp_path / "out.yaml"
     assert main(["compile", "-o", str(target), "--image", "registry.example/rtp:1"]) == 0
     assert "image: registry.example/rtp:1" in target.read_text()
+
+
+@pytest.mark.parametrize("command", [["validate", "--dataset-dir", "unused"], ["register"]])
+def test_a_folder_without_a_checkpoint_is_one_line_and_exit_2(command, tmp_path, capsys):
+    assert main([*command, "--checkpoint", str(tmp_path / "no-run")]) == 2
+    err = capsys.readouterr().err
+    assert f"no committed checkpoint under {tmp_path / 'no-run'}" in err
+    assert "Traceback" not in err

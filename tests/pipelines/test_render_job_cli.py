@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from pipelines.cli import build_parser, main
+from rtp_cli.main import build_parser, main
 
 
 def test_help_lists_render_job_and_compile_platform_flags(capsys):

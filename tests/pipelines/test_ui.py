@@ -7,8 +7,8 @@ import pytest
 import yaml
 
 from components.train.train import TrainRequest
-from pipelines import ops
 from pipelines.pipeline import compile_pipeline
+from rtp_cli import kfp_checks
 from trainer.arguments import PIPELINE_SETTINGS
 
 
@@ -35,7 +35,7 @@ def test_every_task_name_reads_as_a_sentence(spec):
 
 
 def test_every_parameter_default_is_accepted_and_makes_a_valid_training_config(spec):
-    parameters = ops.pipeline_parameters(spec)
+    parameters = kfp_checks.pipeline_parameters(spec)
     defaults = {}
     for name, parameter in parameters.items():
         assert parameter.description, f"{name} has no description"
@@ -43,7 +43,7 @@ def test_every_parameter_default_is_accepted_and_makes_a_valid_training_config(s
         if parameter.parameter_type == "NUMBER_INTEGER":
             assert float(value).is_integer(), name
             value = int(value)
-        defaults[name] = ops.check_allowed_value(name, value)
+        defaults[name] = kfp_checks.check_allowed_value(name, value)
     # The defaults a user sees in the UI make a valid training config.
     TrainRequest(
         dataset_dir="d",

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.cli import build_parser
 from pipelines.platform import DEFAULT_MLFLOW_SECRET, DEFAULT_PVC_NAME, MLFLOW_SECRET_KEYS
+from rtp_cli.main import build_parser
 from tests.fakes.crd_schema import load_custom_resources
 from tests.fakes.k8s_models import core_object_errors
 
@@ -56,7 +56,7 @@ def test_job_examples_validate_against_the_crds_and_match_render_job(shared_spec
     resource = load_custom_resources(shared_specs / "crds")[f"{manifest['apiVersion']}/{manifest['kind']}"]
     assert resource.errors(manifest) == []
     command = next(line[2:] for line in path.read_text().splitlines() if line.startswith("# rtp render-job"))
-    from pipelines.k8s_cli import render_job
+    from rtp_cli.job_commands import render_job
 
     args = build_parser().parse_args(shlex.split(command)[1:])
     assert render_job(args) == manifest, f"{path.name} is stale: regenerate it with the command at its top"

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from components.layout import check_name, dataset_root, record_step, run_dir
-from pipelines.local import LocalOptions, build_summary, format_summary
+from rtp_cli.local_run import LocalOptions, build_summary, format_summary
 from trainer.events import EventLog, write_json_atomic
 from trainer.launch import LauncherSettings, build_launch_command, trainer_arguments
 from trainer.loop import lr_factor

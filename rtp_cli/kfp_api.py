@@ -2,7 +2,7 @@
 
 Each function does one operation against the KFP v2beta1 API and returns plain data;
 the decisions (parameter checks, cron form, version names, token choice) live in
-`pipelines.ops`. API failures become `OpsError` with a message saying what to do: 401 and
+`rtp_cli.kfp_checks`. API failures become `KfpError` with a message saying what to do: 401 and
 403 name the token source and namespace, an unreachable host names the URL.
 """
 
@@ -24,8 +24,8 @@ from typing import Any
 
 import yaml
 
-from pipelines import ops
-from pipelines.ops import OpsError
+from rtp_cli import kfp_checks
+from rtp_cli.kfp_checks import KfpError
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +49,11 @@ def load_package(path: str | Path) -> Package:
         data = file.read_bytes()
         documents = [d for d in yaml.safe_load_all(data) if d]
     except OSError as exc:
-        raise OpsError(f"cannot read the pipeline package {file}: {exc.strerror}") from None
+        raise KfpError(f"cannot read the pipeline package {file}: {exc.strerror}") from None
     except yaml.YAMLError as exc:
-        raise OpsError(f"{file} is not a compiled pipeline (YAML error: {exc})") from None
+        raise KfpError(f"{file} is not a compiled pipeline (YAML error: {exc})") from None
     if not documents or not isinstance(documents[0], dict) or "root" not in documents[0]:
-        raise OpsError(f"{file} is not a compiled KFP pipeline; make one with `rtp compile`")
+        raise KfpError(f"{file} is not a compiled KFP pipeline; make one with `rtp compile`")
     return Package(file, documents[0], hashlib.sha256(data).hexdigest())
 
 
@@ -84,7 +84,7 @@ class Connection:
 
 @contextlib.contextmanager
 def api_errors(host: str, token_source: str, namespace: str | None, doing: str) -> Iterator[None]:
-    """Turn kfp_server_api and connection failures into an OpsError that says what to do."""
+    """Turn kfp_server_api and connection failures into an KfpError that says what to do."""
     import kfp_server_api
     import urllib3
 
@@ -92,13 +92,15 @@ def api_errors(host: str, token_source: str, namespace: str | None, doing: str) 
         yield
     except kfp_server_api.ApiException as exc:
         if exc.status in (401, 403):
-            raise OpsError(ops.auth_failure_message(exc.status, host, token_source, namespace)) from None
+            raise KfpError(
+                kfp_checks.auth_failure_message(exc.status, host, token_source, namespace)
+            ) from None
         detail = exc.body
         with contextlib.suppress(TypeError, ValueError, AttributeError):
             detail = json.loads(exc.body).get("message", exc.body)
-        raise OpsError(f"{doing} failed: the KFP API answered {exc.status} {exc.reason}: {detail}") from None
+        raise KfpError(f"{doing} failed: the KFP API answered {exc.status} {exc.reason}: {detail}") from None
     except urllib3.exceptions.HTTPError as exc:
-        raise OpsError(
+        raise KfpError(
             f"cannot reach the KFP API at {host} ({type(exc).__name__}) while {doing}: check --host "
             "(e.g. `kubectl port-forward -n kubeflow svc/ml-pipeline 8888:8888` then --host http://127.0.0.1:8888)"
         ) from None
@@ -125,13 +127,15 @@ def connect(
     import kfp_server_api
 
     environ = dict(os.environ) if environ is None else environ
-    host = (host or environ.get(ops.ENDPOINT_ENV) or "").rstrip("/")
+    host = (host or environ.get(kfp_checks.ENDPOINT_ENV) or "").rstrip("/")
     if not host:
-        raise OpsError(f"no KFP API URL: pass --host (e.g. http://127.0.0.1:8888) or set ${ops.ENDPOINT_ENV}")
+        raise KfpError(
+            f"no KFP API URL: pass --host (e.g. http://127.0.0.1:8888) or set ${kfp_checks.ENDPOINT_ENV}"
+        )
     if not host.startswith(("http://", "https://")):
-        raise OpsError(f"--host {host!r} must start with http:// or https://")
-    bearer, token_source = ops.resolve_token(token, environ, _read_text)
-    namespace = ops.resolve_namespace(namespace, environ, _read_text)
+        raise KfpError(f"--host {host!r} must start with http:// or https://")
+    bearer, token_source = kfp_checks.resolve_token(token, environ, _read_text)
+    namespace = kfp_checks.resolve_namespace(namespace, environ, _read_text)
     config = kfp_server_api.Configuration(host=host)
     if bearer:
         config.api_key["authorization"] = bearer
@@ -141,9 +145,9 @@ def connect(
             kfp_server_api.ApiClient(config)
         ).healthz_service_get_healthz()
     if health.multi_user and not namespace:
-        raise OpsError(
+        raise KfpError(
             f"the Kubeflow Pipelines at {host} is multi-user: pass your profile namespace with "
-            f"--namespace or ${ops.NAMESPACE_ENV}"
+            f"--namespace or ${kfp_checks.NAMESPACE_ENV}"
         )
     with _quiet(), api_errors(host, token_source, namespace, "connecting"):
         # A namespace other than kfp's placeholder 'kubeflow' also stops the client from
@@ -174,7 +178,7 @@ def find_pipeline(conn: Connection, name: str) -> dict[str, Any] | None:
         )
     matches = [p.to_dict() for p in response.pipelines or [] if name in (p.display_name, p.name)]
     if len(matches) > 1:
-        raise OpsError(f"{len(matches)} pipelines are named {name!r}; pass --name to pick a unique one")
+        raise KfpError(f"{len(matches)} pipelines are named {name!r}; pass --name to pick a unique one")
     return matches[0] if matches else None
 
 
@@ -237,11 +241,11 @@ def upload(
     else:
         existing = find_version(conn, pipeline["pipeline_id"], version_name)
         if existing is not None:
-            if ops.spec_sha256_in(existing.get("description")) == package.sha256:
+            if kfp_checks.spec_sha256_in(existing.get("description")) == package.sha256:
                 return UploadResult(
                     "unchanged", pipeline["pipeline_id"], existing["pipeline_version_id"], version_name
                 )
-            raise OpsError(
+            raise KfpError(
                 f"pipeline {name!r} already has a version {version_name!r} with a different spec; "
                 "versions cannot change: pass a new --version (or commit your change for a new default name)"
             )
@@ -311,10 +315,10 @@ def wait_for_run(
         if state != last:
             on_state(state)
             last = state
-        if state in ops.TERMINAL_RUN_STATES:
+        if state in kfp_checks.TERMINAL_RUN_STATES:
             return run
         if time.monotonic() > deadline:
-            raise OpsError(
+            raise KfpError(
                 f"run {run_id} is still {state} after {timeout_s:.0f} s; raise --timeout-s or look in the UI"
             )
         time.sleep(poll_s)

@@ -4,8 +4,8 @@ import datetime as dt
 
 import pytest
 
-from pipelines import ops
-from pipelines.ops import OpsError
+from rtp_cli import kfp_checks
+from rtp_cli.kfp_checks import KfpError
 
 SPEC = {
     "root": {
@@ -21,11 +21,11 @@ SPEC = {
         }
     }
 }
-PARAMETERS = ops.pipeline_parameters(SPEC)
+PARAMETERS = kfp_checks.pipeline_parameters(SPEC)
 
 
 def test_parameters_are_typed_from_the_spec():
-    values = ops.parse_parameter_arguments(
+    values = kfp_checks.parse_parameter_arguments(
         ["steps=200", "max_loss=3.5", "checkpoint_mode=sync", "source=s3://x/y=z", "flag=true", 'tags=["a"]'],
         PARAMETERS,
     )
@@ -56,15 +56,15 @@ def test_parameters_are_typed_from_the_spec():
     ],
 )
 def test_bad_parameters_name_the_parameter_and_what_it_takes(argument, needles):
-    with pytest.raises(OpsError) as error:
-        ops.parse_parameter_arguments([argument], PARAMETERS)
+    with pytest.raises(KfpError) as error:
+        kfp_checks.parse_parameter_arguments([argument], PARAMETERS)
     for needle in needles:
         assert needle in str(error.value)
 
 
 def test_a_parameter_given_twice_is_an_error():
-    with pytest.raises(OpsError, match="twice"):
-        ops.parse_parameter_arguments(["steps=1", "steps=2"], PARAMETERS)
+    with pytest.raises(KfpError, match="twice"):
+        kfp_checks.parse_parameter_arguments(["steps=1", "steps=2"], PARAMETERS)
 
 
 @pytest.mark.parametrize(
@@ -79,7 +79,7 @@ def test_a_parameter_given_twice_is_an_error():
     ],
 )
 def test_cron_becomes_the_six_field_form(given, expected):
-    assert ops.kfp_cron(given) == expected
+    assert kfp_checks.kfp_cron(given) == expected
 
 
 @pytest.mark.parametrize(
@@ -100,36 +100,36 @@ def test_cron_becomes_the_six_field_form(given, expected):
     ],
 )
 def test_bad_cron_is_rejected_with_the_reason(given, needle):
-    with pytest.raises(OpsError) as error:
-        ops.kfp_cron(given)
+    with pytest.raises(KfpError) as error:
+        kfp_checks.kfp_cron(given)
     assert needle in str(error.value)
 
 
 def test_intervals():
-    assert ops.interval_seconds("90s") == 90
-    assert ops.interval_seconds("6h") == 6 * 3600
-    assert ops.interval_seconds("1h30m") == 5400
-    assert ops.interval_seconds("1d") == 86400
+    assert kfp_checks.interval_seconds("90s") == 90
+    assert kfp_checks.interval_seconds("6h") == 6 * 3600
+    assert kfp_checks.interval_seconds("1h30m") == 5400
+    assert kfp_checks.interval_seconds("1d") == 86400
     for bad in ("", "6", "h", "6x", "0s", "1h 30m"):
-        with pytest.raises(OpsError):
-            ops.interval_seconds(bad)
+        with pytest.raises(KfpError):
+            kfp_checks.interval_seconds(bad)
 
 
 def test_max_concurrency_range():
-    assert ops.check_max_concurrency(1) == 1
+    assert kfp_checks.check_max_concurrency(1) == 1
     for bad in (0, 11):
-        with pytest.raises(OpsError, match="1-10"):
-            ops.check_max_concurrency(bad)
+        with pytest.raises(KfpError, match="1-10"):
+            kfp_checks.check_max_concurrency(bad)
 
 
 def test_default_version_names():
     digest = "ab" * 32
-    assert ops.default_version_name("0.1.0", "1234567abc", False, digest) == "0.1.0-1234567"
-    assert ops.default_version_name("0.1.0", "1234567", True, digest) == "0.1.0-1234567-dirty-abababab"
-    assert ops.default_version_name("0.1.0", "", False, digest) == "0.1.0-abababab"
-    description = ops.version_description("0.1.0", "1234567", digest)
-    assert ops.spec_sha256_in(description) == digest
-    assert ops.spec_sha256_in("uploaded by hand") is None
+    assert kfp_checks.default_version_name("0.1.0", "1234567abc", False, digest) == "0.1.0-1234567"
+    assert kfp_checks.default_version_name("0.1.0", "1234567", True, digest) == "0.1.0-1234567-dirty-abababab"
+    assert kfp_checks.default_version_name("0.1.0", "", False, digest) == "0.1.0-abababab"
+    description = kfp_checks.version_description("0.1.0", "1234567", digest)
+    assert kfp_checks.spec_sha256_in(description) == digest
+    assert kfp_checks.spec_sha256_in("uploaded by hand") is None
 
 
 def _files(mapping):
@@ -137,27 +137,34 @@ def _files(mapping):
 
 
 def test_token_comes_from_flag_then_environment_then_file():
-    files = _files({ops.DEFAULT_TOKEN_PATH: "from-file\n", "/elsewhere": "other\n"})
-    env = {ops.TOKEN_ENV: "from-env"}
-    assert ops.resolve_token("from-flag", env, files) == ("from-flag", "--token")
-    assert ops.resolve_token(None, env, files) == ("from-env", f"${ops.TOKEN_ENV}")
-    assert ops.resolve_token(None, {}, files) == ("from-file", ops.DEFAULT_TOKEN_PATH)
-    assert ops.resolve_token(None, {ops.TOKEN_PATH_ENV: "/elsewhere"}, files) == ("other", "/elsewhere")
-    assert ops.resolve_token(None, {}, _files({})) == (None, "no token")
+    files = _files({kfp_checks.DEFAULT_TOKEN_PATH: "from-file\n", "/elsewhere": "other\n"})
+    env = {kfp_checks.TOKEN_ENV: "from-env"}
+    assert kfp_checks.resolve_token("from-flag", env, files) == ("from-flag", "--token")
+    assert kfp_checks.resolve_token(None, env, files) == ("from-env", f"${kfp_checks.TOKEN_ENV}")
+    assert kfp_checks.resolve_token(None, {}, files) == ("from-file", kfp_checks.DEFAULT_TOKEN_PATH)
+    assert kfp_checks.resolve_token(None, {kfp_checks.TOKEN_PATH_ENV: "/elsewhere"}, files) == (
+        "other",
+        "/elsewhere",
+    )
+    assert kfp_checks.resolve_token(None, {}, _files({})) == (None, "no token")
 
 
 def test_namespace_comes_from_flag_then_environment_then_pod():
-    pod = _files({ops.SERVICE_ACCOUNT_NAMESPACE_PATH: "team-pod\n"})
-    assert ops.resolve_namespace("team-flag", {ops.NAMESPACE_ENV: "team-env"}, pod) == "team-flag"
-    assert ops.resolve_namespace(None, {ops.NAMESPACE_ENV: "team-env"}, pod) == "team-env"
-    assert ops.resolve_namespace(None, {}, pod) == "team-pod"
-    assert ops.resolve_namespace(None, {}, _files({})) is None
+    pod = _files({kfp_checks.SERVICE_ACCOUNT_NAMESPACE_PATH: "team-pod\n"})
+    assert (
+        kfp_checks.resolve_namespace("team-flag", {kfp_checks.NAMESPACE_ENV: "team-env"}, pod) == "team-flag"
+    )
+    assert kfp_checks.resolve_namespace(None, {kfp_checks.NAMESPACE_ENV: "team-env"}, pod) == "team-env"
+    assert kfp_checks.resolve_namespace(None, {}, pod) == "team-pod"
+    assert kfp_checks.resolve_namespace(None, {}, _files({})) is None
 
 
 def test_auth_messages_say_what_to_do():
-    unauthenticated = ops.auth_failure_message(401, "https://kf", "no token", None)
-    assert "401" in unauthenticated and "--token" in unauthenticated and ops.TOKEN_ENV in unauthenticated
-    denied = ops.auth_failure_message(403, "https://kf", "--token", "team-a")
+    unauthenticated = kfp_checks.auth_failure_message(401, "https://kf", "no token", None)
+    assert (
+        "401" in unauthenticated and "--token" in unauthenticated and kfp_checks.TOKEN_ENV in unauthenticated
+    )
+    denied = kfp_checks.auth_failure_message(403, "https://kf", "--token", "team-a")
     assert "403" in denied and "'team-a'" in denied and "--namespace" in denied
 
 
@@ -180,7 +187,7 @@ def test_runs_table_shows_state_duration_and_metrics():
         },
     ]
     metrics = {
-        "r1": ops.metrics_from_step_records(
+        "r1": kfp_checks.metrics_from_step_records(
             {
                 "train": {"final_loss": 2.25},
                 "validate": {"holdout_loss": 2.5, "decision": "champion"},
@@ -188,10 +195,10 @@ def test_runs_table_shows_state_duration_and_metrics():
             }
         )
     }
-    lines = ops.format_runs_table(runs, now, metrics).splitlines()
+    lines = kfp_checks.format_runs_table(runs, now, metrics).splitlines()
     assert lines[0].split()[:4] == ["run", "state", "created", "duration"]
     assert lines[1].split() == [
         "nightly", "SUCCEEDED", "2026-01-02", "10:00", "1h05m", "2.2500", "2.5000", "champion", "7", "r1"
     ]  # fmt: skip
     assert lines[2].split()[:5] == ["adhoc", "RUNNING", "2026-01-02", "11:58", "1m30s"]
-    assert ops.format_runs_table([], now) == "no runs"
+    assert kfp_checks.format_runs_table([], now) == "no runs"

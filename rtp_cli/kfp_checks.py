@@ -4,7 +4,7 @@ It reads the pipeline's parameters from the compiled spec and checks `k=v` argum
 against them (name, type, allowed values), converts cron expressions to the 6-field form
 the KFP scheduler parses (seconds first), parses intervals, names pipeline versions,
 resolves the API token and namespace from flags, environment and files handed in, and
-formats the runs table. Everything here raises `OpsError` with a message that says what
+formats the runs table. Everything here raises `KfpError` with a message that says what
 was wrong and what to do, before any request is sent.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 from trainer.config import CHECKPOINT_MODES, PRESETS
 
 
-class OpsError(Exception):
+class KfpError(Exception):
     """A command against the KFP API cannot go ahead; the message says what to do."""
 
 
@@ -89,7 +89,7 @@ _TYPE_WORDS = {
 
 def _convert(parameter: PipelineParameter, text: str) -> Any:
     kind = parameter.parameter_type
-    wrong = OpsError(
+    wrong = KfpError(
         f"parameter {parameter.name}={text!r} is not {_TYPE_WORDS.get(kind, kind)} "
         f"(its type is {kind}; default {parameter.default!r})"
     )
@@ -134,24 +134,24 @@ def parse_parameter_arguments(
         name, sep, text = item.partition("=")
         name = name.strip()
         if not sep or not name:
-            raise OpsError(f"--param {item!r} must look like name=value, e.g. --param steps=200")
+            raise KfpError(f"--param {item!r} must look like name=value, e.g. --param steps=200")
         if name not in parameters:
-            raise OpsError(
+            raise KfpError(
                 f"unknown pipeline parameter {name!r}; the pipeline takes: {', '.join(sorted(parameters))}"
             )
         if name in values:
-            raise OpsError(f"parameter {name!r} is given twice")
+            raise KfpError(f"parameter {name!r} is given twice")
         values[name] = check_allowed_value(name, _convert(parameters[name], text))
     return values
 
 
 def check_allowed_value(name: str, value: Any) -> Any:
-    """`value` when parameter `name` may take it, else an OpsError listing what it may take."""
+    """`value` when parameter `name` may take it, else an KfpError listing what it may take."""
     choices = PARAMETER_CHOICES.get(name)
     if choices and value not in choices:
-        raise OpsError(f"parameter {name}={value!r} is not allowed; choose one of: {', '.join(choices)}")
+        raise KfpError(f"parameter {name}={value!r} is not allowed; choose one of: {', '.join(choices)}")
     if name in POSITIVE_PARAMETERS and value < 1:
-        raise OpsError(f"parameter {name}={value} must be at least 1")
+        raise KfpError(f"parameter {name}={value} must be at least 1")
     return value
 
 
@@ -188,11 +188,11 @@ def _cron_value(field: _CronField, text: str, expression: str) -> int:
         return field.names.index(upper) + field.name_base
     if not text.isdigit():
         allowed = f"{field.low}-{field.high}" + (f" or {'/'.join(field.names)}" if field.names else "")
-        raise OpsError(f"cron {expression!r}: {field.label} {text!r} is not a value ({allowed})")
+        raise KfpError(f"cron {expression!r}: {field.label} {text!r} is not a value ({allowed})")
     value = int(text)
     if not field.low <= value <= field.high:
         hint = "; use 0 for Sunday" if field.label == "day of week" and value == 7 else ""
-        raise OpsError(
+        raise KfpError(
             f"cron {expression!r}: {field.label} {value} is outside {field.low}-{field.high}{hint}"
         )
     return value
@@ -202,15 +202,15 @@ def _check_cron_field(field: _CronField, text: str, expression: str) -> None:
     for item in text.split(","):
         base, slash, step = item.partition("/")
         if slash and (not step.isdigit() or int(step) < 1):
-            raise OpsError(f"cron {expression!r}: {field.label} step {step!r} must be a positive integer")
+            raise KfpError(f"cron {expression!r}: {field.label} step {step!r} must be a positive integer")
         if base == "*" or (base == "?" and field.question_mark and not slash):
             continue
         if base == "?":
-            raise OpsError(f"cron {expression!r}: '?' is allowed only in day of month and day of week")
+            raise KfpError(f"cron {expression!r}: '?' is allowed only in day of month and day of week")
         low_text, dash, high_text = base.partition("-")
         low = _cron_value(field, low_text, expression)
         if dash and low > _cron_value(field, high_text, expression):
-            raise OpsError(f"cron {expression!r}: {field.label} range {base!r} runs backwards")
+            raise KfpError(f"cron {expression!r}: {field.label} range {base!r} runs backwards")
 
 
 def kfp_cron(expression: str) -> str:
@@ -223,12 +223,12 @@ def kfp_cron(expression: str) -> str:
     if text.lower() in _DESCRIPTORS:
         return text.lower()
     if text.lower().startswith("@every"):
-        raise OpsError(f"cron {expression!r}: use --interval instead of @every, e.g. --interval 6h")
+        raise KfpError(f"cron {expression!r}: use --interval instead of @every, e.g. --interval 6h")
     fields = text.split(" ")
     if len(fields) == 5:
         fields = ["0", *fields]
     if len(fields) != 6:
-        raise OpsError(
+        raise KfpError(
             f"cron {expression!r} has {len(fields)} fields; give 5 (minute hour day-of-month month "
             "day-of-week, e.g. '0 3 * * *' for 03:00 daily) or 6 with seconds first"
         )
@@ -244,16 +244,16 @@ def interval_seconds(text: str) -> int:
     """Seconds in an interval written like `90s`, `30m`, `6h`, `1d` or `1h30m`."""
     parts = re.findall(r"(\d+)([smhd])", text.strip().lower())
     if not parts or "".join(n + u for n, u in parts) != text.strip().lower():
-        raise OpsError(f"interval {text!r} must look like 30m, 6h, 1d or 1h30m")
+        raise KfpError(f"interval {text!r} must look like 30m, 6h, 1d or 1h30m")
     seconds = sum(int(n) * _INTERVAL_UNITS_S[u] for n, u in parts)
     if seconds < 1:
-        raise OpsError(f"interval {text!r} must be at least 1s")
+        raise KfpError(f"interval {text!r} must be at least 1s")
     return seconds
 
 
 def check_max_concurrency(value: int) -> int:
     if not 1 <= value <= 10:
-        raise OpsError(f"--max-concurrency {value} must be within 1-10 (the KFP API's range)")
+        raise KfpError(f"--max-concurrency {value} must be within 1-10 (the KFP API's range)")
     return value
 
 

@@ -1,8 +1,9 @@
-"""Local stand-ins for cloud services that `rtp local` starts on loopback.
+"""`EmbeddedS3`, the stand-in for S3 that `rtp local` starts on loopback, and `free_port()`.
 
 `EmbeddedS3` runs moto's S3 server in a subprocess: an in-memory, S3-compatible endpoint
 that lets the demo stage data exactly as on AWS, without an account. It is a test double
-for S3, used only when no `--source` bucket is given.
+for S3, used only when no `--source` bucket is given. `free_port()` asks the OS for an
+unused loopback port (the tests and benchmarks that start servers use it too).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""The Kubernetes parts of the `rtp` CLI: compile-time platform flags and `rtp render-job`.
+"""`rtp render-job`: print the PyTorchJob or TrainJob manifest the train step would create.
 
-`add_platform_arguments` adds the flags of `rtp compile` that cannot be pipeline
-parameters (the FSx mount path, pull policy and secrets, the train pod's requests);
-`rtp render-job` prints the PyTorchJob or TrainJob manifest the train step would create,
-built by the same pure function the step calls, for review or a manual `kubectl apply`.
-Nothing heavy is imported until a handler runs.
+The manifest is built by the same pure function the step calls
+(`components.train.jobs.job_manifest`), for review or a manual `kubectl apply`; nothing is
+sent to a cluster. Nothing heavy is imported until the handler runs.
 """
 
 from __future__ import annotations
@@ -14,66 +12,9 @@ import json
 import sys
 from typing import Any
 
-from components.train.jobs import DEFAULT_LAUNCHER, DEFAULT_TRAINING_RUNTIME, JOB_LAUNCHERS, LAUNCHERS
-from pipelines.platform import DEFAULT_GPU_TOLERATIONS, DEFAULT_PVC_NAME, IMAGE_PULL_POLICIES, PlatformOptions
+from components.train.jobs import DEFAULT_TRAINING_RUNTIME, JOB_LAUNCHERS
+from pipelines.platform import DEFAULT_GPU_TOLERATIONS, DEFAULT_PVC_NAME, PlatformOptions
 from trainer.arguments import PIPELINE_SETTINGS, add_named_arguments, add_preset_argument, named_from_args
-
-
-def add_platform_arguments(p: argparse.ArgumentParser) -> None:
-    defaults = PlatformOptions()
-    p.add_argument(
-        "--launcher",
-        default=DEFAULT_LAUNCHER,
-        choices=LAUNCHERS,
-        help="default of the pipeline's launcher parameter (default: %(default)s)",
-    )
-    p.add_argument(
-        "--fsx-mount-path",
-        default=defaults.fsx_mount_path,
-        help="where every step mounts the FSx PVC; also the fsx_mount_path default (default: %(default)s)",
-    )
-    p.add_argument(
-        "--image-pull-policy",
-        default=defaults.image_pull_policy,
-        choices=IMAGE_PULL_POLICIES,
-        help="pull policy of every step (default: %(default)s)",
-    )
-    p.add_argument(
-        "--image-pull-secret",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="image pull secret of every step and training job pod (repeatable)",
-    )
-    p.add_argument(
-        "--train-pod-cpu",
-        default=defaults.train_pod_cpu,
-        help="CPU request of the train pod (default: %(default)s)",
-    )
-    p.add_argument(
-        "--train-pod-memory",
-        default=defaults.train_pod_memory,
-        help="memory request of the train pod (default: %(default)s)",
-    )
-    p.add_argument(
-        "--train-pod-gpus",
-        type=int,
-        default=defaults.train_pod_gpus,
-        help="GPUs of the train pod, for launcher inpod (default: %(default)s)",
-    )
-    p.add_argument("--shm-size", default="", help="size limit of the trainer's /dev/shm (default: none)")
-
-
-def platform_options_from_args(args: argparse.Namespace) -> PlatformOptions:
-    return PlatformOptions(
-        fsx_mount_path=args.fsx_mount_path,
-        image_pull_policy=args.image_pull_policy,
-        image_pull_secrets=list(args.image_pull_secret),
-        train_pod_cpu=args.train_pod_cpu,
-        train_pod_memory=args.train_pod_memory,
-        train_pod_gpus=args.train_pod_gpus,
-        shm_size=args.shm_size,
-    ).check()
 
 
 def add_render_job_parser(sub: argparse._SubParsersAction) -> None:

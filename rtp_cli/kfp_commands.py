@@ -2,7 +2,7 @@
 
 Each handler checks everything it can offline first (parameters against the compiled
 pipeline, cron and interval syntax, concurrency range), so bad input is rejected before
-any request; then it connects with `pipelines.kfp_client` and prints one line per outcome.
+any request; then it connects with `rtp_cli.kfp_api` and prints one line per outcome.
 Every command is safe to repeat: upload of an existing version and schedule with an
 unchanged definition do nothing and say so.
 """
@@ -15,8 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pipelines import ops
-from pipelines.ops import OpsError
+from rtp_cli import kfp_checks
+from rtp_cli.kfp_checks import KfpError
 
 DEFAULT_EXPERIMENT = "rtp"
 
@@ -30,18 +30,18 @@ def _connection_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--host",
         default=None,
-        help=f"KFP API URL, e.g. http://127.0.0.1:8888 after a port-forward (default: ${ops.ENDPOINT_ENV})",
+        help=f"KFP API URL, e.g. http://127.0.0.1:8888 after a port-forward (default: ${kfp_checks.ENDPOINT_ENV})",
     )
     p.add_argument(
         "--token",
         default=None,
-        help=f"bearer token for multi-user Kubeflow (default: ${ops.TOKEN_ENV}, else the file at "
-        f"${ops.TOKEN_PATH_ENV} or {ops.DEFAULT_TOKEN_PATH})",
+        help=f"bearer token for multi-user Kubeflow (default: ${kfp_checks.TOKEN_ENV}, else the file at "
+        f"${kfp_checks.TOKEN_PATH_ENV} or {kfp_checks.DEFAULT_TOKEN_PATH})",
     )
     p.add_argument(
         "--namespace",
         default=None,
-        help=f"profile namespace in multi-user Kubeflow (default: ${ops.NAMESPACE_ENV}, else the pod's own)",
+        help=f"profile namespace in multi-user Kubeflow (default: ${kfp_checks.NAMESPACE_ENV}, else the pod's own)",
     )
     p.add_argument("--ui-host", default=None, help="Kubeflow UI URL for printed links (default: --host)")
 
@@ -68,13 +68,13 @@ def _params_argument(p: argparse.ArgumentParser) -> None:
 
 
 def _local_package(args: argparse.Namespace, folder: Path) -> Any:
-    from pipelines.kfp_client import compile_package, load_package
+    from rtp_cli.kfp_api import compile_package, load_package
 
     return load_package(args.package) if args.package else compile_package(folder, args.image)
 
 
 def _connect(args: argparse.Namespace) -> Any:
-    from pipelines.kfp_client import connect
+    from rtp_cli.kfp_api import connect
 
     return connect(args.host, token=args.token, namespace=args.namespace, ui_host=args.ui_host)
 
@@ -106,16 +106,22 @@ def _add_upload(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_upload(args: argparse.Namespace) -> int:
     from components.versioning import source_identity
-    from pipelines.kfp_client import upload
+    from rtp_cli.kfp_api import upload
 
     with tempfile.TemporaryDirectory(prefix="rtp-upload-") as folder:
         package = _local_package(args, Path(folder))
         package_version, commit, dirty = source_identity()
-        version = args.version or ops.default_version_name(package_version, commit, dirty, package.sha256)
+        version = args.version or kfp_checks.default_version_name(
+            package_version, commit, dirty, package.sha256
+        )
         name = _pipeline_name(package, args.name)
         conn = _connect(args)
         result = upload(
-            conn, package, name, version, ops.version_description(package_version, commit, package.sha256)
+            conn,
+            package,
+            name,
+            version,
+            kfp_checks.version_description(package_version, commit, package.sha256),
         )
     link = f"{conn.ui_host}/#/pipelines/details/{result.pipeline_id}/version/{result.version_id}"
     if result.action == "unchanged":
@@ -165,32 +171,36 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 
 
 def _resolve_version(conn: Any, name: str, version: str) -> tuple[str, dict[str, Any]]:
-    from pipelines.kfp_client import find_pipeline, find_version
+    from rtp_cli.kfp_api import find_pipeline, find_version
 
     pipeline = find_pipeline(conn, name)
     if pipeline is None:
-        raise OpsError(f"no pipeline named {name!r} at {conn.host}; upload it first with `rtp upload`")
+        raise KfpError(f"no pipeline named {name!r} at {conn.host}; upload it first with `rtp upload`")
     found = find_version(conn, pipeline["pipeline_id"], version)
     if found is None:
-        raise OpsError(f"pipeline {name!r} has no version {version!r}; see them with the UI or `rtp upload`")
+        raise KfpError(f"pipeline {name!r} has no version {version!r}; see them with the UI or `rtp upload`")
     return pipeline["pipeline_id"], found
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from pipelines.kfp_client import ensure_experiment, start_run, utc_now, version_spec, wait_for_run
+    from rtp_cli.kfp_api import ensure_experiment, start_run, utc_now, version_spec, wait_for_run
 
     if args.poll_s <= 0 or args.timeout_s <= 0:
-        raise OpsError("--poll-s and --timeout-s must be positive")
+        raise KfpError("--poll-s and --timeout-s must be positive")
     with tempfile.TemporaryDirectory(prefix="rtp-run-") as folder:
         package = _local_package(args, Path(folder))
-        parameters = ops.parse_parameter_arguments(args.param, ops.pipeline_parameters(package.spec))
+        parameters = kfp_checks.parse_parameter_arguments(
+            args.param, kfp_checks.pipeline_parameters(package.spec)
+        )
         name = _pipeline_name(package, args.name)
         conn = _connect(args)
         stamp = utc_now().strftime("%Y-%m-%d %H:%M:%S")
         if args.version:
             pipeline_id, version = _resolve_version(conn, name, args.version)
             # The uploaded version may predate this checkout: check against its own spec too.
-            ops.parse_parameter_arguments(args.param, ops.pipeline_parameters(version_spec(version)))
+            kfp_checks.parse_parameter_arguments(
+                args.param, kfp_checks.pipeline_parameters(version_spec(version))
+            )
             display_name = args.display_name or f"{name} {version['display_name'] or version['name']} {stamp}"
             experiment_id = ensure_experiment(conn, args.experiment)
             run_id = start_run(
@@ -205,7 +215,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             display_name = args.display_name or f"{name} (local package) {stamp}"
             experiment_id = ensure_experiment(conn, args.experiment)
             run_id = start_run(conn, experiment_id, display_name, parameters, package=package)
-    print(f"started run {display_name!r}: {ops.run_link(conn.ui_host, run_id)}")
+    print(f"started run {display_name!r}: {kfp_checks.run_link(conn.ui_host, run_id)}")
     if not args.wait:
         return 0
     run = wait_for_run(
@@ -221,7 +231,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     print(
         f"rtp run: run {run_id} ended {run.get('state')}"
         + (f": {error}" if error else "")
-        + f"; see {ops.run_link(conn.ui_host, run_id)}",
+        + f"; see {kfp_checks.run_link(conn.ui_host, run_id)}",
         file=sys.stderr,
     )
     return 1
@@ -270,19 +280,21 @@ def _add_schedule(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_schedule(args: argparse.Namespace) -> int:
-    from pipelines import kfp_client as kc
+    from rtp_cli import kfp_api as kc
 
-    cron = ops.kfp_cron(args.cron) if args.cron else None
-    interval_s = ops.interval_seconds(args.interval) if args.interval else None
-    ops.check_max_concurrency(args.max_concurrency)
+    cron = kfp_checks.kfp_cron(args.cron) if args.cron else None
+    interval_s = kfp_checks.interval_seconds(args.interval) if args.interval else None
+    kfp_checks.check_max_concurrency(args.max_concurrency)
     if args.delete and (cron or interval_s or args.param):
-        raise OpsError("--delete takes no --cron, --interval or --param")
+        raise KfpError("--delete takes no --cron, --interval or --param")
     defines = cron is not None or interval_s is not None
     if not defines and not (args.enable or args.disable or args.delete):
-        raise OpsError("give --cron or --interval to create or update, or one of --enable/--disable/--delete")
+        raise KfpError("give --cron or --interval to create or update, or one of --enable/--disable/--delete")
     with tempfile.TemporaryDirectory(prefix="rtp-schedule-") as folder:
         package = _local_package(args, Path(folder))
-        parameters = ops.parse_parameter_arguments(args.param, ops.pipeline_parameters(package.spec))
+        parameters = kfp_checks.parse_parameter_arguments(
+            args.param, kfp_checks.pipeline_parameters(package.spec)
+        )
     pipeline_name = _pipeline_name(package, args.pipeline)
     conn = _connect(args)
 
@@ -295,7 +307,7 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
                     f"no recurring run named {args.name!r} in experiment {args.experiment!r}; nothing to delete"
                 )
                 return 0
-            raise OpsError(
+            raise KfpError(
                 f"no recurring run named {args.name!r} in experiment {args.experiment!r}; "
                 "create it with --cron or --interval"
             )
@@ -309,7 +321,7 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
         return 0
 
     pipeline_id, version = _resolve_version(conn, pipeline_name, args.version)
-    ops.parse_parameter_arguments(args.param, ops.pipeline_parameters(kc.version_spec(version)))
+    kfp_checks.parse_parameter_arguments(args.param, kfp_checks.pipeline_parameters(kc.version_spec(version)))
     experiment_id = kc.ensure_experiment(conn, args.experiment)
     wanted = kc.Schedule(
         name=args.name,
@@ -377,21 +389,22 @@ def _add_runs(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_runs(args: argparse.Namespace) -> int:
-    from pipelines import kfp_client as kc
+    from rtp_cli import kfp_api as kc
 
     if not 1 <= args.limit <= 1000:
-        raise OpsError(f"--limit {args.limit} must be within 1-1000")
+        raise KfpError(f"--limit {args.limit} must be within 1-1000")
     conn = _connect(args)
     experiment_id = None
     if args.experiment:
         experiment_id = kc.find_experiment(conn, args.experiment)
         if experiment_id is None:
-            raise OpsError(f"no experiment named {args.experiment!r}")
+            raise KfpError(f"no experiment named {args.experiment!r}")
     runs = kc.recent_runs(conn, experiment_id, args.limit)
     metrics = {}
     if args.fsx_mount_path:
         metrics = {
-            r["run_id"]: ops.metrics_from_step_records(kc.step_records(args.fsx_mount_path, r)) for r in runs
+            r["run_id"]: kfp_checks.metrics_from_step_records(kc.step_records(args.fsx_mount_path, r))
+            for r in runs
         }
-    print(ops.format_runs_table(runs, kc.utc_now(), metrics))
+    print(kfp_checks.format_runs_table(runs, kc.utc_now(), metrics))
     return 0

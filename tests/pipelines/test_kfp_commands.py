@@ -15,9 +15,9 @@ import kfp
 import pytest
 
 from components.versioning import source_identity
-from pipelines import ops
-from pipelines.cli import main
 from pipelines.pipeline import compile_pipeline
+from rtp_cli import kfp_checks
+from rtp_cli.main import main
 from tests.fakes.kfp_api import FakeKfpApi
 
 pytestmark = [pytest.mark.shared_specs, pytest.mark.timeout(120)]
@@ -33,9 +33,14 @@ def package(tmp_path_factory) -> Path:
 @pytest.fixture(autouse=True)
 def isolated_environment(monkeypatch, tmp_path):
     """No token, namespace, endpoint or kfp context from the developer's machine leaks in."""
-    for name in (ops.TOKEN_ENV, ops.NAMESPACE_ENV, ops.ENDPOINT_ENV, "KF_PIPELINES_UI_ENDPOINT"):
+    for name in (
+        kfp_checks.TOKEN_ENV,
+        kfp_checks.NAMESPACE_ENV,
+        kfp_checks.ENDPOINT_ENV,
+        "KF_PIPELINES_UI_ENDPOINT",
+    ):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv(ops.TOKEN_PATH_ENV, str(tmp_path / "no-token-here"))
+    monkeypatch.setenv(kfp_checks.TOKEN_PATH_ENV, str(tmp_path / "no-token-here"))
     monkeypatch.setattr(kfp.Client, "_LOCAL_KFP_CONTEXT", str(tmp_path / "kfp-context.json"))
 
 
@@ -104,12 +109,12 @@ def test_first_upload_creates_the_pipeline_with_a_named_version(kfp_api, package
     assert pipeline["display_name"] == "rtp-resilient-training"
     package_version, commit, dirty = source_identity()
     spec_sha256 = hashlib.sha256(package.read_bytes()).hexdigest()  # compiling is deterministic
-    assert version["name"] == ops.default_version_name(package_version, commit, dirty, spec_sha256)
+    assert version["name"] == kfp_checks.default_version_name(package_version, commit, dirty, spec_sha256)
     assert version["name"].startswith(package_version + (f"-{commit}" if commit else ""))
     stored = version["pipeline_spec"]  # {pipeline_spec, platform_spec} when a platform spec exists
     assert set(stored) == {"pipeline_spec", "platform_spec"}
     assert stored["pipeline_spec"]["pipelineInfo"]["name"] == "rtp-resilient-training"
-    assert ops.spec_sha256_in(version["description"]), "the spec hash is recorded for repeat detection"
+    assert kfp_checks.spec_sha256_in(version["description"]), "the spec hash is recorded for repeat detection"
     assert f"created pipeline 'rtp-resilient-training' with version '{version['name']}'" in out
     assert f"/#/pipelines/details/{pipeline['pipeline_id']}/version/{version['pipeline_version_id']}" in out
 
@@ -316,9 +321,9 @@ def test_missing_or_wrong_token_gives_a_clear_401_message(secured_api, package, 
     code, _, err = _upload(capsys, secured_api, package, "--namespace", "team-a")
     assert code == 2
     assert "401" in err and "no token" in err and "--token" in err and "Traceback" not in err
-    monkeypatch.setenv(ops.TOKEN_ENV, "stale")
+    monkeypatch.setenv(kfp_checks.TOKEN_ENV, "stale")
     code, _, err = _upload(capsys, secured_api, package, "--namespace", "team-a")
-    assert code == 2 and "401" in err and f"${ops.TOKEN_ENV}" in err
+    assert code == 2 and "401" in err and f"${kfp_checks.TOKEN_ENV}" in err
     assert secured_api.pipelines == {}
 
 
@@ -345,8 +350,8 @@ def test_token_from_file_and_namespace_from_environment_work(
 ):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
-    monkeypatch.setenv(ops.TOKEN_PATH_ENV, str(token_file))
-    monkeypatch.setenv(ops.NAMESPACE_ENV, "team-a")
+    monkeypatch.setenv(kfp_checks.TOKEN_PATH_ENV, str(token_file))
+    monkeypatch.setenv(kfp_checks.NAMESPACE_ENV, "team-a")
     assert _upload(capsys, secured_api, package, "--version", "v1")[0] == 0
     code, out, _ = rtp(capsys, "run", "--host", secured_api.url, "--package", str(package), "--version", "v1")
     assert code == 0, out
@@ -357,7 +362,7 @@ def test_token_from_file_and_namespace_from_environment_work(
 
 
 def test_unreachable_host_is_a_clear_message(package, capsys):
-    from pipelines.services import free_port
+    from rtp_cli.embedded_s3 import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     code, _, err = rtp(capsys, "runs", "--host", url)

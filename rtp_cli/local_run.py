@@ -105,8 +105,8 @@ def run_local(options: LocalOptions) -> dict[str, Any]:
     source, endpoint = options.source, options.s3_endpoint_url
     if not source:
         from components.stage_data.stage import s3_client
-        from pipelines.demo_data import upload_demo_corpus
-        from pipelines.services import DEMO_CREDENTIALS, EmbeddedS3
+        from rtp_cli.demo_data import upload_demo_corpus
+        from rtp_cli.embedded_s3 import DEMO_CREDENTIALS, EmbeddedS3
 
         embedded = EmbeddedS3().start()
         os.environ.update(DEMO_CREDENTIALS)
