@@ -1,0 +1,98 @@
+"""`rtp local`: its flags and handler (the run itself is rtp_cli/local_run.py).
+
+The training flags are the pipeline's training parameters, generated from the trainer's
+config (trainer/arguments.py), so they match the Kubeflow UI's parameters one for one.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rtp_cli.errors import UserError
+from rtp_cli.local_run import LocalOptions
+from trainer.arguments import PIPELINE_SETTINGS, add_named_arguments, add_preset_argument, named_from_args
+
+
+def add_local_parser(sub: argparse._SubParsersAction) -> None:
+    defaults = LocalOptions()
+    p = sub.add_parser(
+        "local",
+        help="run the whole pipeline on this machine with kfp.local",
+        description="Compile the pipeline and run it with kfp.local: stage (embedded S3 seeded with "
+        "a demo corpus unless --source), train (FSDP, gloo on CPU), validate, register (MLflow sqlite "
+        "file in the work dir unless --mlflow-uri). Writes <workdir>/summary.json.",
+    )
+    p.add_argument("--workdir", default=defaults.workdir, help="all outputs go here (default: %(default)s)")
+    p.add_argument(
+        "--nproc", type=int, default=defaults.nproc, help="training processes (default: %(default)s)"
+    )
+    add_preset_argument(p)
+    add_named_arguments(p, PIPELINE_SETTINGS)
+    p.add_argument(
+        "--overrides", default="", help="extra trainer config, e.g. 'optimizer.lr=1e-3 model.n_layers=3'"
+    )
+    p.add_argument(
+        "--source",
+        default="",
+        help="s3://bucket/prefix to stage instead of the embedded demo corpus; "
+        "credentials come from the standard AWS chain",
+    )
+    p.add_argument("--s3-endpoint-url", default="", help="S3-compatible endpoint for --source (default: AWS)")
+    p.add_argument(
+        "--mlflow-uri", default="", help="MLflow tracking URI (default: sqlite:///<workdir>/mlflow.db)"
+    )
+    p.add_argument(
+        "--model-name", default=defaults.model_name, help="registered model name (default: %(default)s)"
+    )
+    p.add_argument(
+        "--max-loss",
+        type=float,
+        default=defaults.max_loss,
+        help="highest holdout loss to register (default: %(default)s)",
+    )
+    p.add_argument(
+        "--run-name",
+        default="",
+        help="run folder name; reuse one to resume its checkpoints (default: local-<time>)",
+    )
+    p.set_defaults(handler=_cmd_local)
+
+
+def _cmd_local(args: argparse.Namespace) -> int:
+    from rtp_cli.local_run import format_summary, run_local
+
+    if args.source and not args.source.startswith("s3://"):
+        raise UserError(f"--source {args.source!r} must look like s3://bucket/prefix")
+    options = LocalOptions(
+        workdir=args.workdir,
+        nproc=args.nproc,
+        preset=args.preset,
+        overrides=args.overrides,
+        training=named_from_args(args, PIPELINE_SETTINGS),
+        source=args.source,
+        s3_endpoint_url=args.s3_endpoint_url,
+        mlflow_uri=args.mlflow_uri,
+        model_name=args.model_name,
+        max_loss=args.max_loss,
+        run_name=args.run_name,
+    )
+    _check_training_options(options)
+    summary = run_local(options)
+    print(format_summary(summary, args.workdir))
+    return 0
+
+
+def _check_training_options(options: LocalOptions) -> None:
+    """Fail on bad training input before any step starts (the train step would, later)."""
+    from components.train.train import TrainRequest
+
+    if options.nproc < 1:
+        raise UserError(f"--nproc must be at least 1, got {options.nproc}")
+    TrainRequest(
+        dataset_dir="<staged>",
+        run_folder=Path(options.workdir),
+        preset=options.preset,
+        overrides=options.overrides,
+        settings=options.training,
+    ).config()
