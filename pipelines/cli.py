@@ -423,10 +423,10 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from components.mlflow_access import RegistryUnavailable
     from components.register_model.bundle import BundleError
     from components.register_model.register import RegistrationError
+    from components.stage_data.prepare_data import PrepareError
     from components.stage_data.stage import StageError
     from pipelines.local import LocalRunError
     from pipelines.ops import OpsError
-    from pipelines.prepare_data import PrepareError
     from trainer.checkpoint import CheckpointError
     from trainer.config import ConfigError
     from trainer.data import DataError

@@ -16,10 +16,11 @@ from components.stage_data.checksums import (
     verify_file,
     verify_file_any_part_size,
 )
+from components.stage_data.prepare_data import SHARD_INDEX_NAME, pack_shards, write_shards
 from components.stage_data.progress import Progress, format_progress
-from components.stage_data.stage import MANIFEST_NAME, StageError, relative_paths, stage_dataset
-from components.stage_data.transfer import TransferSettings, backoff_s
-from pipelines.prepare_data import SHARD_INDEX_NAME, pack_shards, write_shards
+from components.stage_data.settings import TransferSettings, backoff_s
+from components.stage_data.snapshot_store import MANIFEST_NAME, relative_paths
+from components.stage_data.stage import StageError, stage_dataset
 
 MIB = 2**20
 
