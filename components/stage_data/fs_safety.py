@@ -7,7 +7,7 @@ component at a time and refuses any that is a link or a file, and files are open
 `syncfs(2)` of the destination before a snapshot is committed, and `fsync_dir` makes a
 rename or a new link in a folder durable. Running out of space is turned into a
 `StageError` that names the fix, before the stage starts where it can be foreseen
-(`check_free_space`) and where it happens otherwise (`disk_full_error`).
+(`check_free_space`) and where it happens otherwise (`disk_full_as_stage_error`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import errno
 import os
 import shutil
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from components.stage_data.errors import StageError
@@ -114,8 +115,18 @@ def check_free_space(folder: Path, needed_bytes: int) -> None:
         )
 
 
-def disk_full_error(path: Path, exc: OSError) -> StageError:
-    return StageError(
-        f"the destination is full while writing {path} ({exc.strerror}): free space on the volume, "
-        "grow the FSx file system, or stage to a larger one"
-    )
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+@contextlib.contextmanager
+def disk_full_as_stage_error(path: Path, errnos: tuple[int, ...] = NO_SPACE_ERRNOS) -> Iterator[None]:
+    """Turn running out of space while writing `path` into a StageError that names the fix."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in errnos:
+            raise StageError(
+                f"the destination is full while writing {path} ({exc.strerror}): free space on the volume, "
+                "grow the FSx file system, or stage to a larger one"
+            ) from exc
+        raise

@@ -37,7 +37,7 @@ from components.stage_data.checksums import (
     verify_file_any_part_size,
 )
 from components.stage_data.errors import StageError, VerificationError
-from components.stage_data.fs_safety import disk_full_error, open_no_follow
+from components.stage_data.fs_safety import NO_SPACE_ERRNOS, disk_full_as_stage_error, open_no_follow
 from components.stage_data.progress import Progress
 from components.stage_data.settings import TransferSettings, default_max_workers, with_retries
 
@@ -86,6 +86,14 @@ class ObjectJob:
 
     def pending_ranges(self) -> list[int]:
         return [i for i in range(len(self.ranges)) if i not in self.done_ranges]
+
+
+def verification_exhausted(job: ObjectJob, attempts: int, reason: str = "") -> StageError:
+    detail = f" ({reason})" if reason else ""
+    return StageError(
+        f"s3://{job.bucket}/{job.key} did not match its size/checksum after {attempts} attempts{detail}: "
+        "the object may be changing or the network corrupting data; re-run the stage"
+    )
 
 
 class Downloader:
@@ -178,11 +186,7 @@ class Downloader:
                 self.settings.verify_attempts,
             )
         job.partial.unlink(missing_ok=True)
-        raise StageError(
-            f"s3://{job.bucket}/{job.key} did not match its size/checksum after "
-            f"{self.settings.verify_attempts} attempts: the object may be changing or the network "
-            "corrupting data; re-run the stage"
-        )
+        raise verification_exhausted(job, self.settings.verify_attempts)
 
     def _get(self, job: ObjectJob, byte_range: tuple[int, int] | None = None) -> Any:
         params: dict[str, Any] = {"Bucket": job.bucket, "Key": job.key}
@@ -229,13 +233,10 @@ class Downloader:
                 os.close(fd)
 
         try:
-            with_retries(f"GET s3://{job.bucket}/{job.key}", attempt, self.settings)
+            with disk_full_as_stage_error(job.partial):
+                with_retries(f"GET s3://{job.bucket}/{job.key}", attempt, self.settings)
         except ClientError as exc:
             raise self._client_error(job, exc) from exc
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise disk_full_error(job.partial, exc) from exc
-            raise
         except Exception as exc:
             if type(exc).__name__ == "FlexibleChecksumError":  # botocore's own check of the stream
                 return str(exc)
@@ -277,11 +278,8 @@ class Downloader:
         self.prepare_large_file(job.partial)  # e.g. a Lustre stripe layout, set before any data
         fd = open_no_follow(job.partial, os.O_WRONLY | os.O_CREAT)
         try:
-            os.ftruncate(fd, job.expectation.size)
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                raise disk_full_error(job.partial, exc) from exc
-            raise
+            with disk_full_as_stage_error(job.partial, (*NO_SPACE_ERRNOS, errno.EFBIG)):
+                os.ftruncate(fd, job.expectation.size)
         finally:
             os.close(fd)
 
@@ -313,22 +311,19 @@ class Downloader:
             return {name: h.digest() for name, h in hashers.items()}
 
         try:
-            try:
-                digests = with_retries(
-                    f"GET s3://{job.bucket}/{job.key} range {index}", attempt, self.settings
-                )
-            except VerificationError:
-                digests = with_retries(
-                    f"GET s3://{job.bucket}/{job.key} range {index}", attempt, self.settings
-                )
+            with disk_full_as_stage_error(job.partial):
+                try:
+                    digests = with_retries(
+                        f"GET s3://{job.bucket}/{job.key} range {index}", attempt, self.settings
+                    )
+                except VerificationError:
+                    digests = with_retries(
+                        f"GET s3://{job.bucket}/{job.key} range {index}", attempt, self.settings
+                    )
         except ClientError as exc:
             raise self._client_error(job, exc) from exc
         except VerificationError as exc:
             raise StageError(f"s3://{job.bucket}/{job.key}: {exc}; re-run the stage") from exc
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise disk_full_error(job.partial, exc) from exc
-            raise
         digest_hex = {name: value.hex() for name, value in digests.items()}
         record: dict[str, Any] = {
             "index": index,
@@ -414,11 +409,7 @@ def run_downloads(downloader: Downloader, jobs: list[ObjectJob], pool: Executor,
                 job.attempts_left -= 1
                 log.warning("s3://%s/%s failed verification (%s)", job.bucket, job.key, value)
                 if job.attempts_left <= 0:
-                    raise StageError(
-                        f"s3://{job.bucket}/{job.key} did not match its size/checksum after "
-                        f"{downloader.settings.verify_attempts} attempts ({value}): the object may be "
-                        "changing or the network corrupting data; re-run the stage"
-                    )
+                    raise verification_exhausted(job, downloader.settings.verify_attempts, value)
                 attempts = job.attempts_left
                 start(job)
                 job.attempts_left = attempts
