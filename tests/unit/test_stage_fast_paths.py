@@ -143,6 +143,8 @@ def test_both_clients_stage_the_same_snapshot(bucket, tmp_path, s3_endpoint):
         assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes()
     with pytest.raises(StageError, match="s3_client_kind"):
         stage_dataset(f"s3://{name}/data/", str(tmp_path / "c"), "ds", s3_endpoint, s3_client_kind="x")
+    with pytest.raises(StageError, match="boto3, lean, botocore"):
+        s3_client(s3_endpoint, kind="x")
 
 
 def test_resumed_small_files_are_rehashed_not_trusted_by_size(bucket, tmp_path, s3_endpoint):
