@@ -137,7 +137,7 @@ def run_benchmark(
     contenders: tuple[str, ...] = ("rtp", "awscli", "boto3_sequential"),
 ) -> dict[str, Any]:
     from benchmarks.ceph_rgw import CephRGW
-    from components.stage_data.source import s3_client
+    from components.stage_data.s3_clients import s3_client
 
     server = None
     with tempfile.TemporaryDirectory(prefix="rtp-bench-staging-") as tmp:

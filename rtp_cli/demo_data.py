@@ -40,7 +40,7 @@ def upload_demo_corpus(
     """Shard the corpus as `rtp prepare-data` does and upload it under `prefix`; returns the object count."""
     import tempfile
 
-    from pipelines.prepare_data import upload_shards, write_document_shards
+    from components.stage_data.prepare_data import upload_shards, write_document_shards
 
     with tempfile.TemporaryDirectory(prefix="rtp-demo-shards-") as tmp:
         write_document_shards(demo_corpus(budget_bytes), Path(tmp), DEMO_SHARD_BYTES)

@@ -66,8 +66,8 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from components.mlflow_access import RegistryUnavailable
     from components.register_model.bundle import BundleError
     from components.register_model.register import RegistrationError
+    from components.stage_data.prepare_data import PrepareError
     from components.stage_data.stage import StageError
-    from pipelines.prepare_data import PrepareError
     from rtp_cli.kfp_checks import KfpError
     from rtp_cli.local_run import LocalRunError
     from trainer.checkpoint import CheckpointError

@@ -81,8 +81,8 @@ def add_stage_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_stage(args: argparse.Namespace) -> int:
+    from components.stage_data.settings import default_max_workers
     from components.stage_data.stage import StageError, TransferSettings, stage_dataset
-    from components.stage_data.transfer import default_max_workers
 
     if args.max_workers < 0 or args.part_size_mib < 1 or args.multipart_threshold_mib < 1:
         raise StageError("--max-workers and --multipart-threshold-mib must be >= 1 and --part-size-mib >= 1")
@@ -107,7 +107,7 @@ def _cmd_stage(args: argparse.Namespace) -> int:
 
 
 def add_prepare_data_parser(sub: argparse._SubParsersAction) -> None:
-    from pipelines.prepare_data import DEFAULT_SHARD_BYTES
+    from components.stage_data.prepare_data import DEFAULT_SHARD_BYTES
 
     p = sub.add_parser(
         "prepare-data",
@@ -132,7 +132,7 @@ def add_prepare_data_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_prepare_data(args: argparse.Namespace) -> int:
-    from pipelines.prepare_data import prepare_data
+    from components.stage_data.prepare_data import prepare_data
 
     summary = prepare_data(
         args.corpus,

@@ -10,7 +10,8 @@ refreshes them) and its SigV4 signer, so authentication is botocore's; only the 
 plumbing is replaced. It mimics the slice of the botocore client API that staging uses
 (`get_object`, `head_object`, `get_paginator("list_objects_v2")`) and raises botocore's
 `ClientError` / `EndpointConnectionError` / `NoCredentialsError`, so retries and messages
-are shared with the botocore path (`rtp stage --s3-client botocore`).
+are shared with the botocore path (`rtp stage --s3-client botocore`). It is made by
+`s3_clients.s3_client(kind="lean")`.
 
 Addressing: an `--endpoint-url` is used path-style (`<endpoint>/<bucket>/<key>`), as the
 botocore client is configured for it; on AWS, virtual-hosted style on the regional
@@ -27,6 +28,8 @@ import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import quote, unquote, urlencode
+
+from components.stage_data.settings import TransferSettings, with_retries
 
 S3_NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
 _DNS_BUCKET = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")  # no dots: TLS wildcard must match
@@ -227,8 +230,6 @@ class _ListPaginator:
         self._client = client
 
     def paginate(self, Bucket: str, Prefix: str = "") -> Iterator[dict[str, Any]]:
-        from components.stage_data.transfer import TransferSettings, with_retries
-
         token = ""
         while True:
             page = with_retries(

@@ -1,22 +1,23 @@
 """Where a dataset comes from: an S3 prefix (AWS or any S3-compatible endpoint) or a local folder.
 
 Lists the source into `SourceObject`s (key, size, ETag, any additional checksum) and turns
-S3's errors into messages that say which problem it is and what to do. Credentials come
-from boto3's standard chain only (IRSA on EKS, environment, profile); the endpoint from
-`--endpoint-url` or `AWS_ENDPOINT_URL`. A local folder is served through `LocalFolderClient`,
+S3's errors into messages that say which problem it is and what to do; HEADs the objects
+whose verification needs more than the listing (`describe_all`). The S3 client it is given
+comes from `s3_clients.s3_client`. A local folder is served through `LocalFolderClient`,
 which answers the few S3 calls staging makes, so both sources share one download path.
 """
 
 from __future__ import annotations
 
 import os
+from concurrent.futures import Executor
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from components.stage_data.checksums import ADDITIONAL_ALGORITHMS, Expectation
-from components.stage_data.transfer import StageError, TransferSettings, with_retries
+from components.stage_data.errors import StageError
+from components.stage_data.settings import TransferSettings, with_retries
 
 LOCAL_ETAG_PREFIX = "local:"
 
@@ -63,75 +64,6 @@ def parse_source(uri: str) -> Source:
             raise StageError(f"source folder {folder} does not exist: check the path")
         return Source(uri, "local", str(folder), "")
     raise StageError(f"source {uri!r} is neither s3://bucket/prefix nor a local folder (absolute path)")
-
-
-def s3_client(endpoint_url: str | None = None, max_pool_connections: int = 64) -> Any:
-    """A boto3 S3 client from the standard credential chain (IRSA, env, profile).
-
-    botocore's own retries stay on (standard mode) for the listing; downloads add their own
-    backoff with jitter on top, because a stalled body is not something botocore retries.
-    """
-    import boto3
-
-    # A fresh session: the credential chain is resolved now, not cached from an earlier client.
-    return boto3.session.Session().client(
-        "s3", endpoint_url=endpoint_url or None, config=_client_config(endpoint_url, max_pool_connections)
-    )
-
-
-def _client_config(endpoint_url: str | None, max_pool_connections: int) -> Any:
-    from botocore.config import Config
-
-    return Config(
-        retries={"max_attempts": 6, "mode": "standard"},
-        max_pool_connections=max_pool_connections,
-        connect_timeout=10,
-        read_timeout=30,
-        tcp_keepalive=True,
-        s3={"addressing_style": "path"} if endpoint_url else {},
-    )
-
-
-_MONTHS = {m: i for i, m in enumerate(("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct",
-                                        "Nov", "Dec"), start=1)}  # fmt: skip
-
-
-def parse_s3_timestamp(value: str) -> datetime:
-    """S3's two timestamp spellings, parsed without dateutil; anything else goes to botocore's parser.
-
-    botocore parses every timestamp (each listed object's LastModified, each GET's
-    Last-Modified header) with dateutil, about 0.15 ms each: for thousands of small objects
-    that was the largest single CPU cost of a stage after the HTTP exchange itself.
-    """
-    try:
-        if value.endswith("Z") and "T" in value:  # 2026-11-30T01:42:00.123Z (XML listings)
-            return datetime.fromisoformat(value[:-1]).replace(tzinfo=UTC)
-        if value.endswith(" GMT"):  # Sun, 30 Nov 2026 01:42:00 GMT (HTTP headers)
-            _, day, month, year, clock, _ = value.split(" ")
-            hour, minute, second = clock.split(":")
-            return datetime(int(year), _MONTHS[month], int(day), int(hour), int(minute), int(second),
-                            tzinfo=UTC)  # fmt: skip
-    except (ValueError, KeyError):
-        pass
-    from botocore.utils import parse_timestamp
-
-    return parse_timestamp(value)
-
-
-def staging_client(endpoint_url: str | None = None, max_pool_connections: int = 64) -> Any:
-    """The S3 client staging reads with: botocore alone (no boto3/s3transfer import), fast timestamps.
-
-    Same credential chain (IRSA, environment, profile) and configuration as `s3_client`;
-    it only lists, HEADs and GETs, so boto3's resource and transfer layers are not needed,
-    and skipping their import saves ~0.15 s of every `rtp stage` start.
-    """
-    import botocore.session
-
-    session = botocore.session.get_session()
-    session.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=parse_s3_timestamp)
-    return session.create_client(
-        "s3", endpoint_url=endpoint_url or None, config=_client_config(endpoint_url, max_pool_connections)
-    )
 
 
 def list_objects(client: Any, bucket: str, prefix: str) -> list[SourceObject]:
@@ -210,6 +142,22 @@ def describe_object(client: Any, bucket: str, obj: SourceObject, settings: Trans
         except ClientError:
             pass
     return found
+
+
+def describe_all(
+    client: Any, bucket: str, objects: list[SourceObject], pool: Executor, settings: TransferSettings
+) -> list[SourceObject]:
+    """HEAD the objects whose verification needs more than the listing (multipart, large + checksum)."""
+    need = [
+        i
+        for i, o in enumerate(objects)
+        if "-" in o.etag or (o.checksum_algorithm and o.size >= settings.multipart_threshold_bytes)
+    ]
+    described = list(objects)
+    futures = {i: pool.submit(describe_object, client, bucket, objects[i], settings) for i in need}
+    for i, future in futures.items():
+        described[i] = future.result()
+    return described
 
 
 class _LocalBody:

@@ -1,37 +1,33 @@
-"""Moving bytes from S3 into files: retries, ranged parallel downloads, safe atomic writes.
+"""Moving bytes from S3 into files: whole and ranged downloads, verified, renamed only when right.
 
-Every object becomes one or more work items run by one thread pool: a small object is one
-GET; a large one is split into ranges (the upload's own parts when S3 says how big they
-were, so per-part MD5s verify a multipart ETag without a second pass) written in place
-with `pwrite` into a preallocated `<name>.part`. A sidecar `<name>.part.ranges` records
-each finished range and its digests, so a killed stage resumes a large object where it
-stopped (each recorded range is re-hashed from disk first, and fetched again if its bytes
-no longer match). The thread that finishes an object's last range verifies it and renames
-it to its final name; nothing unverified ever carries a final name. Nothing is fsynced
-file by file or range by range: the stage makes everything durable with one `syncfs` of
-the destination before the snapshot is committed (`sync_filesystem`), and a resumed stage
-re-hashes the files an earlier attempt left instead of trusting their size. Requests that
-fail with throttling (503 SlowDown), a 5xx or a dropped connection are retried with
-exponential backoff and full jitter.
+Every object becomes one or more work items run by one thread pool (`run_downloads`): a
+small object is one GET; a large one is split into ranges (the upload's own parts when S3
+says how big they were, so per-part MD5s verify a multipart ETag without a second pass)
+written in place with `pwrite` into a preallocated `<name>.part`. A sidecar
+`<name>.part.ranges` records each finished range and its digests, so a killed stage
+resumes a large object where it stopped (each recorded range is re-hashed from disk first,
+and fetched again if its bytes no longer match). The thread that finishes an object's last
+range verifies it and renames it to its final name; nothing unverified ever carries a
+final name. Nothing is fsynced file by file or range by range: the stage makes everything
+durable with one `syncfs` of the destination before the snapshot is committed
+(fs_safety.sync_filesystem). Each request is retried as settings.with_retries decides.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import logging
 import os
-import random
+import queue
 import threading
-import time
 from collections.abc import Callable
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from components.stage_data.checksums import (
-    MIB,
     Digester,
     Expectation,
     plausible_part_sizes,
@@ -40,125 +36,12 @@ from components.stage_data.checksums import (
     verify_file,
     verify_file_any_part_size,
 )
+from components.stage_data.errors import StageError, VerificationError
+from components.stage_data.fs_safety import NO_SPACE_ERRNOS, disk_full_as_stage_error, open_no_follow
+from components.stage_data.progress import Progress
+from components.stage_data.settings import TransferSettings, with_retries
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-RETRYABLE_CODES = frozenset(
-    {
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "RequestTimeout",
-        "RequestTimeTooSkewed",
-        "InternalError",
-        "ServiceUnavailable",
-        "503",
-        "500",
-        "502",
-        "504",
-    }
-)
-
-
-class StageError(RuntimeError):
-    """Staging cannot go on; the message says what was wrong and what to do."""
-
-
-class VerificationError(Exception):
-    """A body did not match what S3 said about it (retried, then a StageError)."""
-
-
-def usable_cpus() -> int:
-    """CPUs this process may use: its affinity, capped by a cgroup v2 CPU quota (a pod's limit)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
-        if quota != "max":
-            cpus = min(cpus, max(1, -(-int(quota) // int(period))))
-    except (OSError, ValueError):
-        pass
-    return cpus
-
-
-def default_max_workers() -> int:
-    """Four requests in flight per usable CPU, 8 to 32.
-
-    The downloads run in Python threads: past a few per core they add no throughput (each
-    request needs the GIL for its headers and bookkeeping) but cost CPU in GIL hand-offs,
-    measured on 2 cores at 3000 small objects: 8 workers 4.9 s, 32 workers 8.0 s.
-    """
-    return min(32, max(8, 4 * usable_cpus()))
-
-
-@dataclass(frozen=True, slots=True)
-class TransferSettings:
-    """How hard to push the endpoint. Defaults suit one pod staging onto FSx."""
-
-    max_workers: int = field(default_factory=default_max_workers)
-    multipart_threshold_bytes: int = 64 * MIB
-    part_size_bytes: int = 16 * MIB
-    request_attempts: int = 6
-    verify_attempts: int = 3
-    backoff_base_s: float = 0.25
-    backoff_max_s: float = 20.0
-    read_chunk_bytes: int = 1 * MIB
-
-
-def is_retryable(exc: BaseException) -> bool:
-    """Throttling, server errors and dropped or stalled connections are worth another try."""
-    from botocore.exceptions import (
-        ClientError,
-        ConnectionClosedError,
-        ConnectTimeoutError,
-        EndpointConnectionError,
-        IncompleteReadError,
-        ReadTimeoutError,
-        ResponseStreamingError,
-    )
-
-    if isinstance(exc, ClientError):
-        error = exc.response.get("Error", {})
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        return error.get("Code", "") in RETRYABLE_CODES or int(status or 0) >= 500
-    if isinstance(
-        exc,
-        ConnectionClosedError
-        | ConnectTimeoutError
-        | EndpointConnectionError
-        | IncompleteReadError
-        | ReadTimeoutError
-        | ResponseStreamingError,
-    ):
-        return True
-    from urllib3.exceptions import HTTPError as Urllib3Error  # ships with botocore
-
-    return isinstance(exc, ConnectionError | TimeoutError | Urllib3Error)
-
-
-def backoff_s(attempt: int, base_s: float, max_s: float, rng: random.Random | None = None) -> float:
-    """Full-jitter exponential backoff: uniform in [0, min(max, base * 2**attempt)]."""
-    return (rng or random).uniform(0, min(max_s, base_s * 2**attempt))
-
-
-def with_retries(
-    what: str,
-    call: Callable[[], T],
-    settings: TransferSettings,
-    sleep: Callable[[float], None] = time.sleep,
-) -> T:
-    for attempt in range(settings.request_attempts):
-        try:
-            return call()
-        except Exception as exc:
-            if not is_retryable(exc) or attempt == settings.request_attempts - 1:
-                raise
-            delay = backoff_s(attempt, settings.backoff_base_s, settings.backoff_max_s)
-            log.warning(
-                "%s: %s; retrying in %.2f s (%d/%d)", what, exc, delay, attempt + 1, settings.request_attempts
-            )
-            sleep(delay)
-    raise AssertionError("unreachable")
 
 
 def with_response_checksum(expectation: Expectation, response: dict[str, Any]) -> Expectation:
@@ -169,87 +52,6 @@ def with_response_checksum(expectation: Expectation, response: dict[str, Any]) -
     if value:
         return replace(expectation, checksum=value)
     return replace(expectation, algorithm="")
-
-
-# ---------------------------------------------------------------- safe paths
-
-
-class SafeTree:
-    """Creates folders under `root` and refuses any path component that is a symlink."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self._checked: set[Path] = set()
-        self._lock = threading.Lock()
-
-    def target(self, relative: str) -> Path:
-        path = self.root / relative
-        self.ensure_dir(path.parent)
-        if path.is_symlink():
-            raise StageError(f"{path} is a symlink; staging never follows links: remove it and re-stage")
-        return path
-
-    def ensure_dir(self, folder: Path) -> None:
-        if folder in self._checked:
-            return
-        relative = folder.relative_to(self.root)
-        current = self.root
-        for part in relative.parts:
-            current = current / part
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(current)
-            if current.is_symlink() or not current.is_dir():
-                raise StageError(
-                    f"{current} is a symlink or a file where a folder belongs; staging never follows "
-                    "links out of the dataset folder: remove it and re-stage"
-                )
-        with self._lock:
-            self._checked.add(folder)
-
-
-def _open_no_follow(path: Path, flags: int) -> int:
-    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-
-
-def fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def sync_filesystem(folder: Path) -> None:
-    """Make everything written on `folder`'s file system durable: one syncfs(2), else sync(2).
-
-    One call instead of an fsync per file: thousands of small-file fsyncs cost more than the
-    downloads themselves (each waits for a journal commit), while durability only matters
-    at the point the snapshot is committed and `current` switches.
-    """
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        if _libc_syncfs(fd) != 0:
-            os.sync()
-    finally:
-        os.close(fd)
-
-
-def _libc_syncfs(fd: int) -> int:
-    """syncfs(2) through libc (Linux); -1 where it does not exist."""
-    import ctypes
-
-    try:
-        syncfs = ctypes.CDLL(None, use_errno=True).syncfs
-    except (AttributeError, OSError):
-        return -1
-    return int(syncfs(fd))
-
-
-def disk_full_error(path: Path, exc: OSError) -> StageError:
-    return StageError(
-        f"the destination is full while writing {path} ({exc.strerror}): free space on the volume, "
-        "grow the FSx file system, or stage to a larger one"
-    )
 
 
 # ---------------------------------------------------------------- one object
@@ -280,6 +82,14 @@ class ObjectJob:
 
     def pending_ranges(self) -> list[int]:
         return [i for i in range(len(self.ranges)) if i not in self.done_ranges]
+
+
+def verification_exhausted(job: ObjectJob, attempts: int, reason: str = "") -> StageError:
+    detail = f" ({reason})" if reason else ""
+    return StageError(
+        f"s3://{job.bucket}/{job.key} did not match its size/checksum after {attempts} attempts{detail}: "
+        "the object may be changing or the network corrupting data; re-run the stage"
+    )
 
 
 class Downloader:
@@ -372,11 +182,7 @@ class Downloader:
                 self.settings.verify_attempts,
             )
         job.partial.unlink(missing_ok=True)
-        raise StageError(
-            f"s3://{job.bucket}/{job.key} did not match its size/checksum after "
-            f"{self.settings.verify_attempts} attempts: the object may be changing or the network "
-            "corrupting data; re-run the stage"
-        )
+        raise verification_exhausted(job, self.settings.verify_attempts)
 
     def _get(self, job: ObjectJob, byte_range: tuple[int, int] | None = None) -> Any:
         params: dict[str, Any] = {"Bucket": job.bucket, "Key": job.key}
@@ -402,7 +208,7 @@ class Downloader:
             response = self._get(job) if job.expectation.size else None
             exp = with_response_checksum(job.expectation, response or {})
             digester = Digester(exp)
-            fd = _open_no_follow(job.partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            fd = open_no_follow(job.partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             try:
                 with os.fdopen(fd, "wb", closefd=False) as handle:
 
@@ -423,13 +229,10 @@ class Downloader:
                 os.close(fd)
 
         try:
-            with_retries(f"GET s3://{job.bucket}/{job.key}", attempt, self.settings)
+            with disk_full_as_stage_error(job.partial):
+                with_retries(f"GET s3://{job.bucket}/{job.key}", attempt, self.settings)
         except ClientError as exc:
             raise self._client_error(job, exc) from exc
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise disk_full_error(job.partial, exc) from exc
-            raise
         except Exception as exc:
             if type(exc).__name__ == "FlexibleChecksumError":  # botocore's own check of the stream
                 return str(exc)
@@ -469,13 +272,10 @@ class Downloader:
         job.partial.unlink(missing_ok=True)
         job.sidecar.unlink(missing_ok=True)
         self.prepare_large_file(job.partial)  # e.g. a Lustre stripe layout, set before any data
-        fd = _open_no_follow(job.partial, os.O_WRONLY | os.O_CREAT)
+        fd = open_no_follow(job.partial, os.O_WRONLY | os.O_CREAT)
         try:
-            os.ftruncate(fd, job.expectation.size)
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                raise disk_full_error(job.partial, exc) from exc
-            raise
+            with disk_full_as_stage_error(job.partial, (*NO_SPACE_ERRNOS, errno.EFBIG)):
+                os.ftruncate(fd, job.expectation.size)
         finally:
             os.close(fd)
 
@@ -489,7 +289,7 @@ class Downloader:
         def attempt() -> dict[str, bytes]:
             hashers = digester.part_hashers()
             response = self._get(job, (offset, length))
-            fd = _open_no_follow(job.partial, os.O_WRONLY)
+            fd = open_no_follow(job.partial, os.O_WRONLY)
             position = offset
             try:
                 for chunk in response["Body"].iter_chunks(self.settings.read_chunk_bytes):
@@ -507,22 +307,19 @@ class Downloader:
             return {name: h.digest() for name, h in hashers.items()}
 
         try:
-            try:
-                digests = with_retries(
-                    f"GET s3://{job.bucket}/{job.key} range {index}", attempt, self.settings
-                )
-            except VerificationError:
-                digests = with_retries(
-                    f"GET s3://{job.bucket}/{job.key} range {index}", attempt, self.settings
-                )
+            with disk_full_as_stage_error(job.partial):
+                try:
+                    digests = with_retries(
+                        f"GET s3://{job.bucket}/{job.key} range {index}", attempt, self.settings
+                    )
+                except VerificationError:
+                    digests = with_retries(
+                        f"GET s3://{job.bucket}/{job.key} range {index}", attempt, self.settings
+                    )
         except ClientError as exc:
             raise self._client_error(job, exc) from exc
         except VerificationError as exc:
             raise StageError(f"s3://{job.bucket}/{job.key}: {exc}; re-run the stage") from exc
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise disk_full_error(job.partial, exc) from exc
-            raise
         digest_hex = {name: value.hex() for name, value in digests.items()}
         record: dict[str, Any] = {
             "index": index,
@@ -558,3 +355,61 @@ class Downloader:
         os.replace(job.partial, job.target)
         job.sidecar.unlink(missing_ok=True)
         return ""
+
+
+# ---------------------------------------------------------------- scheduling
+
+
+def run_downloads(downloader: Downloader, jobs: list[ObjectJob], pool: Executor, progress: Progress) -> None:
+    """Run every job's GETs on the pool; ranged jobs are finished by whoever ends their last range.
+
+    Finished work items come back through a queue (each future's done-callback puts it
+    there): `concurrent.futures.wait` over thousands of pending futures re-registers a
+    waiter on every one of them per call, which costs more CPU than the small GETs do.
+    """
+    finished: queue.SimpleQueue[tuple[Future[Any], str, ObjectJob]] = queue.SimpleQueue()
+    pending: set[Future[Any]] = set()
+
+    def submit(kind: str, job: ObjectJob, call: Any, *args: Any) -> None:
+        future = pool.submit(call, job, *args)
+        pending.add(future)
+        future.add_done_callback(lambda f: finished.put((f, kind, job)))
+
+    def start(job: ObjectJob) -> None:
+        downloader.plan(job)
+        if not job.parallel:
+            submit("whole", job, downloader.fetch_whole)
+            return
+        downloader.open_partial(job)
+        todo = job.pending_ranges()
+        if not todo:
+            submit("finish", job, downloader.finish_ranged)
+        for index in todo:
+            submit("range", job, downloader.fetch_range, index)
+
+    for job in jobs:
+        start(job)
+    try:
+        while pending:
+            future, kind, job = finished.get()
+            pending.discard(future)
+            value = future.result()  # re-raises StageError from the worker
+            if kind == "whole":
+                progress.add_file()
+            elif kind == "range" and value:
+                submit("finish", job, downloader.finish_ranged)
+            elif kind == "finish":
+                if not value:
+                    progress.add_file()
+                    continue
+                job.attempts_left -= 1
+                log.warning("s3://%s/%s failed verification (%s)", job.bucket, job.key, value)
+                if job.attempts_left <= 0:
+                    raise verification_exhausted(job, downloader.settings.verify_attempts, value)
+                attempts = job.attempts_left
+                start(job)
+                job.attempts_left = attempts
+    except BaseException:
+        for future in pending:
+            future.cancel()
+        raise

@@ -7,14 +7,12 @@ import os
 import pytest
 
 from components.stage_data.checksums import Expectation
-from components.stage_data.stage import (
-    StageError,
-    parse_s3_uri,
-    relative_paths,
-    s3_client,
-    stage_dataset,
-)
-from components.stage_data.transfer import Downloader, ObjectJob, TransferSettings
+from components.stage_data.s3_clients import s3_client
+from components.stage_data.settings import TransferSettings
+from components.stage_data.snapshot_store import relative_paths
+from components.stage_data.source import parse_s3_uri
+from components.stage_data.stage import StageError, stage_dataset
+from components.stage_data.transfer import Downloader, ObjectJob
 
 
 @pytest.fixture(scope="module")

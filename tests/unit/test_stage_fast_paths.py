@@ -15,9 +15,12 @@ from botocore.utils import parse_timestamp
 
 from components.stage_data.checksums import Expectation
 from components.stage_data.lean_s3 import LeanS3Client, error_from_response, parse_list_page
-from components.stage_data.source import LocalFolderClient, list_objects, parse_s3_timestamp, s3_client
-from components.stage_data.stage import StageError, manifest_text, stage_dataset
-from components.stage_data.transfer import Downloader, ObjectJob, TransferSettings, default_max_workers
+from components.stage_data.s3_clients import parse_s3_timestamp, s3_client
+from components.stage_data.settings import TransferSettings, default_max_workers
+from components.stage_data.snapshot_store import manifest_text
+from components.stage_data.source import LocalFolderClient, list_objects
+from components.stage_data.stage import StageError, stage_dataset
+from components.stage_data.transfer import Downloader, ObjectJob
 
 MIB = 2**20
 
@@ -140,6 +143,8 @@ def test_both_clients_stage_the_same_snapshot(bucket, tmp_path, s3_endpoint):
         assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes()
     with pytest.raises(StageError, match="s3_client_kind"):
         stage_dataset(f"s3://{name}/data/", str(tmp_path / "c"), "ds", s3_endpoint, s3_client_kind="x")
+    with pytest.raises(StageError, match="boto3, lean, botocore"):
+        s3_client(s3_endpoint, kind="x")
 
 
 def test_resumed_small_files_are_rehashed_not_trusted_by_size(bucket, tmp_path, s3_endpoint):
@@ -191,10 +196,8 @@ def test_ranged_download_at_a_guessed_part_size(tmp_path, upload_part_mib):
 
 
 def test_timestamps_in_listings_are_aware_datetimes(bucket, s3_endpoint):
-    from components.stage_data.source import staging_client
-
     _, name = bucket
-    page = staging_client(s3_endpoint).list_objects_v2(Bucket=name, Prefix="data/")
+    page = s3_client(s3_endpoint, kind="botocore").list_objects_v2(Bucket=name, Prefix="data/")
     stamp = page["Contents"][0]["LastModified"]
     assert isinstance(stamp, datetime) and abs((datetime.now(UTC) - stamp).total_seconds()) < 3600
 

@@ -16,10 +16,11 @@ from components.stage_data.checksums import (
     verify_file,
     verify_file_any_part_size,
 )
+from components.stage_data.prepare_data import SHARD_INDEX_NAME, pack_shards, write_shards
 from components.stage_data.progress import Progress, format_progress
-from components.stage_data.stage import MANIFEST_NAME, StageError, relative_paths, stage_dataset
-from components.stage_data.transfer import TransferSettings, backoff_s
-from pipelines.prepare_data import SHARD_INDEX_NAME, pack_shards, write_shards
+from components.stage_data.settings import TransferSettings, backoff_s
+from components.stage_data.snapshot_store import MANIFEST_NAME, SnapshotStore, read_manifest, relative_paths
+from components.stage_data.stage import StageError, stage_dataset
 
 MIB = 2**20
 
@@ -139,3 +140,28 @@ def test_prepared_shards_stage_from_a_local_folder_and_train(tmp_path):
     assert load_tokens(train + holdout).numel() == index["tokens"] + len(index["shards"])
     again = stage_dataset(str(tmp_path / "shards"), str(tmp_path / "fsx"), "ds")
     assert again.bytes_downloaded == 0
+
+
+def test_snapshot_store_recheck_asks_for_exactly_the_damaged_files(tmp_path):
+    source = tmp_path / "src"
+    source.mkdir()
+    for i in range(3):
+        (source / f"f{i}.txt").write_bytes(f"file {i}\n".encode() * 50)
+    first = stage_dataset(str(source), str(tmp_path / "fsx"), "ds")
+    store = SnapshotStore(tmp_path / "fsx/rtp/datasets/ds")
+    (store.root / "current").unlink()  # recheck re-points it
+    damaged = store.snapshot_dir(first.snapshot_id) / "f1.txt"
+    damaged.write_bytes(b"x" * damaged.stat().st_size)  # same size, new mtime
+    asked = []
+
+    def refetch(targets):
+        asked.extend((obj.key, target) for obj, target in targets)
+        for obj, target in targets:
+            assert not target.exists()  # a shared hard link is broken before writing
+            target.write_bytes((source / obj.key).read_bytes())
+
+    manifest = read_manifest(store.snapshot_dir(first.snapshot_id))
+    repaired = store.recheck(first.snapshot_id, manifest, "stat", refetch)
+    assert [o.key for o in repaired] == ["f1.txt"] and asked == [("f1.txt", damaged)]
+    assert (store.root / "current").resolve() == store.snapshot_dir(first.snapshot_id)
+    assert store.recheck(first.snapshot_id, read_manifest(damaged.parent), "stat", refetch) == []

@@ -147,7 +147,8 @@ def prepare_data(
     index = write_shards(Path(source), Path(out_dir), shard_bytes)
     uploaded = 0
     if destination:
-        from components.stage_data.source import parse_s3_uri, s3_client
+        from components.stage_data.s3_clients import s3_client
+        from components.stage_data.source import parse_s3_uri
 
         bucket, prefix = parse_s3_uri(destination)
         uploaded = upload_shards(s3_client(endpoint_url), Path(out_dir), bucket, prefix)
