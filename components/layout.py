@@ -31,8 +31,19 @@ def check_name(kind: str, value: str) -> str:
     return value
 
 
+COLLECTIONS = {"datasets": "dataset name", "models": "model name"}
+"""What the stage step can stage onto the volume: <mount>/rtp/<collection>/<name>/."""
+
+
 def dataset_root(mount: str | Path, dataset: str) -> Path:
-    return Path(mount) / "rtp" / "datasets" / check_name("dataset name", dataset)
+    return snapshot_root(mount, "datasets", dataset)
+
+
+def snapshot_root(mount: str | Path, collection: str, name: str) -> Path:
+    """<mount>/rtp/datasets/<name> or <mount>/rtp/models/<name>: snapshots/, current, .staging/."""
+    if collection not in COLLECTIONS:
+        raise ValueError(f"collection {collection!r} is not one of {', '.join(COLLECTIONS)}")
+    return Path(mount) / "rtp" / collection / check_name(COLLECTIONS[collection], name)
 
 
 def run_dir(mount: str | Path, run_name: str, job_id: str = "") -> Path:

@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from components.layout import dataset_root
+from components.layout import snapshot_root
 from components.stage_data.checksums import verify_file_any_part_size
 from components.stage_data.errors import StageError
 from components.stage_data.fs_safety import SafeTree, fsync_dir, sync_filesystem
@@ -178,8 +178,8 @@ class SnapshotStore:
         self.root = root
 
     @classmethod
-    def open(cls, fsx_mount_path: str, dataset_name: str) -> SnapshotStore:
-        root = dataset_root(fsx_mount_path, dataset_name)
+    def open(cls, fsx_mount_path: str, dataset_name: str, collection: str = "datasets") -> SnapshotStore:
+        root = snapshot_root(fsx_mount_path, collection, dataset_name)
         if root.is_symlink():
             raise StageError(
                 f"{root} is a symlink; staging never follows links: point --fsx-mount-path at the volume"

@@ -177,8 +177,10 @@ def stage_dataset(
     verify_local: str = "stat",
     progress_stream: Any = None,
     s3_client_kind: str = "lean",
+    collection: str = "datasets",
 ) -> StageResult:
-    """Stage `source` (s3://bucket/prefix or a local folder) as a snapshot of dataset `dataset_name`."""
+    """Stage `source` (s3://bucket/prefix or a local folder) as a snapshot of dataset `dataset_name`
+    (or, with collection="models", of the model folder of that name)."""
     started = time.perf_counter()
     if mode not in MODES:
         raise StageError(f"mode {mode!r} is not one of {', '.join(MODES)}")
@@ -197,7 +199,7 @@ def stage_dataset(
         objects = list_objects(client, parsed.bucket, parsed.prefix)
     paths = relative_paths((o.key for o in objects), parsed.prefix)
     snap = snapshot_id(objects)
-    store = SnapshotStore.open(fsx_mount_path, dataset_name)
+    store = SnapshotStore.open(fsx_mount_path, dataset_name, collection)
     lustre = Lustre()
     lustre.say_once_if_absent()
 
