@@ -17,13 +17,13 @@ summary.json:
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks import report
 from trainer.config import CHECKPOINT_MODES, build_config
 from trainer.launch import run_local_training
 
@@ -156,10 +156,4 @@ def main(args: argparse.Namespace) -> int:
     result = run_benchmark(
         modes=modes, nproc=args.nproc, steps=args.steps, every=args.every, preset=args.preset
     )
-    document = json.dumps(result, indent=2)
-    if args.json_path:
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(document + "\n")
-    print(document)
-    print(format_table(result))
-    return 0
+    return report(result, args.json_path, format_table)

@@ -19,12 +19,12 @@ on the failed peer cannot be interrupted sooner (pytorch issue 130345).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks import report
 from trainer.config import TrainConfig, build_config
 from trainer.launch import LauncherSettings, TrainingFailed, run_local_training
 
@@ -203,10 +203,4 @@ def main(args: argparse.Namespace) -> int:
         fault_steps=fault_steps,
         collective_timeout_s=args.collective_timeout,
     )
-    document = json.dumps(result, indent=2)
-    if args.json_path:
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(document + "\n")
-    print(document)
-    print(format_table(result))
-    return 0
+    return report(result, args.json_path, format_table)

@@ -186,9 +186,7 @@ def build_pipeline(
                 task.set_caching_options(False)
             # S3 and MLflow hiccups are worth retrying; a failed training run is not retried
             # blindly here (its own launcher restarts ranks and resumes from checkpoints).
-            stage.set_retry(
-                num_retries=3, backoff_duration="30s", backoff_factor=2, backoff_max_duration="600s"
-            )
+            _retry_with_backoff(stage)
             with dsl.If(validate.outputs["Output"] != "reject", name="If validation accepted the model"):
                 register = (
                     register_op(
@@ -204,9 +202,7 @@ def build_pipeline(
                     .set_display_name("Register the model in MLflow")
                     .set_caching_options(False)
                 )
-                register.set_retry(
-                    num_retries=3, backoff_duration="30s", backoff_factor=2, backoff_max_duration="600s"
-                )
+                _retry_with_backoff(register)
                 platform.use_mlflow_secret(register, mlflow_secret_name)
             # Validate scores the current champion from MLflow: it needs the same credentials.
             platform.use_mlflow_secret(validate, mlflow_secret_name)
@@ -215,6 +211,11 @@ def build_pipeline(
                 platform.apply_common(task, options)
 
     return rtp_pipeline
+
+
+def _retry_with_backoff(task: Any) -> None:
+    """S3 and MLflow hiccups are worth retrying: 3 times, 30 s doubling up to 10 minutes."""
+    task.set_retry(num_retries=3, backoff_duration="30s", backoff_factor=2, backoff_max_duration="600s")
 
 
 def compile_pipeline(

@@ -2,41 +2,15 @@
 
 import io
 import json
-import os
 
 import pytest
 
 from components.stage_data.checksums import Expectation
-from components.stage_data.s3_clients import s3_client
 from components.stage_data.settings import TransferSettings
 from components.stage_data.snapshot_store import relative_paths
 from components.stage_data.source import parse_s3_uri
 from components.stage_data.stage import StageError, stage_dataset
 from components.stage_data.transfer import Downloader, ObjectJob
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    from moto.server import ThreadedMotoServer
-
-    os.environ.update(
-        {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
-    )
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
-@pytest.fixture
-def bucket(s3_endpoint, request):
-    client = s3_client(s3_endpoint)
-    name = request.node.name.lower().replace("_", "-")[:60]
-    client.create_bucket(Bucket=name)
-    for i in range(5):
-        client.put_object(Bucket=name, Key=f"data/file{i}.txt", Body=f"contents {i}\n".encode() * 100)
-    return client, name
 
 
 def _snapshot_files(result):
