@@ -33,7 +33,7 @@ def stage_model(
     if model_source:
         from components.stage_model.model_folder import stage_model_folder
 
-        metadata = stage_model_folder(model_source, fsx_mount_path, s3_endpoint_url or None).as_metadata()
+        metadata = stage_model_folder(model_source, fsx_mount_path, s3_endpoint_url or None)
     base_model.metadata.update(metadata)
     with open(base_model.path, "w") as handle:
         json.dump(metadata, handle)

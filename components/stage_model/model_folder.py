@@ -9,26 +9,14 @@ A folder without config.json is refused here, before any GPU is requested for tr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from components.layout import check_name
 from components.stage_data.errors import StageError
-from components.stage_data.stage import StageResult, stage_dataset
+from components.stage_data.stage import stage_dataset
 
 HF_CONFIG_FILE = "config.json"
-
-
-@dataclass(frozen=True, slots=True)
-class StagedModel:
-    name: str
-    model_dir: str
-    """The snapshot folder, what the trainer's model.model_dir points at."""
-    stage: StageResult
-
-    def as_metadata(self) -> dict[str, Any]:
-        return {"model_name": self.name, "model_dir": self.model_dir, **self.stage.as_dict()}
 
 
 def model_name_of(source: str) -> str:
@@ -46,7 +34,9 @@ def model_name_of(source: str) -> str:
         raise StageError(str(exc)) from None
 
 
-def stage_model_folder(source: str, fsx_mount_path: str, endpoint_url: str | None = None) -> StagedModel:
+def stage_model_folder(source: str, fsx_mount_path: str, endpoint_url: str | None = None) -> dict[str, Any]:
+    """Stage the folder; returns the base model's metadata: model_name, model_dir (the
+    snapshot, what the trainer's model.model_dir points at) and the stage's counts."""
     name = model_name_of(source)
     result = stage_dataset(source, fsx_mount_path, name, endpoint_url=endpoint_url, collection="models")
     if not (Path(result.snapshot_dir) / HF_CONFIG_FILE).is_file():
@@ -54,4 +44,4 @@ def stage_model_folder(source: str, fsx_mount_path: str, endpoint_url: str | Non
             f"{source} has no {HF_CONFIG_FILE} at its top: a model folder holds config.json, optional "
             "*.safetensors weights and the tokenizer files (save_pretrained writes exactly that)"
         )
-    return StagedModel(name=name, model_dir=result.snapshot_dir, stage=result)
+    return {"model_name": name, "model_dir": result.snapshot_dir, **result.as_dict()}

@@ -22,14 +22,16 @@ def test_a_model_folder_becomes_an_immutable_snapshot_and_restaging_transfers_no
     (source / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (source / "model.safetensors").write_bytes(b"\0" * 1000)
     staged = stage_model_folder(str(source), str(tmp_path / "fsx"))
-    assert staged.name == "tiny-llama"
-    assert staged.model_dir.startswith(str(tmp_path / "fsx" / "rtp" / "models" / "tiny-llama" / "snapshots"))
+    assert staged["model_name"] == "tiny-llama"
+    assert staged["model_dir"].startswith(
+        str(tmp_path / "fsx" / "rtp" / "models" / "tiny-llama" / "snapshots")
+    )
     assert (
         json.loads((tmp_path / "fsx/rtp/models/tiny-llama/current/config.json").read_text())["model_type"]
         == "llama"
     )
     again = stage_model_folder(str(source), str(tmp_path / "fsx"))
-    assert again.model_dir == staged.model_dir and again.stage.bytes_downloaded == 0
+    assert again["model_dir"] == staged["model_dir"] and again["bytes_downloaded"] == 0
 
 
 def test_a_folder_without_config_json_is_refused(tmp_path):
