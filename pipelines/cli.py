@@ -271,7 +271,7 @@ def _add_validate(sub: argparse._SubParsersAction) -> None:
 
 
 def _resolve_checkpoint(path: str) -> str:
-    from trainer.checkpoint import latest_committed_checkpoint
+    from trainer.checkpointing import latest_committed_checkpoint
 
     folder = Path(path)
     if (folder / ".metadata").exists() or folder.name.startswith("step_"):
@@ -427,7 +427,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from pipelines.local import LocalRunError
     from pipelines.ops import OpsError
     from pipelines.prepare_data import PrepareError
-    from trainer.checkpoint import CheckpointError
+    from trainer.checkpointing import CheckpointError
     from trainer.config import ConfigError
     from trainer.data import DataError
     from trainer.launch import TrainingFailed
