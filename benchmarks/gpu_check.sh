@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 WHEELS=${RTP_WHEELS:-benchmarks/wheels}
 
-if ! "$PYTHON" -c "import trainer.checkpointer, rtp_cli.main" 2>/dev/null; then
+if ! "$PYTHON" -c "import trainer.checkpointing, rtp_cli.main" 2>/dev/null; then
   if [ -d "$WHEELS" ]; then
     "$PYTHON" -m pip install --no-index --find-links "$WHEELS" --no-build-isolation -e .
   else

@@ -54,7 +54,7 @@ def add_validate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _resolve_checkpoint(path: str) -> str:
-    from trainer.checkpoint import latest_committed_checkpoint
+    from trainer.checkpointing import latest_committed_checkpoint
 
     folder = Path(path)
     if (folder / ".metadata").exists() or folder.name.startswith("step_"):

@@ -70,7 +70,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from components.stage_data.stage import StageError
     from rtp_cli.kfp_checks import KfpError
     from rtp_cli.local_run import LocalRunError
-    from trainer.checkpoint import CheckpointError
+    from trainer.checkpointing import CheckpointError
     from trainer.config import ConfigError
     from trainer.data import DataError
     from trainer.launch import TrainingFailed

@@ -210,7 +210,7 @@ def run_local_training(
         copier.join(timeout=10)
         log_file.flush()
     if returncode != 0:
-        from trainer.checkpoint import latest_committed_checkpoint
+        from trainer.checkpointing import latest_committed_checkpoint
         from trainer.faults import recorded_fatal_error
 
         text = log_path.read_text()

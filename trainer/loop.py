@@ -4,7 +4,8 @@ Everything distributed — model shards, optimizer, sampler, the checkpoint writ
 created inside `train()`, so a restart (a new call) starts from a clean slate and the
 latest committed checkpoint. The loop is deterministic on CPU for a given seed and world
 size: a run stopped after a checkpoint and resumed reaches the same weights as one that
-never stopped, whatever the checkpoint mode.
+never stopped, whatever the checkpoint mode. Checkpoint policy (resume, when to save, what
+a save holds) is `trainer.checkpointing.CheckpointManager`'s; the loop only calls it.
 
 SIGTERM (pod eviction, preemption, `kubectl delete`) does not kill the loop: the ranks
 agree on it at the next step, write a final checkpoint, and exit cleanly, so the
@@ -14,7 +15,6 @@ Kubernetes grace period is spent saving instead of losing the steps since the la
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import math
 import signal
@@ -24,10 +24,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from trainer import checkpoint
-from trainer.checkpointer import Checkpointer, SaveRecord, efficiency_pct
+from trainer.checkpointing import CheckpointManager, model_sha256
 from trainer.config import TrainConfig
 from trainer.data import StepSampler, load_tokens, split_files
 from trainer.events import EventLog
@@ -46,25 +44,6 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float) 
     span = max(1, total_steps - warmup_steps)
     progress = min(1.0, (step - warmup_steps) / span)
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def state_dict_sha256(state: dict[str, torch.Tensor]) -> str:
-    """SHA-256 over tensors in sorted key order: equal exactly when the weights are equal."""
-    digest = hashlib.sha256()
-    for key in sorted(state):
-        digest.update(key.encode())
-        digest.update(state[key].detach().to("cpu").contiguous().numpy().tobytes())
-    return digest.hexdigest()
-
-
-def model_sha256(model: torch.nn.Module) -> str:
-    """`state_dict_sha256` of the full (unsharded) model state. Collective."""
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
-    tensors = {}
-    for key, value in full.items():
-        assert isinstance(value, torch.Tensor), key
-        tensors[key] = value
-    return state_dict_sha256(tensors)
 
 
 class TrainHooks:
@@ -123,8 +102,6 @@ def train(
     workdir = Path(config.run.workdir)
     events = EventLog(workdir, enabled=rank == 0)
     events.emit("attempt_start", at=attempt_started_at, world_size=world, **attempt)
-    ckpt_root = Path(config.checkpoint_dir())
-    ckpt_cfg = config.checkpoint
     injector = FaultInjector(parse_faults(config.run.faults), workdir, rank, world)
 
     mark = time.perf_counter()
@@ -145,67 +122,22 @@ def train(
     )
     phases["loader_s"] = time.perf_counter() - mark
 
-    last_step = 0
-    resumed_from = None
-    mark = time.perf_counter()
-    latest = checkpoint.latest_committed_checkpoint(ckpt_root, ckpt_cfg.verify_hashes)
-    if latest is not None:
-        restored = checkpoint.load_checkpoint(latest, model, optimizer)
-        meta = restored["meta"]
-        if meta.get("model_hash") != config.model_hash():
-            raise checkpoint.CheckpointError(
-                f"{latest} was trained with a different model config; use a new checkpoint dir"
-            )
-        scheduler.load_state_dict(meta["scheduler"])
-        hooks.restore_launcher_state(meta.get("launcher", {}))
-        last_step = int(meta["step"])
-        resumed_from = str(latest)
-        events.emit("resume", step=last_step, checkpoint=resumed_from)
-        if rank == 0:
-            log.info("resumed from %s at step %d", latest, last_step)
-    phases["checkpoint_load_s"] = time.perf_counter() - mark
-
-    def on_commit(record: SaveRecord) -> None:
-        events.emit("checkpoint_committed", **record.as_dict())
-        if rank == 0:
-            log.info(
-                "checkpoint step %d committed (blocked %.3fs, write %.3fs)",
-                record.step,
-                record.blocked_s,
-                record.write_s or 0.0,
-            )
-
-    checkpointer = Checkpointer(
-        ckpt_root, ckpt_cfg.mode, ckpt_cfg.keep_last, ckpt_cfg.keep_every_steps, on_commit
+    checkpoints = CheckpointManager(
+        config,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        sampler=sampler,
+        hooks=hooks,
+        events=events,
     )
-    start_begin = time.perf_counter()
-    checkpointer.start(background=is_restart)  # a restart needs its first step soon
-    checkpointer_start_s = time.perf_counter() - start_begin
-    phases["checkpointer_start_s"] = checkpointer_start_s
+    mark = time.perf_counter()
+    last_step = checkpoints.load_latest()
+    phases["checkpoint_load_s"] = time.perf_counter() - mark
+    checkpoints.start(background=is_restart)  # a restart needs its first step soon
+    phases["checkpointer_start_s"] = checkpoints.start_s
     stop = _StopRequest()
     stop.install()
-
-    def save(step: int, loss_value: float) -> None:
-        record = checkpointer.save(
-            step,
-            model,
-            optimizer,
-            meta={
-                "config": config.to_dict(),
-                "model_hash": config.model_hash(),
-                "scheduler": scheduler.state_dict(),
-                "loss": loss_value,
-                "launcher": hooks.launcher_state(),
-            },
-            rank_extra={"sampler": sampler.state_dict(next_step=step + 1)},
-        )
-        if record is not None:
-            fields = {"weights_sha256": model_sha256(model)} if ckpt_cfg.record_weight_hashes else {}
-            events.emit(
-                "checkpoint_queued", step=step, mode=record.mode, blocked_s=record.blocked_s, **fields
-            )
-            if not checkpointer.awaiting_handoff:  # else once it is queued, before the next step
-                injector.after_checkpoint_queued(step)
 
     losses: list[tuple[int, float]] = []
     stop_at = config.run.stop_after_steps or config.run.steps
@@ -226,9 +158,9 @@ def train(
             torch.nn.utils.clip_grad_norm_(model.parameters(), opt_cfg.grad_clip_norm)
             # An async save's snapshot copy ran beside this forward and backward; it must be
             # complete before the optimizer changes the weights in place.
-            handed_off = checkpointer.before_optimizer_step()
-            if handed_off is not None:
-                injector.after_checkpoint_queued(handed_off.step)
+            queued = checkpoints.before_optimizer_step()
+            if queued is not None:
+                injector.after_checkpoint_queued(queued.step)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -249,9 +181,10 @@ def train(
                 log.info("step %d/%d loss %.4f", step, config.run.steps, loss_value)
 
             stopped_by_signal = reduced[1].item() > 0
-            if stopped_by_signal or step % ckpt_cfg.every_steps == 0 or step == stop_at:
-                save(step, loss_value)
-            checkpointer.poll()
+            queued = checkpoints.maybe_save(step, loss_value, final=stopped_by_signal or step == stop_at)
+            if queued is not None:
+                injector.after_checkpoint_queued(queued.step)
+            checkpoints.after_step()
             hooks.step_done(step)
             if stopped_by_signal:
                 if rank == 0:
@@ -261,21 +194,14 @@ def train(
             if step >= stop_at:
                 break
         loop_wall_s = time.perf_counter() - loop_start
-        drain_start = time.perf_counter()
-        checkpointer.drain()  # the last checkpoint is committed: the run's result is durable
-        final_drain_s = time.perf_counter() - drain_start
-        checkpointer.close()
-        teardown_s = time.perf_counter() - drain_start - final_drain_s
+        checkpoints.finish()  # the last checkpoint is committed: the run's result is durable
     except BaseException:
         # The pending save never commits; its writer process must not keep this one alive.
-        checkpointer.abandon()
+        checkpoints.abandon()
         raise
     finally:
         stop.restore()
 
-    saves = [record.as_dict() for record in checkpointer.records]
-    blocked_total = sum(record.blocked_s for record in checkpointer.records)
-    latest_now = checkpoint.latest_committed_checkpoint(ckpt_root)
     final_step = losses[-1][0] if losses else last_step
     summary = TrainSummary(
         steps=final_step,
@@ -285,15 +211,7 @@ def train(
         steps_run=steps_run,
         final_loss=losses[-1][1] if losses else None,
         losses=[{"step": s, "loss": v} for s, v in losses],
-        checkpoint=str(latest_now) if latest_now else None,
-        checkpoint_mode=ckpt_cfg.mode,
-        resumed_from=resumed_from,
-        checkpoint_saves=saves,
-        checkpoint_blocked_s=blocked_total,
-        efficiency_pct=efficiency_pct(blocked_total, loop_wall_s),
-        final_drain_s=final_drain_s,
-        checkpointer_start_s=checkpointer_start_s,
-        checkpointer_teardown_s=teardown_s,
+        **checkpoints.summary(loop_wall_s),
         loop_wall_s=loop_wall_s,
         world_size=world,
         device=device.type,

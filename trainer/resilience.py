@@ -27,7 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from trainer.checkpointer import abandon_all
+from trainer.checkpointing import abandon_all
 from trainer.config import TrainConfig
 from trainer.faults import record_fatal_error, recorded_fatal_error
 from trainer.loop import TrainHooks, train
@@ -152,7 +152,7 @@ class FatalTrainingError(RuntimeError):
 
 def _fatal_errors() -> tuple[type[BaseException], ...]:
     """Errors that recur identically after any restart: retrying them only burns time."""
-    from trainer.checkpoint import CheckpointError
+    from trainer.checkpointing import CheckpointError
     from trainer.config import ConfigError
     from trainer.data import DataError
     from trainer.faults import FaultSpecError

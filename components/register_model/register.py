@@ -31,7 +31,7 @@ from components.mlflow_access import RetryPolicy, call_with_retries
 from components.register_model.bundle import WEIGHTS_FILE, pip_requirements, write_bundle
 from components.register_model.lineage import Lineage, code_version, lineage_tags, training_config_sha256
 from components.validate_checkpoint.validate import load_validated_model
-from trainer.checkpoint import MANIFEST, CheckpointError
+from trainer.checkpointing.storage import MANIFEST, CheckpointError
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from components.validate_checkpoint.checks import DECISIONS, decide, optimizer_problems, shape_problems
-from trainer import checkpoint
+from trainer.checkpointing import storage
 from trainer.config import ModelConfig, TrainConfig
 from trainer.data import holdout_batches, load_tokens, split_files
 from trainer.model import ByteLM, next_token_loss
@@ -60,9 +60,7 @@ def stored_tensor_shapes(checkpoint_dir: str | Path) -> dict[str, tuple[int, ...
     try:
         metadata = dcp.FileSystemReader(str(checkpoint_dir)).read_metadata()
     except Exception as exc:  # a torn or foreign .metadata file: say which
-        raise checkpoint.CheckpointError(
-            f"{Path(checkpoint_dir) / '.metadata'} is unreadable: {exc}"
-        ) from exc
+        raise storage.CheckpointError(f"{Path(checkpoint_dir) / '.metadata'} is unreadable: {exc}") from exc
     return {
         key: tuple(entry.size)
         for key, entry in metadata.state_dict_metadata.items()
@@ -84,8 +82,8 @@ def load_validated_model(
     `checks`, when given, receives one line per check that passed (for the report).
     """
     passed = checks if checks is not None else []
-    checkpoint.verify_checkpoint(checkpoint_dir, verify_hashes=True)
-    meta = checkpoint.read_meta(checkpoint_dir)
+    storage.verify_checkpoint(checkpoint_dir, verify_hashes=True)
+    meta = storage.read_meta(checkpoint_dir)
     passed.append(f"committed (marker, DCP metadata, meta.json) at step {meta['step']}")
     passed.append("every file in the SHA-256 manifest present with the right size and hash")
     config = TrainConfig.from_dict(meta["config"])
@@ -93,21 +91,21 @@ def load_validated_model(
     expected = expected_shapes(config.model)
     problems = shape_problems(stored, expected)
     if problems:
-        raise checkpoint.CheckpointError(f"{checkpoint_dir}: {'; '.join(problems)}")
+        raise storage.CheckpointError(f"{checkpoint_dir}: {'; '.join(problems)}")
     passed.append(f"all {len(expected)} model tensors have the shapes the model config gives")
     if require_optimizer_state:
         problems = optimizer_problems(stored, expected)
         if problems:
-            raise checkpoint.CheckpointError(f"{checkpoint_dir} cannot be resumed: {'; '.join(problems)}")
+            raise storage.CheckpointError(f"{checkpoint_dir} cannot be resumed: {'; '.join(problems)}")
         passed.append("optimizer state present for every parameter (the run can resume from it)")
     model = ByteLM(config.model)
-    checkpoint.load_model_weights(checkpoint_dir, model)
+    storage.load_model_weights(checkpoint_dir, model)
     world_size = meta.get("world_size", "?")
     passed.append(f"saved by {world_size} rank(s), consolidated into one state dict on one CPU process")
     for name, tensor in model.state_dict().items():
         if not torch.isfinite(tensor).all():
             bad = int((~torch.isfinite(tensor)).sum())
-            raise checkpoint.CheckpointError(
+            raise storage.CheckpointError(
                 f"tensor {name!r} in {checkpoint_dir} holds {bad} NaN or Inf value(s)"
             )
     passed.append(f"all {len(expected)} tensors finite")

@@ -17,7 +17,7 @@ from components.register_model.register import SHA_TAG, checkpoint_sha256, regis
 from components.validate_checkpoint.champion import load_champion
 from components.validate_checkpoint.validate import load_validated_model, validate_checkpoint
 from tests.components.mlflow_server import FlakyProxy, RestartableMlflowServer
-from trainer.checkpoint import CheckpointError, save_checkpoint
+from trainer.checkpointing.storage import CheckpointError, save_checkpoint
 from trainer.config import build_config
 from trainer.model import ByteLM
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from components.validate_checkpoint.validate import report_markdown, validate_checkpoint
-from trainer.checkpoint import CheckpointError, commit, prepare_staging, save_checkpoint
+from trainer.checkpointing.storage import CheckpointError, commit, prepare_staging, save_checkpoint
 from trainer.config import build_config
 from trainer.model import ByteLM
 

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from tests.distributed.conftest import run_config, train
-from trainer.checkpoint import latest_committed_checkpoint, verify_checkpoint
+from trainer.checkpointing import latest_committed_checkpoint, verify_checkpoint
 from trainer.launch import LauncherSettings, TrainingFailed, run_local_training
 
 pytestmark = pytest.mark.distributed

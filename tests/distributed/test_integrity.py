@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tests.distributed.conftest import events, train, train_local_command
-from trainer.checkpoint import (
+from trainer.checkpointing import state_dict_sha256
+from trainer.checkpointing.storage import (
     committed_steps,
     latest_committed_checkpoint,
     load_model_weights,
@@ -21,7 +22,6 @@ from trainer.checkpoint import (
 )
 from trainer.config import TrainConfig
 from trainer.launch import TrainingFailed
-from trainer.loop import state_dict_sha256
 from trainer.model import ByteLM
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from tests.distributed.conftest import events, train, train_local_command
-from trainer.checkpoint import latest_committed_checkpoint
+from trainer.checkpointing import latest_committed_checkpoint
 from trainer.launch import TrainingFailed, run_local_training, trainer_arguments
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]

@@ -3,8 +3,8 @@ import logging
 import pytest
 import torch
 
-from trainer import checkpoint
-from trainer.checkpoint import (
+from trainer.checkpointing import storage
+from trainer.checkpointing.storage import (
     COMMIT_MARKER,
     CheckpointError,
     apply_retention,
@@ -41,7 +41,7 @@ def test_commit_leaves_only_the_final_folder_with_marker_and_manifest(tmp_path):
     for name in (COMMIT_MARKER, ".metadata", "manifest.json", "meta.json", "rank_state/rank_0.pt"):
         assert (result.path / name).is_file(), name
     verify_checkpoint(result.path, verify_hashes=True)
-    assert checkpoint.read_meta(result.path)["step"] == 3
+    assert storage.read_meta(result.path)["step"] == 3
 
 
 def test_load_restores_weights_optimizer_and_rng(tmp_path):
@@ -117,16 +117,16 @@ def test_retention_also_keeps_every_mth_step(tmp_path):
 
 def test_manifest_takes_shard_hashes_from_sidecars_and_drops_them(tmp_path):
     model, optimizer = _trained_model()
-    staging, final = checkpoint.prepare_staging(tmp_path, 1, {})
+    staging, final = storage.prepare_staging(tmp_path, 1, {})
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(staging))
-    checkpoint.write_hash_sidecars(staging, rank=0)
+    storage.write_hash_sidecars(staging, rank=0)
     shard = next(staging.glob("*.distcp"))
-    assert (staging / (shard.name + ".sha256")).read_text() == checkpoint.sha256_file(shard)
-    checkpoint.commit(staging, final, 1, {})
+    assert (staging / (shard.name + ".sha256")).read_text() == storage.sha256_file(shard)
+    storage.commit(staging, final, 1, {})
     assert not list(final.glob("*.sha256"))
     verify_checkpoint(final, verify_hashes=True)  # the sidecar hash was the real one
 
@@ -137,3 +137,80 @@ def test_load_model_weights_into_a_plain_module(tmp_path):
     plain = ByteLM(model.cfg)
     load_model_weights(tmp_path / "step_1", plain)
     assert torch.equal(plain.blocks[0].qkv.weight, model.blocks[0].qkv.weight)
+
+
+def test_every_checkpoint_mode_has_one_writer_class():
+    from trainer.checkpointing import WRITERS
+    from trainer.config import CHECKPOINT_MODES
+
+    assert tuple(WRITERS) == CHECKPOINT_MODES
+    assert {cls.mode for cls in WRITERS.values()} == set(CHECKPOINT_MODES)
+
+
+def test_importing_checkpointing_does_not_import_nvrx():
+    import subprocess
+    import sys
+
+    code = "import sys, trainer.checkpointing; assert 'nvidia_resiliency_ext' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def _manager(tmp_path, mode, model, optimizer, events=None):
+    from trainer.checkpointing import CheckpointManager
+    from trainer.config import build_config
+    from trainer.data import StepSampler
+    from trainer.events import EventLog
+    from trainer.loop import TrainHooks
+
+    config = build_config(
+        "tiny-cpu",
+        [f"run.workdir={tmp_path}", f"checkpoint.mode={mode}", "checkpoint.every_steps=3"],
+    )
+    config.model = model.cfg  # the checkpoint's model hash must match the model saved
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    sampler = StepSampler(torch.zeros(64, dtype=torch.uint8), 16, 2, 0, 0)
+    return CheckpointManager(
+        config,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        sampler=sampler,
+        hooks=TrainHooks(),
+        events=events or EventLog(tmp_path, enabled=True),
+    )
+
+
+@pytest.mark.parametrize("mode", ["sync", "torch-async"])
+def test_manager_saves_at_every_nth_and_final_step_and_resumes_from_the_latest(tmp_path, mode):
+    model, optimizer = _trained_model()
+    manager = _manager(tmp_path, mode, model, optimizer)
+    assert manager.load_latest() == 0
+    manager.start(background=False)
+    saved = []
+    for step in range(1, 6):
+        manager.before_optimizer_step()
+        if manager.maybe_save(step, 1.0, final=step == 5) is not None:
+            saved.append(step)
+        manager.after_step()
+    manager.finish()
+    assert saved == [3, 5]
+    summary = manager.summary(loop_wall_s=10.0)
+    assert [save["step"] for save in summary["checkpoint_saves"]] == [3, 5]
+    assert summary["checkpoint"] == str(tmp_path / "checkpoints" / "step_5")
+    assert storage.read_meta(tmp_path / "checkpoints" / "step_5")["loss"] == 1.0
+
+    other_model, other_optimizer = _trained_model(seed=1)
+    resumed = _manager(tmp_path, mode, other_model, other_optimizer)
+    assert resumed.load_latest() == 5
+    assert torch.equal(other_model.blocks[0].qkv.weight, model.blocks[0].qkv.weight)
+    assert resumed.summary(loop_wall_s=1.0)["resumed_from"] == str(tmp_path / "checkpoints" / "step_5")
+
+
+def test_manager_in_off_mode_never_saves(tmp_path):
+    model, optimizer = _trained_model()
+    manager = _manager(tmp_path, "off", model, optimizer)
+    manager.start(background=False)
+    assert manager.maybe_save(3, 1.0, final=True) is None
+    manager.finish()
+    assert not (tmp_path / "checkpoints").exists()
+    assert manager.summary(loop_wall_s=1.0)["efficiency_pct"] == 100.0

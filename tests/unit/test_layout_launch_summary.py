@@ -95,7 +95,7 @@ def test_summary_of_a_rejected_run_says_so(tmp_path):
 
 
 def test_efficiency_follows_the_aws_definition():
-    from trainer.checkpointer import efficiency_pct
+    from trainer.checkpointing import efficiency_pct
 
     assert efficiency_pct(0.0, 10.0) == 100.0
     assert efficiency_pct(1.0, 10.0) == pytest.approx(90.0)

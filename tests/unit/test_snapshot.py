@@ -3,7 +3,7 @@ import threading
 import pytest
 import torch
 
-from trainer.snapshot import HostSnapshot
+from trainer.checkpointing.snapshot import HostSnapshot
 
 
 def test_snapshots_copy_into_reused_shared_buffers_and_keep_fresh_scalars():

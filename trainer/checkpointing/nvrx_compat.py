@@ -1,7 +1,7 @@
 """What NVRx 0.4.1's asynchronous checkpointing needs on a CPU build of torch; no-ops on CUDA.
 
 NVRx 0.4.1 assumes CUDA in four places. Each adjustment lives here, with its reason, so
-the checkpointer itself reads the same on CPU and GPU:
+the writer itself (`nvrx_writer`) reads the same on CPU and GPU:
 
 1. Collectives on CUDA tensors. `AsyncCaller.sync_all_async_calls` and
    `AsyncRequest.execute_finalize_fns` build their all-reduce tensor on
@@ -15,7 +15,7 @@ the checkpointer itself reads the same on CPU and GPU:
 3. Torn checkpoints. CPU tensors are handed to the worker in place (moved to shared
    memory) and written while the optimizer keeps changing them, so a saved step would mix
    weights from later steps (11 tensors of a saved step differed, measured). Every save is
-   therefore a copy into host buffers first (`trainer.snapshot`, on CUDA as well, where it
+   therefore a copy into host buffers first (`snapshot`, on CUDA as well, where it
    replaces NVRx's preload), taken beside the next forward and backward.
 4. Warm-up. 0.4.1 has no warm-up API: the first save pays for spawning the worker and the
    write-results Manager (1.6-2.3 s measured), and the first real write for the worker's

@@ -16,7 +16,7 @@ DTensors wrap the sharded parameters' local tensors and the optimizer's state te
   side stream that first waits for an event recorded after the step's kernels, and waits
   for them. The training thread only records that event.
 
-A caller may pass work to run in that thread once the copy is complete (the checkpointer
+A caller may pass work to run in that thread once the copy is complete (the NVRx writer
 plans the DCP write there when that needs no collectives).
 
 Buffers are allocated once (by the first save's thread) in shared memory,

@@ -1,0 +1,41 @@
+"""Checkpointing: policy (`manager`), one writer per `checkpoint.mode`, and storage.
+
+- `manager`: `CheckpointManager`, all the training loop calls — resume, when to save,
+  the metadata a save holds, the wait before `optimizer.step()`, the summary's figures.
+- `writer`: the `CheckpointWriter` interface and the `off` writer; `torch_writers`: `sync`
+  and `torch-async`; `nvrx_writer`: `async` (NVRx's persistent worker).
+- `nvrx_compat`: what NVRx 0.4.1 needs on a CPU build of torch; `snapshot`: host copies
+  of the state taken beside forward and backward.
+- `storage`: the on-disk format — staging, atomic commit, manifest, retention, loading,
+  `latest_committed_checkpoint`; no training state, usable from a single process.
+- `fingerprint`: SHA-256 of the weights, what the exactness checks compare.
+
+Importing this package does not import NVRx.
+"""
+
+from trainer.checkpointing.fingerprint import model_sha256, state_dict_sha256
+from trainer.checkpointing.manager import WRITERS, CheckpointManager, abandon_all, efficiency_pct
+from trainer.checkpointing.storage import (
+    CheckpointError,
+    latest_committed_checkpoint,
+    load_model_weights,
+    read_meta,
+    verify_checkpoint,
+)
+from trainer.checkpointing.writer import CheckpointWriter, SaveRecord
+
+__all__ = [
+    "WRITERS",
+    "CheckpointError",
+    "CheckpointManager",
+    "CheckpointWriter",
+    "SaveRecord",
+    "abandon_all",
+    "efficiency_pct",
+    "latest_committed_checkpoint",
+    "load_model_weights",
+    "model_sha256",
+    "read_meta",
+    "state_dict_sha256",
+    "verify_checkpoint",
+]

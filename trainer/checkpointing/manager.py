@@ -1,0 +1,229 @@
+"""Checkpoint policy for the training loop: resume, when to save, what a save holds.
+
+`CheckpointManager` is all the loop sees of checkpointing. It resumes from the latest
+committed checkpoint (`load_latest`), saves at every `checkpoint.every_steps`-th step and
+at an attempt's last step (`maybe_save`), with the metadata a resume needs (config, model
+hash, scheduler, loss, the launcher's learned timeouts) and each rank's loader position,
+lets an asynchronous save finish its copy before the weights change
+(`before_optimizer_step`), commits finished saves (`after_step`), and reports what saving
+cost (`summary`). How a save is written is the `checkpoint.mode`'s writer class, picked
+from `WRITERS`; the events `resume`, `checkpoint_queued` and `checkpoint_committed` are
+emitted here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from trainer.checkpointing import storage
+from trainer.checkpointing.fingerprint import model_sha256
+from trainer.checkpointing.nvrx_writer import NvrxAsyncWriter
+from trainer.checkpointing.torch_writers import SyncWriter, TorchAsyncWriter
+from trainer.checkpointing.writer import CheckpointWriter, NoCheckpoints, PendingSave, SaveRecord
+from trainer.config import TrainConfig
+from trainer.data import StepSampler
+from trainer.events import EventLog
+
+if TYPE_CHECKING:
+    from trainer.loop import TrainHooks
+
+log = logging.getLogger(__name__)
+
+WRITERS: dict[str, type[CheckpointWriter]] = {
+    "off": NoCheckpoints,
+    "sync": SyncWriter,
+    "torch-async": TorchAsyncWriter,
+    "async": NvrxAsyncWriter,
+}
+"""`checkpoint.mode` -> the class that writes its saves."""
+
+
+class CheckpointManager:
+    """Collective object: every rank creates one per attempt and calls it at the same steps."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        sampler: StepSampler,
+        hooks: TrainHooks,
+        events: EventLog,
+    ) -> None:
+        settings = config.checkpoint
+        if settings.mode not in WRITERS:
+            raise ValueError(f"checkpoint mode {settings.mode!r} is not one of {', '.join(WRITERS)}")
+        self.config = config
+        self.settings = settings
+        self.root = Path(config.checkpoint_dir())
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.sampler = sampler
+        self.hooks = hooks
+        self.events = events
+        self.rank = dist.get_rank()
+        self.writer = WRITERS[settings.mode](
+            self.root, settings.keep_last, settings.keep_every_steps, self._on_commit
+        )
+        self.records: list[SaveRecord] = []
+        self.resumed_from: str | None = None
+        self.start_s = 0.0
+        self.final_drain_s = 0.0
+        self.teardown_s = 0.0
+
+    def load_latest(self) -> int:
+        """Collective: restore model, optimizer, scheduler, RNG and launcher state from the
+        latest committed checkpoint; returns its step (0 when there is none)."""
+        latest = storage.latest_committed_checkpoint(self.root, self.settings.verify_hashes)
+        if latest is None:
+            return 0
+        restored = storage.load_checkpoint(latest, self.model, self.optimizer)
+        meta = restored["meta"]
+        if meta.get("model_hash") != self.config.model_hash():
+            raise storage.CheckpointError(
+                f"{latest} was trained with a different model config; use a new checkpoint dir"
+            )
+        self.scheduler.load_state_dict(meta["scheduler"])
+        self.hooks.restore_launcher_state(meta.get("launcher", {}))
+        step = int(meta["step"])
+        self.resumed_from = str(latest)
+        self.events.emit("resume", step=step, checkpoint=self.resumed_from)
+        if self.rank == 0:
+            log.info("resumed from %s at step %d", latest, step)
+        return step
+
+    def start(self, background: bool) -> None:
+        """Collective: start the writer (its worker, group, warm-up) before the first step.
+
+        `background`: let it warm up while training runs (a restart needs its first step soon)."""
+        _LIVE.append(self)
+        started = time.perf_counter()
+        self.writer.start(background)
+        self.start_s = time.perf_counter() - started
+
+    def before_optimizer_step(self) -> SaveRecord | None:
+        """Collective; call right before every `optimizer.step()`. Returns the record of a save
+        queued now (an async save's snapshot copy ran beside forward and backward and must be
+        complete before the optimizer changes the weights in place), else None."""
+        return self.writer.wait_before_optimizer_step()
+
+    def maybe_save(self, step: int, loss_value: float, final: bool) -> SaveRecord | None:
+        """Collective, after step `step`: save if it is a checkpoint step or `final` (the
+        attempt's last step, or a stop was requested). Returns the save's record if it is
+        queued with the writer now; an async save is queued by `before_optimizer_step()`."""
+        if not (final or step % self.settings.every_steps == 0):
+            return None
+        if not self.writer.writes_checkpoints:
+            return None
+        meta = {
+            "config": self.config.to_dict(),
+            "model_hash": self.config.model_hash(),
+            "scheduler": self.scheduler.state_dict(),
+            "loss": loss_value,
+            "launcher": self.hooks.launcher_state(),
+        }
+        rank_extra = {"sampler": self.sampler.state_dict(next_step=step + 1)}
+        record = self._save(step, meta, rank_extra)
+        fields = {"weights_sha256": model_sha256(self.model)} if self.settings.record_weight_hashes else {}
+        self.events.emit(
+            "checkpoint_queued", step=step, mode=record.mode, blocked_s=record.blocked_s, **fields
+        )
+        return None if self.writer.awaiting_handoff else record
+
+    def _save(self, step: int, meta: dict[str, Any], rank_extra: dict[str, Any]) -> SaveRecord:
+        started = time.perf_counter()
+        self.writer.finalize()  # the previous save commits first: snapshot buffers are reused
+        previous_wait_s = time.perf_counter() - started
+        staging, final = storage.prepare_staging(self.root, step, rank_extra)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        record = SaveRecord(
+            step=step,
+            mode=self.writer.mode,
+            blocked_s=0.0,
+            previous_wait_s=previous_wait_s,
+            path=str(final),
+        )
+        pending = PendingSave(record, staging, final, meta, started_at=started, queued_at=started)
+        self.writer.start_save({"model": model_state, "optim": optim_state}, pending)
+        self.records.append(record)
+        return record
+
+    def after_step(self) -> None:
+        """Collective, cheap, every step: commit a finished save as soon as all ranks agree."""
+        self.writer.poll()
+
+    def finish(self) -> None:
+        """Collective, at the end of the loop: the last checkpoint is committed (the run's
+        result is durable), then the writer is stopped."""
+        started = time.perf_counter()
+        self.writer.finalize()
+        self.final_drain_s = time.perf_counter() - started
+        self.close()
+        self.teardown_s = time.perf_counter() - started - self.final_drain_s
+
+    def close(self) -> None:
+        """Collective: commit what is pending and stop the writer (safe to call twice)."""
+        self.writer.close()
+        if self in _LIVE:
+            _LIVE.remove(self)
+
+    def abandon(self) -> None:
+        """Not collective: drop pending work (its process group is gone, e.g. before an
+        in-process restart); the save in progress is never committed."""
+        self.writer.abandon()
+        if self in _LIVE:
+            _LIVE.remove(self)
+
+    def summary(self, loop_wall_s: float) -> dict[str, Any]:
+        """The summary's checkpoint fields (rank 0 writes them to summary.json)."""
+        latest = storage.latest_committed_checkpoint(self.root)
+        blocked_total = sum(record.blocked_s for record in self.records)
+        return {
+            "checkpoint": str(latest) if latest else None,
+            "checkpoint_mode": self.settings.mode,
+            "resumed_from": self.resumed_from,
+            "checkpoint_saves": [record.as_dict() for record in self.records],
+            "checkpoint_blocked_s": blocked_total,
+            "efficiency_pct": efficiency_pct(blocked_total, loop_wall_s),
+            "final_drain_s": self.final_drain_s,
+            "checkpointer_start_s": self.start_s,
+            "checkpointer_teardown_s": self.teardown_s,
+        }
+
+    def _on_commit(self, record: SaveRecord) -> None:
+        self.events.emit("checkpoint_committed", **record.as_dict())
+        if self.rank == 0:
+            log.info(
+                "checkpoint step %d committed (blocked %.3fs, write %.3fs)",
+                record.step,
+                record.blocked_s,
+                record.write_s or 0.0,
+            )
+
+
+_LIVE: list[CheckpointManager] = []
+"""Started managers not yet closed: what `abandon_all` releases before a restart."""
+
+
+def abandon_all() -> None:
+    """Abandon every live checkpoint manager of this process (the in-process restart's Finalize)."""
+    for manager in list(_LIVE):
+        manager.abandon()
+
+
+def efficiency_pct(blocked_s_total: float, wall_s: float) -> float:
+    """AWS's definition: 100 - 100 * (time the loop was blocked by checkpointing) / wall time."""
+    if wall_s <= 0:
+        return 100.0
+    return 100.0 - 100.0 * blocked_s_total / wall_s

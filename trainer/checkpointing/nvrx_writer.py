@@ -1,0 +1,280 @@
+"""The `async` checkpoint mode: NVRx's persistent writer process, one per rank.
+
+NVRx 0.4.1's `AsyncCallsQueue` with the DCP plan / background write / finalize split of
+`FileSystemWriterAsync`. The state is copied to host buffers (`snapshot`), planned and sent
+to the worker by a background thread while the next step's forward and backward run; the
+loop's `wait_before_optimizer_step()`, before every `optimizer.step()`, waits for that
+thread if it is still running and registers the write for finalizing. `poll()` (every
+step, on every rank) finalizes it as soon as all ranks agree; rank 0 then writes DCP's
+metadata and commits in a background thread, and the next save or `finalize()` waits for
+all of it. What 0.4.1 needs on a CPU build lives in `nvrx_compat`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch.distributed as dist
+
+from trainer import lifecycle
+from trainer.checkpointing import storage
+from trainer.checkpointing.writer import CheckpointWriter, PendingSave, SaveRecord
+
+# nvidia_resiliency_ext (and `nvrx_compat`, which imports it) is imported inside the methods:
+# the other modes never pay for it.
+
+
+class NvrxAsyncWriter(CheckpointWriter):
+    """`async`: returns from `start_save()` once the snapshot copy started."""
+
+    mode = "async"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._pending: PendingSave | None = None
+        self._handoff: PendingSave | None = None
+        self._calls: Any = None
+        self._group: Any = None
+        self._snapshot: Any = None
+        self._plan_cache: Any = None
+        self._committer: threading.Thread | None = None
+        self._committer_error: BaseException | None = None
+        self._warming_up = False
+
+    def start(self, background: bool) -> None:
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import (
+            CheckpointMetadataCache,
+        )
+
+        from trainer.checkpointing import nvrx_compat
+        from trainer.checkpointing.snapshot import HostSnapshot, share_snapshots_by_file_name
+
+        share_snapshots_by_file_name()
+        # Save planning gathers plans from all ranks, and runs in the snapshot's thread
+        # while the loop runs collectives of its own: a group of its own keeps them apart.
+        self._group = dist.new_group(backend="gloo")
+        self._snapshot = HostSnapshot()
+        self._plan_cache = CheckpointMetadataCache()
+        with lifecycle.children_ignore_sigterm():  # the results Manager starts here too
+            self._calls = nvrx_compat.new_calls_queue()
+            nvrx_compat.warm_up(self._calls, self.root / ".warm-up", wait=not background)
+        self._warming_up = background
+
+    def start_save(self, state: dict[str, Any], pending: PendingSave) -> None:
+        """Start the snapshot copy. The write is planned over the snapshot's buffers and
+        sent to the writer process as soon as the copy is complete; the loop registers it
+        for finalizing in `_hand_off()`, before the next optimizer step.
+
+        The snapshot's thread plans and sends the write right after the copy, so the write
+        starts while the loop is still in forward and backward. Planning runs collectives
+        (the first two saves gather plans from all ranks; later ones reuse NVRx's cached
+        plan) over the writer's own gloo group, never the loop's."""
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
+
+        writer = FileSystemWriterAsync(str(pending.staging))
+        # NVRx numbers requests in the order every rank schedules them; taken here, on the loop.
+        self._calls.call_idx += 1
+        pending.request = partial(self._plan_and_send, writer, pending, self._calls.call_idx)
+        self._snapshot.start(state, after_copy=pending.request)
+        self._pending = self._handoff = pending
+        pending.record.queue_s = pending.record.blocked_s = time.perf_counter() - pending.started_at
+
+    def _plan_and_send(
+        self, writer: Any, pending: PendingSave, call_idx: int, snapshot: dict[str, Any]
+    ) -> Any:
+        """Plan the write over the complete snapshot and send it to the writer process.
+
+        This is the first half of NVRx's `AsyncCallsQueue.schedule_async_request` (number,
+        freeze, send to the persistent worker); the second half, registering the request
+        for finalizing (`maybe_finalize_async_calls` runs collectives over that list), is
+        `_hand_off()`'s, on the loop, so every rank's list changes at the same step."""
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
+
+        from trainer.checkpointing import nvrx_compat
+
+        writer, metadata, dist_wrapper = save_state_dict_async_plan(
+            snapshot, writer, process_group=self._group, enable_cache=True, metadata_cache=self._plan_cache
+        )
+        save_fn, _preload_fn, save_args = writer.get_save_function_and_args()
+        request = nvrx_compat.CpuSafeAsyncRequest(
+            partial(_write_then_hash, save_fn, str(pending.staging), dist.get_rank()) if save_fn else None,
+            save_args,
+            [partial(self._finalize_nvrx, writer, metadata, dist_wrapper, pending)],
+            # The snapshot already is the device-to-host copy; NVRx's preload would copy
+            # again and make the loop wait for the worker to do it.
+            preload_fn=None,
+            call_idx=call_idx,
+        ).freeze()
+        self._calls.persistent_caller.schedule_async_call(request._replace(finalize_fns=[]))
+        pending.queued_at = time.perf_counter()
+        return request
+
+    @property
+    def awaiting_handoff(self) -> bool:
+        return self._handoff is not None
+
+    def wait_before_optimizer_step(self) -> SaveRecord | None:
+        """Completes the hand-off of a save whose snapshot was copied while forward and
+        backward ran (waiting for the copy if needed) and returns its record."""
+        pending = self._handoff
+        if pending is None:
+            return None
+        started = time.perf_counter()
+        self._hand_off()
+        elapsed = time.perf_counter() - started
+        pending.record.handoff_s += elapsed
+        pending.record.blocked_s += elapsed
+        return pending.record
+
+    def _hand_off(self) -> None:
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import _ActiveAsyncRequest
+
+        pending, self._handoff = self._handoff, None
+        assert pending is not None
+        request = self._snapshot.wait()  # the request, planned and sent
+        pending.request = None
+        self._calls.async_calls.append(
+            _ActiveAsyncRequest(request.call_idx, self._calls.persistent_caller, request)
+        )
+
+    def _finalize_nvrx(self, writer: Any, metadata: Any, dist_wrapper: Any, pending: PendingSave) -> None:
+        """NVRx's finalize step, run on the loop by every rank once all ranks' writes finished
+        (NVRx's `save_state_dict_async_finalize`, split in two): the collective part, gathering
+        the write results, stays here; rank 0 then writes DCP's `.metadata` and commits
+        (fsyncs, manifest, rename, retention) in a background thread, so that file work does
+        not block training. `finalize()` waits for it; the next save starts with one."""
+        from torch.distributed.checkpoint import CheckpointException
+        from torch.distributed.checkpoint.utils import _get_failure_dict
+
+        all_results = dist_wrapper.gather_object(writer.retrieve_write_results())
+        self._pending = None
+        if not dist_wrapper.is_coordinator:
+            self._record_commit(pending)
+            return
+        failures = _get_failure_dict(all_results)
+        if failures:
+            raise CheckpointException("write", failures)
+        self._join_committer()
+        self._committer = threading.Thread(
+            target=self._commit_in_background,
+            args=(writer, metadata, all_results, pending, dist.get_world_size()),
+            name="rtp-ckpt-commit",
+        )
+        self._committer.start()
+
+    def _commit_in_background(
+        self, writer: Any, metadata: Any, all_results: Any, pending: PendingSave, world_size: int
+    ) -> None:
+        try:
+            writer.finish(metadata, all_results)  # DCP's .metadata: the checkpoint is readable
+            storage.commit_files(
+                pending.staging, pending.final, pending.record.step, pending.meta, world_size
+            )
+            pending.record.bytes_total = storage.checkpoint_bytes(pending.final)
+            self._record_commit(pending)
+            storage.apply_retention(self.root, self.keep_last, self.keep_every)
+        except BaseException as exc:  # re-raised on the training thread by _join_committer()
+            self._committer_error = exc
+
+    def _join_committer(self) -> None:
+        committer, self._committer = self._committer, None
+        if committer is not None:
+            committer.join()
+        error, self._committer_error = self._committer_error, None
+        if error is not None:
+            raise storage.CheckpointError(f"committing a checkpoint failed: {error}") from error
+
+    def _record_commit(self, pending: PendingSave) -> None:
+        pending.record.write_s = time.perf_counter() - pending.queued_at
+        self.on_commit(pending.record)
+
+    def poll(self) -> None:
+        """Its time (the agreement all-reduce, finalize) blocks the loop, so it is added to
+        the pending save's `blocked_s`."""
+        pending = self._pending
+        if pending is None:
+            if self._warming_up and not self._calls.get_num_unfinalized_calls():
+                self._finish_warm_up()
+            elif self._warming_up:
+                self._calls.maybe_finalize_async_calls(blocking=False)
+            return
+        started = time.perf_counter()
+        self._calls.maybe_finalize_async_calls(blocking=False)  # commits via finalize fns
+        elapsed = time.perf_counter() - started
+        pending.record.finalize_s += elapsed
+        pending.record.blocked_s += elapsed
+
+    def _finish_warm_up(self) -> None:
+        from trainer.checkpointing import nvrx_compat
+
+        self._warming_up = False
+        nvrx_compat.finish_warm_up(self.root / ".warm-up")
+
+    def finalize(self) -> None:
+        if self._warming_up:
+            self._wait_for_writer()
+            self._finish_warm_up()
+        if self._pending is not None:
+            if self._handoff is not None:  # saved at the loop's last step: no optimizer step follows
+                self._hand_off()
+            self._wait_for_writer()
+        self._join_committer()
+
+    def _wait_for_writer(self) -> None:
+        """Finalize every queued NVRx request, checking every 5 ms.
+
+        `maybe_finalize_async_calls(blocking=True)` sleeps 0.1 s between checks, which showed
+        up as waits for the previous save quantized to 100 ms. Each check is one all-reduce
+        on every rank with the same result everywhere, so the ranks leave together."""
+        while self._calls.get_num_unfinalized_calls():
+            if not self._calls.maybe_finalize_async_calls(blocking=False):
+                time.sleep(0.005)
+
+    def close(self) -> None:
+        """Also stops the writer process."""
+        super().close()
+        if self._calls is not None:
+            self._calls.close()
+            self._calls = None
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+            self._group = None
+
+    def abandon(self) -> None:
+        """The staging folder is never committed.
+
+        Safe to call again after being interrupted half-way (an in-process restart raises
+        asynchronously into the main thread): each step is re-checked, and the writer
+        process is forgotten only once it is dead, so NVRx's `close()`/`__del__` never waits
+        on a writer that can no longer answer."""
+        self._pending = self._handoff = None
+        self._warming_up = False
+        if self._snapshot is not None:
+            self._snapshot.discard()
+        if self._committer is not None:  # local file work only: let it finish, atomic either way
+            self._committer.join(timeout=30)
+            self._committer = self._committer_error = None
+        if self._calls is not None:
+            caller = self._calls.persistent_caller
+            if caller is not None and caller.process is not None:
+                if caller.process.is_alive():
+                    caller.process.kill()  # it ignores SIGTERM (lifecycle.children_ignore_sigterm)
+                    caller.process.join(timeout=10)
+                caller.process = None
+            from trainer.checkpointing import nvrx_compat
+
+            nvrx_compat.discard_stale_results()
+            self._calls.async_calls.clear()
+            self._calls = None
+        self._group = None
+
+
+def _write_then_hash(save_fn: Callable[..., None], staging: str, rank: int, *args: Any) -> None:
+    """The NVRx writer's job plus the shard hashes (runs in the background worker)."""
+    lifecycle.prepare_background_writer()
+    save_fn(*args)
+    storage.write_hash_sidecars(staging, rank)

@@ -1,0 +1,166 @@
+"""The one interface every checkpoint mode implements, and what a save records.
+
+A `CheckpointWriter` is how a save's state reaches a committed folder; one subclass per
+`checkpoint.mode` (`manager.WRITERS` maps a mode to its class):
+
+- `NoCheckpoints` (`off`): never saves.
+- `torch_writers.SyncWriter` (`sync`): torch DCP `dcp.save`; the loop waits for the write.
+- `torch_writers.TorchAsyncWriter` (`torch-async`): torch's `dcp.async_save`.
+- `nvrx_writer.NvrxAsyncWriter` (`async`): NVRx's persistent writer process.
+
+All of them are collective objects: every rank holds one and calls it at the same steps.
+They write the same torch DCP folders through `storage`'s staging and commit, so a
+checkpoint saved in any mode with N ranks loads with M ranks. A save is committed only
+after every rank's write finished. This module also holds the helpers the modes share: the
+save record, the collective commit with background retention.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch.distributed as dist
+
+from trainer.checkpointing import storage
+
+
+@dataclass(slots=True)
+class SaveRecord:
+    step: int
+    mode: str
+    blocked_s: float
+    """Time the training loop waited: for the previous save, building the state dict,
+    planning, the device-to-host (or host) copy, queueing, finalizing."""
+    queue_s: float = 0.0
+    """The part of `blocked_s` spent inside save(): previous save, state dict, planning, and
+    for sync and torch-async the copy."""
+    previous_wait_s: float = 0.0
+    """The part of `queue_s` spent waiting for the previous save to commit (its background
+    write had not finished within the checkpoint interval)."""
+    handoff_s: float = 0.0
+    """async only: the part of `blocked_s` spent before the next optimizer step, waiting for
+    the snapshot copy that ran beside forward and backward, and queueing the write."""
+    finalize_s: float = 0.0
+    """The part of `blocked_s` spent in later steps agreeing that the write finished,
+    finalizing and committing it."""
+    write_s: float | None = None
+    """From queueing to commit (background write + finalize); the blocked time for sync."""
+    bytes_total: int | None = None
+    path: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class PendingSave:
+    """A save between `start_save()` and its commit."""
+
+    record: SaveRecord
+    staging: Path
+    final: Path
+    meta: dict[str, Any]
+    started_at: float
+    """When the save began (before waiting for the previous one): `blocked_s` counts from here."""
+    queued_at: float
+    """When the write was handed to the background: `write_s` counts from here."""
+    future: Any = None
+    """torch-async: the background write and shard hashing."""
+    request: Any = None
+    """async: plans and sends the NVRx request; runs in the snapshot's thread."""
+
+
+OnCommit = Callable[[SaveRecord], None]
+
+
+class CheckpointWriter(ABC):
+    """How one `checkpoint.mode` writes a save. Collective: call on every rank, same steps.
+
+    The manager calls, in order: `start()` once; per save `finalize()` (the previous save
+    must be committed first) then `start_save()`; `wait_before_optimizer_step()` before
+    every optimizer step; `poll()` after every step; `close()` at the end, or `abandon()`
+    when the process group is gone."""
+
+    mode: ClassVar[str]
+    writes_checkpoints: ClassVar[bool] = True
+
+    def __init__(self, root: Path, keep_last: int, keep_every: int, on_commit: OnCommit) -> None:
+        self.root = root
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.on_commit = on_commit
+        self._retention: threading.Thread | None = None
+
+    def start(self, background: bool) -> None:  # noqa: B027 (optional: a default that does nothing)
+        """Collective: create what the mode needs up front, so the first save is not slower.
+
+        `background`: may finish warming up while training runs (after a restart)."""
+
+    @abstractmethod
+    def start_save(self, state: dict[str, Any], pending: PendingSave) -> None:
+        """Collective: begin writing `state` (model and optimizer) into `pending.staging`."""
+
+    @property
+    def awaiting_handoff(self) -> bool:
+        """A save was started but is queued only by the next `wait_before_optimizer_step()`."""
+        return False
+
+    def wait_before_optimizer_step(self) -> SaveRecord | None:
+        """Collective: the optimizer is about to change the weights in place. Returns the
+        record of a save queued now (it was waiting for that point), else None."""
+        return None
+
+    def poll(self) -> None:  # noqa: B027 (optional: a default that does nothing)
+        """Collective, cheap, every step: commit the pending save if every rank's write finished."""
+
+    @abstractmethod
+    def finalize(self) -> None:
+        """Collective: wait for the pending save (and any warm-up) and commit it."""
+
+    def close(self) -> None:
+        """Collective: finalize, then release what `start()` created (safe to call twice)."""
+        self.finalize()
+        if self._retention is not None:
+            self._retention.join()
+
+    def abandon(self) -> None:  # noqa: B027 (optional: a default that does nothing)
+        """Not collective: drop pending work without committing it (its process group is
+        gone, e.g. before an in-process restart). Safe to call again if interrupted."""
+
+    def _commit(self, pending: PendingSave, loop_waited_for_write: bool = False) -> None:
+        """Collective commit of a finished write; rank 0 applies retention in the background."""
+        record = pending.record
+        record.bytes_total = storage.commit(pending.staging, pending.final, record.step, pending.meta)
+        record.write_s = time.perf_counter() - pending.queued_at
+        if loop_waited_for_write:
+            record.blocked_s = record.write_s
+        if dist.get_rank() == 0:
+            # Deleting hundreds of MB is slow on some file systems; it need not block a step.
+            if self._retention is not None:
+                self._retention.join()
+            self._retention = threading.Thread(
+                target=storage.apply_retention,
+                args=(self.root, self.keep_last, self.keep_every),
+                name="rtp-ckpt-retention",
+            )
+            self._retention.start()
+        self.on_commit(record)
+
+
+class NoCheckpoints(CheckpointWriter):
+    """`off`: never saves (the manager checks `writes_checkpoints` before building any state)."""
+
+    mode = "off"
+    writes_checkpoints = False
+
+    def start_save(self, state: dict[str, Any], pending: PendingSave) -> None:
+        raise RuntimeError("checkpoint.mode is off: nothing may be saved")
+
+    def finalize(self) -> None:
+        pass
