@@ -68,8 +68,9 @@ def add_preset_argument(parser: argparse.ArgumentParser) -> None:
 def named_from_args(args: argparse.Namespace, params: Iterable[str]) -> dict[str, Any]:
     """The named settings a parsed command line gave (None where a flag was not given)."""
     values = {param: getattr(args, param, None) for param in params}
-    if values.get("faults") is not None:
-        values["faults"] = normalize_faults(values["faults"])
+    faults = values.get("faults")
+    if faults is not None:
+        values["faults"] = normalize_faults(faults)
     return values
 
 

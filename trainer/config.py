@@ -318,7 +318,7 @@ def field_docs(cls: type) -> dict[str, str]:
 @functools.cache
 def named_settings() -> dict[str, NamedSetting]:
     """Every named setting by parameter name, in config order."""
-    found = {}
+    found: dict[str, NamedSetting] = {}
     for section in dataclasses.fields(TrainConfig):
         section_cls = section.default_factory  # type: ignore[misc]
         assert isinstance(section_cls, type)
