@@ -25,6 +25,13 @@ class ConfigError(ValueError):
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
+    kind: str = "byte-lm"
+    """Registry key (trainer/models): byte-lm (built-in, byte-level) or hf (a Hugging Face
+    causal LM from model_dir; vocab_size, d_model, n_layers, n_heads then come from its config.json)."""
+    model_dir: str = ""
+    """kind=hf: a local model folder (config.json, optional *.safetensors, tokenizer files)."""
+    init: str = "random"
+    """random (seeded, from the architecture) | pretrained (kind=hf: the folder's safetensors weights)."""
     vocab_size: int = 256
     """Byte-level vocabulary: every byte value is a token, so no tokenizer is needed."""
     seq_len: int = 64
@@ -35,6 +42,12 @@ class ModelConfig:
     """Number of transformer blocks; each block is one FSDP unit."""
     n_heads: int = 4
     """Attention heads; must divide d_model."""
+
+    def architecture(self) -> dict[str, Any]:
+        """What identifies the architecture (hashed into model_hash); the registry entry says."""
+        from trainer.models import model_spec  # the registry imports this module
+
+        return model_spec(self.kind).architecture(self)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -142,7 +155,7 @@ class TrainConfig:
 
     def model_hash(self) -> str:
         """Identifies the architecture: checkpoints of a different architecture cannot resume."""
-        blob = json.dumps(dataclasses.asdict(self.model), sort_keys=True).encode()
+        blob = json.dumps(self.model.architecture(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -233,6 +246,20 @@ def build_config(preset: str = "tiny-cpu", overrides: list[str] | None = None) -
 
 def validate(config: TrainConfig) -> None:
     m = config.model
+    from trainer.models import ModelError, model_spec  # the registry imports this module
+
+    try:
+        model_spec(m.kind)
+    except ModelError as exc:
+        raise ConfigError(str(exc)) from None
+    if m.init not in ("random", "pretrained"):
+        raise ConfigError(f"model.init {m.init!r} is not one of random, pretrained")
+    if m.kind == "hf" and not m.model_dir:
+        raise ConfigError(
+            "model.kind=hf needs model.model_dir: a folder with config.json (and tokenizer files)"
+        )
+    if m.kind != "hf" and (m.model_dir or m.init == "pretrained"):
+        raise ConfigError(f"model.model_dir and model.init=pretrained need model.kind=hf (got {m.kind!r})")
     if m.d_model % m.n_heads:
         raise ConfigError(f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
     positive = {
