@@ -32,6 +32,7 @@ def write_bundle(
     model: nn.Module, folder: str | Path, metadata: dict[str, str] | None = None
 ) -> dict[str, str]:
     """Write the three files into `folder`; returns {artifact name: path} for log_model."""
+    assert isinstance(model, byte_lm.ByteLM), type(model)
     written = byte_lm.write_files(model.state_dict(), model.cfg, Path(folder), metadata)
     return {name: str(path) for name, path in written.items()}
 

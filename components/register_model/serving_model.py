@@ -31,7 +31,9 @@ class ByteLMPyfunc(PythonModel):
     # No type hints on predict: MLflow would try to derive a schema from them; the logged
     # signature (prompt column in, text out, generation params) is the contract.
     def predict(self, context, model_input, params=None):  # type: ignore[no-untyped-def]
-        from trainer.models.byte_lm import generate
+        from trainer.models.byte_lm import ByteLM, generate
+
+        assert isinstance(self.model, ByteLM), type(self.model)
 
         params = params or {}
         prompts = list(model_input["prompt"]) if hasattr(model_input, "columns") else list(model_input)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -125,8 +125,9 @@ def loss_on_tokens(model: nn.Module, tokens: torch.Tensor) -> float:
     """Mean next-byte loss (nats per byte) over fixed, evenly spaced holdout windows."""
     model.eval()
     total, count = 0.0, 0
-    spec = model_spec(model.cfg.kind)
-    for batch in holdout_batches(tokens, model.cfg.seq_len):
+    config = cast(ModelConfig, model.cfg)  # validate scores byte-lm models for now (byte holdout)
+    spec = model_spec(config.kind)
+    for batch in holdout_batches(tokens, config.seq_len):
         total += spec.loss(model, batch).item() * batch.shape[0]
         count += batch.shape[0]
     return total / count

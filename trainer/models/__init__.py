@@ -8,12 +8,12 @@ Nothing here imports transformers: the HF entry imports it when it builds someth
 
 from __future__ import annotations
 
-from trainer.models import byte_lm
+from trainer.models import byte_lm, hf_causal_lm
 from trainer.models.spec import ModelError, ModelSpec, Tokenizer
 
 __all__ = ["REGISTRY", "ModelError", "ModelSpec", "Tokenizer", "model_spec"]
 
-REGISTRY: dict[str, ModelSpec] = {spec.kind: spec for spec in (byte_lm.SPEC,)}
+REGISTRY: dict[str, ModelSpec] = {spec.kind: spec for spec in (byte_lm.SPEC, hf_causal_lm.SPEC)}
 
 
 def model_spec(kind: str) -> ModelSpec:

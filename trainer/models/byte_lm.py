@@ -188,6 +188,11 @@ def _build(config: ModelConfig, device: torch.device) -> nn.Module:
     return ByteLM(config).to(device)  # weights drawn from the torch RNG on CPU: the same everywhere
 
 
+def blocks(model: nn.Module) -> list[nn.Module]:
+    assert isinstance(model, ByteLM), type(model)
+    return list(model.blocks)
+
+
 def _no_init_after_sharding(model: nn.Module, config: ModelConfig, device: torch.device, seed: int) -> None:
     """The weights were final before sharding."""
 
@@ -197,7 +202,7 @@ SPEC = ModelSpec(
     build=_build,
     init_after_sharding=False,
     init_weights=_no_init_after_sharding,
-    fsdp_units=lambda model: list(model.blocks),
+    fsdp_units=blocks,
     loss=next_token_loss,
     tokenizer=lambda config: ByteTokenizer(),
     architecture=architecture,
