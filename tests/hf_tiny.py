@@ -59,3 +59,46 @@ def write_tiny_model(
     model.save_pretrained(str(folder))
     train_tokenizer(folder)
     return folder
+
+
+def write_token_snapshot(corpus: Path, model_dir: Path, snapshot: Path, shard_tokens: int = 400) -> Path:
+    """`corpus` tokenized with the model folder's tokenizer, laid out as a staged snapshot
+    (the stage step's manifest.json beside the shards and index.json)."""
+    import hashlib
+    import json
+
+    from trainer.tokenized_data import write_token_shards
+
+    write_token_shards(corpus, snapshot / "files", model_dir, shard_tokens=shard_tokens, workers=2)
+    files = []
+    for path in sorted((snapshot / "files").iterdir()):
+        data = path.read_bytes()
+        files.append(
+            {
+                "key": f"tokens/{path.name}",
+                "size": len(data),
+                "etag": hashlib.md5(data).hexdigest(),
+                "path": f"files/{path.name}",
+            }
+        )
+    (snapshot / "manifest.json").write_text(json.dumps({"snapshot_id": "test-tokens", "files": files}))
+    return snapshot
+
+
+def write_corpus(folder: Path, documents: int = 40) -> Path:
+    """A small corpus in all three accepted forms: text files, JSON Lines and Parquet."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir(parents=True, exist_ok=True)
+    texts = [f"{CORPUS[i % len(CORPUS)]}document {i}\n" for i in range(documents)]
+    third = documents // 3
+    for i, text in enumerate(texts[:third]):
+        (folder / f"doc-{i:03d}.txt").write_text(text)
+    (folder / "more.jsonl").write_text(
+        "".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts[third : 2 * third]))
+    )
+    pq.write_table(pa.table({"text": texts[2 * third :]}), folder / "rest.parquet")
+    return folder

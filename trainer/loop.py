@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from trainer import checkpoint
 from trainer.checkpointer import Checkpointer, SaveRecord, efficiency_pct
 from trainer.config import TrainConfig
-from trainer.data import StepSampler, load_tokens, split_files
+from trainer.data import StepSampler, check_tokenizer, load_tokens, split_files
 from trainer.events import EventLog, write_json_atomic
 from trainer.faults import FaultInjector, parse_faults
 from trainer.models import model_spec
@@ -138,6 +138,7 @@ def train(
     )
     phases["model_build_s"] = time.perf_counter() - mark
     mark = time.perf_counter()
+    check_tokenizer(config.data.dataset_dir, spec.tokenizer(config.model).identity)
     train_files, _ = split_files(config.data.dataset_dir, config.data.holdout_fraction)
     sampler = StepSampler(
         load_tokens(train_files), config.model.seq_len, config.data.batch_size, config.run.seed, rank
