@@ -78,3 +78,72 @@ def test_two_rank_sharded_init_equals_one_process_build(architecture, init, tie,
     assert result["local_numel"] < result["total_numel"]  # each rank holds a slice
     expected_loss = spec.loss(reference, torch.arange(34).reshape(2, 17) % 256).item()
     assert result["loss"] == pytest.approx(expected_loss, rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def hf_run_inputs(tmp_path_factory):
+    """A tiny pretrained Llama folder and the demo-sized corpus tokenized with its tokenizer."""
+    from tests.hf_tiny import write_corpus, write_token_snapshot
+
+    root = tmp_path_factory.mktemp("hf-run")
+    model_dir = write_tiny_model(root / "model", "llama")
+    snapshot = write_token_snapshot(
+        write_corpus(root / "corpus", documents=120), model_dir, root / "snapshot"
+    )
+    overrides = ["model.kind=hf", f"model.model_dir={model_dir}", "model.init=pretrained", "model.seq_len=32"]
+    return model_dir, snapshot, overrides
+
+
+def test_hf_model_trains_resumes_exactly_and_exports(hf_run_inputs, tmp_path):
+    """Through the real launcher: 2 ranks train a pretrained Llama; a run stopped at step 3 and
+    resumed reaches the uninterrupted run's weights; the checkpoint exports to a folder that
+    from_pretrained loads with the same logits."""
+    from tests.distributed.conftest import train
+    from trainer.checkpoint import load_model_weights
+
+    model_dir, snapshot, overrides = hf_run_inputs
+    full = train(
+        snapshot, tmp_path / "full", steps=6, every=3, overrides=[*overrides, "checkpoint.mode=sync"]
+    )
+    assert full["completed"] and full["world_size"] == 2
+    losses = [entry["loss"] for entry in full["losses"]]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+    first = train(
+        snapshot,
+        tmp_path / "resumed",
+        steps=6,
+        every=3,
+        overrides=[*overrides, "checkpoint.mode=sync"],
+        stop_after=3,
+    )
+    assert first["steps"] == 3
+    resumed = train(
+        snapshot, tmp_path / "resumed", steps=6, every=3, overrides=[*overrides, "checkpoint.mode=sync"]
+    )
+    assert resumed["resumed_from"].endswith("step_3")
+    assert resumed["model_sha256"] == full["model_sha256"]
+
+    from transformers import AutoModelForCausalLM
+
+    spec = model_spec("hf")
+    config = ModelConfig(kind="hf", model_dir=str(model_dir), init="pretrained", seq_len=32)
+    model = spec.build(config, torch.device("cpu"))
+    load_model_weights(full["checkpoint"], model)
+    assert state_dict_sha256(model.state_dict()) == full["model_sha256"]
+    exported = spec.export(model.state_dict(), config, tmp_path / "export")
+    loaded = AutoModelForCausalLM.from_pretrained(
+        str(exported), local_files_only=True, dtype=torch.float32
+    ).eval()
+    x = torch.arange(20).reshape(1, 20) % 300
+    assert torch.equal(loaded(x).logits, model.eval()(x).logits)
+
+
+def test_training_refuses_data_made_with_another_tokenizer(hf_run_inputs, dataset_dir, tmp_path):
+    from tests.distributed.conftest import train
+    from trainer.launch import TrainingFailed
+
+    _, _, overrides = hf_run_inputs
+    with pytest.raises(TrainingFailed) as failure:
+        train(dataset_dir, tmp_path, steps=2, every=2, overrides=overrides)
+    assert "tokenized as bytes but the model uses tokenizer" in str(failure.value)

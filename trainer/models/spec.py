@@ -24,11 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.config import ModelConfig
+from trainer.config import ConfigError, ModelConfig
 
 
-class ModelError(ValueError):
-    """A model folder or model setting cannot be used; the message says what to fix."""
+class ModelError(ConfigError):
+    """A model folder or model setting cannot be used; the message says what to fix. A
+    ConfigError: no restart can fix it, so the trainer stops at once with this one line."""
 
 
 class Tokenizer(Protocol):
