@@ -121,11 +121,12 @@ def holdout_tokens(dataset_dir: str | Path, holdout_fraction: float) -> tuple[to
 
 
 @torch.no_grad()
-def loss_on_tokens(model: nn.Module, tokens: torch.Tensor) -> float:
-    """Mean next-byte loss (nats per byte) over fixed, evenly spaced holdout windows."""
+def loss_on_tokens(model: nn.Module, tokens: torch.Tensor, config: ModelConfig | None = None) -> float:
+    """Mean next-token loss (nats per token; per byte for byte-lm) over fixed, evenly spaced
+    holdout windows. `config` defaults to the model's own (`model.cfg`, byte-lm bundles)."""
     model.eval()
     total, count = 0.0, 0
-    config = cast(ModelConfig, model.cfg)  # validate scores byte-lm models for now (byte holdout)
+    config = config or cast(ModelConfig, model.cfg)
     spec = model_spec(config.kind)
     for batch in holdout_batches(tokens, config.seq_len):
         total += spec.loss(model, batch).item() * batch.shape[0]
@@ -153,7 +154,7 @@ def validate_checkpoint(
     checks: list[str] = []
     model, config, meta = load_validated_model(checkpoint_dir, require_optimizer_state, checks)
     tokens, files = holdout_tokens(dataset_dir, config.data.holdout_fraction)
-    loss = loss_on_tokens(model, tokens)
+    loss = loss_on_tokens(model, tokens, config.model)
     checks.append(
         f"holdout split: {files} file(s), {tokens.numel()} bytes, chosen by key hash from the "
         f"snapshot manifest (holdout_fraction {config.data.holdout_fraction}); never trained on"

@@ -95,16 +95,15 @@ def hf_run_inputs(tmp_path_factory):
 
 
 def test_hf_model_trains_resumes_exactly_and_exports(hf_run_inputs, tmp_path):
-    """Through the real launcher: 2 ranks train a pretrained Llama; a run stopped at step 3 and
-    resumed reaches the uninterrupted run's weights; the checkpoint exports to a folder that
-    from_pretrained loads with the same logits."""
+    """Through the real launcher: 2 ranks train a pretrained Llama (async checkpoints); a run
+    stopped at step 3 and resumed (sync checkpoints) reaches the same weights; the checkpoint
+    validates, and exports to a folder that from_pretrained loads with the same logits."""
     from tests.distributed.conftest import train
     from trainer.checkpoint import load_model_weights
 
     model_dir, snapshot, overrides = hf_run_inputs
-    full = train(
-        snapshot, tmp_path / "full", steps=6, every=3, overrides=[*overrides, "checkpoint.mode=sync"]
-    )
+    full = train(snapshot, tmp_path / "full", steps=6, every=3, overrides=overrides)  # default mode: async
+    assert full["checkpoint_mode"] == "async"
     assert full["completed"] and full["world_size"] == 2
     losses = [entry["loss"] for entry in full["losses"]]
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
@@ -131,6 +130,10 @@ def test_hf_model_trains_resumes_exactly_and_exports(hf_run_inputs, tmp_path):
     model = spec.build(config, torch.device("cpu"))
     load_model_weights(full["checkpoint"], model)
     assert state_dict_sha256(model.state_dict()) == full["model_sha256"]
+    from components.validate_checkpoint.validate import validate_checkpoint
+
+    validation = validate_checkpoint(full["checkpoint"], str(snapshot), max_loss=100.0)
+    assert validation.decision == "champion" and validation.holdout_loss < 100.0
     exported = spec.export(model.state_dict(), config, tmp_path / "export")
     loaded = AutoModelForCausalLM.from_pretrained(
         str(exported), local_files_only=True, dtype=torch.float32
