@@ -61,7 +61,7 @@ def write_tiny_model(
     return folder
 
 
-def write_token_snapshot(corpus: Path, model_dir: Path, snapshot: Path, shard_tokens: int = 400) -> Path:
+def write_token_snapshot(corpus: Path, model_dir: Path, snapshot: Path, shard_bytes: int = 800) -> Path:
     """`corpus` tokenized with the model folder's tokenizer, laid out as a staged snapshot
     (the stage step's manifest.json beside the shards and index.json)."""
     import hashlib
@@ -69,7 +69,7 @@ def write_token_snapshot(corpus: Path, model_dir: Path, snapshot: Path, shard_to
 
     from trainer.tokenized_data import write_token_shards
 
-    write_token_shards(corpus, snapshot / "files", model_dir, shard_tokens=shard_tokens, workers=2)
+    write_token_shards(corpus, snapshot / "files", model_dir, shard_bytes=shard_bytes, workers=2)
     files = []
     for path in sorted((snapshot / "files").iterdir()):
         data = path.read_bytes()

@@ -3,7 +3,7 @@
 `write_token_shards` reads a corpus — plain text files (one document each), JSON Lines
 (the `text` field of each line) and Parquet (the `text` column) — tokenizes the documents
 with the tokenizer in a model folder, ends each with the tokenizer's EOS, and packs them in
-corpus order into `shard-NNNNN.bin` files of at most `shard_tokens` tokens (a document is
+corpus order into `shard-NNNNN.bin` files of at most `shard_bytes` bytes (a document is
 never split across shards). Ids are stored little-endian as uint16 when the vocabulary
 fits, else uint32. `index.json` uses the byte format's layout (docs/data.md) with
 `tokenizer` set to the tokenizer's identity (SHA-256 over its files), so training can
@@ -27,7 +27,7 @@ from trainer.data import SHARD_INDEX_NAME, DataError
 
 FORMAT = "rtp-token-shards"
 FORMAT_VERSION = 2  # 1: byte shards (uint8, newline-separated); 2: tokenizer ids
-DEFAULT_SHARD_TOKENS = 32 * 2**20
+DEFAULT_SHARD_BYTES = 64 * 2**20  # as for byte shards (`rtp prepare-data --shard-mib`)
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".csv", ".html", ".xml", ".json", "")
 JSONL_SUFFIXES = (".jsonl",)
 PARQUET_SUFFIXES = (".parquet",)
@@ -108,7 +108,7 @@ def write_token_shards(
     source: Path,
     out_dir: Path,
     tokenizer_dir: Path,
-    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
     workers: int = 4,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
@@ -117,10 +117,11 @@ def write_token_shards(
     `progress(files_done, files_total)` is called as files finish (for a progress bar)."""
     from trainer.models.hf_causal_lm import HFTokenizer
 
-    if shard_tokens < 1:
-        raise DataError("shard_tokens must be positive")
     tokenizer = HFTokenizer(Path(tokenizer_dir))
     dtype = token_dtype(tokenizer.vocab_size)
+    shard_tokens = shard_bytes // dtype.itemsize
+    if shard_tokens < 1:
+        raise DataError(f"shard size {shard_bytes} bytes holds no {dtype.name} token: make it larger")
     files = corpus_files(Path(source))
     out_dir.mkdir(parents=True, exist_ok=True)
 

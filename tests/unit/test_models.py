@@ -205,7 +205,7 @@ def test_weights_not_matching_the_config(tiny_models, tmp_path):
 def test_token_shards_record_the_tokenizer_and_train_the_model(tiny_models, tmp_path):
     model_dir = tiny_models["gpt_neox"]
     corpus = write_corpus(tmp_path / "corpus")
-    snapshot = write_token_snapshot(corpus, model_dir, tmp_path / "snapshot", shard_tokens=300)
+    snapshot = write_token_snapshot(corpus, model_dir, tmp_path / "snapshot", shard_bytes=600)
     index = json.loads((snapshot / "files" / "index.json").read_text())
     tokenizer = model_spec("hf").tokenizer(hf_config(model_dir))
     assert index["tokenizer"] == tokenizer.identity and index["dtype"] == "uint16"
@@ -248,3 +248,15 @@ def test_bad_jsonl_names_the_line(tmp_path):
     path.write_text('{"text": "fine"}\n{"body": "no text"}\n')
     with pytest.raises(DataError, match=r"bad\.jsonl:2 has no string 'text' field"):
         read_documents(path)
+
+
+def test_bf16_weights_load_into_fp32_parameters(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    folder = write_tiny_model(tmp_path / "bf16", "qwen2")
+    AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).save_pretrained(str(folder))
+    model = model_spec("hf").build(hf_config(folder), torch.device("cpu"))
+    reference = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    ours = model.state_dict()
+    assert all(torch.equal(ours[key], value) for key, value in reference.state_dict().items())
