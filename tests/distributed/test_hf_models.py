@@ -1,6 +1,7 @@
 """Two ranks over gloo with Hugging Face models: sharded initialization (random and
 pretrained) gives exactly the weights one process builds, the decoder layers are the FSDP
-units, and a tiny model trains through the real trainer (`rtp`'s launcher)."""
+units, and a tiny model trains through the real trainer (`rtp`'s launcher): resumed and
+fault-recovered runs end with the fault-free run's weights, and the checkpoint exports."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from trainer.loop import state_dict_sha256
 from trainer.models import model_spec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+
+# Low timeouts, as in test_faults.py: a recovery takes seconds on 2 CPU cores.
+FAST = ["resilience.collective_timeout_s=5", "resilience.soft_timeout_s=8", "resilience.hard_timeout_s=30"]
 
 
 def _shard_and_init(rank: int, world: int, port: int, config: ModelConfig, out: str) -> None:
@@ -94,7 +98,18 @@ def hf_run_inputs(tmp_path_factory):
     return model_dir, snapshot, overrides
 
 
-def test_hf_model_trains_resumes_exactly_and_exports(hf_run_inputs, tmp_path):
+@pytest.fixture(scope="module")
+def hf_uninterrupted(hf_run_inputs, tmp_path_factory) -> dict:
+    """6 steps of the pretrained Llama on 2 ranks, async checkpoints (the default) every 3."""
+    from tests.distributed.conftest import train
+
+    _, snapshot, overrides = hf_run_inputs
+    return train(
+        snapshot, tmp_path_factory.mktemp("hf-full"), steps=6, every=3, overrides=[*overrides, *FAST]
+    )
+
+
+def test_hf_model_trains_resumes_exactly_and_exports(hf_run_inputs, hf_uninterrupted, tmp_path):
     """Through the real launcher: 2 ranks train a pretrained Llama (async checkpoints); a run
     stopped at step 3 and resumed (sync checkpoints) reaches the same weights; the checkpoint
     validates, and exports to a folder that from_pretrained loads with the same logits."""
@@ -102,7 +117,8 @@ def test_hf_model_trains_resumes_exactly_and_exports(hf_run_inputs, tmp_path):
     from trainer.checkpoint import load_model_weights
 
     model_dir, snapshot, overrides = hf_run_inputs
-    full = train(snapshot, tmp_path / "full", steps=6, every=3, overrides=overrides)  # default mode: async
+    overrides = [*overrides, *FAST]
+    full = hf_uninterrupted
     assert full["checkpoint_mode"] == "async"
     assert full["completed"] and full["world_size"] == 2
     losses = [entry["loss"] for entry in full["losses"]]
@@ -150,3 +166,25 @@ def test_training_refuses_data_made_with_another_tokenizer(hf_run_inputs, datase
     with pytest.raises(TrainingFailed) as failure:
         train(dataset_dir, tmp_path, steps=2, every=2, overrides=overrides)
     assert "tokenized as bytes but the model uses tokenizer" in str(failure.value)
+
+
+def test_faults_with_an_hf_model_recover_exactly(hf_run_inputs, hf_uninterrupted, tmp_path):
+    """An exception (in-process restart) and a killed rank (ft_launcher restart) in one run
+    end with the fault-free run's weights."""
+    from tests.distributed.conftest import train
+
+    _, snapshot, overrides = hf_run_inputs
+    summary = train(
+        snapshot,
+        tmp_path,
+        steps=6,
+        every=3,
+        overrides=[*overrides, *FAST],
+        faults=["exception@2:1", "sigkill@5:0"],
+    )
+    assert summary["completed"]
+    assert summary["model_sha256"] == hf_uninterrupted["model_sha256"]
+    assert [(r["kind"], r["mechanism"]) for r in summary["restarts"]] == [
+        ("exception", "inprocess"),
+        ("sigkill", "launcher"),
+    ]
