@@ -246,12 +246,9 @@ def build_config(preset: str = "tiny-cpu", overrides: list[str] | None = None) -
 
 def validate(config: TrainConfig) -> None:
     m = config.model
-    from trainer.models import ModelError, model_spec  # the registry imports this module
+    from trainer.models import require_kind  # the registry imports this module
 
-    try:
-        model_spec(m.kind)
-    except ModelError as exc:
-        raise ConfigError(str(exc)) from None
+    require_kind(m.kind)  # a ModelError is a ConfigError
     if m.init not in ("random", "pretrained"):
         raise ConfigError(f"model.init {m.init!r} is not one of random, pretrained")
     if m.kind == "hf" and not m.model_dir:

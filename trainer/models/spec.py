@@ -24,12 +24,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.config import ConfigError, ModelConfig
+from trainer.config import ModelConfig
+from trainer.models import ModelError
 
-
-class ModelError(ConfigError):
-    """A model folder or model setting cannot be used; the message says what to fix. A
-    ConfigError: no restart can fix it, so the trainer stops at once with this one line."""
+__all__ = [
+    "ModelError",
+    "ModelSpec",
+    "Tokenizer",
+    "files_sha256",
+    "next_token_cross_entropy",
+    "published_folder",
+]
 
 
 class Tokenizer(Protocol):
