@@ -55,6 +55,7 @@ def _shard_and_init(rank: int, world: int, port: int, config: ModelConfig, out: 
                 "local_numel": local_numel,
                 "total_numel": sum(v.numel() for v in full.values()),
                 "loss": loss,
+                "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight,
             }
             Path(out).write_text(json.dumps(result))
     finally:
@@ -80,6 +81,7 @@ def test_two_rank_sharded_init_equals_one_process_build(architecture, init, tie,
     assert result["sha256"] == state_dict_sha256(reference.state_dict())
     assert result["units"] == 2 and result["sharded_units"] == 3  # 2 decoder layers + the root
     assert result["local_numel"] < result["total_numel"]  # each rank holds a slice
+    assert result["tied"] == tie  # a tied head still shares the embedding's (sharded) weight
     expected_loss = spec.loss(reference, torch.arange(34).reshape(2, 17) % 256).item()
     assert result["loss"] == pytest.approx(expected_loss, rel=1e-5)
 
@@ -188,3 +190,18 @@ def test_faults_with_an_hf_model_recover_exactly(hf_run_inputs, hf_uninterrupted
         ("exception", "inprocess"),
         ("sigkill", "launcher"),
     ]
+
+
+def test_a_folder_without_config_json_stops_training_in_one_line(hf_run_inputs, tmp_path):
+    from tests.distributed.conftest import train
+    from trainer.launch import TrainingFailed
+
+    _, snapshot, _ = hf_run_inputs
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    overrides = ["model.kind=hf", f"model.model_dir={empty}", "model.init=pretrained"]
+    with pytest.raises(TrainingFailed) as failure:
+        train(snapshot, tmp_path / "work", steps=2, every=2, overrides=overrides)
+    first_line = str(failure.value).splitlines()[0]
+    assert f"ModelError: {empty} has no config.json" in first_line
+    assert "not retried" in first_line

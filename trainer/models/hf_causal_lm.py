@@ -122,6 +122,8 @@ def _meta_model(hf_config: Any) -> Any:  # a transformers PreTrainedModel
 
 
 def build(config: ModelConfig, device: torch.device) -> nn.Module:
+    """On the meta device: shapes only. Elsewhere: the starting weights, pretrained or random
+    seeded by `torch.initial_seed()` (what the caller's `torch.manual_seed` set)."""
     model = _meta_model(read_hf_config(model_folder(config)))
     if device.type != "meta":
         init_weights(model, config, device, torch.initial_seed())
