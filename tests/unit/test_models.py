@@ -260,3 +260,23 @@ def test_bf16_weights_load_into_fp32_parameters(tmp_path):
     assert all(p.dtype == torch.float32 for p in model.parameters())
     ours = model.state_dict()
     assert all(torch.equal(ours[key], value) for key, value in reference.state_dict().items())
+
+
+def test_a_model_too_large_for_the_rank_is_refused_before_allocation(tiny_models, tmp_path):
+    from transformers import AutoConfig
+
+    from trainer.models.spec import require_training_memory
+
+    folder = tmp_path / "llama-70b-shape"
+    folder.mkdir()
+    AutoConfig.for_model(
+        "llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+        num_key_value_heads=8, vocab_size=128_256,
+    ).save_pretrained(str(folder))  # fmt: skip
+    spec = model_spec("hf")
+    config = hf_config(folder, init="random")
+    huge = spec.build(config, torch.device("meta"))
+    with pytest.raises(ModelError, match=r"needs at least 1\d\d\d\.\d GiB per rank .* use more ranks"):
+        require_training_memory(huge, spec.fsdp_units(huge), torch.device("cpu"))
+    small = spec.build(hf_config(tiny_models["llama"]), torch.device("meta"))
+    assert require_training_memory(small, spec.fsdp_units(small), torch.device("cpu")) < 2**30

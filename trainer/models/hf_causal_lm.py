@@ -38,6 +38,7 @@ from trainer.models.spec import (
     files_sha256,
     next_token_cross_entropy,
     published_folder,
+    require_training_memory,
 )
 
 KIND = "hf"
@@ -133,6 +134,7 @@ def build(config: ModelConfig, device: torch.device) -> nn.Module:
 def init_weights(model: nn.Module, config: ModelConfig, device: torch.device, seed: int) -> None:
     """Allocate the (sharded or plain) parameters on `device` and fill them, then the buffers."""
     folder = model_folder(config)
+    require_training_memory(model, fsdp_units(model), device)  # before allocating anything
     model.to_empty(device=device)
     if config.init == "pretrained":
         load_pretrained(model, folder)

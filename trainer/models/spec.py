@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer import env
 from trainer.config import ModelConfig
 from trainer.models import ModelError
 
@@ -34,7 +35,11 @@ __all__ = [
     "files_sha256",
     "next_token_cross_entropy",
     "published_folder",
+    "require_training_memory",
 ]
+
+# fp32 parameter + gradient + AdamW's two moments, per parameter element.
+TRAINING_BYTES_PER_PARAMETER = 16
 
 
 class Tokenizer(Protocol):
@@ -128,3 +133,48 @@ def published_folder(folder: Path) -> Iterator[Path]:
     if folder.exists():
         folder.rmdir()  # empty, checked above
     os.replace(staging, folder)
+
+
+def require_training_memory(model: nn.Module, units: list[nn.Module], device: torch.device) -> int:
+    """ModelError when this rank's share of the training state cannot fit the device's free
+    memory; returns the estimate in bytes. Call on the sharded model before allocating it.
+
+    The estimate is a floor: this rank's parameter shards with their gradients and AdamW
+    moments, plus one FSDP unit gathered in full for its forward (activations come on top)."""
+    from torch.distributed.tensor import DTensor
+
+    def local_numel(module: nn.Module) -> int:
+        return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in module.parameters())
+
+    largest_unit = max((sum(p.numel() for p in unit.parameters()) for unit in units), default=0)
+    needed = local_numel(model) * TRAINING_BYTES_PER_PARAMETER + largest_unit * 4
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:  # the machine's memory is shared by its ranks
+        free = host_available_memory_bytes() // max(1, env.local_world_size())
+    if needed > free:
+        raise ModelError(
+            f"the model needs at least {needed / 2**30:.1f} GiB per rank for weights, gradients and "
+            f"AdamW state but {device} has {free / 2**30:.1f} GiB free: use more ranks (nodes) or a smaller model"
+        )
+    return needed
+
+
+def host_available_memory_bytes() -> int:
+    """Memory this process may still use: /proc/meminfo's MemAvailable, capped by the
+    container's cgroup (v2) limit, which is what a Kubernetes pod is killed at."""
+    available = 2**62
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            available = min(available, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return available
