@@ -205,3 +205,15 @@ def test_a_folder_without_config_json_stops_training_in_one_line(hf_run_inputs, 
     first_line = str(failure.value).splitlines()[0]
     assert f"ModelError: {empty} has no config.json" in first_line
     assert "not retried" in first_line
+
+
+def test_hf_checkpoint_reshards_from_two_ranks_to_one(hf_run_inputs, tmp_path):
+    from tests.distributed.conftest import train
+
+    _, snapshot, overrides = hf_run_inputs
+    saved = train(snapshot, tmp_path, steps=6, every=3, overrides=[*overrides, *FAST], stop_after=3)
+    # Resuming at the target step runs no step: the weights are exactly what was loaded.
+    loaded = train(snapshot, tmp_path, nproc=1, steps=3, every=3, overrides=[*overrides, *FAST])
+    assert loaded["world_size"] == 1 and loaded["steps_run"] == 0
+    assert loaded["resumed_from"].endswith("step_3")
+    assert loaded["model_sha256"] == saved["model_sha256"]
