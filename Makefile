@@ -13,7 +13,7 @@ help:
 	@echo "make demo   - set up .venv and run the whole pipeline locally (rtp local)"
 	@echo "make test   - set up .venv and run the test suite"
 	@echo "make lint   - ruff + mypy"
-	@echo "make golden - regenerate the compiled-pipeline golden file after an intended change"
+	@echo "make golden - regenerate the compiled-pipeline golden file and the job examples after an intended change"
 	@echo "make clean  - remove .venv and rtp-work"
 
 $(STAMP): setup.cfg pyproject.toml
@@ -44,6 +44,10 @@ format: $(STAMP)
 
 golden: $(STAMP)
 	RTP_UPDATE_GOLDEN=1 $(BIN)/python -m pytest -q tests/pipelines/test_compile.py -k golden
+	@# The job examples in deploy/eks are rendered by the command on their third line.
+	@for f in deploy/eks/pytorchjob-example.yaml deploy/eks/trainjob-example.yaml; do \
+	  head -3 $$f > $$f.new && eval "$(BIN)/python -m rtp_cli.main $$(sed -n 3p $$f | sed 's/^# rtp //') -o -" >> $$f.new \
+	  && mv $$f.new $$f || { rm -f $$f.new; exit 1; }; done
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.demo_pipeline

@@ -76,11 +76,12 @@ def run_benchmark(
     import torch
 
     from rtp_cli.demo_data import write_local_dataset
-    from trainer.model import ByteLM
+    from trainer.models import model_spec
 
     config = build_config(preset)
-    with torch.device("meta"):  # counts parameters without allocating them (gpu-1b: 4 GB)
-        params = sum(p.numel() for p in ByteLM(config.model).parameters())
+    # Counts parameters without allocating them (gpu-1b: 4 GB).
+    meta_model = model_spec(config.model.kind).build(config.model, torch.device("meta"))
+    params = sum(p.numel() for p in meta_model.parameters())
     with tempfile.TemporaryDirectory(prefix="rtp-bench-ckpt-") as tmp:
         root = workdir or Path(tmp)
         dataset = write_local_dataset(root / "dataset", budget_bytes=500_000)

@@ -18,6 +18,7 @@ from components import DEFAULT_IMAGE, as_component
 from components.cleanup_jobs.component import cleanup_training_jobs
 from components.register_model.component import register_model
 from components.stage_data.component import stage_data
+from components.stage_model.component import stage_model
 from components.train.component import train_model
 from components.train.jobs import DEFAULT_LAUNCHER, DEFAULT_TRAINING_RUNTIME
 from components.validate_checkpoint.component import validate_checkpoint
@@ -49,6 +50,7 @@ def build_pipeline(
     options = (options or PlatformOptions()).check()
     cleanup_op = as_component(cleanup_training_jobs, image)
     stage_op = as_component(stage_data, image)
+    stage_model_op = as_component(stage_model, image)
     train_op = as_component(train_model, image)
     validate_op = as_component(validate_checkpoint, image)
     register_op = as_component(register_model, image)
@@ -63,6 +65,8 @@ def build_pipeline(
         s3_endpoint_url: str = "",
         fsx_mount_path: str = options.fsx_mount_path,
         dataset_name: str = "demo-corpus",
+        model_source: str = "",
+        model_init: str = _default("model_init"),
         run_name: str = "",
         steps: int = _default("steps"),
         nproc: int = 2,
@@ -94,6 +98,8 @@ def build_pipeline(
             s3_endpoint_url: S3-compatible endpoint URL; leave empty for AWS S3.
             fsx_mount_path: Mount path of the FSx for Lustre volume in every step.
             dataset_name: Dataset folder name under <mount>/rtp/datasets.
+            model_source: S3 prefix of a Hugging Face model folder (config.json, *.safetensors, tokenizer files) to train, as s3://bucket/prefix/<model>/; staged under <mount>/rtp/models/<model>. Empty trains the built-in byte-level model. The dataset must be tokenized with this model's tokenizer (rtp prepare-data --tokenizer).
+            model_init: How the Hugging Face model starts: pretrained (its weights) or random (from its config.json, for pretraining).
             run_name: Run folder name under <mount>/rtp/runs; empty uses the KFP run id. Reuse a name to resume its checkpoints.
             steps: Total training steps.
             nproc: Training processes in the train pod (GPUs per node, or CPU processes).
@@ -134,8 +140,16 @@ def build_pipeline(
                 run_name=run_name,
                 run_id=run_id,
             ).set_display_name("Stage the dataset from S3 onto FSx")
+            base_model = stage_model_op(
+                model_source=model_source,
+                s3_endpoint_url=s3_endpoint_url,
+                fsx_mount_path=fsx_mount_path,
+                run_name=run_name,
+                run_id=run_id,
+            ).set_display_name("Stage the model folder from S3 onto FSx")
             train = train_op(
                 dataset=stage.outputs["dataset"],
+                base_model=base_model.outputs["base_model"],
                 fsx_mount_path=fsx_mount_path,
                 run_name=run_name,
                 run_id=run_id,
@@ -147,6 +161,7 @@ def build_pipeline(
                 preset=preset,
                 overrides=overrides,
                 faults=faults,
+                model_init=model_init,
                 launcher=launcher,
                 nnodes=nnodes,
                 gpus_per_node=gpus_per_node,
@@ -178,7 +193,7 @@ def build_pipeline(
                 # Every checkpoint the train step commits is a resume point: it must hold optimizer state.
                 require_optimizer_state=True,
             ).set_display_name("Validate the checkpoint on held-out data")
-            for task in (stage, train, validate):
+            for task in (stage, base_model, train, validate):
                 # Each step writes to the shared volume: a cached result could point at a
                 # folder another run has since changed. Staging needs no KFP cache: it is
                 # keyed by the snapshot id (a hash of the S3 listing) and re-staging an
@@ -187,6 +202,7 @@ def build_pipeline(
             # S3 and MLflow hiccups are worth retrying; a failed training run is not retried
             # blindly here (its own launcher restarts ranks and resumes from checkpoints).
             _retry_with_backoff(stage)
+            _retry_with_backoff(base_model)
             with dsl.If(validate.outputs["Output"] != "reject", name="If validation accepted the model"):
                 register = (
                     register_op(
@@ -206,7 +222,7 @@ def build_pipeline(
                 platform.use_mlflow_secret(register, mlflow_secret_name)
             # Validate scores the current champion from MLflow: it needs the same credentials.
             platform.use_mlflow_secret(validate, mlflow_secret_name)
-            for task in (stage, train, validate, register):
+            for task in (stage, base_model, train, validate, register):
                 platform.mount_fsx(task, fsx_pvc_name, options)
                 platform.apply_common(task, options)
 

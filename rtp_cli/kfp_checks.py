@@ -18,7 +18,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.config import CHECKPOINT_MODES, PRESETS
+from trainer.arguments import PIPELINE_SETTINGS
+from trainer.config import PRESETS, named_settings
 
 
 class KfpError(Exception):
@@ -38,8 +39,12 @@ NAMESPACE_ENV = "KF_PIPELINES_NAMESPACE"
 SERVICE_ACCOUNT_NAMESPACE_PATH = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
 PARAMETER_CHOICES: dict[str, tuple[str, ...]] = {
-    "checkpoint_mode": CHECKPOINT_MODES,
     "preset": tuple(PRESETS),
+    **{
+        param: setting.choices
+        for param, setting in named_settings().items()
+        if param in PIPELINE_SETTINGS and setting.choices
+    },
 }
 """Pipeline parameters typed STRING in the spec that only take some values."""
 POSITIVE_PARAMETERS = ("steps", "nproc")

@@ -24,7 +24,7 @@ from trainer.config import (
     resolve_config,
 )
 
-PIPELINE_SETTINGS = ("steps", "checkpoint_every", "checkpoint_mode", "seed", "faults")
+PIPELINE_SETTINGS = ("steps", "checkpoint_every", "checkpoint_mode", "seed", "faults", "model_init")
 """The named settings a pipeline run exposes as parameters (besides preset and overrides)."""
 
 
@@ -113,14 +113,28 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def config_from_pipeline(
-    *, preset: str, overrides: str, dataset_dir: str, workdir: str, checkpoint_dir: str, **named: Any
+    *,
+    preset: str,
+    overrides: str,
+    dataset_dir: str,
+    workdir: str,
+    checkpoint_dir: str,
+    model_dir: str = "",
+    **named: Any,
 ) -> TrainConfig:
-    """The config a pipeline run's parameters describe (`PIPELINE_SETTINGS` as `named`)."""
+    """The config a pipeline run's parameters describe (`PIPELINE_SETTINGS` as `named`);
+    `model_dir` is the staged model folder (empty: the built-in byte-level model)."""
     unknown = set(named) - set(PIPELINE_SETTINGS)
     if unknown:
         raise ConfigError(f"not pipeline training settings: {', '.join(sorted(unknown))}")
     return resolve_config(
         preset=preset,
-        named={**named, "dataset_dir": dataset_dir, "workdir": workdir, "checkpoint_dir": checkpoint_dir},
+        named={
+            **named,
+            "dataset_dir": dataset_dir,
+            "workdir": workdir,
+            "checkpoint_dir": checkpoint_dir,
+            "model_dir": model_dir,
+        },
         overrides=parse_overrides(overrides),
     )

@@ -29,6 +29,7 @@ from typing import Any, Literal
 from trainer.faults import FaultSpecError, parse_faults
 
 CheckpointMode = Literal["off", "sync", "torch-async", "async"]
+ModelInit = Literal["pretrained", "random"]
 CHECKPOINT_MODES: tuple[str, ...] = typing.get_args(CheckpointMode)
 DEFAULT_CHECKPOINT_MODE: CheckpointMode = "async"
 DEFAULT_PRESET = "tiny-cpu"
@@ -49,6 +50,16 @@ class ConfigError(ValueError):
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
+    kind: str = "byte-lm"
+    """Registry key (trainer/models): byte-lm (built-in, byte-level) or hf (a Hugging Face
+    causal LM from model_dir; vocab_size, d_model, n_layers, n_heads then come from its config.json).
+    Giving model_dir selects hf."""
+    model_dir: str = named("model_dir", "", path=True)
+    """A Hugging Face model folder (config.json, optional *.safetensors weights, tokenizer
+    files) to train instead of the built-in byte-level model; empty = the byte-level model."""
+    init: ModelInit = named("model_init", "pretrained")
+    """How a Hugging Face model's weights start: pretrained (the folder's safetensors) or
+    random (seeded, from config.json: pretraining). The byte-level model always starts random."""
     vocab_size: int = 256
     """Byte-level vocabulary: every byte value is a token, so no tokenizer is needed."""
     seq_len: int = 64
@@ -59,6 +70,12 @@ class ModelConfig:
     """Number of transformer blocks; each block is one FSDP unit."""
     n_heads: int = 4
     """Attention heads; must divide d_model."""
+
+    def architecture(self) -> dict[str, Any]:
+        """What identifies the architecture (hashed into model_hash); the registry entry says."""
+        from trainer.models import model_spec  # the registry imports this module
+
+        return model_spec(self.kind).architecture(self)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -201,7 +218,7 @@ class TrainConfig:
 
     def model_hash(self) -> str:
         """Identifies the architecture: checkpoints of a different architecture cannot resume."""
-        blob = json.dumps(dataclasses.asdict(self.model), sort_keys=True).encode()
+        blob = json.dumps(self.model.architecture(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -378,6 +395,7 @@ def resolve_config(
         return build_config(preset, items)
     config = TrainConfig.from_dict(base.to_dict())
     apply_overrides(config, items)
+    _infer_model_kind(config)
     validate(config)
     return config
 
@@ -399,8 +417,15 @@ def build_config(preset: str = DEFAULT_PRESET, overrides: list[str] | None = Non
         raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     config = TrainConfig.from_dict(PRESETS[preset])
     apply_overrides(config, overrides or [])
+    _infer_model_kind(config)
     validate(config)
     return config
+
+
+def _infer_model_kind(config: TrainConfig) -> None:
+    """A model folder means a Hugging Face model: `--model-dir DIR` alone selects kind hf."""
+    if config.model.model_dir and config.model.kind == "byte-lm":
+        config.model.kind = "hf"
 
 
 def apply_overrides(config: TrainConfig, overrides: Sequence[str]) -> None:
@@ -414,6 +439,17 @@ def apply_overrides(config: TrainConfig, overrides: Sequence[str]) -> None:
 
 def validate(config: TrainConfig) -> None:
     m = config.model
+    from trainer.models import require_kind  # the registry imports this module
+
+    require_kind(m.kind)  # a ModelError is a ConfigError
+    if m.init not in typing.get_args(ModelInit):
+        raise ConfigError(f"model.init {m.init!r} is not one of {', '.join(typing.get_args(ModelInit))}")
+    if m.kind == "hf" and not m.model_dir:
+        raise ConfigError(
+            "model.kind=hf needs model.model_dir: a folder with config.json (and tokenizer files)"
+        )
+    if m.kind != "hf" and m.model_dir:
+        raise ConfigError(f"model.model_dir needs model.kind=hf (got {m.kind!r})")
     if m.d_model % m.n_heads:
         raise ConfigError(f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
     positive = {

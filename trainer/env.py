@@ -22,3 +22,8 @@ def rank() -> int:
 
 def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def local_world_size() -> int:
+    """Ranks on this machine (they share its memory)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

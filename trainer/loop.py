@@ -27,10 +27,10 @@ import torch.distributed as dist
 
 from trainer.checkpointing import CheckpointManager, model_sha256
 from trainer.config import TrainConfig
-from trainer.data import StepSampler, load_tokens, split_files
+from trainer.data import StepSampler, check_tokenizer, load_tokens, split_files
 from trainer.events import EventLog
 from trainer.faults import FaultInjector, parse_faults
-from trainer.model import ByteLM, next_token_loss
+from trainer.models import model_spec
 from trainer.parallelize import apply_fsdp, init_distributed, set_collective_timeout, training_device
 from trainer.summary import TrainSummary
 
@@ -105,9 +105,10 @@ def train(
     injector = FaultInjector(parse_faults(config.run.faults), workdir, rank, world)
 
     mark = time.perf_counter()
-    torch.manual_seed(config.run.seed)  # identical initial weights on every rank
-    model = ByteLM(config.model).to(device)
-    apply_fsdp(model, mesh)
+    spec = model_spec(config.model.kind)
+    model = spec.build_for_training(config.model, device, config.run.seed)
+    apply_fsdp(model, mesh, spec.fsdp_units(model))
+    spec.init_weights(model, config.model, device, config.run.seed)
     opt_cfg = config.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt_cfg.lr, weight_decay=opt_cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -116,6 +117,7 @@ def train(
     )
     phases["model_build_s"] = time.perf_counter() - mark
     mark = time.perf_counter()
+    check_tokenizer(config.data.dataset_dir, spec.tokenizer(config.model).identity)
     train_files, _ = split_files(config.data.dataset_dir, config.data.holdout_fraction)
     sampler = StepSampler(
         load_tokens(train_files), config.model.seq_len, config.data.batch_size, config.run.seed, rank
@@ -153,7 +155,7 @@ def train(
             step_start = time.perf_counter()
             injector.at_step(step)
             batch = sampler.batch(step).to(device)
-            loss = next_token_loss(model, batch)
+            loss = spec.loss(model, batch)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), opt_cfg.grad_clip_norm)
             # An async save's snapshot copy ran beside this forward and backward; it must be

@@ -1,12 +1,14 @@
 """Process group, device mesh and FSDP2 sharding, kept apart from the model and the loop.
 
 The same code path serves CPU (gloo) and GPU (NCCL): the backend and device follow
-`torch.cuda.is_available()`. Each transformer block is its own FSDP unit so only one
-block's full parameters exist at a time; the root unit holds embeddings and the tied head.
+`torch.cuda.is_available()`. Each transformer block (the model spec's `fsdp_units`) is its
+own FSDP unit so only one block's full parameters exist at a time; the root unit holds the
+embeddings, the final norm and the output head.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
@@ -56,10 +58,10 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    blocks = getattr(model, "blocks", [])
-    for block in blocks:
-        fully_shard(block, mesh=mesh)
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, units: Sequence[nn.Module]) -> nn.Module:
+    """Shard each of `units` (from `ModelSpec.fsdp_units`) as its own FSDP unit, then the root."""
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
 

@@ -10,76 +10,39 @@ step reads the champion's bundle back to score it on the same holdout as a candi
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import torch
+from torch import nn
 
-from trainer.config import ModelConfig
-from trainer.model import ByteLM
+from trainer.models import ModelError, byte_lm
 
-WEIGHTS_FILE = "weights.safetensors"
-CONFIG_FILE = "config.json"
-TOKENIZER_FILE = "tokenizer.json"
+WEIGHTS_FILE = byte_lm.WEIGHTS_FILE
+CONFIG_FILE = byte_lm.CONFIG_FILE
+TOKENIZER_FILE = byte_lm.TOKENIZER_FILE
 BUNDLE_FILES = {"weights": WEIGHTS_FILE, "config": CONFIG_FILE, "tokenizer": TOKENIZER_FILE}
+tokenizer_description = byte_lm.tokenizer_description
 
 
 class BundleError(RuntimeError):
     """A model bundle is missing a file or does not fit its config; the message names it."""
 
 
-def tokenizer_description(config: ModelConfig) -> dict[str, Any]:
-    return {
-        "type": "byte",
-        "vocab_size": config.vocab_size,
-        "encode": "the UTF-8 bytes of the text; token id = byte value",
-        "decode": "bytes(token ids) decoded as UTF-8, invalid sequences replaced",
-        "special_tokens": {},
-        "max_context_tokens": config.seq_len,
-    }
-
-
-def write_bundle(model: ByteLM, folder: str | Path, metadata: dict[str, str] | None = None) -> dict[str, str]:
+def write_bundle(
+    model: nn.Module, folder: str | Path, metadata: dict[str, str] | None = None
+) -> dict[str, str]:
     """Write the three files into `folder`; returns {artifact name: path} for log_model."""
-    from safetensors.torch import save_file
-
-    out = Path(folder)
-    out.mkdir(parents=True, exist_ok=True)
-    # Contiguous copies: safetensors refuses views and shared storage.
-    state = {name: tensor.detach().contiguous().clone() for name, tensor in model.state_dict().items()}
-    save_file(state, str(out / WEIGHTS_FILE), metadata=metadata or {})
-    config = model.cfg
-    (out / CONFIG_FILE).write_text(json.dumps(_config_dict(config), indent=2, sort_keys=True))
-    (out / TOKENIZER_FILE).write_text(json.dumps(tokenizer_description(config), indent=2, sort_keys=True))
-    return {name: str(out / file_name) for name, file_name in BUNDLE_FILES.items()}
+    assert isinstance(model, byte_lm.ByteLM), type(model)
+    written = byte_lm.write_files(model.state_dict(), model.cfg, Path(folder), metadata)
+    return {name: str(path) for name, path in written.items()}
 
 
-def read_bundle(folder: str | Path) -> ByteLM:
-    """A ByteLM with the bundle's weights, in eval mode; BundleError names what is wrong."""
-    from safetensors.torch import load_file
-
-    root = Path(folder)
-    for file_name in (WEIGHTS_FILE, CONFIG_FILE):
-        if not (root / file_name).is_file():
-            raise BundleError(
-                f"{root / file_name} is missing: the model was not logged with a weights bundle"
-            )
-    config = ModelConfig(**json.loads((root / CONFIG_FILE).read_text()))
-    model = ByteLM(config)
-    state = load_file(str(root / WEIGHTS_FILE))
+def read_bundle(folder: str | Path) -> nn.Module:
+    """The bundle's model with its weights, in eval mode; BundleError names what is wrong."""
     try:
-        model.load_state_dict(state)
-    except RuntimeError as exc:
-        raise BundleError(f"{root / WEIGHTS_FILE} does not fit {root / CONFIG_FILE}: {exc}") from exc
-    model.eval()
-    return model
-
-
-def _config_dict(config: ModelConfig) -> dict[str, Any]:
-    import dataclasses
-
-    return dataclasses.asdict(config)
+        return byte_lm.read_folder(Path(folder))
+    except ModelError as exc:
+        raise BundleError(str(exc)) from exc
 
 
 def pip_requirements() -> list[str]:

@@ -16,21 +16,24 @@ from mlflow.pyfunc import PythonModel, PythonModelContext
 
 class ByteLMPyfunc(PythonModel):
     def load_context(self, context: PythonModelContext) -> None:
+        import torch
         from safetensors.torch import load_file
 
         from trainer.config import ModelConfig
-        from trainer.model import ByteLM
+        from trainer.models import model_spec
 
         with open(context.artifacts["config"]) as handle:
             config = ModelConfig(**json.load(handle))
-        self.model = ByteLM(config)
+        self.model = model_spec(config.kind).build(config, torch.device("cpu"))
         self.model.load_state_dict(load_file(context.artifacts["weights"]))
         self.model.eval()
 
     # No type hints on predict: MLflow would try to derive a schema from them; the logged
     # signature (prompt column in, text out, generation params) is the contract.
     def predict(self, context, model_input, params=None):  # type: ignore[no-untyped-def]
-        from trainer.model import generate
+        from trainer.models.byte_lm import ByteLM, generate
+
+        assert isinstance(self.model, ByteLM), type(self.model)
 
         params = params or {}
         prompts = list(model_input["prompt"]) if hasattr(model_input, "columns") else list(model_input)

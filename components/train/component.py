@@ -5,6 +5,7 @@ from kfp.dsl import HTML, Dataset, Input, Metrics, Model, Output
 
 def train_model(
     dataset: Input[Dataset],
+    base_model: Input[Model],
     fsx_mount_path: str,
     run_name: str,
     run_id: str,
@@ -16,6 +17,7 @@ def train_model(
     preset: str,
     overrides: str,
     faults: str,
+    model_init: str,
     model: Output[Model],
     metrics: Output[Metrics],
     goodput_report: Output[HTML],
@@ -36,6 +38,7 @@ def train_model(
 
     Args:
         dataset: the staged snapshot (its metadata holds the snapshot path).
+        base_model: the staged Hugging Face model folder (metadata model_dir; empty = the built-in byte-level model).
         fsx_mount_path: where the FSx PVC is mounted in the pod.
         run_name: run folder name; empty uses the KFP run id (a retried task resumes).
         run_id: the KFP run id (filled in by the pipeline).
@@ -47,6 +50,7 @@ def train_model(
         preset: model/optimizer preset (tiny-cpu, small-cpu, gpu-125m).
         overrides: extra config as 'section.field=value' items separated by spaces.
         faults: injected faults for a drill ('KIND@STEP[:RANK]', comma-separated) or 'none'.
+        model_init: pretrained (the folder's weights) or random (from its config.json), for a Hugging Face model.
         model: the committed checkpoint: metadata holds its path, step and model config.
         metrics: final loss, steps, training seconds, checkpoint efficiency, goodput, restarts.
         goodput_report: timeline of steps, saves, faults and restarts, with the numbers.
@@ -75,6 +79,7 @@ def train_model(
     request = TrainRequest(
         dataset_dir=dataset.metadata["snapshot_dir"],
         run_folder=folder,
+        model_dir=base_model.metadata.get("model_dir", ""),
         preset=preset,
         overrides=overrides,
         settings={
@@ -83,6 +88,7 @@ def train_model(
             "checkpoint_mode": checkpoint_mode,
             "seed": seed,
             "faults": faults,
+            "model_init": model_init,
         },
     )
     if launcher == "inpod":

@@ -30,6 +30,8 @@ class TrainRequest:
     """The staged dataset snapshot to train on."""
     run_folder: Path
     """<mount>/rtp/runs/<run>: the trainer works in train/, checkpoints go to checkpoints/."""
+    model_dir: str = ""
+    """The staged Hugging Face model folder; empty trains the built-in byte-level model."""
     preset: str = DEFAULT_PRESET
     overrides: str = ""
     """Extra trainer config, 'section.field=value' items separated by spaces."""
@@ -48,6 +50,7 @@ class TrainRequest:
             dataset_dir=self.dataset_dir,
             workdir=str(self.workdir),
             checkpoint_dir=str(Path(self.run_folder) / "checkpoints"),
+            model_dir=self.model_dir,
             **self.settings,
         )
 

@@ -1,7 +1,7 @@
 """Fetch the model MLflow currently calls `champion`, so a candidate is scored against it.
 
 The champion's consolidated weights bundle (safetensors + config, logged by the register
-step) is downloaded and loaded into a plain ByteLM; the validate step then evaluates it
+step) is downloaded and loaded into a plain model (the registry's byte-lm); the validate step then evaluates it
 with the same code on the same holdout as the candidate. Server failures are retried
 (`components.mlflow_access`); a registered model or alias that does not exist simply
 means there is no champion yet.
@@ -14,9 +14,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from torch import nn
+
 from components.mlflow_access import RetryPolicy, call_with_retries
 from components.register_model.bundle import WEIGHTS_FILE, read_bundle
-from trainer.model import ByteLM
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ _ABSENT_CODES = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUN
 class Champion:
     model_name: str
     version: str
-    model: ByteLM
+    model: nn.Module
     checkpoint_sha256: str
 
     @property

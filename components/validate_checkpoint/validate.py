@@ -14,15 +14,16 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
+from torch import nn
 
 from components.validate_checkpoint.checks import DECISIONS, decide, optimizer_problems, shape_problems
 from trainer.checkpointing import storage
 from trainer.config import ModelConfig, TrainConfig
 from trainer.data import holdout_batches, load_tokens, split_files
-from trainer.model import ByteLM, next_token_loss
+from trainer.models import model_spec
 
 __all__ = ["DECISIONS", "ValidationResult", "load_validated_model", "report_markdown", "validate_checkpoint"]
 
@@ -69,15 +70,14 @@ def stored_tensor_shapes(checkpoint_dir: str | Path) -> dict[str, tuple[int, ...
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    with torch.device("meta"):  # shapes only: no memory for the weights
-        model = ByteLM(config)
+    model = model_spec(config.kind).build(config, torch.device("meta"))  # shapes only: no memory
     return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
 
 
 def load_validated_model(
     checkpoint_dir: str | Path, require_optimizer_state: bool = False, checks: list[str] | None = None
-) -> tuple[ByteLM, TrainConfig, dict[str, Any]]:
-    """Verify and load a checkpoint into a plain ByteLM; raise CheckpointError naming the problem.
+) -> tuple[nn.Module, TrainConfig, dict[str, Any]]:
+    """Verify and load a checkpoint into a plain model (one CPU process); raise CheckpointError naming the problem.
 
     `checks`, when given, receives one line per check that passed (for the report).
     """
@@ -98,7 +98,7 @@ def load_validated_model(
         if problems:
             raise storage.CheckpointError(f"{checkpoint_dir} cannot be resumed: {'; '.join(problems)}")
         passed.append("optimizer state present for every parameter (the run can resume from it)")
-    model = ByteLM(config.model)
+    model = model_spec(config.model.kind).build(config.model, torch.device("cpu"))
     storage.load_model_weights(checkpoint_dir, model)
     world_size = meta.get("world_size", "?")
     passed.append(f"saved by {world_size} rank(s), consolidated into one state dict on one CPU process")
@@ -119,17 +119,20 @@ def holdout_tokens(dataset_dir: str | Path, holdout_fraction: float) -> tuple[to
 
 
 @torch.no_grad()
-def loss_on_tokens(model: ByteLM, tokens: torch.Tensor) -> float:
-    """Mean next-byte loss (nats per byte) over fixed, evenly spaced holdout windows."""
+def loss_on_tokens(model: nn.Module, tokens: torch.Tensor, config: ModelConfig | None = None) -> float:
+    """Mean next-token loss (nats per token; per byte for byte-lm) over fixed, evenly spaced
+    holdout windows. `config` defaults to the model's own (`model.cfg`, byte-lm bundles)."""
     model.eval()
     total, count = 0.0, 0
-    for batch in holdout_batches(tokens, model.cfg.seq_len):
-        total += next_token_loss(model, batch).item() * batch.shape[0]
+    config = config or cast(ModelConfig, model.cfg)
+    spec = model_spec(config.kind)
+    for batch in holdout_batches(tokens, config.seq_len):
+        total += spec.loss(model, batch).item() * batch.shape[0]
         count += batch.shape[0]
     return total / count
 
 
-def holdout_loss(model: ByteLM, dataset_dir: str, holdout_fraction: float) -> tuple[float, int]:
+def holdout_loss(model: nn.Module, dataset_dir: str, holdout_fraction: float) -> tuple[float, int]:
     tokens, _ = holdout_tokens(dataset_dir, holdout_fraction)
     return loss_on_tokens(model, tokens), int(tokens.numel())
 
@@ -149,7 +152,7 @@ def validate_checkpoint(
     checks: list[str] = []
     model, config, meta = load_validated_model(checkpoint_dir, require_optimizer_state, checks)
     tokens, files = holdout_tokens(dataset_dir, config.data.holdout_fraction)
-    loss = loss_on_tokens(model, tokens)
+    loss = loss_on_tokens(model, tokens, config.model)
     checks.append(
         f"holdout split: {files} file(s), {tokens.numel()} bytes, chosen by key hash from the "
         f"snapshot manifest (holdout_fraction {config.data.holdout_fraction}); never trained on"

@@ -19,7 +19,7 @@ from components.validate_checkpoint.validate import load_validated_model, valida
 from tests.components.mlflow_server import FlakyProxy, RestartableMlflowServer
 from trainer.checkpointing.storage import CheckpointError, save_checkpoint
 from trainer.config import build_config
-from trainer.model import ByteLM
+from trainer.models import model_spec
 
 pytestmark = pytest.mark.integration
 
@@ -194,7 +194,7 @@ def test_damaged_checkpoint_is_never_registered(tracking, trained_run, dataset_d
 def test_nan_weights_are_never_registered(tracking, single_rank_group, dataset_dir, tmp_path):
     name = "rtp-test-nan"
     config = build_config("tiny-cpu")
-    model = ByteLM(config.model)
+    model = model_spec("byte-lm").build(config.model, torch.device("cpu"))
     with torch.no_grad():
         model.ln_out.weight[3] = float("inf")
     save_checkpoint(

@@ -6,7 +6,7 @@ import torch
 from components.validate_checkpoint.validate import report_markdown, validate_checkpoint
 from trainer.checkpointing.storage import CheckpointError, commit, prepare_staging, save_checkpoint
 from trainer.config import build_config
-from trainer.model import ByteLM
+from trainer.models import model_spec
 
 
 def test_trained_checkpoint_passes_and_scores_deterministically(trained_run, dataset_dir):
@@ -46,7 +46,7 @@ def test_corrupted_file_is_named(trained_run, dataset_dir, tmp_path):
 
 def test_non_finite_tensor_is_named(single_rank_group, dataset_dir, tmp_path):
     config = build_config("tiny-cpu")
-    model = ByteLM(config.model)
+    model = model_spec("byte-lm").build(config.model, torch.device("cpu"))
     with torch.no_grad():
         model.blocks[0].mlp_in.weight[0, 0] = float("nan")
     optimizer = torch.optim.AdamW(model.parameters())
@@ -58,7 +58,9 @@ def test_non_finite_tensor_is_named(single_rank_group, dataset_dir, tmp_path):
 def _save_tiny(tmp_path, model_overrides=()):
     """A one-rank checkpoint whose meta.json says tiny-cpu, with weights from `model_overrides`."""
     config = build_config("tiny-cpu")
-    model = ByteLM(build_config("tiny-cpu", list(model_overrides)).model)
+    model = model_spec("byte-lm").build(
+        build_config("tiny-cpu", list(model_overrides)).model, torch.device("cpu")
+    )
     optimizer = torch.optim.AdamW(model.parameters())
     save_checkpoint(tmp_path, 1, model, optimizer, meta={"config": config.to_dict()}, rank_extra={})
     return str(tmp_path / "step_1")
@@ -87,7 +89,7 @@ def test_optimizer_state_is_required_only_when_resuming_is_intended(single_rank_
     import torch.distributed.checkpoint as dcp
 
     config = build_config("tiny-cpu")
-    model = ByteLM(config.model)
+    model = model_spec("byte-lm").build(config.model, torch.device("cpu"))
     staging, final = prepare_staging(tmp_path, 1, rank_extra={})
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(staging))
     commit(staging, final, 1, meta={"config": config.to_dict()})

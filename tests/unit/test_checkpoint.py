@@ -15,14 +15,17 @@ from trainer.checkpointing.storage import (
     verify_checkpoint,
 )
 from trainer.config import ModelConfig
-from trainer.model import ByteLM, next_token_loss
+from trainer.models import model_spec
+from trainer.models.byte_lm import next_token_loss
 
 pytestmark = pytest.mark.usefixtures("single_rank_group")
 
 
-def _trained_model(seed: int = 0) -> tuple[ByteLM, torch.optim.Optimizer]:
+def _trained_model(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = ByteLM(ModelConfig(d_model=32, n_layers=1, n_heads=2, seq_len=16))
+    model = model_spec("byte-lm").build(
+        ModelConfig(d_model=32, n_layers=1, n_heads=2, seq_len=16), torch.device("cpu")
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     next_token_loss(model, torch.randint(0, 256, (2, 17))).backward()
     optimizer.step()
@@ -134,7 +137,7 @@ def test_manifest_takes_shard_hashes_from_sidecars_and_drops_them(tmp_path):
 def test_load_model_weights_into_a_plain_module(tmp_path):
     model, optimizer = _trained_model()
     _save(tmp_path, 1, model, optimizer)
-    plain = ByteLM(model.cfg)
+    plain = model_spec("byte-lm").build(model.cfg, torch.device("cpu"))
     load_model_weights(tmp_path / "step_1", plain)
     assert torch.equal(plain.blocks[0].qkv.weight, model.blocks[0].qkv.weight)
 

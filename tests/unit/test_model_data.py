@@ -5,19 +5,20 @@ import torch
 
 from trainer.config import ModelConfig
 from trainer.data import DataError, StepSampler, holdout_batches, load_tokens, split_files
-from trainer.model import ByteLM, generate, next_token_loss
+from trainer.models import model_spec
+from trainer.models.byte_lm import generate, next_token_loss
 
 
 def test_untrained_model_predicts_near_uniform_bytes():
     torch.manual_seed(0)
-    model = ByteLM(ModelConfig())
+    model = model_spec("byte-lm").build(ModelConfig(), torch.device("cpu"))
     batch = torch.randint(0, 256, (4, 65))
     assert model(batch[:, :-1]).shape == (4, 64, 256)
     assert abs(next_token_loss(model, batch).item() - math.log(256)) < 0.3
 
 
 def test_generate_returns_the_requested_number_of_bytes():
-    model = ByteLM(ModelConfig())
+    model = model_spec("byte-lm").build(ModelConfig(), torch.device("cpu"))
     assert len(generate(model, b"def ", max_new_tokens=7)) == 7
     assert len(generate(model, b"", max_new_tokens=3, temperature=1.0)) == 3
 

@@ -1,0 +1,221 @@
+"""Two ranks over gloo with Hugging Face models: sharded initialization (random and
+pretrained) gives exactly the weights one process builds, the decoder layers are the FSDP
+units, and a tiny model trains through the real trainer (`rtp`'s launcher): resumed and
+fault-recovered runs end with the fault-free run's weights, and the checkpoint exports."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from rtp_cli.embedded_s3 import free_port
+from tests.hf_tiny import write_tiny_model
+from trainer.checkpointing import state_dict_sha256
+from trainer.config import ModelConfig
+from trainer.models import model_spec
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+
+# Low timeouts, as in test_faults.py: a recovery takes seconds on 2 CPU cores.
+FAST = ["resilience.collective_timeout_s=5", "resilience.soft_timeout_s=8", "resilience.hard_timeout_s=30"]
+
+
+def _shard_and_init(rank: int, world: int, port: int, config: ModelConfig, out: str) -> None:
+    """One rank: build on meta, shard the spec's units, fill the shards, report full weights."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    from trainer.parallelize import apply_fsdp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        spec = model_spec(config.kind)
+        model = spec.build_for_training(config, torch.device("cpu"), seed=5)
+        assert all(p.device.type == "meta" for p in model.parameters())  # nothing materialized yet
+        units = spec.fsdp_units(model)
+        apply_fsdp(model, mesh, units)
+        spec.init_weights(model, config, torch.device("cpu"), 5)
+        local_numel = sum(p.to_local().numel() for p in model.parameters())
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+        loss = spec.loss(model, torch.arange(34).reshape(2, 17) % 256).item()
+        if rank == 0:
+            result = {
+                "sha256": state_dict_sha256({k: v for k, v in full.items() if isinstance(v, torch.Tensor)}),
+                "sharded_units": sum(isinstance(m, FSDPModule) for m in model.modules()),
+                "units": len(units),
+                "local_numel": local_numel,
+                "total_numel": sum(v.numel() for v in full.values()),
+                "loss": loss,
+                "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight,
+            }
+            Path(out).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("architecture", "init", "tie"),
+    [("llama", "pretrained", False), ("qwen2", "random", True), ("gpt_neox", "pretrained", False)],
+)
+def test_two_rank_sharded_init_equals_one_process_build(architecture, init, tie, tmp_path):
+    folder = write_tiny_model(tmp_path / "model", architecture, tie=tie)
+    config = ModelConfig(kind="hf", model_dir=str(folder), init=init)
+    out = tmp_path / "rank0.json"
+    mp.start_processes(
+        _shard_and_init, args=(2, free_port(), config, str(out)), nprocs=2, join=True, start_method="spawn"
+    )
+    result = json.loads(out.read_text())
+
+    spec = model_spec("hf")
+    torch.manual_seed(5)
+    reference = spec.build(config, torch.device("cpu"))
+    assert result["sha256"] == state_dict_sha256(reference.state_dict())
+    assert result["units"] == 2 and result["sharded_units"] == 3  # 2 decoder layers + the root
+    assert result["local_numel"] < result["total_numel"]  # each rank holds a slice
+    assert result["tied"] == tie  # a tied head still shares the embedding's (sharded) weight
+    expected_loss = spec.loss(reference, torch.arange(34).reshape(2, 17) % 256).item()
+    assert result["loss"] == pytest.approx(expected_loss, rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def hf_run_inputs(tmp_path_factory):
+    """A tiny pretrained Llama folder and the demo-sized corpus tokenized with its tokenizer."""
+    from tests.hf_tiny import write_corpus, write_token_snapshot
+
+    root = tmp_path_factory.mktemp("hf-run")
+    model_dir = write_tiny_model(root / "model", "llama")
+    snapshot = write_token_snapshot(
+        write_corpus(root / "corpus", documents=120), model_dir, root / "snapshot"
+    )
+    named = {"model_dir": str(model_dir), "model_init": "pretrained"}
+    return model_dir, snapshot, ["model.seq_len=32"], named
+
+
+@pytest.fixture(scope="module")
+def hf_uninterrupted(hf_run_inputs, tmp_path_factory) -> dict:
+    """6 steps of the pretrained Llama on 2 ranks, async checkpoints (the default) every 3."""
+    from tests.distributed.conftest import train
+
+    _, snapshot, overrides, named = hf_run_inputs
+    return train(
+        snapshot, tmp_path_factory.mktemp("hf-full"), steps=6, every=3, overrides=[*overrides, *FAST], **named
+    )
+
+
+def test_hf_model_trains_resumes_exactly_and_exports(hf_run_inputs, hf_uninterrupted, tmp_path):
+    """Through the real launcher: 2 ranks train a pretrained Llama (async checkpoints); a run
+    stopped at step 3 and resumed (sync checkpoints) reaches the same weights; the checkpoint
+    validates, and exports to a folder that from_pretrained loads with the same logits."""
+    from tests.distributed.conftest import train
+    from trainer.checkpointing import load_model_weights
+
+    model_dir, snapshot, overrides, named = hf_run_inputs
+    overrides = [*overrides, *FAST]
+    full = hf_uninterrupted
+    assert full["checkpoint_mode"] == "async"
+    assert full["completed"] and full["world_size"] == 2
+    losses = [entry["loss"] for entry in full["losses"]]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+    first = train(
+        snapshot,
+        tmp_path / "resumed",
+        steps=6,
+        every=3,
+        overrides=overrides,
+        checkpoint_mode="sync",
+        stop_after=3,
+        **named,
+    )
+    assert first["steps"] == 3
+    resumed = train(
+        snapshot, tmp_path / "resumed", steps=6, every=3, overrides=overrides, checkpoint_mode="sync", **named
+    )
+    assert resumed["resumed_from"].endswith("step_3")
+    assert resumed["model_sha256"] == full["model_sha256"]
+
+    from transformers import AutoModelForCausalLM
+
+    spec = model_spec("hf")
+    config = ModelConfig(kind="hf", model_dir=str(model_dir), init="pretrained", seq_len=32)
+    model = spec.build(config, torch.device("cpu"))
+    load_model_weights(full["checkpoint"], model)
+    assert state_dict_sha256(model.state_dict()) == full["model_sha256"]
+    from components.validate_checkpoint.validate import validate_checkpoint
+
+    validation = validate_checkpoint(full["checkpoint"], str(snapshot), max_loss=100.0)
+    assert validation.decision == "champion" and validation.holdout_loss < 100.0
+    exported = spec.export(model.state_dict(), config, tmp_path / "export")
+    loaded = AutoModelForCausalLM.from_pretrained(
+        str(exported), local_files_only=True, dtype=torch.float32
+    ).eval()
+    x = torch.arange(20).reshape(1, 20) % 300
+    assert torch.equal(loaded(x).logits, model.eval()(x).logits)
+
+
+def test_training_refuses_data_made_with_another_tokenizer(hf_run_inputs, dataset_dir, tmp_path):
+    from tests.distributed.conftest import train
+    from trainer.launch import TrainingFailed
+
+    _, _, overrides, named = hf_run_inputs
+    with pytest.raises(TrainingFailed) as failure:
+        train(dataset_dir, tmp_path, steps=2, every=2, overrides=overrides, **named)
+    assert "tokenized as bytes but the model uses tokenizer" in str(failure.value)
+
+
+def test_faults_with_an_hf_model_recover_exactly(hf_run_inputs, hf_uninterrupted, tmp_path):
+    """An exception (in-process restart) and a killed rank (ft_launcher restart) in one run
+    end with the fault-free run's weights."""
+    from tests.distributed.conftest import train
+
+    _, snapshot, overrides, named = hf_run_inputs
+    summary = train(
+        snapshot,
+        tmp_path,
+        steps=6,
+        every=3,
+        overrides=[*overrides, *FAST],
+        faults=["exception@2:1", "sigkill@5:0"],
+        **named,
+    )
+    assert summary["completed"]
+    assert summary["model_sha256"] == hf_uninterrupted["model_sha256"]
+    assert [(r["kind"], r["mechanism"]) for r in summary["restarts"]] == [
+        ("exception", "inprocess"),
+        ("sigkill", "launcher"),
+    ]
+
+
+def test_a_folder_without_config_json_stops_training_in_one_line(hf_run_inputs, tmp_path):
+    from tests.distributed.conftest import train
+    from trainer.launch import TrainingFailed
+
+    _, snapshot, _, _ = hf_run_inputs
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    with pytest.raises(TrainingFailed) as failure:
+        train(snapshot, tmp_path / "work", steps=2, every=2, model_dir=str(empty), model_init="pretrained")
+    first_line = str(failure.value).splitlines()[0]
+    assert f"ModelError: {empty} has no config.json" in first_line
+    assert "not retried" in first_line
+
+
+def test_hf_checkpoint_reshards_from_two_ranks_to_one(hf_run_inputs, tmp_path):
+    from tests.distributed.conftest import train
+
+    _, snapshot, overrides, named = hf_run_inputs
+    saved = train(snapshot, tmp_path, steps=6, every=3, overrides=[*overrides, *FAST], stop_after=3, **named)
+    # Resuming at the target step runs no step: the weights are exactly what was loaded.
+    loaded = train(snapshot, tmp_path, nproc=1, steps=3, every=3, overrides=[*overrides, *FAST], **named)
+    assert loaded["world_size"] == 1 and loaded["steps_run"] == 0
+    assert loaded["resumed_from"].endswith("step_3")
+    assert loaded["model_sha256"] == saved["model_sha256"]
