@@ -131,28 +131,19 @@ def build_pipeline(
         cleanup.set_display_name("Delete the run's training job if the run did not succeed")
         cleanup.set_caching_options(False)
         platform.apply_common(cleanup, options)
+        # Every step finds the run's folder on the shared volume the same way.
+        run_folder = {"fsx_mount_path": fsx_mount_path, "run_name": run_name, "run_id": run_id}
         with dsl.ExitHandler(cleanup, name="Stage the data then train, validate and register the model"):
             stage = stage_op(
-                source=source,
-                s3_endpoint_url=s3_endpoint_url,
-                fsx_mount_path=fsx_mount_path,
-                dataset_name=dataset_name,
-                run_name=run_name,
-                run_id=run_id,
+                source=source, s3_endpoint_url=s3_endpoint_url, dataset_name=dataset_name, **run_folder
             ).set_display_name("Stage the dataset from S3 onto FSx")
             base_model = stage_model_op(
-                model_source=model_source,
-                s3_endpoint_url=s3_endpoint_url,
-                fsx_mount_path=fsx_mount_path,
-                run_name=run_name,
-                run_id=run_id,
+                model_source=model_source, s3_endpoint_url=s3_endpoint_url, **run_folder
             ).set_display_name("Stage the model folder from S3 onto FSx")
             train = train_op(
                 dataset=stage.outputs["dataset"],
                 base_model=base_model.outputs["base_model"],
-                fsx_mount_path=fsx_mount_path,
-                run_name=run_name,
-                run_id=run_id,
+                **run_folder,
                 steps=steps,
                 nproc=nproc,
                 checkpoint_every=checkpoint_every,
@@ -184,9 +175,7 @@ def build_pipeline(
             validate = validate_op(
                 model=train.outputs["model"],
                 dataset=stage.outputs["dataset"],
-                fsx_mount_path=fsx_mount_path,
-                run_name=run_name,
-                run_id=run_id,
+                **run_folder,
                 max_loss=max_loss,
                 min_improvement=min_improvement,
                 model_name=model_name,
@@ -210,9 +199,7 @@ def build_pipeline(
                         dataset=stage.outputs["dataset"],
                         decision=validate.outputs["Output"],
                         model_name=model_name,
-                        fsx_mount_path=fsx_mount_path,
-                        run_name=run_name,
-                        run_id=run_id,
+                        **run_folder,
                         pipeline_version=pipeline_version(),
                     )
                     .set_display_name("Register the model in MLflow")
