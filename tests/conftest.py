@@ -1,5 +1,5 @@
 """Fixtures shared by the suite: a small dataset snapshot, a one-rank process group, a real
-MLflow server on loopback, and the path of ../shared/specs (skipped when absent)."""
+MLflow server on loopback, and the upstream schemas the fakes validate against (tests/specs)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from rtp_cli.demo_data import write_local_dataset
 from rtp_cli.embedded_s3 import free_port
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-SHARED_SPECS = PROJECT_ROOT.parent / "shared" / "specs"
+UPSTREAM_SPECS = Path(__file__).resolve().parent / "specs"
+"""Upstream CRDs and the KFP swagger, copied into the repository (see tests/specs/README.md)."""
 
 
 @pytest.fixture(scope="session")
@@ -27,10 +28,8 @@ def dataset_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def shared_specs() -> Path:
-    if not SHARED_SPECS.is_dir():
-        pytest.skip(f"{SHARED_SPECS} is absent (it exists only in the development workspace)")
-    return SHARED_SPECS
+def upstream_specs() -> Path:
+    return UPSTREAM_SPECS
 
 
 @pytest.fixture

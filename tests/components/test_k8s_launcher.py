@@ -3,7 +3,7 @@
 No real Kubernetes cluster can run on the development machines, so these tests run the
 launcher (the real `kubernetes` client, version 30.1.0) against `tests.fakes.kube_api`: a
 stateful stand-in on 127.0.0.1 that validates every created job strictly against the
-upstream CRD schemas in ../shared/specs/crds and simulates the job's phases, its rank-0
+upstream CRD schemas in tests/specs/crds and simulates the job's phases, its rank-0
 pod's log and failures. What the fake cannot show (scheduling, real operators, EFA) is
 covered only by the manifests' schema checks and by docs/eks.md.
 """
@@ -26,13 +26,12 @@ from tests.fakes.kube_api import FakeKubernetes, Scenario
 from trainer.config import TrainConfig
 from trainer.summary import TrainSummary
 
-pytestmark = pytest.mark.shared_specs
 RUN_ID = "5e1f7a10-0c4b-4c1e-9d7e-0123456789ab"
 
 
 @pytest.fixture
-def fake(shared_specs: Path):
-    with FakeKubernetes(shared_specs / "crds") as server:
+def fake(upstream_specs: Path):
+    with FakeKubernetes(upstream_specs / "crds") as server:
         yield server
 
 
@@ -108,9 +107,9 @@ def test_a_manifest_the_schema_rejects_fails_with_the_servers_reason(fake):
     assert len(fake.rejected) == 1
 
 
-def test_missing_operator_is_named(shared_specs):
+def test_missing_operator_is_named(upstream_specs):
     with (
-        FakeKubernetes(shared_specs / "crds", kinds=("PyTorchJob",)) as fake,
+        FakeKubernetes(upstream_specs / "crds", kinds=("PyTorchJob",)) as fake,
         pytest.raises(JobFailed, match="install the Kubeflow Trainer v2"),
     ):
         run_job(job_manifest("trainjob", settings()), api_client=api_client(fake), timeout_s=5,

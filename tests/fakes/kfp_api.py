@@ -8,7 +8,7 @@ does do:
 - keeps state: pipelines, pipeline versions, experiments, runs and recurring runs, with
   the API's name-uniqueness rules (409 ALREADY_EXISTS) and 404s for unknown ids;
 - validates every request (path, query parameters, multipart fields, JSON body) and every
-  response against the upstream swagger in ../shared/specs/kfp-v2beta1, rejecting
+  response against the upstream swagger in tests/specs/kfp-v2beta1, rejecting
   unknown fields and wrong types with 400;
 - parses every uploaded pipeline, and every inline `pipeline_spec`, strictly into kfp's
   `PipelineSpec` (and `PlatformSpec`) protos, and rejects run parameters the pipeline

@@ -1,7 +1,7 @@
 """`rtp upload | run | schedule | runs` through kfp.Client against a FAKE KFP v2beta1 API.
 
 The real API server cannot run here (tests/fakes/kfp_api.py says why); the fake keeps
-state, checks every request against the upstream swagger in ../shared/specs and parses
+state, checks every request against the upstream swagger in tests/specs and parses
 every uploaded pipeline into kfp's PipelineSpec proto.
 """
 
@@ -20,7 +20,7 @@ from rtp_cli import kfp_checks
 from rtp_cli.main import main
 from tests.fakes.kfp_api import FakeKfpApi
 
-pytestmark = [pytest.mark.shared_specs, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.timeout(120)]
 
 TOKEN = "s3cret-token"
 
@@ -44,15 +44,15 @@ def isolated_environment(monkeypatch, tmp_path):
     monkeypatch.setattr(kfp.Client, "_LOCAL_KFP_CONTEXT", str(tmp_path / "kfp-context.json"))
 
 
-def _start(shared_specs: Path, **options) -> FakeKfpApi:
-    fake = FakeKfpApi(shared_specs / "kfp-v2beta1", **options)
+def _start(upstream_specs: Path, **options) -> FakeKfpApi:
+    fake = FakeKfpApi(upstream_specs / "kfp-v2beta1", **options)
     fake.start()
     return fake
 
 
 @pytest.fixture
-def kfp_api(shared_specs):
-    fake = _start(shared_specs)
+def kfp_api(upstream_specs):
+    fake = _start(upstream_specs)
     yield fake
     fake.stop()
     assert fake.errors == [], "the fake answered outside the swagger (a bug in the fake)"
@@ -310,8 +310,8 @@ def test_schedule_of_a_pipeline_never_uploaded_says_to_upload(kfp_api, package, 
 
 
 @pytest.fixture
-def secured_api(shared_specs):
-    fake = _start(shared_specs, token=TOKEN, namespaces={"team-a"})
+def secured_api(upstream_specs):
+    fake = _start(upstream_specs, token=TOKEN, namespaces={"team-a"})
     yield fake
     fake.stop()
     assert fake.errors == []

@@ -2,7 +2,7 @@
 
 Built-in kinds are checked strictly against the `kubernetes` client's models (offline: no
 API server runs on these machines); PyTorchJob/TrainJob examples against the upstream CRD
-schemas in ../shared/specs/crds (skipped when absent) and against a fresh `rtp
+schemas in tests/specs/crds and against a fresh `rtp
 render-job` with the command written at the top of the file; the wiring between the
 files and the pipeline's defaults (PVC name, secret keys, RBAC for the launcher) too.
 """
@@ -48,12 +48,11 @@ def test_builtin_kinds_are_valid_objects(name, obj):
     assert core_object_errors(obj) == [], f"{name}: {obj['kind']} {obj['metadata']['name']}"
 
 
-@pytest.mark.shared_specs
 @pytest.mark.parametrize("mode", ["pytorchjob", "trainjob"])
-def test_job_examples_validate_against_the_crds_and_match_render_job(shared_specs, mode):
+def test_job_examples_validate_against_the_crds_and_match_render_job(upstream_specs, mode):
     path = DEPLOY / f"{mode}-example.yaml"
     (manifest,) = _objects(path)
-    resource = load_custom_resources(shared_specs / "crds")[f"{manifest['apiVersion']}/{manifest['kind']}"]
+    resource = load_custom_resources(upstream_specs / "crds")[f"{manifest['apiVersion']}/{manifest['kind']}"]
     assert resource.errors(manifest) == []
     command = next(line[2:] for line in path.read_text().splitlines() if line.startswith("# rtp render-job"))
     from rtp_cli.job_commands import render_job

@@ -1,7 +1,7 @@
 """Training-job manifests: pure builders, checked strictly against the upstream CRD schemas.
 
 Every shape the launcher can produce (one or many nodes, CPU or GPU, with or without EFA,
-scheduling and pull secrets) must validate against ../shared/specs/crds with unknown
+scheduling and pull secrets) must validate against tests/specs/crds with unknown
 fields rejected; those tests skip with a reason when the specs are absent.
 """
 
@@ -59,11 +59,10 @@ SHAPES = {
 
 
 @pytest.fixture(scope="module")
-def crds(shared_specs):
-    return load_custom_resources(shared_specs / "crds")
+def crds(upstream_specs):
+    return load_custom_resources(upstream_specs / "crds")
 
 
-@pytest.mark.shared_specs
 @pytest.mark.parametrize(("launcher", "shape"), list(itertools.product(["pytorchjob", "trainjob"], SHAPES)))
 def test_every_manifest_validates_strictly_against_its_crd(crds, launcher, shape):
     manifest = job_manifest(launcher, settings(**SHAPES[shape]))
@@ -71,7 +70,6 @@ def test_every_manifest_validates_strictly_against_its_crd(crds, launcher, shape
     assert resource.errors(manifest) == []
 
 
-@pytest.mark.shared_specs
 def test_the_validator_rejects_unknown_and_mistyped_fields(crds):
     manifest = pytorchjob_manifest(settings(nnodes=2))
     resource = crds["kubeflow.org/v1/PyTorchJob"]
@@ -83,11 +81,10 @@ def test_the_validator_rejects_unknown_and_mistyped_fields(crds):
     assert any("replicas" in e and "not of type 'integer'" in e for e in errors)
 
 
-@pytest.mark.shared_specs
-def test_the_validator_accepts_the_stock_torch_runtime(crds, shared_specs):
+def test_the_validator_accepts_the_stock_torch_runtime(crds, upstream_specs):
     import yaml
 
-    runtime = yaml.safe_load((shared_specs / "crds" / "runtime_torch_distributed.v2.3.0.yaml").read_text())
+    runtime = yaml.safe_load((upstream_specs / "crds" / "runtime_torch_distributed.v2.3.0.yaml").read_text())
     assert crds["trainer.kubeflow.org/v1alpha1/ClusterTrainingRuntime"].errors(runtime) == []
 
 
