@@ -19,11 +19,12 @@ from typing import Any
 
 from trainer.events import write_json_atomic
 
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def check_name(kind: str, value: str) -> str:
-    if not _SAFE_NAME.match(value):
+    # fullmatch: `$` in a pattern also matches before a trailing newline.
+    if not _SAFE_NAME.fullmatch(value):
         raise ValueError(
             f"{kind} {value!r} is not a safe folder name: use letters, digits, '.', '_' or '-' "
             "(at most 128, not starting with a symbol)"

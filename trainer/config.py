@@ -450,6 +450,10 @@ def validate(config: TrainConfig) -> None:
         )
     if m.kind != "hf" and m.model_dir:
         raise ConfigError(f"model.model_dir needs model.kind=hf (got {m.kind!r})")
+    if m.n_heads < 1 or m.d_model < 1:
+        raise ConfigError(
+            f"model.n_heads and model.d_model must be at least 1, got {m.n_heads} and {m.d_model}"
+        )
     if m.d_model % m.n_heads:
         raise ConfigError(f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
     positive = {

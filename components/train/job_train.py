@@ -13,7 +13,7 @@ from typing import Any
 
 from components.train.jobs import JOB_LAUNCHERS, JobSettings, JobSettingsError, job_manifest, job_name
 from components.train.k8s_launcher import JobFailed, in_cluster_api_client, pod_namespace, run_job
-from components.train.train import TrainRequest, TrainResult
+from components.train.train import TrainRequest, TrainResult, checked_result
 from trainer.config import TrainConfig
 from trainer.launch import CONFIG_FILE
 from trainer.summary import TrainSummary
@@ -92,10 +92,11 @@ def train_with_job(
             f"{manifest['kind']} {settings.name} succeeded but wrote no {summary_path}: is the FSx PVC "
             f"{settings.pvc_name!r} mounted at {settings.mount_path} in both the step and the job?"
         )
-    return TrainResult(
+    result = TrainResult(
         summary=TrainSummary.read(summary_path),
         config=config,
         preset=request.preset,
         launcher=launcher,
         job_name=settings.name,
     )
+    return checked_result(result, request)

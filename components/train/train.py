@@ -74,8 +74,25 @@ class TrainResult:
         return self.config.to_dict()["model"]
 
 
+class CheckpointOutsideRun(RuntimeError):
+    """The training reported a checkpoint outside its own run folder."""
+
+
+def checked_result(result: TrainResult, request: TrainRequest) -> TrainResult:
+    """`result`, once its checkpoint is known to lie in this run's checkpoints folder: later
+    steps load and register whatever the train step reports, so it must be this run's."""
+    checkpoint = result.summary.checkpoint
+    own = (Path(request.run_folder) / "checkpoints").resolve()
+    if checkpoint is not None and not Path(checkpoint).resolve().is_relative_to(own):
+        raise CheckpointOutsideRun(
+            f"training reported checkpoint {checkpoint}, which is not under this run's {own}; "
+            "refusing to hand another run's checkpoint to validate and register"
+        )
+    return result
+
+
 def train_in_pod(request: TrainRequest, *, nproc: int, echo: bool = True) -> TrainResult:
     """Train with `nproc` local ranks under ft_launcher."""
     config = request.config()
     summary = run_local_training(nproc, config, echo=echo)
-    return TrainResult(summary=summary, config=config, preset=request.preset)
+    return checked_result(TrainResult(summary=summary, config=config, preset=request.preset), request)

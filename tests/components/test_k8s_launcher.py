@@ -21,7 +21,7 @@ from kubernetes import client
 from components.train.job_train import train_with_job
 from components.train.jobs import RUN_ID_LABEL, JobSettings, job_manifest
 from components.train.k8s_launcher import JobFailed, JobTimedOut, delete_run_jobs, run_job
-from components.train.train import TrainRequest
+from components.train.train import CheckpointOutsideRun, TrainRequest
 from tests.fakes.kube_api import FakeKubernetes, Scenario
 from trainer.config import TrainConfig
 from trainer.summary import TrainSummary
@@ -192,6 +192,23 @@ def test_train_with_job_returns_the_summary_rank0_wrote(fake, tmp_path, launcher
     assert deadline == 30 + 600
     assert result.launcher == launcher and result.job_name.startswith("rtp-train-5e1f7a10")
     assert result.model_config["n_layers"] >= 1 and result.config.checkpoint.every_steps == 2
+
+
+def test_a_checkpoint_outside_the_run_folder_is_refused(fake, tmp_path):
+    run_folder = tmp_path / "fsx" / "rtp" / "runs" / "r1"
+    (run_folder / "train").mkdir(parents=True)
+    elsewhere = str(tmp_path / "fsx" / "rtp" / "runs" / "nightly" / "checkpoints" / "step_4")
+
+    def rank0_reports_another_runs_checkpoint(job: dict) -> None:
+        fake_summary(steps=4, checkpoint=elsewhere).write(run_folder / "train" / "summary.json")
+
+    fake.on_success = rank0_reports_another_runs_checkpoint
+    with pytest.raises(CheckpointOutsideRun, match="not under this run"):
+        train_with_job(
+            "pytorchjob", TrainRequest(dataset_dir="/fsx/d", run_folder=run_folder), run_id=RUN_ID,
+            namespace="team-a", image="example.com/rtp:1", nproc_per_node=1, timeout_s=30, poll_interval_s=0.01,
+            api_client=api_client(fake), pvc_name="fsx-claim", mount_path=str(tmp_path / "fsx"),
+        )  # fmt: skip
 
 
 def test_train_with_job_without_a_summary_names_the_volume(fake, tmp_path):

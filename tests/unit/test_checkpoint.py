@@ -1,4 +1,6 @@
 import logging
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -217,3 +219,23 @@ def test_manager_in_off_mode_never_saves(tmp_path):
     manager.finish()
     assert not (tmp_path / "checkpoints").exists()
     assert manager.summary(loop_wall_s=1.0)["efficiency_pct"] == 100.0
+
+
+class _RunsCodeWhenUnpickled:
+    def __reduce__(self):
+        return (Path.touch, (Path(os.environ["RTP_TEST_PWNED"]),))
+
+
+def test_a_rank_state_file_that_would_run_code_is_refused(tmp_path, monkeypatch):
+    """The shared volume is writable by any pod: loading a checkpoint never unpickles objects."""
+    model, optimizer = _trained_model()
+    saved = _save(tmp_path, 1, model, optimizer)
+    marker = tmp_path / "pwned"
+    monkeypatch.setenv("RTP_TEST_PWNED", str(marker))
+    torch.save(
+        {"torch_rng": torch.get_rng_state(), "x": _RunsCodeWhenUnpickled()},
+        saved.path / "rank_state/rank_0.pt",
+    )
+    with pytest.raises(CheckpointError, match="refusing to unpickle"):
+        load_checkpoint(saved.path, *_trained_model(seed=1))
+    assert not marker.exists()

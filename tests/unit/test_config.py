@@ -27,6 +27,7 @@ def test_overrides_set_typed_values():
         ("nosuch.x=1", "sections are"),
         ("model.n_layers=two", "must be int"),
         ("model.n_heads=5", "divisible"),
+        ("model.n_heads=0", "at least 1"),
         ("run.steps=0", "at least 1"),
         ("optimizer.lr", "not key=value"),
         ("checkpoint.mode=fast", "torch-async"),

@@ -18,7 +18,7 @@ def test_run_dir_prefers_run_name_then_job_id(tmp_path):
     assert dataset_root(tmp_path, "corpus") == tmp_path / "rtp/datasets/corpus"
 
 
-@pytest.mark.parametrize("name", ["../x", "a/b", "", ".hidden", "x" * 200])
+@pytest.mark.parametrize("name", ["../x", "a/b", "", ".hidden", "x" * 200, "nightly\n"])
 def test_unsafe_folder_names_are_refused(name):
     with pytest.raises(ValueError, match="safe folder name"):
         check_name("run name", name)

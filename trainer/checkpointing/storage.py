@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import time
@@ -268,7 +269,15 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     rank_file = folder / RANK_STATE_DIR / f"rank_{dist.get_rank()}.pt"
     rank_state: dict[str, Any] = {}
     if rank_file.is_file():  # absent when resharding to more ranks than were saved
-        rank_state = torch.load(rank_file, weights_only=False)
+        # The shared volume is writable by every pod of the namespace: never unpickle
+        # arbitrary objects from it. A rank's state is tensors and numbers only.
+        try:
+            rank_state = torch.load(rank_file, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise CheckpointError(
+                f"{rank_file} holds more than tensors and numbers; refusing to unpickle it "
+                f"({str(exc).splitlines()[0]})"
+            ) from None
         torch.set_rng_state(rank_state["torch_rng"])
         if "cuda_rng" in rank_state and torch.cuda.is_available():
             torch.cuda.set_rng_state(rank_state["cuda_rng"])
