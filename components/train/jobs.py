@@ -218,6 +218,29 @@ def _scheduling(settings: JobSettings) -> dict[str, Any]:
     return spec
 
 
+RUN_AS_USER = 1000
+"""The image's user (Dockerfile: `useradd --uid 1000 rtp`); the FSx volume must be writable by it."""
+
+
+def pod_security_context() -> dict[str, Any]:
+    """Training pods run as the image's non-root user under the runtime's seccomp profile."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "runAsGroup": RUN_AS_USER,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security_context(settings: JobSettings) -> dict[str, Any]:
+    """No privilege escalation and no capabilities, except IPC_LOCK with EFA: libfabric pins
+    (locks) the buffers it registers with the NIC, which needs it beyond the memlock limit."""
+    capabilities: dict[str, list[str]] = {"drop": ["ALL"]}
+    if settings.efa_per_node:
+        capabilities["add"] = ["IPC_LOCK"]
+    return {"allowPrivilegeEscalation": False, "capabilities": capabilities}
+
+
 def pytorchjob_manifest(settings: JobSettings) -> dict[str, Any]:
     """A `kubeflow.org/v1` PyTorchJob: one Master and nnodes-1 Workers, one pod per node."""
     settings.check()
@@ -228,6 +251,7 @@ def pytorchjob_manifest(settings: JobSettings) -> dict[str, Any]:
         "command": ft_launcher_command(settings, "MASTER_ADDR", "MASTER_PORT"),
         "env": training_env(settings),
         "volumeMounts": _volume_mounts(settings),
+        "securityContext": container_security_context(settings),
     }
     resources = _resources(settings)
     if resources:
@@ -241,7 +265,14 @@ def pytorchjob_manifest(settings: JobSettings) -> dict[str, Any]:
             "restartPolicy": "OnFailure",
             "template": {
                 "metadata": {"labels": _labels(settings)},
-                "spec": {**_scheduling(settings), "containers": [container], "volumes": _volumes(settings)},
+                "spec": {
+                    **_scheduling(settings),
+                    # Training needs no Kubernetes API access: no token in the pods.
+                    "automountServiceAccountToken": False,
+                    "securityContext": pod_security_context(),
+                    "containers": [container],
+                    "volumes": _volumes(settings),
+                },
             },
         }
 
@@ -283,10 +314,19 @@ def trainjob_manifest(settings: JobSettings) -> dict[str, Any]:
     resources = _resources(settings)
     if resources:
         trainer["resourcesPerNode"] = resources
+    # The v2.3 pod patch cannot set automountServiceAccountToken: pass a service account
+    # that does not mount its token (--service-account), or set it in the runtime (docs/eks.md).
     pod_patch: dict[str, Any] = {
         **_scheduling(settings),
+        "securityContext": pod_security_context(),
         "volumes": _volumes(settings),
-        "containers": [{"name": TRAINJOB_CONTAINER, "volumeMounts": _volume_mounts(settings)}],
+        "containers": [
+            {
+                "name": TRAINJOB_CONTAINER,
+                "volumeMounts": _volume_mounts(settings),
+                "securityContext": container_security_context(settings),
+            }
+        ],
     }
     return {
         "apiVersion": TRAINJOB_API_VERSION,

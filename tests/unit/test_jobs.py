@@ -172,3 +172,23 @@ def test_bad_settings_are_refused_with_what_to_change(fields, message):
 def test_inpod_is_not_a_job():
     with pytest.raises(JobSettingsError, match="creates no job"):
         job_manifest("inpod", settings())
+
+
+@pytest.mark.parametrize("launcher", ["pytorchjob", "trainjob"])
+@pytest.mark.parametrize("efa", [0, 32])
+def test_job_pods_run_unprivileged(crds, launcher, efa):
+    manifest = job_manifest(launcher, settings(nnodes=2, gpus_per_node=8 if efa else 0, efa_per_node=efa))
+    assert crds[f"{manifest['apiVersion']}/{manifest['kind']}"].errors(manifest) == []
+    if launcher == "pytorchjob":
+        pods = [r["template"]["spec"] for r in manifest["spec"]["pytorchReplicaSpecs"].values()]
+        assert all(pod["automountServiceAccountToken"] is False for pod in pods)
+    else:
+        patch = manifest["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]
+        pods = [patch["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]]
+    for pod in pods:
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        [container] = pod["containers"]
+        security = container["securityContext"]
+        assert security["allowPrivilegeEscalation"] is False and security["capabilities"]["drop"] == ["ALL"]
+        assert security["capabilities"].get("add", []) == (["IPC_LOCK"] if efa else [])
