@@ -61,35 +61,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _user_error_types() -> tuple[type[BaseException], ...]:
-    """Exceptions that mean bad input or environment, not a bug: shown as one line."""
-    from components.mlflow_access import RegistryUnavailable
-    from components.register_model.bundle import BundleError
-    from components.register_model.register import RegistrationError
-    from components.stage_data.prepare_data import PrepareError
-    from components.stage_data.stage import StageError
-    from rtp_cli.kfp_checks import KfpError
-    from rtp_cli.local_run import LocalRunError
-    from trainer.checkpointing import CheckpointError
-    from trainer.config import ConfigError
-    from trainer.data import DataError
-    from trainer.launch import TrainingFailed
+USER_ERRORS = (
+    ("components.mlflow_access", "RegistryUnavailable"),
+    ("components.register_model.bundle", "BundleError"),
+    ("components.register_model.register", "RegistrationError"),
+    ("components.stage_data.prepare_data", "PrepareError"),
+    ("components.stage_data.errors", "StageError"),
+    ("components.train.train", "CheckpointOutsideRun"),
+    ("rtp_cli.kfp_checks", "KfpError"),
+    ("rtp_cli.local_run", "LocalRunError"),
+    ("trainer.checkpointing.storage", "CheckpointError"),
+    ("trainer.config", "ConfigError"),
+    ("trainer.data", "DataError"),
+    ("trainer.launch", "TrainingFailed"),
+)
+"""Exceptions that mean bad input or environment, not a bug: shown as one line."""
 
-    return (
-        UserError,
-        ConfigError,
-        DataError,
-        CheckpointError,
-        StageError,
-        PrepareError,
-        TrainingFailed,
-        LocalRunError,
-        KfpError,
-        RegistryUnavailable,
-        RegistrationError,
-        BundleError,
-        ValueError,
-    )
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    """The USER_ERRORS whose modules are loaded: an exception can only come from a module
+    that was imported, and importing nothing here means a broken heavy library (torch,
+    mlflow) cannot turn every error message into an ImportError traceback."""
+    found: list[type[BaseException]] = [UserError, ValueError, FileNotFoundError, PermissionError]
+    for module_name, class_name in USER_ERRORS:
+        module = sys.modules.get(module_name)
+        if module is not None:
+            found.append(getattr(module, class_name))
+    return tuple(found)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -106,6 +106,15 @@ class JobSettings:
             )
         if not self.mount_path.startswith("/"):
             problems.append(f"mount_path {self.mount_path!r} must be an absolute path")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in dict(self.node_selector).items()):
+            problems.append(
+                f"node_selector must map label names to string values, got {self.node_selector!r}"
+            )
+        if not all(isinstance(t, dict) and all(isinstance(k, str) for k in t) for t in self.tolerations):
+            problems.append(
+                f"tolerations must be Kubernetes toleration objects "
+                f'(e.g. {{"key": "nvidia.com/gpu", "operator": "Exists"}}), got {list(self.tolerations)!r}'
+            )
         if problems:
             raise JobSettingsError("; ".join(problems))
         return self

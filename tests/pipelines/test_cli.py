@@ -95,6 +95,11 @@ def test_console_script_is_the_entry_point():
         (["local", "--nproc", "0"], "--nproc must be at least 1"),
         (["local", "--source", "/data"], "s3://bucket/prefix"),
         (["train-local", "--dataset-dir", "x", "--override", "model.n_heads=3"], "divisible"),
+        (["local", "--overrides", "model.n_heads=0"], "at least 1"),
+        (["local", "--overrides", "checkpoint.dir=/fsx/rtp/runs/nightly/checkpoints"], "is refused"),
+        (["render-job", "--mode", "pytorchjob", "--tolerations", "[1]"], "toleration objects"),
+        (["render-job", "--mode", "pytorchjob", "-o", "/nonexistent-rtp/dir/job.yaml"], "No such file"),
+        (["compile", "-o", "/nonexistent-rtp/pipeline.yaml"], "No such file"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
@@ -102,6 +107,18 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     err = capsys.readouterr().err
     assert message in err
     assert "Traceback" not in err
+
+
+def test_the_error_handler_imports_nothing_heavy():
+    """A broken torch or mlflow must not turn every one-line error into an ImportError."""
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.modules['mlflow'] = None\n"
+        "from rtp_cli.main import main\n"
+        "sys.exit(main(['render-job', '--mode', 'pytorchjob', '--tolerations', '[1]']))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "toleration objects" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_compile_writes_the_requested_image(tmp_path, capsys):

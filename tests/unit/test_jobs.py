@@ -162,6 +162,8 @@ def test_names_and_labels_are_valid_kubernetes_names():
         (dict(gpus_per_node=2, nproc_per_node=4), "one process per GPU"),
         (dict(mount_path="fsx"), "absolute"),
         (dict(name="Bad_Name"), "DNS label"),
+        (dict(tolerations=[1]), "toleration objects"),
+        (dict(node_selector={"pool": {"nested": "x"}}), "string values"),
     ],
 )
 def test_bad_settings_are_refused_with_what_to_change(fields, message):
