@@ -107,6 +107,8 @@ def render_job(args: argparse.Namespace) -> dict[str, Any]:
     settings = job_settings_for_run(
         request,
         run_id=args.run_id,
+        # Never deleted by a pipeline's exit handler: a person applies this one.
+        managed_by="rtp-render-job",
         namespace=args.namespace,
         image=args.image,
         nproc_per_node=args.nproc_per_node,

@@ -29,6 +29,7 @@ DEFAULT_TRAINING_RUNTIME = "torch-distributed"
 RUN_ID_LABEL = "rtp.kubeflow.org/run-id"
 """Every job carries its KFP run id here, so the exit handler can find and delete it."""
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+MANAGED_BY_RTP = "rtp"
 GPU_RESOURCE = "nvidia.com/gpu"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
 # The Training Operator requires the container of a PyTorchJob replica to be named
@@ -83,6 +84,10 @@ class JobSettings:
     ttl_after_finished_s: int = 3600
     training_runtime: str = DEFAULT_TRAINING_RUNTIME
     env: dict[str, str] = field(default_factory=dict)
+    managed_by: str = MANAGED_BY_RTP
+    """The job's app.kubernetes.io/managed-by label. The train step's jobs say `rtp`, and only
+    those are ever deleted by rtp; `rtp render-job` output says `rtp-render-job`, so a job a
+    person applies by hand is never deleted by a pipeline's exit handler."""
 
     def check(self) -> JobSettings:
         problems = []
@@ -204,7 +209,7 @@ def run_id_label_value(run_id: str) -> str:
 
 
 def _labels(settings: JobSettings) -> dict[str, str]:
-    labels = {MANAGED_BY_LABEL: "rtp"}
+    labels = {MANAGED_BY_LABEL: settings.managed_by}
     if settings.run_id:
         labels[RUN_ID_LABEL] = run_id_label_value(settings.run_id)
     return labels

@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from components.train.jobs import (
+    MANAGED_BY_LABEL,
+    MANAGED_BY_RTP,
     PYTORCHJOB_API_VERSION,
     PYTORCHJOB_CONTAINER,
     PYTORCHJOB_PLURAL,
@@ -161,8 +163,10 @@ class _LogFollower:
                 self.pod, self.printed = pod, 0
                 self.write(f"--- log of {pod} (rank 0) ---")
             text = self.core.read_namespaced_pod_log(pod, self.ref.namespace, container=self.container)
-        except ApiException as exc:
-            # 400 while the container is still being created; logs are best effort.
+        except Exception as exc:
+            # 400 while the container is still being created, or an API hiccup: logs are best effort.
+            if not isinstance(exc, ApiException) and not is_transient(exc):
+                raise
             log.debug("rank-0 log not available yet: %s", _api_error(exc))
             return
         lines = text.splitlines()
@@ -241,6 +245,28 @@ def _create(custom: Any, ref: JobRef, manifest: dict[str, Any], api_client: Any)
     raise JobFailed(f"{ref.kind} {ref.name} from an earlier attempt was not deleted within 60 s")
 
 
+TRANSIENT_STATUSES = frozenset({0, 408, 429, 500, 502, 503, 504})
+"""API answers worth asking again (0: no HTTP answer at all)."""
+STATUS_READ_GRACE_S = 600.0
+"""How long reading a job's status may keep failing transiently before the step gives up
+(without deleting the job: a multi-day run must not die of an API server restart)."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    """An API server hiccup (overload, restart, network), not an answer about the job."""
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
+
+    if isinstance(exc, ApiException):
+        return (exc.status or 0) in TRANSIENT_STATUSES
+    return isinstance(exc, HTTPError | ConnectionError | TimeoutError)
+
+
+class StatusUnknown(JobFailed):
+    """The job's status could not be read for longer than the grace period; the job was left
+    running (the pipeline's exit handler deletes it if the run fails)."""
+
+
 def run_job(
     manifest: dict[str, Any],
     *,
@@ -248,8 +274,11 @@ def run_job(
     timeout_s: float,
     poll_interval_s: float = 10.0,
     write: Callable[[str], None] | None = None,
+    status_read_grace_s: float = STATUS_READ_GRACE_S,
 ) -> dict[str, Any]:
-    """Create the job, wait for it and return its final object; delete it unless it succeeded."""
+    """Create the job, wait for it and return its final object. The job is deleted only
+    when it is known to have failed, timed out, or the step was terminated; transient errors
+    reading its status are retried with backoff for up to `status_read_grace_s`."""
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
 
@@ -260,7 +289,9 @@ def run_job(
     deadline = time.monotonic() + timeout_s
     _create(custom, ref, manifest, api_client)
     write(f"created {ref.kind} {ref.namespace}/{ref.name}; waiting up to {timeout_s:.0f} s")
-    succeeded = False
+    delete_on_exit = False  # set only once the job is known to be failed, late or cancelled
+    failing_since: float | None = None
+    failed_reads = 0
     try:
         with _sigterm_raises():
             while True:
@@ -268,40 +299,60 @@ def run_job(
                     job = custom.get_namespaced_custom_object(
                         ref.group, ref.version, ref.namespace, ref.plural, ref.name
                     )
-                except ApiException as exc:
-                    if exc.status == 404:
+                    failing_since, failed_reads = None, 0
+                except Exception as exc:
+                    if isinstance(exc, ApiException) and exc.status == 404:
                         raise JobFailed(f"{ref.kind} {ref.name} was deleted while it ran") from exc
-                    raise JobFailed(f"could not read {ref.kind} {ref.name}: {_api_error(exc)}") from exc
+                    if not is_transient(exc):
+                        delete_on_exit = True
+                        raise JobFailed(f"could not read {ref.kind} {ref.name}: {_api_error(exc)}") from exc
+                    now = time.monotonic()
+                    failing_since = failing_since if failing_since is not None else now
+                    if now - failing_since >= status_read_grace_s:
+                        raise StatusUnknown(
+                            f"could not read {ref.kind} {ref.namespace}/{ref.name} for {now - failing_since:.0f} s "
+                            f"({_api_error(exc)}); the job was left running: check it with kubectl, the "
+                            "exit handler deletes it if the run fails"
+                        ) from exc
+                    failed_reads += 1
+                    log.warning("reading %s %s failed (%s); retrying", ref.kind, ref.name, _api_error(exc))
+                    time.sleep(min(30.0, poll_interval_s * 2 ** min(failed_reads - 1, 5)))  # backoff
+                    continue
                 follower.poll()
                 outcome, message = job_outcome(ref.kind, job.get("status"))
                 if outcome == "succeeded":
-                    succeeded = True
                     write(f"{ref.kind} {ref.name} succeeded")
                     return job
                 if outcome == "failed":
+                    delete_on_exit = True
                     raise JobFailed(f"{ref.kind} {ref.namespace}/{ref.name} failed: {message}")
                 if time.monotonic() >= deadline:
+                    delete_on_exit = True
                     raise JobTimedOut(
                         f"{ref.kind} {ref.namespace}/{ref.name} did not finish within {timeout_s:.0f} s "
                         "(job_timeout_s); it was deleted. Raise job_timeout_s or look at its pods' logs"
                     )
                 time.sleep(poll_interval_s)
     except _Terminated:
+        delete_on_exit = True
         write(f"SIGTERM: deleting {ref.kind} {ref.name}")
         raise JobFailed(f"terminated while {ref.kind} {ref.name} ran; the job was deleted") from None
     finally:
-        if not succeeded:
+        if delete_on_exit:
             with contextlib.suppress(JobFailed):
                 delete_job(api_client, ref)
 
 
 def delete_run_jobs(api_client: Any, namespace: str, run_id: str) -> list[str]:
-    """Delete every PyTorchJob and TrainJob labelled with `run_id`; returns 'Kind/name' deleted."""
+    """Delete every PyTorchJob and TrainJob that rtp's train step created for `run_id`
+    (labelled managed-by=rtp and with the run id); returns 'Kind/name' deleted."""
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
 
+    if not run_id.strip():
+        raise JobFailed("no run id: refusing to delete training jobs by label alone")
     custom = client.CustomObjectsApi(api_client)
-    selector = f"{RUN_ID_LABEL}={run_id_label_value(run_id)}"
+    selector = f"{MANAGED_BY_LABEL}={MANAGED_BY_RTP},{RUN_ID_LABEL}={run_id_label_value(run_id)}"
     deleted = []
     for kind, (api_version, plural) in _PLURALS.items():
         group, version = api_version.split("/")

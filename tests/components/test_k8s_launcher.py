@@ -20,7 +20,7 @@ from kubernetes import client
 
 from components.train.job_train import train_with_job
 from components.train.jobs import RUN_ID_LABEL, JobSettings, job_manifest
-from components.train.k8s_launcher import JobFailed, JobTimedOut, delete_run_jobs, run_job
+from components.train.k8s_launcher import JobFailed, JobTimedOut, StatusUnknown, delete_run_jobs, run_job
 from components.train.train import CheckpointOutsideRun, TrainRequest
 from tests.fakes.kube_api import FakeKubernetes, Scenario
 from trainer.config import TrainConfig
@@ -135,7 +135,9 @@ def test_cleanup_deletes_only_this_runs_jobs(fake):
     custom = client.CustomObjectsApi(api)
     mine = [job_manifest("pytorchjob", settings("mine-a")), job_manifest("trainjob", settings("mine-b"))]
     other = job_manifest("pytorchjob", settings("other", run_id="another-run"))
-    for manifest in [*mine, other]:
+    # Applied by hand from `rtp render-job` with the same run id: not rtp's to delete.
+    by_hand = job_manifest("pytorchjob", settings("by-hand", managed_by="rtp-render-job"))
+    for manifest in [*mine, other, by_hand]:
         group, version = manifest["apiVersion"].split("/")
         plural = "pytorchjobs" if manifest["kind"] == "PyTorchJob" else "trainjobs"
         custom.create_namespaced_custom_object(group, version, "team-a", plural, manifest)
@@ -143,6 +145,29 @@ def test_cleanup_deletes_only_this_runs_jobs(fake):
     assert sorted(delete_run_jobs(api, "team-a", RUN_ID)) == ["PyTorchJob/mine-a", "TrainJob/mine-b"]
     assert sorted(fake.deleted) == ["mine-a", "mine-b"]
     assert delete_run_jobs(api, "team-a", RUN_ID) == []
+    with pytest.raises(JobFailed, match="no run id"):
+        delete_run_jobs(api, "team-a", "")
+
+
+def test_transient_status_errors_are_retried_and_the_job_survives(fake):
+    fake.failing_reads = [503, 500, 429, 503]
+    job = run_job(
+        job_manifest("pytorchjob", settings()), api_client=api_client(fake), timeout_s=30,
+        poll_interval_s=0.01, write=lambda line: None,
+    )  # fmt: skip
+    assert job["metadata"]["name"] == "rtp-train-test" and fake.failing_reads == []
+    assert fake.deleted == []
+
+
+def test_a_status_that_stays_unreadable_fails_the_step_but_keeps_the_job(fake):
+    fake.default_scenario = Scenario(outcome="hang")
+    fake.failing_reads = [503] * 10_000
+    with pytest.raises(StatusUnknown, match="left running"):
+        run_job(
+            job_manifest("pytorchjob", settings()), api_client=api_client(fake), timeout_s=30,
+            poll_interval_s=0.01, write=lambda line: None, status_read_grace_s=0.3,
+        )  # fmt: skip
+    assert fake.deleted == []
 
 
 def fake_summary(steps: int, checkpoint: str) -> TrainSummary:

@@ -76,6 +76,9 @@ class FakeKubernetes:
         self.default_scenario = Scenario()
         self.scenarios: dict[str, Scenario] = {}
         self.on_success: Callable[[dict[str, Any]], None] | None = None
+        self.failing_reads: list[int] = []
+        """HTTP statuses the next reads of a job answer with instead of the job (e.g. 503, 429):
+        an API server hiccup; each is used once."""
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True)
@@ -229,6 +232,9 @@ class FakeKubernetes:
                             "items": items,
                         },
                     )
+                if fake.failing_reads:
+                    code = fake.failing_reads.pop(0)
+                    return self._status(code, "ServiceUnavailable", f"injected transient error {code}")
                 job = fake.jobs.get((plural, namespace, parts[6]))
                 if job is None:
                     return self._status(404, "NotFound", f'{plural} "{parts[6]}" not found')
