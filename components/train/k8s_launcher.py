@@ -5,8 +5,10 @@ client, polls the job's conditions every `poll_interval_s`, copies new lines of 
 pod's log into this process's output, and returns once the engine reports success. It
 raises `JobFailed` when the engine reports failure and `JobTimedOut` after `timeout_s`;
 on either, and on SIGTERM (a terminated KFP run deletes the component's pod), it deletes
-the job so no GPU pods outlive the run. `delete_run_jobs` is the pipeline's exit-handler
-cleanup: it deletes every job labelled with a run id. Status parsing and label selectors
+the job so no GPU pods outlive the run. Transient API errors while reading the status are
+retried with backoff and never delete the job. `delete_run_jobs` is the pipeline's
+exit-handler cleanup: it deletes the jobs rtp created for a run (managed-by=rtp and the
+run-id label), never by label alone. Status parsing and label selectors
 are pure functions; all API calls go through an `ApiClient` the caller passes (tests pass
 one pointed at a fake API server) or the pod's in-cluster configuration.
 """
