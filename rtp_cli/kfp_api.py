@@ -117,10 +117,11 @@ def _quiet() -> Iterator[None]:
 
 def connect(
     host: str | None,
-    token: str | None = None,
+    token_file: str | None = None,
     namespace: str | None = None,
     ui_host: str | None = None,
     environ: dict[str, str] | None = None,
+    insecure: bool = False,
 ) -> Connection:
     """Check the API answers (once: kfp.Client itself retries healthz for 25 s) and build a client."""
     import kfp
@@ -134,7 +135,8 @@ def connect(
         )
     if not host.startswith(("http://", "https://")):
         raise KfpError(f"--host {host!r} must start with http:// or https://")
-    bearer, token_source = kfp_checks.resolve_token(token, environ, _read_text)
+    bearer, token_source = kfp_checks.resolve_token(token_file, environ, _read_text)
+    kfp_checks.check_token_transport(host, bearer is not None, insecure)
     namespace = kfp_checks.resolve_namespace(namespace, environ, _read_text)
     config = kfp_server_api.Configuration(host=host)
     if bearer:

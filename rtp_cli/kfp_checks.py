@@ -292,12 +292,16 @@ def spec_sha256_in(description: str | None) -> str | None:
 
 
 def resolve_token(
-    flag: str | None, environ: Mapping[str, str], read_file: Callable[[str], str | None]
+    token_file: str | None, environ: Mapping[str, str], read_file: Callable[[str], str | None]
 ) -> tuple[str | None, str]:
-    """The bearer token and where it came from: --token, then $KF_PIPELINES_TOKEN, then the
-    file at $KF_PIPELINES_SA_TOKEN_PATH (default the in-cluster projected token)."""
-    if flag:
-        return flag.strip(), "--token"
+    """The bearer token and where it came from: the file named by --token-file, then
+    $KF_PIPELINES_TOKEN, then the file at $KF_PIPELINES_SA_TOKEN_PATH (default the in-cluster
+    projected token). Never a command-line value: argv is visible to every user of the host."""
+    if token_file:
+        text = read_file(token_file)
+        if not text or not text.strip():
+            raise KfpError(f"--token-file {token_file}: no such file, or it is empty")
+        return text.strip(), f"--token-file {token_file}"
     if environ.get(TOKEN_ENV, "").strip():
         return environ[TOKEN_ENV].strip(), f"${TOKEN_ENV}"
     path = environ.get(TOKEN_PATH_ENV) or DEFAULT_TOKEN_PATH
@@ -305,6 +309,24 @@ def resolve_token(
     if text and text.strip():
         return text.strip(), path
     return None, "no token"
+
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+def check_token_transport(host: str, has_token: bool, insecure: bool) -> None:
+    """Refuse to send a bearer token in clear text to another machine: plain http is fine
+    only on loopback (a `kubectl port-forward`) or when the user says --insecure."""
+    from urllib.parse import urlparse
+
+    parsed = urlparse(host)
+    hostname = (parsed.hostname or "").lower()
+    loopback = hostname in LOOPBACK_HOSTS or hostname.startswith("127.")
+    if has_token and parsed.scheme == "http" and not loopback and not insecure:
+        raise KfpError(
+            f"refusing to send a bearer token over plain http to {host}: use https, a port-forward "
+            "to 127.0.0.1, or pass --insecure if this network is trusted"
+        )
 
 
 def resolve_namespace(
@@ -324,7 +346,7 @@ def auth_failure_message(status: int, host: str, token_source: str, namespace: s
         got = f"a token from {token_source}" if token_source != "no token" else "no token"
         return (
             f"the KFP API at {host} refused the request as unauthenticated (401) with {got}: "
-            f"pass a valid bearer token with --token or ${TOKEN_ENV} "
+            f"pass a valid bearer token with --token-file or ${TOKEN_ENV} "
             "(e.g. `kubectl create token <service-account> -n <namespace> --audience pipelines.kubeflow.org`)"
         )
     where = f"namespace {namespace!r}" if namespace else "the default namespace"

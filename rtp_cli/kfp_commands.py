@@ -33,10 +33,19 @@ def _connection_arguments(p: argparse.ArgumentParser) -> None:
         help=f"KFP API URL, e.g. http://127.0.0.1:8888 after a port-forward (default: ${kfp_checks.ENDPOINT_ENV})",
     )
     p.add_argument(
-        "--token",
+        "--token-file",
         default=None,
-        help=f"bearer token for multi-user Kubeflow (default: ${kfp_checks.TOKEN_ENV}, else the file at "
-        f"${kfp_checks.TOKEN_PATH_ENV} or {kfp_checks.DEFAULT_TOKEN_PATH})",
+        metavar="PATH",
+        help=f"file holding the bearer token for multi-user Kubeflow (default: ${kfp_checks.TOKEN_ENV}, else "
+        f"the file at ${kfp_checks.TOKEN_PATH_ENV} or {kfp_checks.DEFAULT_TOKEN_PATH})",
+    )
+    # A token value on the command line is visible to every user of the machine (ps, shell
+    # history): the old flag is refused with what to do instead.
+    p.add_argument("--token", default=None, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow sending the token over plain http to a host other than 127.0.0.1",
     )
     p.add_argument(
         "--namespace",
@@ -76,7 +85,18 @@ def _local_package(args: argparse.Namespace, folder: Path) -> Any:
 def _connect(args: argparse.Namespace) -> Any:
     from rtp_cli.kfp_api import connect
 
-    return connect(args.host, token=args.token, namespace=args.namespace, ui_host=args.ui_host)
+    if args.token is not None:
+        raise kfp_checks.KfpError(
+            "--token is refused (a token in argv is visible in ps and shell history): put it in "
+            f"${kfp_checks.TOKEN_ENV} or a file named by --token-file"
+        )
+    return connect(
+        args.host,
+        token_file=args.token_file,
+        namespace=args.namespace,
+        ui_host=args.ui_host,
+        insecure=args.insecure,
+    )
 
 
 def _pipeline_name(package: Any, flag: str | None) -> str:

@@ -320,29 +320,33 @@ def secured_api(upstream_specs):
 def test_missing_or_wrong_token_gives_a_clear_401_message(secured_api, package, capsys, monkeypatch):
     code, _, err = _upload(capsys, secured_api, package, "--namespace", "team-a")
     assert code == 2
-    assert "401" in err and "no token" in err and "--token" in err and "Traceback" not in err
+    assert "401" in err and "no token" in err and "--token-file" in err and "Traceback" not in err
     monkeypatch.setenv(kfp_checks.TOKEN_ENV, "stale")
     code, _, err = _upload(capsys, secured_api, package, "--namespace", "team-a")
     assert code == 2 and "401" in err and f"${kfp_checks.TOKEN_ENV}" in err
     assert secured_api.pipelines == {}
 
 
-def test_wrong_namespace_gives_a_clear_403_message(secured_api, package, capsys):
-    code, _, err = rtp(
-        capsys,
-        "run",
-        "--host",
-        secured_api.url,
-        "--package",
-        str(package),
-        "--token",
-        TOKEN,
-        "--namespace",
-        "team-b",
-    )
+def test_wrong_namespace_gives_a_clear_403_message(secured_api, package, capsys, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    run = ["run", "--host", secured_api.url, "--package", str(package), "--token-file", str(token_file)]
+    code, _, err = rtp(capsys, *run, "--namespace", "team-b")
     assert code == 2 and "403" in err and "'team-b'" in err and "--namespace" in err
-    code, _, err = rtp(capsys, "run", "--host", secured_api.url, "--package", str(package), "--token", TOKEN)
+    code, _, err = rtp(capsys, *run)
     assert code == 2 and "multi-user" in err and "--namespace" in err
+
+
+def test_a_token_is_never_taken_from_argv_nor_sent_over_plain_http_to_another_host(
+    secured_api, package, capsys, monkeypatch
+):
+    code, _, err = rtp(capsys, "run", "--host", secured_api.url, "--package", str(package), "--token", TOKEN)
+    assert code == 2 and "--token is refused" in err and "--token-file" in err
+    monkeypatch.setenv(kfp_checks.TOKEN_ENV, TOKEN)
+    # 192.0.2.1 (TEST-NET-1) is never contacted: the check happens before any request.
+    code, _, err = rtp(capsys, "upload", "--host", "http://192.0.2.1:8888", "--package", str(package))
+    assert code == 2 and "plain http" in err and "--insecure" in err
+    assert secured_api.pipelines == {}
 
 
 def test_token_from_file_and_namespace_from_environment_work(

@@ -139,7 +139,9 @@ def _files(mapping):
 def test_token_comes_from_flag_then_environment_then_file():
     files = _files({kfp_checks.DEFAULT_TOKEN_PATH: "from-file\n", "/elsewhere": "other\n"})
     env = {kfp_checks.TOKEN_ENV: "from-env"}
-    assert kfp_checks.resolve_token("from-flag", env, files) == ("from-flag", "--token")
+    assert kfp_checks.resolve_token("/elsewhere", env, files) == ("other", "--token-file /elsewhere")
+    with pytest.raises(kfp_checks.KfpError, match="no such file"):
+        kfp_checks.resolve_token("/missing", env, files)
     assert kfp_checks.resolve_token(None, env, files) == ("from-env", f"${kfp_checks.TOKEN_ENV}")
     assert kfp_checks.resolve_token(None, {}, files) == ("from-file", kfp_checks.DEFAULT_TOKEN_PATH)
     assert kfp_checks.resolve_token(None, {kfp_checks.TOKEN_PATH_ENV: "/elsewhere"}, files) == (
@@ -162,9 +164,11 @@ def test_namespace_comes_from_flag_then_environment_then_pod():
 def test_auth_messages_say_what_to_do():
     unauthenticated = kfp_checks.auth_failure_message(401, "https://kf", "no token", None)
     assert (
-        "401" in unauthenticated and "--token" in unauthenticated and kfp_checks.TOKEN_ENV in unauthenticated
+        "401" in unauthenticated
+        and "--token-file" in unauthenticated
+        and kfp_checks.TOKEN_ENV in unauthenticated
     )
-    denied = kfp_checks.auth_failure_message(403, "https://kf", "--token", "team-a")
+    denied = kfp_checks.auth_failure_message(403, "https://kf", "--token-file t", "team-a")
     assert "403" in denied and "'team-a'" in denied and "--namespace" in denied
 
 
@@ -202,3 +206,24 @@ def test_runs_table_shows_state_duration_and_metrics():
     ]  # fmt: skip
     assert lines[2].split()[:5] == ["adhoc", "RUNNING", "2026-01-02", "11:58", "1m30s"]
     assert kfp_checks.format_runs_table([], now) == "no runs"
+
+
+@pytest.mark.parametrize(
+    ("host", "token", "insecure", "refused"),
+    [
+        ("http://kubeflow.example.com", True, False, True),
+        ("http://10.0.0.5:8888", True, False, True),
+        ("http://kubeflow.example.com", True, True, False),
+        ("http://kubeflow.example.com", False, False, False),
+        ("https://kubeflow.example.com", True, False, False),
+        ("http://127.0.0.1:8888", True, False, False),
+        ("http://localhost:8888", True, False, False),
+        ("http://[::1]:8888", True, False, False),
+    ],
+)
+def test_a_token_goes_over_plain_http_only_to_loopback_or_when_told(host, token, insecure, refused):
+    if refused:
+        with pytest.raises(kfp_checks.KfpError, match="plain http"):
+            kfp_checks.check_token_transport(host, token, insecure)
+    else:
+        kfp_checks.check_token_transport(host, token, insecure)
