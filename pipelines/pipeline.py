@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from kfp import dsl
+from kfp.dsl.pipeline_channel import PipelineParameterChannel
 
 from components import DEFAULT_IMAGE, as_component
+from components.check_run.component import check_run
 from components.cleanup_jobs.component import cleanup_training_jobs
 from components.register_model.component import register_model
 from components.stage_data.component import stage_data
@@ -49,6 +51,7 @@ def build_pipeline(
     """The pipeline for `image`; `launcher` is the default of its launcher parameter."""
     options = (options or PlatformOptions()).check()
     cleanup_op = as_component(cleanup_training_jobs, image)
+    check_op = as_component(check_run, image)
     stage_op = as_component(stage_data, image)
     stage_model_op = as_component(stage_model, image)
     train_op = as_component(train_model, image)
@@ -124,6 +127,11 @@ def build_pipeline(
             gpu_tolerations: Tolerations of the training pods (Kubernetes toleration objects) for tainted GPU nodes.
             mlflow_secret_name: Kubernetes secret with keys tracking_uri, username, password for the register step.
         """
+        # Every parameter, by name, for the check that runs before anything else (locals()
+        # also holds the enclosing function's names this body uses: keep the parameters).
+        parameters = {
+            name: value for name, value in locals().items() if isinstance(value, PipelineParameterChannel)
+        }
         run_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER
         # The exit task runs whatever happens inside the handler; it deletes a training job
         # a failed or terminated run would otherwise leave running on GPU nodes.
@@ -134,12 +142,17 @@ def build_pipeline(
         # Every step finds the run's folder on the shared volume the same way.
         run_folder = {"fsx_mount_path": fsx_mount_path, "run_name": run_name, "run_id": run_id}
         with dsl.ExitHandler(cleanup, name="Stage the data then train, validate and register the model"):
+            check = check_op(parameters=parameters).set_display_name("Check the run's parameters first")
+            check.set_caching_options(False)
+            platform.apply_common(check, options)
             stage = stage_op(
                 source=source, s3_endpoint_url=s3_endpoint_url, dataset_name=dataset_name, **run_folder
             ).set_display_name("Stage the dataset from S3 onto FSx")
+            stage.after(check)
             base_model = stage_model_op(
                 model_source=model_source, s3_endpoint_url=s3_endpoint_url, **run_folder
             ).set_display_name("Stage the model folder from S3 onto FSx")
+            base_model.after(check)
             train = train_op(
                 dataset=stage.outputs["dataset"],
                 base_model=base_model.outputs["base_model"],

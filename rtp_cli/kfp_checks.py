@@ -147,6 +147,12 @@ def parse_parameter_arguments(
         if name in values:
             raise KfpError(f"parameter {name!r} is given twice")
         values[name] = check_allowed_value(name, _convert(parameters[name], text))
+    from components.check_run.parameters import RunParameterError, check_run_parameters
+
+    try:  # the whole run as the pipeline's first step will see it, defaults included
+        check_run_parameters({name: p.default for name, p in parameters.items()} | values)
+    except RunParameterError as exc:
+        raise KfpError(f"the run's parameters are wrong: {exc}") from None
     return values
 
 

@@ -54,9 +54,8 @@ def test_every_parameter_is_typed_with_default_and_description(compiled):
 
 def test_components_run_on_the_project_image_without_installing_kfp(compiled, tmp_path):
     executors = _documents(compiled)[0]["deploymentSpec"]["executors"]
-    assert (
-        len(executors) == 6
-    )  # five steps (stage data, stage model, train, validate, register) and the cleanup
+    # check, stage data, stage model, train, validate, register, and the exit handler's cleanup
+    assert len(executors) == 7
     for executor in executors.values():
         container = executor["container"]
         assert container["image"] == DEFAULT_IMAGE

@@ -26,14 +26,21 @@ PARAMETERS = kfp_checks.pipeline_parameters(SPEC)
 
 def test_parameters_are_typed_from_the_spec():
     values = kfp_checks.parse_parameter_arguments(
-        ["steps=200", "max_loss=3.5", "checkpoint_mode=sync", "source=s3://x/y=z", "flag=true", 'tags=["a"]'],
+        [
+            "steps=200",
+            "max_loss=3.5",
+            "checkpoint_mode=sync",
+            "source=s3://bkt/y=z",
+            "flag=true",
+            'tags=["a"]',
+        ],
         PARAMETERS,
     )
     assert values == {
         "steps": 200,
         "max_loss": 3.5,
         "checkpoint_mode": "sync",
-        "source": "s3://x/y=z",  # only the first '=' splits
+        "source": "s3://bkt/y=z",  # only the first '=' splits
         "flag": True,
         "tags": ["a"],
     }

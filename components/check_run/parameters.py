@@ -1,0 +1,121 @@
+"""One pure check of a pipeline run's parameters, before any staging or training.
+
+`check_run_parameters` is what `rtp run`, `rtp schedule` and `rtp local` call before they
+submit a run, and what the pipeline's first step calls in the cluster, so a bad value
+fails in seconds with one message instead of after staging (and three retries). It
+imports neither torch nor kfp: the training settings are resolved into the trainer's
+config the way the train step will resolve them (components/train/train.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from components.layout import check_name
+
+POSITIVE = ("steps", "checkpoint_every", "nproc", "nnodes", "job_timeout_s")
+NON_NEGATIVE = ("gpus_per_node", "efa_per_node")
+INTEGERS = (*POSITIVE, *NON_NEGATIVE, "seed")
+STRUCTURED = ("gpu_node_selector", "gpu_tolerations")
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,255}")
+_LABEL_KEY = re.compile(r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+
+
+class RunParameterError(ValueError):
+    """A run parameter is wrong; the message names it and says what it accepts."""
+
+
+def normalized(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Parameter values as typed Python values. Inside a pipeline they arrive in one struct,
+    where numbers may be floats (5.0) or strings ("5") and objects JSON strings."""
+    out = dict(values)
+    for name in INTEGERS:
+        value = out.get(name)
+        if isinstance(value, float) and value.is_integer():
+            out[name] = int(value)
+        elif isinstance(value, str) and re.fullmatch(r"-?\d+(\.0*)?", value.strip()):
+            out[name] = int(float(value))
+    for name in STRUCTURED:
+        value = out.get(name)
+        if isinstance(value, str) and value.strip():
+            with contextlib.suppress(json.JSONDecodeError):  # else reported as the wrong type
+                out[name] = json.loads(value)
+    return out
+
+
+def check_run_parameters(values: Mapping[str, Any]) -> None:
+    """Raise RunParameterError naming every wrong parameter in `values` (a run's parameters;
+    those absent are not checked)."""
+    from components.train.jobs import LAUNCHERS
+
+    values = normalized(values)
+    problems: list[str] = []
+    for name in POSITIVE:
+        if name in values and (type(values[name]) is not int or values[name] < 1):
+            problems.append(f"{name} must be a whole number of at least 1, got {values[name]!r}")
+    for name in NON_NEGATIVE:
+        if name in values and (type(values[name]) is not int or values[name] < 0):
+            problems.append(f"{name} must be a whole number of at least 0, got {values[name]!r}")
+    for name, kind in (("run_name", "run name"), ("dataset_name", "dataset name")):
+        value = values.get(name)
+        if value:  # an empty run name means "use the KFP run id"
+            try:
+                check_name(kind, value)
+            except ValueError as exc:
+                problems.append(f"{name}: {exc}")
+    if "launcher" in values and values["launcher"] not in LAUNCHERS:
+        problems.append(f"launcher {values['launcher']!r} is not one of {', '.join(LAUNCHERS)}")
+    if "model_name" in values and not _MODEL_NAME.fullmatch(str(values["model_name"])):
+        problems.append(
+            f"model_name {values['model_name']!r} must be letters, digits, '.', '_' or '-' (at most 256, "
+            "starting with a letter or digit)"
+        )
+    for name in ("source", "model_source"):
+        value = values.get(name)
+        if value and not re.fullmatch(r"s3://[a-z0-9][a-z0-9.-]{2,62}(/.*)?", str(value)):
+            problems.append(f"{name} {value!r} must look like s3://bucket/prefix")
+    if "source" in values and not values["source"]:
+        problems.append("source is empty: give the S3 prefix of the training data, s3://bucket/prefix")
+    selector = values.get("gpu_node_selector")
+    if selector is not None and not (
+        isinstance(selector, dict)
+        and all(
+            isinstance(k, str) and _LABEL_KEY.fullmatch(k) and isinstance(v, str) for k, v in selector.items()
+        )
+    ):
+        problems.append(f"gpu_node_selector must map node label names to string values, got {selector!r}")
+    tolerations = values.get("gpu_tolerations")
+    if tolerations is not None and not (
+        isinstance(tolerations, list) and all(isinstance(t, dict) for t in tolerations)
+    ):
+        problems.append(
+            f"gpu_tolerations must be a list of Kubernetes toleration objects, got {tolerations!r}"
+        )
+    problems += _training_problems(values)
+    if problems:
+        raise RunParameterError("; ".join(problems))
+
+
+def _training_problems(values: Mapping[str, Any]) -> list[str]:
+    from components.train.train import TrainRequest
+    from trainer.arguments import PIPELINE_SETTINGS
+    from trainer.config import DEFAULT_PRESET, ConfigError
+
+    request = TrainRequest(
+        dataset_dir="<staged>",
+        run_folder=Path("<run>"),
+        model_dir="<staged model>" if values.get("model_source") else "",
+        preset=values.get("preset", DEFAULT_PRESET),
+        overrides=values.get("overrides", ""),
+        settings={name: values[name] for name in PIPELINE_SETTINGS if name in values},
+    )
+    try:
+        request.config()
+    except ConfigError as exc:
+        return [f"training: {exc}"]
+    return []
