@@ -121,6 +121,27 @@ def test_mlflow_service_selects_the_deployment_and_reads_its_database_from_the_s
     )
 
 
+def test_mlflow_server_has_auth_a_network_policy_and_no_secret_or_install_in_its_command():
+    objects = {obj["kind"]: obj for obj in _objects(DEPLOY / "mlflow.yaml")}
+    pod = objects["Deployment"]["spec"]["template"]
+    [container] = pod["spec"]["containers"]
+    command = " ".join(container.get("command", []) + container.get("args", []))
+    assert "--app-name=basic-auth" in command
+    assert "pip install" not in command and "MLFLOW_BACKEND_STORE_URI" not in command
+    assert "backend-store-uri" not in command  # mlflow reads the variable: no password in argv
+    assert container["securityContext"]["runAsNonRoot"] is True
+    policy = objects["NetworkPolicy"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    [rule] = policy["spec"]["ingress"]
+    admitted = {
+        peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] for peer in rule["from"]
+    }
+    secrets = {obj["metadata"]["name"]: obj for obj in _objects(DEPLOY / "mlflow-secrets.yaml")}
+    assert secrets[DEFAULT_MLFLOW_SECRET]["metadata"]["namespace"] in admitted
+    assert "[mlflow]" in secrets["mlflow-auth"]["stringData"]["basic_auth.ini"]
+    assert "--from-literal=" not in (DEPLOY.parents[1] / "docs" / "eks.md").read_text()
+
+
 def test_eksctl_cluster_has_oidc_the_fsx_driver_and_an_efa_gpu_group():
     (cluster,) = _objects(DEPLOY / "cluster.yaml")
     assert cluster["apiVersion"] == "eksctl.io/v1alpha5" and cluster["kind"] == "ClusterConfig"
