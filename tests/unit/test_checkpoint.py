@@ -160,7 +160,7 @@ def test_importing_checkpointing_does_not_import_nvrx():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def _manager(tmp_path, mode, model, optimizer, events=None):
+def _manager(tmp_path, mode, model, optimizer, events=None, hooks=None):
     from trainer.checkpointing import CheckpointManager
     from trainer.config import build_config
     from trainer.data import StepSampler
@@ -180,7 +180,7 @@ def _manager(tmp_path, mode, model, optimizer, events=None):
         optimizer=optimizer,
         scheduler=scheduler,
         sampler=sampler,
-        hooks=TrainHooks(),
+        hooks=hooks or TrainHooks(),
         events=events or EventLog(tmp_path, enabled=True),
     )
 
@@ -239,3 +239,61 @@ def test_a_rank_state_file_that_would_run_code_is_refused(tmp_path, monkeypatch)
     with pytest.raises(CheckpointError, match="refusing to unpickle"):
         load_checkpoint(saved.path, *_trained_model(seed=1))
     assert not marker.exists()
+
+
+def test_the_launchers_learned_timeouts_are_stored_in_checkpoints_and_restored(tmp_path):
+    from trainer.loop import TrainHooks
+
+    learned = {"current_timeouts": {"heartbeat": {"initial": 120.0, "subsequent": 17.5}}}
+
+    class Hooks(TrainHooks):
+        restored: dict | None = None
+
+        def launcher_state(self):
+            return learned
+
+        def restore_launcher_state(self, state):
+            Hooks.restored = state
+
+    model, optimizer = _trained_model()
+    manager = _manager(tmp_path, "sync", model, optimizer, hooks=Hooks())
+    manager.start(background=False)
+    manager.before_optimizer_step()
+    manager.maybe_save(3, 1.0, final=True)
+    manager.finish()
+    assert storage.read_meta(tmp_path / "checkpoints" / "step_3")["launcher"] == learned
+    _manager(tmp_path, "sync", *_trained_model(seed=1), hooks=Hooks()).load_latest()
+    assert Hooks.restored == learned
+
+
+def test_learned_heartbeat_timeouts_never_go_below_the_floor(monkeypatch):
+    from trainer import resilience
+
+    class RankMonitor:  # what RankMonitorClient offers the client (NVRx 0.4.1)
+        CURRENT_TIMEOUTS_STATE_KEY = "current_timeouts"
+        is_initialized = True
+
+        def __init__(self):
+            self.state = {}
+            self.beats = 0
+
+        def send_heartbeat(self):
+            self.beats += 1
+
+        def calculate_and_set_hb_timeouts(self, skip_if_not_ready=True):
+            # a fast machine: 8 quick steps teach a 2 s timeout
+            self.state = {"current_timeouts": {"heartbeat": {"initial": 3.0, "subsequent": 2.0}}}
+
+        def state_dict(self):
+            return self.state
+
+        def load_state_dict(self, state):
+            self.state = state
+
+    client = resilience._LauncherClient(floor_s=15.0)
+    client.client = RankMonitor()
+    for _ in range(8):
+        client.heartbeat()
+    assert client.state_dict()["current_timeouts"]["heartbeat"] == {"initial": 15.0, "subsequent": 15.0}
+    client.load_state_dict({"current_timeouts": {"heartbeat": {"initial": 40.0, "subsequent": 30.0}}})
+    assert client.state_dict()["current_timeouts"]["heartbeat"]["subsequent"] == 30.0
