@@ -115,9 +115,13 @@ def train_model(
             image_pull_secrets=image_pull_secrets,
         )
     summary = result.summary
+    from trainer.checkpointing.storage import manifest_sha256
+
     model.metadata.update(
         {
             "checkpoint_dir": summary.checkpoint,
+            # validate and register check the checkpoint against this before loading it
+            "checkpoint_manifest_sha256": manifest_sha256(summary.checkpoint) if summary.checkpoint else "",
             "step": summary.steps,
             "model_config": result.model_config,
             "model_sha256": summary.model_sha256,

@@ -297,3 +297,23 @@ def test_learned_heartbeat_timeouts_never_go_below_the_floor(monkeypatch):
     assert client.state_dict()["current_timeouts"]["heartbeat"] == {"initial": 15.0, "subsequent": 15.0}
     client.load_state_dict({"current_timeouts": {"heartbeat": {"initial": 40.0, "subsequent": 30.0}}})
     assert client.state_dict()["current_timeouts"]["heartbeat"]["subsequent"] == 30.0
+
+
+def test_a_checkpoint_is_verified_against_its_published_manifest_before_loading(tmp_path):
+    from trainer.checkpointing.storage import manifest_sha256, verify_published
+
+    model, optimizer = _trained_model()
+    saved = _save(tmp_path, 1, model, optimizer).path
+    published = manifest_sha256(saved)
+    verify_published(saved, published)
+    other = _save(tmp_path / "other", 1, *_trained_model(seed=5)).path
+    with pytest.raises(CheckpointError, match="not the checkpoint the train step published"):
+        verify_published(other, published)
+    shard = next(saved.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # same size, different content
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError):
+        verify_published(saved, published)
+    with pytest.raises(CheckpointError, match="no published"):
+        verify_published(saved, "")

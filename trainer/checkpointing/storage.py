@@ -118,6 +118,31 @@ def latest_committed_checkpoint(root: str | Path, verify_hashes: bool = False) -
     return None
 
 
+def manifest_sha256(path: str | Path) -> str:
+    """SHA-256 of a committed checkpoint's manifest.json: names every file's size and SHA-256,
+    so it identifies the whole checkpoint. The train step publishes it with its output."""
+    manifest = Path(path) / MANIFEST
+    if not manifest.is_file():
+        raise CheckpointError(f"{manifest} is missing: {path} is not a committed checkpoint")
+    return hashlib.sha256(manifest.read_bytes()).hexdigest()
+
+
+def verify_published(path: str | Path, expected_manifest_sha256: str) -> None:
+    """Before anything in `path` is loaded: its manifest is the one the train step published
+    and every file matches the manifest (size and SHA-256). Files on the shared volume can
+    change after training; this makes a swapped or tampered checkpoint fail before any of it
+    (DCP metadata included) is read."""
+    if not expected_manifest_sha256:
+        raise CheckpointError(f"no published manifest SHA-256 for {path}: cannot verify it before loading")
+    got = manifest_sha256(path)
+    if got != expected_manifest_sha256:
+        raise CheckpointError(
+            f"{path} is not the checkpoint the train step published: its manifest SHA-256 is {got}, "
+            f"expected {expected_manifest_sha256}"
+        )
+    verify_checkpoint(path, verify_hashes=True)
+
+
 def read_meta(path: str | Path) -> dict[str, Any]:
     return json.loads((Path(path) / META).read_text())
 
