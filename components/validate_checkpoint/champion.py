@@ -24,6 +24,7 @@ from torch import nn
 
 from components.mlflow_access import RetryPolicy, call_with_retries
 from components.register_model.bundle import WEIGHTS_FILE, BundleError, read_bundle
+from components.register_model.lineage import SEQ_LEN_TAG, TOKENIZER_TAG, VALIDATE_TAG_PREFIX
 from trainer.models.spec import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -31,12 +32,7 @@ log = logging.getLogger(__name__)
 CHAMPION_ALIAS = "champion"
 # What MLflow answers when the registered model or the alias does not exist.
 _ABSENT_CODES = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND")
-# Version tags written by the register step (components/register_model/register.py).
-KIND_TAG = "rtp.model_kind"
-SEQ_LEN_TAG = "rtp.model_seq_len"
-TOKENIZER_TAG = "rtp.tokenizer"
-BITS_PER_BYTE_TAG = "rtp.validate.holdout_bits_per_byte"
-NATS_PER_TOKEN_TAG = "rtp.validate.holdout_nats_per_token"
+BITS_PER_BYTE_TAG = f"{VALIDATE_TAG_PREFIX}holdout_bits_per_byte"
 
 
 @dataclass(slots=True)
@@ -70,9 +66,10 @@ def _load_files(local: Path, tags: dict[str, str], default_seq_len: int) -> dict
     """Model, kind, seq_len and tokenizer from a downloaded version; BundleError when unreadable."""
     found = sorted(local.rglob(WEIGHTS_FILE))
     if found:  # the byte LM's bundle
-        from trainer.models.byte_lm import ByteTokenizer
+        from trainer.models.byte_lm import ByteLM, ByteTokenizer
 
         model = read_bundle(found[0].parent)
+        assert isinstance(model, ByteLM), type(model)
         tokenizer: Tokenizer = ByteTokenizer()
         return {"model": model, "kind": "byte-lm", "seq_len": model.cfg.seq_len, "tokenizer": tokenizer}
     model_dir, tokenizer_dir = local / "model", local / "components" / "tokenizer"
@@ -91,7 +88,9 @@ def _load_files(local: Path, tags: dict[str, str], default_seq_len: int) -> dict
     }
 
 
-def load_champion(model_name: str, retry: RetryPolicy | None = None, default_seq_len: int = 64) -> Champion | None:
+def load_champion(
+    model_name: str, retry: RetryPolicy | None = None, default_seq_len: int = 64
+) -> Champion | None:
     """The current champion of `model_name`, or None when there is none.
 
     `default_seq_len` is the window length for a Hugging Face champion without the

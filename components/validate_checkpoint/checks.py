@@ -75,7 +75,9 @@ def decide(
     meaning they had for the byte LM (whose nats per token are nats per byte)."""
     bits = f"{nats_per_byte / LN2:.4f} bits/byte"
     if not nats_per_byte <= max_loss:  # also rejects NaN
-        return Decision("reject", [f"holdout loss {nats_per_byte:.4f} nats/byte ({bits}) > max_loss {max_loss}"])
+        return Decision(
+            "reject", [f"holdout loss {nats_per_byte:.4f} nats/byte ({bits}) > max_loss {max_loss}"]
+        )
     reasons = [f"holdout loss {nats_per_byte:.4f} nats/byte ({bits}) <= max_loss {max_loss}"]
     if champion_nats_per_byte is None:
         return Decision("champion", [*reasons, "there is no champion to beat"])
