@@ -63,9 +63,11 @@ def lineage_tags(lineage: Lineage) -> dict[str, str]:
     }
     for name, value in (lineage.training_figures or {}).items():
         raw[f"rtp.train.{name}"] = value
+    tags = {key: _tag_value(value) for key, value in raw.items() if value not in (None, "")}
+    # Full precision: the champion lookup reads these back as numbers.
     for name, value in (lineage.validation_figures or {}).items():
-        raw[f"{VALIDATE_TAG_PREFIX}{name}"] = value
-    return {key: _tag_value(value) for key, value in raw.items() if value not in (None, "")}
+        tags[f"{VALIDATE_TAG_PREFIX}{name}"] = repr(float(value))
+    return tags
 
 
 def _tag_value(value: Any) -> str:

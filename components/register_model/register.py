@@ -210,7 +210,6 @@ def _log_model(
         tempfile.TemporaryDirectory() as tmp,
         mlflow.start_run(run_name=f"register-step-{meta['step']}") as run,
     ):
-        artifacts = write_bundle(model, tmp, metadata={"step": str(meta["step"]), SHA_TAG: tags[SHA_TAG]})
         mlflow.log_params({f"model.{k}": v for k, v in config.to_dict()["model"].items()})
         mlflow.log_metric("checkpoint_step", float(meta["step"]))
         mlflow.set_tags(tags)
@@ -227,6 +226,7 @@ def _log_model(
             info = hf_export.log_hf_model(model, config.model)
             log.info("logged model %s in MLflow run %s", info.model_uri, run.info.run_id)
             return info
+        artifacts = write_bundle(model, tmp, metadata={"step": str(meta["step"]), SHA_TAG: tags[SHA_TAG]})
         info = mlflow.pyfunc.log_model(
             name="model",
             python_model=str(SERVING_MODEL),
