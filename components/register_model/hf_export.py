@@ -68,6 +68,10 @@ def log_hf_model(model: nn.Module, config: ModelConfig) -> Any:
 
     with tempfile.TemporaryDirectory(prefix="rtp-hf-export-") as tmp:
         folder = model_spec(config.kind).export(model.state_dict(), config, Path(tmp) / "model")
+        # Logged as loaded components, not as the folder's path: MLflow 3.17.2's path route
+        # fails with transformers 5.23 (AttributeError: 'str' object has no attribute '__name__'
+        # in build_flavor_config_from_local_checkpoint). Loading the export back also proves
+        # that from_pretrained reads it.
         exported = AutoModelForCausalLM.from_pretrained(
             str(folder), local_files_only=True, dtype=torch.float32
         )
