@@ -149,7 +149,7 @@ def load_validated_model(
 
 
 def holdout_tokens(dataset_dir: str | Path, holdout_fraction: float) -> tuple[torch.Tensor, int]:
-    """The holdout split's bytes (defined by the snapshot manifest) and its file count."""
+    """The holdout split's tokens (bytes for byte data; defined by the snapshot manifest) and its file count."""
     _, holdout = split_files(dataset_dir, holdout_fraction)
     return load_tokens(holdout), len(holdout)
 
