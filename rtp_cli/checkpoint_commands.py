@@ -96,8 +96,9 @@ def add_register_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "register",
         help="log a checkpoint to MLflow and register a version",
-        description="Log a validated checkpoint as an MLflow pyfunc model (safetensors weights, config, "
-        "tokenizer description), register a version with lineage tags and set its alias. Registering the "
+        description="Log a validated checkpoint to MLflow (the byte LM as a pyfunc with safetensors weights, "
+        "config and tokenizer description; a Hugging Face model in Hugging Face format with the transformers "
+        "flavor), register a version with lineage tags and set its alias. Registering the "
         "same checkpoint again returns the existing version. The tracking server comes from "
         "MLFLOW_TRACKING_URI (or --mlflow-uri); unreachable servers are retried with backoff.",
     )
@@ -117,7 +118,7 @@ def add_register_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_register(args: argparse.Namespace) -> int:
-    from components.register_model.lineage import Lineage, dataset_facts, training_figures
+    from components.register_model.lineage import Lineage, dataset_facts, training_figures, validation_figures
     from components.register_model.register import register_checkpoint
 
     _use_mlflow_uri(args.mlflow_uri)
@@ -128,6 +129,8 @@ def _cmd_register(args: argparse.Namespace) -> int:
         dataset_manifest_sha256=manifest_sha256,
         # <run>/checkpoints/step_N -> <run>/train/summary.json, where the trainer writes it
         training_figures=training_figures(Path(checkpoint_dir).parent.parent / "train" / "summary.json"),
+        # the validate step's record in the same run folder, when the pipeline wrote one
+        validation_figures=validation_figures(Path(checkpoint_dir).parent.parent / "steps" / "validate.json"),
     )
     result = register_checkpoint(checkpoint_dir, args.model_name, args.alias, lineage)
     print(json.dumps(result.as_dict(), indent=2))

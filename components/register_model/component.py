@@ -43,7 +43,7 @@ def register_model(
     from collections import namedtuple
 
     from components.layout import record_step, run_dir
-    from components.register_model.lineage import Lineage, training_figures
+    from components.register_model.lineage import Lineage, training_figures, validation_figures
     from components.register_model.register import register_checkpoint
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -56,6 +56,7 @@ def register_model(
         dataset_manifest_sha256=str(dataset.metadata.get("manifest_sha256", "")),
         training_figures=training_figures(folder / "train" / "summary.json"),
         training_report=str(folder / "train" / "goodput.html"),
+        validation_figures=validation_figures(folder / "steps" / "validate.json"),
     )
     result = register_checkpoint(model.metadata["checkpoint_dir"], model_name, decision, lineage)
     record_step(folder, "register", started, **result.as_dict())
@@ -66,7 +67,13 @@ def register_model(
             f"# Registered {result.model_name} version {result.version}\n\n"
             f"| | |\n|---|---|\n| model URI | `{result.model_uri}` |\n| alias | `{result.alias}` |\n"
             f"| new version | {'yes' if result.created else 'no (this checkpoint was registered before)'} |\n\n"
-            f'Load it with `mlflow.pyfunc.load_model("models:/{result.model_name}@{result.alias}")`.\n'
+            f'Load it with `mlflow.pyfunc.load_model("models:/{result.model_name}@{result.alias}")`'
+            + (
+                f' or `mlflow.transformers.load_model("models:/{result.model_name}@{result.alias}")`; '
+                "its `model/` folder loads with `AutoModelForCausalLM.from_pretrained`.\n"
+                if result.model_kind == "hf"
+                else ".\n"
+            )
         )
     Outputs = namedtuple("Outputs", ["model_uri", "version"])
     return Outputs(result.model_uri, result.version)

@@ -20,6 +20,13 @@ CODE_VERSION_ENV = "RTP_CODE_VERSION"
 """Set in the component image at build time (e.g. the git commit); wins over what can be
 found out at run time."""
 
+# What the model is, on every version since Hugging Face models: the champion lookup
+# (components/validate_checkpoint/champion.py) scores the champion again with them.
+KIND_TAG = "rtp.model_kind"
+SEQ_LEN_TAG = "rtp.model_seq_len"
+TOKENIZER_TAG = "rtp.tokenizer"
+VALIDATE_TAG_PREFIX = "rtp.validate."
+
 # Training-summary figures copied onto the version, when the trainer wrote them.
 SUMMARY_FIGURES = ("goodput_pct", "efficiency_pct", "restarts", "checkpoint_blocked_s", "train_seconds")
 
@@ -38,6 +45,8 @@ class Lineage:
     training_figures: dict[str, Any] | None = None
     training_report: str = ""
     """The trainer's goodput report (goodput.html), logged as an artifact of the MLflow run."""
+    validation_figures: dict[str, Any] | None = None
+    """Holdout scores from the validate step's record (`validation_figures`)."""
 
 
 def lineage_tags(lineage: Lineage) -> dict[str, str]:
@@ -54,7 +63,11 @@ def lineage_tags(lineage: Lineage) -> dict[str, str]:
     }
     for name, value in (lineage.training_figures or {}).items():
         raw[f"rtp.train.{name}"] = value
-    return {key: _tag_value(value) for key, value in raw.items() if value not in (None, "")}
+    tags = {key: _tag_value(value) for key, value in raw.items() if value not in (None, "")}
+    # Full precision: the champion lookup reads these back as numbers.
+    for name, value in (lineage.validation_figures or {}).items():
+        tags[f"{VALIDATE_TAG_PREFIX}{name}"] = repr(float(value))
+    return tags
 
 
 def _tag_value(value: Any) -> str:
@@ -94,6 +107,32 @@ def training_figures(summary_path: str | Path) -> dict[str, Any]:
     if isinstance(summary.get("restarts"), list):  # a list of restart records: count them
         figures["restarts"] = len(summary["restarts"])
     return figures
+
+
+# validate step record field -> figure name on the version (rtp.validate.<name>).
+VALIDATION_FIGURES = {
+    "holdout_bits_per_byte": "holdout_bits_per_byte",
+    "holdout_loss": "holdout_nats_per_token",
+    "holdout_nats_per_byte": "holdout_nats_per_byte",
+}
+
+
+def validation_figures(record_path: str | Path) -> dict[str, Any]:
+    """Holdout scores from the validate step's record (`<run>/steps/validate.json`, written by
+    `components.layout.record_step`); {} when it is absent. An older record without bits per
+    byte yields only what it has."""
+    path = Path(record_path)
+    if not path.is_file():
+        return {}
+    try:
+        record = json.loads(path.read_text())
+    except ValueError:
+        return {}
+    return {
+        name: float(record[field])
+        for field, name in VALIDATION_FIGURES.items()
+        if isinstance(record.get(field), int | float)
+    }
 
 
 def code_version() -> str:

@@ -1,10 +1,16 @@
 """Log a validated checkpoint to MLflow as a servable model and register a version with an alias.
 
-The version carries the consolidated weights (safetensors), the model config and the
-tokenizer description as artifacts of an MLflow pyfunc that generates text, a signature
-and an input example, and lineage tags (`lineage.py`). The alias is the validate step's
-decision: `champion` moves only when the new model beat the current one, otherwise the
-version becomes `challenger`.
+What is logged depends on the model's kind:
+- byte-lm: an MLflow pyfunc that generates text (`serving_model.py`), with the consolidated
+  weights (safetensors), the model config and the tokenizer description as artifacts
+  (`bundle.py`), a signature and an input example;
+- hf: the checkpoint in Hugging Face format through MLflow's transformers flavor
+  (`hf_export.py`), loadable by `mlflow.transformers`, `mlflow.pyfunc` and transformers.
+Either version carries lineage tags (`lineage.py`), what the model is (`rtp.model_kind`,
+`rtp.model_seq_len`, `rtp.tokenizer`) and, when the validate step's record is given, its
+holdout scores (`rtp.validate.*`, also the run's metrics), which the champion lookup reads.
+The alias is the validate step's decision: `champion` moves only when the new model beat
+the current one, otherwise the version becomes `challenger`.
 
 Registration is idempotent and never leaves a half-registered version:
 - a version is found by the checkpoint's manifest SHA-256 tag; registering the same
@@ -28,8 +34,17 @@ from urllib.parse import urlparse
 
 import trainer
 from components.mlflow_access import RetryPolicy, call_with_retries
+from components.register_model import hf_export
 from components.register_model.bundle import WEIGHTS_FILE, pip_requirements, write_bundle
-from components.register_model.lineage import Lineage, code_version, lineage_tags, training_config_sha256
+from components.register_model.lineage import (
+    KIND_TAG,
+    SEQ_LEN_TAG,
+    TOKENIZER_TAG,
+    Lineage,
+    code_version,
+    lineage_tags,
+    training_config_sha256,
+)
 from components.validate_checkpoint.validate import load_validated_model
 from trainer.checkpointing.storage import MANIFEST, CheckpointError
 
@@ -53,6 +68,7 @@ class RegisterResult:
     alias: str
     model_uri: str
     created: bool
+    model_kind: str = "byte-lm"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,16 +108,34 @@ def _find_version(client: Any, model_name: str, sha: str) -> Any | None:
 
 
 def _version_is_complete(client: Any, model_name: str, version: Any) -> bool:
-    """READY and its weights file is in the artifact store. A listing that fails raises: only a
-    listing that succeeds without the weights proves the version incomplete."""
+    """READY and its weights are in the artifact store (byte LM: artifacts/weights.safetensors;
+    hf: model/*.safetensors). A listing that fails raises: only a listing that succeeds
+    without the weights proves the version incomplete."""
     import mlflow
 
     if str(version.status) != "READY":
         return False
+    if (version.tags or {}).get(KIND_TAG) == "hf":
+        return hf_export.has_weights(
+            mlflow.artifacts.list_artifacts(
+                artifact_uri=f"models:/{model_name}/{version.version}/{hf_export.MODEL_FOLDER}"
+            )
+        )
     listing = mlflow.artifacts.list_artifacts(
         artifact_uri=f"models:/{model_name}/{version.version}/artifacts"
     )
     return any(Path(item.path).name == WEIGHTS_FILE for item in listing)
+
+
+def model_tags(config: Any) -> dict[str, str]:
+    """What the champion lookup needs to score this model again: kind, window, tokenizer."""
+    from trainer.models import model_spec
+
+    return {
+        KIND_TAG: config.model.kind,
+        SEQ_LEN_TAG: str(config.model.seq_len),
+        TOKENIZER_TAG: model_spec(config.model.kind).tokenizer(config.model).identity,
+    }
 
 
 def _await_ready(client: Any, model_name: str, version: str, timeout_s: float = READY_TIMEOUT_S) -> Any:
@@ -176,14 +210,23 @@ def _log_model(
         tempfile.TemporaryDirectory() as tmp,
         mlflow.start_run(run_name=f"register-step-{meta['step']}") as run,
     ):
-        artifacts = write_bundle(model, tmp, metadata={"step": str(meta["step"]), SHA_TAG: tags[SHA_TAG]})
         mlflow.log_params({f"model.{k}": v for k, v in config.to_dict()["model"].items()})
         mlflow.log_metric("checkpoint_step", float(meta["step"]))
         mlflow.set_tags(tags)
-        figures = (lineage.training_figures if lineage else None) or {}
-        mlflow.log_metrics({f"train.{k}": float(v) for k, v in figures.items() if isinstance(v, int | float)})
+        for prefix, figures in (
+            ("train", (lineage.training_figures if lineage else None) or {}),
+            ("validate", (lineage.validation_figures if lineage else None) or {}),
+        ):
+            mlflow.log_metrics(
+                {f"{prefix}.{k}": float(v) for k, v in figures.items() if isinstance(v, int | float)}
+            )
         if lineage and lineage.training_report and Path(lineage.training_report).is_file():
             mlflow.log_artifact(lineage.training_report, artifact_path="reports")
+        if config.model.kind == "hf":
+            info = hf_export.log_hf_model(model, config.model)
+            log.info("logged model %s in MLflow run %s", info.model_uri, run.info.run_id)
+            return info
+        artifacts = write_bundle(model, tmp, metadata={"step": str(meta["step"]), SHA_TAG: tags[SHA_TAG]})
         info = mlflow.pyfunc.log_model(
             name="model",
             python_model=str(SERVING_MODEL),
@@ -231,7 +274,12 @@ def register_checkpoint(
         log.info("checkpoint already registered as %s version %s", model_name, existing.version)
         alias = _set_alias(client, model_name, decision, existing, retry)
         return RegisterResult(
-            model_name, str(existing.version), alias, f"models:/{model_name}/{existing.version}", False
+            model_name,
+            str(existing.version),
+            alias,
+            f"models:/{model_name}/{existing.version}",
+            False,
+            (existing.tags or {}).get(KIND_TAG, "byte-lm"),
         )
 
     # Loaded and checked again here: the register step must not trust a checkpoint that
@@ -250,6 +298,7 @@ def register_checkpoint(
             }
         )
     )
+    tags.update(model_tags(config))
     info = call_with_retries(
         f"log the model of {checkpoint_dir}", lambda: _log_model(model, config, meta, tags, base), retry
     )
@@ -274,12 +323,17 @@ def register_checkpoint(
             lambda: _version_is_complete(client, model_name, version),
             retry,
         ):
-            raise RegistrationError(f"{model_name} version {version.version} has no {WEIGHTS_FILE} artifact")
+            raise RegistrationError(f"{model_name} version {version.version} has no weights in its artifacts")
         alias = _set_alias(client, model_name, decision, version, retry)
     except BaseException:
         _delete_version(client, model_name, str(version.version), retry)
         raise
     log.info("registered %s version %s as %s", model_name, version.version, alias)
     return RegisterResult(
-        model_name, str(version.version), alias, f"models:/{model_name}/{version.version}", True
+        model_name,
+        str(version.version),
+        alias,
+        f"models:/{model_name}/{version.version}",
+        True,
+        config.model.kind,
     )

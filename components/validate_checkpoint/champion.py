@@ -1,10 +1,15 @@
 """Fetch the model MLflow currently calls `champion`, so a candidate is scored against it.
 
-The champion's consolidated weights bundle (safetensors + config, logged by the register
-step) is downloaded and loaded into a plain model (the registry's byte-lm); the validate step then evaluates it
-with the same code on the same holdout as the candidate. Server failures are retried
-(`components.mlflow_access`); a registered model or alias that does not exist simply
-means there is no champion yet.
+The champion's files are downloaded and loaded into a plain model with its tokenizer:
+a byte LM version carries the safetensors bundle (`weights.safetensors` + `config.json`,
+the registry's byte-lm), a Hugging Face version the transformers flavor's `model/` folder
+and `components/tokenizer/`. The validate step then scores it with the same code on the same
+holdout text as the candidate (in bits per byte, so tokenizers may differ). The version's
+tags say what it was trained with (`rtp.model_kind`, `rtp.model_seq_len`, `rtp.tokenizer`)
+and what it scored when it was validated (`rtp.validate.*`); versions registered before
+those tags existed are byte LMs and lack them, which is reported, not an error.
+Server failures are retried (`components.mlflow_access`); a registered model or alias that
+does not exist simply means there is no champion yet.
 """
 
 from __future__ import annotations
@@ -13,17 +18,21 @@ import logging
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
 from components.mlflow_access import RetryPolicy, call_with_retries
-from components.register_model.bundle import WEIGHTS_FILE, read_bundle
+from components.register_model.bundle import WEIGHTS_FILE, BundleError, read_bundle
+from components.register_model.lineage import SEQ_LEN_TAG, TOKENIZER_TAG, VALIDATE_TAG_PREFIX
+from trainer.models.spec import Tokenizer
 
 log = logging.getLogger(__name__)
 
 CHAMPION_ALIAS = "champion"
 # What MLflow answers when the registered model or the alias does not exist.
 _ABSENT_CODES = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND")
+BITS_PER_BYTE_TAG = f"{VALIDATE_TAG_PREFIX}holdout_bits_per_byte"
 
 
 @dataclass(slots=True)
@@ -32,16 +41,61 @@ class Champion:
     version: str
     model: nn.Module
     checkpoint_sha256: str
+    kind: str = "byte-lm"
+    seq_len: int = 64
+    """Window length (tokens) it is scored with: what it was trained with."""
+    tokenizer: Tokenizer | None = None
+    tokenizer_identity: str = "bytes"
+    recorded_bits_per_byte: float | None = None
+    """What it scored when it was validated (its own holdout); None for versions registered
+    before bits per byte was recorded."""
 
     @property
     def label(self) -> str:
         return f"champion {self.model_name} v{self.version}"
 
 
-def load_champion(model_name: str, retry: RetryPolicy | None = None) -> Champion | None:
+def _float_tag(tags: dict[str, str], name: str) -> float | None:
+    try:
+        return float(tags[name])
+    except (KeyError, ValueError):
+        return None
+
+
+def _load_files(local: Path, tags: dict[str, str], default_seq_len: int) -> dict[str, Any]:
+    """Model, kind, seq_len and tokenizer from a downloaded version; BundleError when unreadable."""
+    found = sorted(local.rglob(WEIGHTS_FILE))
+    if found:  # the byte LM's bundle
+        from trainer.models.byte_lm import ByteLM, ByteTokenizer
+
+        model = read_bundle(found[0].parent)
+        assert isinstance(model, ByteLM), type(model)
+        tokenizer: Tokenizer = ByteTokenizer()
+        return {"model": model, "kind": "byte-lm", "seq_len": model.cfg.seq_len, "tokenizer": tokenizer}
+    model_dir, tokenizer_dir = local / "model", local / "components" / "tokenizer"
+    if not (model_dir / "config.json").is_file():
+        raise BundleError(
+            f"the champion's files hold neither {WEIGHTS_FILE} (byte LM) nor model/config.json "
+            "(Hugging Face): it was not registered by rtp; move or delete its alias, then retry"
+        )
+    from trainer.models import hf_causal_lm
+
+    return {
+        "model": hf_causal_lm.load_exported(model_dir),
+        "kind": "hf",
+        "seq_len": int(tags.get(SEQ_LEN_TAG) or default_seq_len),
+        "tokenizer": hf_causal_lm.HFTokenizer(tokenizer_dir if tokenizer_dir.is_dir() else model_dir),
+    }
+
+
+def load_champion(
+    model_name: str, retry: RetryPolicy | None = None, default_seq_len: int = 64
+) -> Champion | None:
     """The current champion of `model_name`, or None when there is none.
 
-    Raises BundleError when the champion exists but carries no readable weights bundle.
+    `default_seq_len` is the window length for a Hugging Face champion without the
+    `rtp.model_seq_len` tag. Raises BundleError when the champion exists but carries no
+    readable model.
     """
     import mlflow
     from mlflow.exceptions import MlflowException
@@ -58,6 +112,7 @@ def load_champion(model_name: str, retry: RetryPolicy | None = None) -> Champion
             log.info("%s has no %s yet: %s", model_name, CHAMPION_ALIAS, str(exc).splitlines()[0])
             return None
         raise
+    tags = dict(version.tags or {})
     with tempfile.TemporaryDirectory(prefix="rtp-champion-") as tmp:
         local = call_with_retries(
             f"download {model_name} version {version.version}",
@@ -66,11 +121,16 @@ def load_champion(model_name: str, retry: RetryPolicy | None = None) -> Champion
             ),
             retry,
         )
-        found = sorted(Path(local).rglob(WEIGHTS_FILE))
-        model = read_bundle(found[0].parent if found else Path(local) / "artifacts")
+        loaded = _load_files(Path(local), tags, default_seq_len)
+    tokenizer = loaded["tokenizer"]
     return Champion(
         model_name=model_name,
         version=str(version.version),
-        model=model,
-        checkpoint_sha256=str(version.tags.get("rtp.checkpoint_sha256", "")),
+        model=loaded["model"],
+        checkpoint_sha256=str(tags.get("rtp.checkpoint_sha256", "")),
+        kind=loaded["kind"],
+        seq_len=loaded["seq_len"],
+        tokenizer=tokenizer,
+        tokenizer_identity=tags.get(TOKENIZER_TAG) or tokenizer.identity,
+        recorded_bits_per_byte=_float_tag(tags, BITS_PER_BYTE_TAG),
     )

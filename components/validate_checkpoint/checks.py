@@ -8,11 +8,13 @@ its reasons, so every rule is tested without a checkpoint or a server.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 MODEL_PREFIX = "model."
 OPTIMIZER_STATE_PREFIX = "optim.state."
+LN2 = math.log(2)
 
 DECISIONS = ("champion", "challenger", "reject")
 """champion: beats the current champion (or there is none) and is under max_loss;
@@ -59,23 +61,31 @@ def optimizer_problems(stored_keys: Iterable[str], parameter_names: Iterable[str
 
 
 def decide(
-    loss: float,
+    nats_per_byte: float,
     max_loss: float,
-    champion_loss: float | None,
+    champion_nats_per_byte: float | None,
     min_improvement: float,
     champion_label: str = "the champion",
 ) -> Decision:
     """Reject above max_loss; otherwise champion when there is none to beat or the candidate's
-    loss is lower by at least `min_improvement` (and by more than nothing), else challenger."""
-    if not loss <= max_loss:  # also rejects NaN
-        return Decision("reject", [f"holdout loss {loss:.4f} > max_loss {max_loss}"])
-    reasons = [f"holdout loss {loss:.4f} <= max_loss {max_loss}"]
-    if champion_loss is None:
+    loss is lower by at least `min_improvement` (and by more than nothing), else challenger.
+
+    Losses and both thresholds are in nats per byte (bits per byte x ln 2): per byte, so
+    models with different tokenizers compare fairly; in nats, so the thresholds keep the
+    meaning they had for the byte LM (whose nats per token are nats per byte)."""
+    bits = f"{nats_per_byte / LN2:.4f} bits/byte"
+    if not nats_per_byte <= max_loss:  # also rejects NaN
+        return Decision(
+            "reject", [f"holdout loss {nats_per_byte:.4f} nats/byte ({bits}) > max_loss {max_loss}"]
+        )
+    reasons = [f"holdout loss {nats_per_byte:.4f} nats/byte ({bits}) <= max_loss {max_loss}"]
+    if champion_nats_per_byte is None:
         return Decision("champion", [*reasons, "there is no champion to beat"])
-    delta = champion_loss - loss
+    delta = champion_nats_per_byte - nats_per_byte
     comparison = (
-        f"{champion_label} scores {champion_loss:.4f} on the same holdout: improvement {delta:+.4f} "
-        f"(min_improvement {min_improvement})"
+        f"{champion_label} scores {champion_nats_per_byte:.4f} nats/byte "
+        f"({champion_nats_per_byte / LN2:.4f} bits/byte) on the same holdout text: improvement "
+        f"{delta:+.4f} nats/byte (min_improvement {min_improvement})"
     )
     if delta > 0 and delta >= min_improvement:
         return Decision("champion", [*reasons, f"{comparison}: beats it"])

@@ -27,12 +27,13 @@ def validate_checkpoint(
         fsx_mount_path: where the FSx PVC is mounted in the pod.
         run_name: run folder name; empty uses the KFP run id.
         run_id: the KFP run id (filled in by the pipeline).
-        max_loss: highest acceptable holdout loss (nats per byte).
-        min_improvement: how much lower than the champion's the holdout loss must be to replace it.
+        max_loss: highest acceptable holdout loss (nats per byte = bits per byte x ln 2).
+        min_improvement: how much lower than the champion's the holdout loss (nats per byte) must be to replace it.
         model_name: registered model whose champion the checkpoint is compared with.
         require_optimizer_state: fail when the checkpoint cannot be resumed (no optimizer state).
-        metrics: holdout_loss, perplexity, and (when there is a champion) champion_loss and
-            delta (champion_loss - holdout_loss, positive when the candidate is better).
+        metrics: holdout_loss (nats per token), perplexity, holdout_bits_per_byte, and (when
+            there is a champion) champion_loss, champion_bits_per_byte, delta_bits_per_byte and
+            delta (champion - candidate in nats per byte, positive when the candidate is better).
         report: what was checked, the numbers, the decision and why.
 
     Returns:
@@ -57,9 +58,12 @@ def validate_checkpoint(
     )
     metrics.log_metric("holdout_loss", round(result.holdout_loss, 6))
     metrics.log_metric("perplexity", round(result.perplexity, 4))
-    if result.champion_loss is not None and result.delta is not None:
+    metrics.log_metric("holdout_bits_per_byte", round(result.holdout_bits_per_byte, 6))
+    if result.champion_loss is not None and result.champion_bits_per_byte is not None:
         metrics.log_metric("champion_loss", round(result.champion_loss, 6))
-        metrics.log_metric("delta", round(result.delta, 6))
+        metrics.log_metric("champion_bits_per_byte", round(result.champion_bits_per_byte, 6))
+        metrics.log_metric("delta_bits_per_byte", round(result.delta_bits_per_byte or 0.0, 6))
+        metrics.log_metric("delta", round(result.delta or 0.0, 6))
     with open(report.path, "w") as handle:
         handle.write(report_markdown(result))
     record_step(run_dir(fsx_mount_path, run_name, run_id), "validate", started, **result.as_dict())

@@ -5,8 +5,9 @@ CheckpointError): the checkpoint is committed and every file matches its SHA-256
 the stored tensors have the shapes the model config gives them; the optimizer state is
 there when resuming is intended; the DCP shards load into one consolidated model (any
 number of training ranks, no process group); every tensor is finite. Then the model is
-scored on the dataset's holdout split (never trained on) and compared with `max_loss` and
-with the current MLflow `champion`, scored by the same code on the same holdout bytes.
+scored on the dataset's holdout split (never trained on): nats per token and bits per byte
+(`scoring.py`), and compared with `max_loss` and with the current MLflow `champion`, scored
+by the same code on the same holdout text, in bytes, so tokenizers may differ.
 """
 
 from __future__ import annotations
@@ -14,16 +15,20 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from components.validate_checkpoint.checks import DECISIONS, decide, optimizer_problems, shape_problems
+from components.validate_checkpoint.scoring import HoldoutScore, retokenized_windows, score_windows
 from trainer.checkpointing import storage
 from trainer.config import ModelConfig, TrainConfig
 from trainer.data import holdout_batches, load_tokens, split_files
 from trainer.models import model_spec
+
+if TYPE_CHECKING:
+    from components.validate_checkpoint.champion import Champion
 
 __all__ = ["DECISIONS", "ValidationResult", "load_validated_model", "report_markdown", "validate_checkpoint"]
 
@@ -33,24 +38,55 @@ class ValidationResult:
     checkpoint_dir: str
     step: int
     holdout_loss: float
+    """Nats per token (per byte for the byte LM), on the evaluated holdout windows."""
     perplexity: float
-    holdout_bytes: int
+    """Per token: exp(holdout_loss)."""
+    holdout_bits_per_byte: float
+    """The same loss per UTF-8 byte of the predicted tokens, in bits: what the champion
+    comparison uses (nats per byte = this x ln 2 is what max_loss is compared with)."""
+    holdout_tokens: int
+    """Tokens in the holdout split."""
     holdout_files: int
     decision: str
     max_loss: float
     min_improvement: float
+    evaluated_tokens: int = 0
+    evaluated_bytes: int = 0
+    model_kind: str = "byte-lm"
     champion_version: str | None = None
     champion_loss: float | None = None
+    """The champion's nats per token, with its own tokenizer."""
+    champion_bits_per_byte: float | None = None
+    champion_recorded_bits_per_byte: float | None = None
+    """What the champion scored when it was validated (None: registered before rtp recorded it)."""
     checks: list[str] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
 
     @property
+    def holdout_nats_per_byte(self) -> float:
+        return self.holdout_bits_per_byte * math.log(2)
+
+    @property
+    def delta_bits_per_byte(self) -> float | None:
+        """champion - candidate, bits per byte: positive when the candidate is better."""
+        if self.champion_bits_per_byte is None:
+            return None
+        return self.champion_bits_per_byte - self.holdout_bits_per_byte
+
+    @property
     def delta(self) -> float | None:
-        """champion_loss - holdout_loss: positive when the candidate is better."""
-        return None if self.champion_loss is None else self.champion_loss - self.holdout_loss
+        """champion - candidate in nats per byte (the unit of min_improvement): positive when
+        the candidate is better. For the byte LM: champion_loss - holdout_loss, as before."""
+        delta = self.delta_bits_per_byte
+        return None if delta is None else delta * math.log(2)
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "delta": self.delta}
+        return {
+            **asdict(self),
+            "holdout_nats_per_byte": self.holdout_nats_per_byte,
+            "delta": self.delta,
+            "delta_bits_per_byte": self.delta_bits_per_byte,
+        }
 
 
 def stored_tensor_shapes(checkpoint_dir: str | Path) -> dict[str, tuple[int, ...]]:
@@ -113,28 +149,36 @@ def load_validated_model(
 
 
 def holdout_tokens(dataset_dir: str | Path, holdout_fraction: float) -> tuple[torch.Tensor, int]:
-    """The holdout split's bytes (defined by the snapshot manifest) and its file count."""
+    """The holdout split's tokens (bytes for byte data; defined by the snapshot manifest) and its file count."""
     _, holdout = split_files(dataset_dir, holdout_fraction)
     return load_tokens(holdout), len(holdout)
 
 
-@torch.no_grad()
-def loss_on_tokens(model: nn.Module, tokens: torch.Tensor, config: ModelConfig | None = None) -> float:
-    """Mean next-token loss (nats per token; per byte for byte-lm) over fixed, evenly spaced
-    holdout windows. `config` defaults to the model's own (`model.cfg`, byte-lm bundles)."""
-    model.eval()
-    total, count = 0.0, 0
-    config = config or cast(ModelConfig, model.cfg)
+def holdout_score(model: nn.Module, tokens: torch.Tensor, config: ModelConfig) -> HoldoutScore:
+    """Nats per token and bits per byte over fixed, evenly spaced holdout windows."""
     spec = model_spec(config.kind)
-    for batch in holdout_batches(tokens, config.seq_len):
-        total += spec.loss(model, batch).item() * batch.shape[0]
-        count += batch.shape[0]
-    return total / count
+    return score_windows(model, spec.loss, holdout_batches(tokens, config.seq_len), spec.tokenizer(config))
 
 
-def holdout_loss(model: nn.Module, dataset_dir: str, holdout_fraction: float) -> tuple[float, int]:
-    tokens, _ = holdout_tokens(dataset_dir, holdout_fraction)
-    return loss_on_tokens(model, tokens), int(tokens.numel())
+def loss_on_tokens(model: nn.Module, tokens: torch.Tensor, config: ModelConfig | None = None) -> float:
+    """Mean next-token loss (nats per token; per byte for byte-lm) over the holdout windows.
+    `config` defaults to the model's own (`model.cfg`, byte-lm bundles)."""
+    return holdout_score(model, tokens, config or cast(ModelConfig, model.cfg)).nats_per_token
+
+
+def champion_score(champion: Champion, tokens: torch.Tensor, config: ModelConfig) -> HoldoutScore:
+    """The champion on the candidate's holdout windows: the same tokens when it has the same
+    tokenizer, else the windows' text encoded with its own tokenizer."""
+    spec = model_spec(champion.kind)
+    candidate_tokenizer = model_spec(config.kind).tokenizer(config)
+    assert champion.tokenizer is not None
+    if champion.tokenizer_identity == candidate_tokenizer.identity and champion.seq_len == config.seq_len:
+        batches = holdout_batches(tokens, config.seq_len)
+    else:
+        batches = retokenized_windows(
+            holdout_batches(tokens, config.seq_len), candidate_tokenizer, champion.tokenizer, champion.seq_len
+        )
+    return score_windows(champion.model, spec.loss, batches, champion.tokenizer)
 
 
 def validate_checkpoint(
@@ -152,35 +196,58 @@ def validate_checkpoint(
     checks: list[str] = []
     model, config, meta = load_validated_model(checkpoint_dir, require_optimizer_state, checks)
     tokens, files = holdout_tokens(dataset_dir, config.data.holdout_fraction)
-    loss = loss_on_tokens(model, tokens, config.model)
+    score = holdout_score(model, tokens, config.model)
     checks.append(
-        f"holdout split: {files} file(s), {tokens.numel()} bytes, chosen by key hash from the "
+        f"holdout split: {files} file(s), {tokens.numel()} tokens, chosen by key hash from the "
         f"snapshot manifest (holdout_fraction {config.data.holdout_fraction}); never trained on"
     )
-    champion_loss, champion_version, label = None, None, "the champion"
+    checks.append(
+        f"scored on {score.tokens} predicted tokens = {score.bytes} UTF-8 bytes "
+        f"({'one byte per token' if config.model.kind == 'byte-lm' else 'decoded with the model tokenizer'})"
+    )
+    champion, champion_scored = None, None
     if champion_model_name:
         from components.validate_checkpoint.champion import load_champion
 
-        champion = load_champion(champion_model_name, retry)
+        champion = load_champion(champion_model_name, retry, default_seq_len=config.model.seq_len)
         if champion is None:
             checks.append(f"MLflow: {champion_model_name} has no champion yet")
         else:
-            champion_loss = loss_on_tokens(champion.model, tokens)
-            champion_version, label = champion.version, champion.label
-            checks.append(f"MLflow: {champion.label} scored with the same code on the same holdout bytes")
-    verdict = decide(loss, max_loss, champion_loss, min_improvement, label)
+            champion_scored = champion_score(champion, tokens, config.model)
+            recorded = (
+                f"{champion.recorded_bits_per_byte:.4f} bits/byte at its own validation"
+                if champion.recorded_bits_per_byte is not None
+                else "no bits per byte recorded at its registration (an older rtp): scored here only"
+            )
+            checks.append(
+                f"MLflow: {champion.label} ({champion.kind}) scored with the same code on the same "
+                f"holdout text ({recorded})"
+            )
+    verdict = decide(
+        score.nats_per_byte,
+        max_loss,
+        None if champion_scored is None else champion_scored.nats_per_byte,
+        min_improvement,
+        champion.label if champion else "the champion",
+    )
     return ValidationResult(
         checkpoint_dir=str(checkpoint_dir),
         step=int(meta["step"]),
-        holdout_loss=loss,
-        perplexity=math.exp(min(loss, 50.0)),
-        holdout_bytes=int(tokens.numel()),
+        holdout_loss=score.nats_per_token,
+        perplexity=math.exp(min(score.nats_per_token, 50.0)),
+        holdout_bits_per_byte=score.bits_per_byte,
+        holdout_tokens=int(tokens.numel()),
         holdout_files=files,
         decision=verdict.decision,
         max_loss=max_loss,
         min_improvement=min_improvement,
-        champion_version=champion_version,
-        champion_loss=champion_loss,
+        evaluated_tokens=score.tokens,
+        evaluated_bytes=score.bytes,
+        model_kind=config.model.kind,
+        champion_version=champion.version if champion else None,
+        champion_loss=None if champion_scored is None else champion_scored.nats_per_token,
+        champion_bits_per_byte=None if champion_scored is None else champion_scored.bits_per_byte,
+        champion_recorded_bits_per_byte=champion.recorded_bits_per_byte if champion else None,
         checks=checks,
         reasons=verdict.reasons,
     )
@@ -193,6 +260,12 @@ def report_markdown(result: ValidationResult) -> str:
         return "—" if value is None else format(value, fmt)
 
     champion = f"v{result.champion_version}" if result.champion_version else "none"
+    if result.champion_version is None:
+        recorded = "—"
+    elif result.champion_recorded_bits_per_byte is None:
+        recorded = "not recorded (registered by an older rtp)"
+    else:
+        recorded = number(result.champion_recorded_bits_per_byte)
     lines = [
         f"# Checkpoint validation: **{result.decision}**",
         "",
@@ -205,14 +278,21 @@ def report_markdown(result: ValidationResult) -> str:
         "",
         "| measure | value |",
         "|---|---|",
-        f"| holdout loss (nats/byte) | {number(result.holdout_loss)} |",
-        f"| perplexity | {number(result.perplexity, '.2f')} |",
-        f"| max_loss | {result.max_loss} |",
+        f"| holdout loss (nats/token) | {number(result.holdout_loss)} |",
+        f"| holdout loss (bits/byte) | {number(result.holdout_bits_per_byte)} |",
+        f"| holdout loss (nats/byte, compared with max_loss) | {number(result.holdout_nats_per_byte)} |",
+        f"| perplexity (per token) | {number(result.perplexity, '.2f')} |",
+        f"| max_loss (nats/byte) | {result.max_loss} |",
         f"| champion | {champion} |",
-        f"| champion's holdout loss | {number(result.champion_loss)} |",
-        f"| improvement over champion (champion - candidate) | {number(result.delta, '+.4f')} |",
-        f"| min_improvement | {result.min_improvement} |",
-        f"| holdout size | {result.holdout_files} file(s), {result.holdout_bytes} bytes |",
+        f"| champion's holdout loss (nats/token, its tokenizer) | {number(result.champion_loss)} |",
+        f"| champion's holdout loss (bits/byte) | {number(result.champion_bits_per_byte)} |",
+        f"| champion's bits/byte recorded at its validation | {recorded} |",
+        f"| improvement over champion (bits/byte, champion - candidate) | "
+        f"{number(result.delta_bits_per_byte, '+.4f')} |",
+        f"| improvement over champion (nats/byte) | {number(result.delta, '+.4f')} |",
+        f"| min_improvement (nats/byte) | {result.min_improvement} |",
+        f"| holdout size | {result.holdout_files} file(s), {result.holdout_tokens} tokens |",
+        f"| evaluated | {result.evaluated_tokens} predicted tokens, {result.evaluated_bytes} bytes |",
         "",
         f"## Decision: {result.decision}",
         *[f"- {reason}" for reason in result.reasons],

@@ -1,3 +1,4 @@
+import math
 import shutil
 
 import pytest
@@ -15,6 +16,10 @@ def test_trained_checkpoint_passes_and_scores_deterministically(trained_run, dat
     assert result.step == 20
     assert 0 < result.holdout_loss < 5.5  # better than uniform bytes (ln 256 = 5.55)
     assert result.perplexity == pytest.approx(torch.tensor(result.holdout_loss).exp().item(), rel=1e-5)
+    # a byte is a token: bits per byte is nats per token / ln 2, over as many bytes as tokens
+    assert result.evaluated_bytes == result.evaluated_tokens > 0
+    assert result.holdout_bits_per_byte == pytest.approx(result.holdout_loss / math.log(2), rel=1e-9)
+    assert result.holdout_nats_per_byte == pytest.approx(result.holdout_loss, rel=1e-9)
     again = validate_checkpoint(trained_run["checkpoint"], str(dataset_dir), max_loss=10.0)
     assert again.holdout_loss == result.holdout_loss
     assert "champion" in report_markdown(result)
@@ -108,5 +113,6 @@ def test_report_says_what_was_checked_the_numbers_and_why(trained_run, dataset_d
     assert "# Checkpoint validation: **champion**" in report
     assert "SHA-256 manifest" in report and "optimizer state present" in report
     assert "consolidated into one state dict" in report
-    assert f"| holdout loss (nats/byte) | {result.holdout_loss:.4f} |" in report
+    assert f"| holdout loss (nats/token) | {result.holdout_loss:.4f} |" in report
+    assert f"| holdout loss (bits/byte) | {result.holdout_bits_per_byte:.4f} |" in report
     assert "there is no champion to beat" in report

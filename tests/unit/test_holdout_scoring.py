@@ -1,0 +1,77 @@
+"""Bits per byte and re-tokenizing holdout windows (components/validate_checkpoint/scoring.py),
+with the byte tokenizer and a tiny BPE tokenizer trained here; no model files, no server."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from components.register_model.lineage import Lineage, lineage_tags, validation_figures
+from components.validate_checkpoint.scoring import (
+    HoldoutScore,
+    decoded_bytes,
+    retokenized_windows,
+    score_windows,
+)
+from trainer.models.byte_lm import ByteTokenizer
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    from tests.hf_tiny import train_tokenizer
+    from trainer.models.hf_causal_lm import HFTokenizer
+
+    folder = tmp_path_factory.mktemp("tokenizer")
+    train_tokenizer(folder)
+    return HFTokenizer(folder)
+
+
+def test_bytes_are_counted_one_per_byte_token_and_decoded_for_bpe(bpe):
+    assert decoded_bytes(ByteTokenizer(), [0xC3, 0xA9, 10]) == 3  # even a split UTF-8 sequence
+    ids = bpe.encode("def add(a, b): héllo")
+    assert len(ids) < len("def add(a, b): héllo".encode())
+    assert decoded_bytes(bpe, ids) == len("def add(a, b): héllo".encode())
+    assert decoded_bytes(bpe, [*ids, bpe.eos_id]) == decoded_bytes(bpe, ids)  # EOS is no text
+
+
+def test_score_sums_nats_over_predicted_tokens():
+    class Constant(torch.nn.Module):  # every next byte equally likely: ln 256 nats = 8 bits per byte
+        def forward(self, tokens):
+            return torch.zeros(*tokens.shape, 256)
+
+    def loss(model, batch):
+        logits = model(batch[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 256), batch[:, 1:].reshape(-1))
+
+    batches = [torch.randint(0, 256, (3, 9)), torch.randint(0, 256, (1, 9))]
+    score = score_windows(Constant(), loss, batches, ByteTokenizer())
+    assert (score.tokens, score.bytes) == (32, 32)
+    assert score.bits_per_byte == pytest.approx(8.0)
+    assert score.nats_per_token == pytest.approx(math.log(256))
+    assert HoldoutScore(nats_total=2 * math.log(2), tokens=1, bytes=2).bits_per_byte == pytest.approx(1.0)
+
+
+def test_windows_keep_their_text_under_another_tokenizer(bpe):
+    text = "for step in range(steps):\n"
+    source = torch.tensor([[*bpe.encode(text), bpe.eos_id, *bpe.encode("The quick")]])
+    as_bytes = retokenized_windows([source], bpe, ByteTokenizer(), seq_len=8)
+    joined = [int(t) for t in as_bytes[0][0]] + [int(t) for w in as_bytes[1:] for t in w[0][1:]]
+    assert bytes(joined).decode() == text + "\n" + "The quick"  # EOS becomes the byte LM's newline
+    assert all(w.shape[1] <= 9 for w in as_bytes)
+    back = retokenized_windows([torch.tensor([list(text.encode())])], ByteTokenizer(), bpe, seq_len=64)
+    assert [int(t) for t in back[0][0]] == bpe.encode(text)
+
+
+def test_validation_figures_come_from_the_validate_record_at_full_precision(tmp_path):
+    assert validation_figures(tmp_path / "missing.json") == {}
+    record = tmp_path / "validate.json"
+    record.write_text(
+        json.dumps({"holdout_loss": 1.2345678901, "holdout_bits_per_byte": 0.5, "decision": "x"})
+    )
+    figures = validation_figures(record)
+    assert figures == {"holdout_nats_per_token": 1.2345678901, "holdout_bits_per_byte": 0.5}
+    tags = lineage_tags(Lineage(validation_figures=figures))
+    assert float(tags["rtp.validate.holdout_nats_per_token"]) == 1.2345678901
