@@ -58,7 +58,13 @@ def register_model(
         training_report=str(folder / "train" / "goodput.html"),
         validation_figures=validation_figures(folder / "steps" / "validate.json"),
     )
-    result = register_checkpoint(model.metadata["checkpoint_dir"], model_name, decision, lineage)
+    result = register_checkpoint(
+        model.metadata["checkpoint_dir"],
+        model_name,
+        decision,
+        lineage,
+        published_manifest_sha256=model.metadata.get("checkpoint_manifest_sha256", ""),
+    )
     record_step(folder, "register", started, **result.as_dict())
     metrics.log_metric("registered_version", int(result.version))
     metrics.log_metric("created", int(result.created))

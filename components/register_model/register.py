@@ -23,7 +23,6 @@ Every server call is retried with backoff (`components.mlflow_access`).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import tempfile
 import time
@@ -46,7 +45,7 @@ from components.register_model.lineage import (
     training_config_sha256,
 )
 from components.validate_checkpoint.validate import load_validated_model
-from trainer.checkpointing.storage import MANIFEST, CheckpointError
+from trainer.checkpointing.storage import manifest_sha256
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +75,7 @@ class RegisterResult:
 
 def checkpoint_sha256(checkpoint_dir: str | Path) -> str:
     """Identifies a checkpoint: the SHA-256 of its manifest (which holds every file's SHA-256)."""
-    manifest = Path(checkpoint_dir) / MANIFEST
-    if not manifest.is_file():
-        raise CheckpointError(f"{manifest} is missing: {checkpoint_dir} is not a committed checkpoint")
-    return hashlib.sha256(manifest.read_bytes()).hexdigest()
+    return manifest_sha256(checkpoint_dir)
 
 
 def _ensure_experiment(mlflow: Any, tracking_uri: str) -> None:
@@ -246,8 +242,11 @@ def register_checkpoint(
     decision: str,
     lineage: Lineage | None = None,
     retry: RetryPolicy | None = None,
+    published_manifest_sha256: str | None = None,
 ) -> RegisterResult:
     """Register `checkpoint_dir` as a version of `model_name` with the alias `decision`.
+    With `published_manifest_sha256` (the train step's output) the checkpoint must be the
+    one the train step published before anything is loaded from it.
 
     `lineage` supplies what the checkpoint cannot tell (KFP run, dataset, training figures);
     the checkpoint's own step, URI, SHA-256 and config hash are always filled in here.
@@ -284,7 +283,9 @@ def register_checkpoint(
 
     # Loaded and checked again here: the register step must not trust a checkpoint that
     # changed on the shared volume since validation.
-    model, config, meta = load_validated_model(checkpoint_dir)
+    model, config, meta = load_validated_model(
+        checkpoint_dir, published_manifest_sha256=published_manifest_sha256
+    )
     base = lineage or Lineage()
     tags = lineage_tags(
         Lineage(

@@ -55,6 +55,7 @@ def validate_checkpoint(
         min_improvement=min_improvement,
         champion_model_name=model_name if tracking_uri_is_configured() else "",
         require_optimizer_state=require_optimizer_state,
+        published_manifest_sha256=model.metadata.get("checkpoint_manifest_sha256", ""),
     )
     metrics.log_metric("holdout_loss", round(result.holdout_loss, 6))
     metrics.log_metric("perplexity", round(result.perplexity, 4))

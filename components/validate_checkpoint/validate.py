@@ -111,14 +111,23 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def load_validated_model(
-    checkpoint_dir: str | Path, require_optimizer_state: bool = False, checks: list[str] | None = None
+    checkpoint_dir: str | Path,
+    require_optimizer_state: bool = False,
+    checks: list[str] | None = None,
+    published_manifest_sha256: str | None = None,
 ) -> tuple[nn.Module, TrainConfig, dict[str, Any]]:
     """Verify and load a checkpoint into a plain model (one CPU process); raise CheckpointError naming the problem.
 
-    `checks`, when given, receives one line per check that passed (for the report).
+    `checks`, when given, receives one line per check that passed (for the report). With
+    `published_manifest_sha256` (the train step's output), the checkpoint must be the one
+    the train step published, checked before any file of it is read beyond its manifest.
     """
     passed = checks if checks is not None else []
-    storage.verify_checkpoint(checkpoint_dir, verify_hashes=True)
+    if published_manifest_sha256 is not None:
+        storage.verify_published(checkpoint_dir, published_manifest_sha256)
+        passed.append("the manifest is the one the train step published")
+    else:
+        storage.verify_checkpoint(checkpoint_dir, verify_hashes=True)
     meta = storage.read_meta(checkpoint_dir)
     passed.append(f"committed (marker, DCP metadata, meta.json) at step {meta['step']}")
     passed.append("every file in the SHA-256 manifest present with the right size and hash")
@@ -190,11 +199,14 @@ def validate_checkpoint(
     champion_model_name: str = "",
     require_optimizer_state: bool = False,
     retry: Any = None,
+    published_manifest_sha256: str | None = None,
 ) -> ValidationResult:
     """Check and score a checkpoint; compare it with the champion of `champion_model_name`
     in MLflow (skipped when the name is empty). `retry` is a RetryPolicy for MLflow calls."""
     checks: list[str] = []
-    model, config, meta = load_validated_model(checkpoint_dir, require_optimizer_state, checks)
+    model, config, meta = load_validated_model(
+        checkpoint_dir, require_optimizer_state, checks, published_manifest_sha256
+    )
     tokens, files = holdout_tokens(dataset_dir, config.data.holdout_fraction)
     score = holdout_score(model, tokens, config.model)
     checks.append(

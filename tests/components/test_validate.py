@@ -116,3 +116,15 @@ def test_report_says_what_was_checked_the_numbers_and_why(trained_run, dataset_d
     assert f"| holdout loss (nats/token) | {result.holdout_loss:.4f} |" in report
     assert f"| holdout loss (bits/byte) | {result.holdout_bits_per_byte:.4f} |" in report
     assert "there is no champion to beat" in report
+
+
+def test_only_the_checkpoint_the_train_step_published_is_loaded(trained_run, dataset_dir):
+    from trainer.checkpointing.storage import CheckpointError, manifest_sha256
+
+    final = trained_run["checkpoint"]
+    published = manifest_sha256(final)
+    result = validate_checkpoint(final, str(dataset_dir), 10.0, published_manifest_sha256=published)
+    assert "the manifest is the one the train step published" in result.checks
+    earlier = final.replace("step_20", "step_10")  # another committed checkpoint, swapped in
+    with pytest.raises(CheckpointError, match="not the checkpoint the train step published"):
+        validate_checkpoint(earlier, str(dataset_dir), 10.0, published_manifest_sha256=published)
