@@ -6,9 +6,9 @@ import subprocess
 
 import pytest
 
-from tests.distributed.conftest import events, train, train_local_command
+from tests.distributed.conftest import events, run_config, train, train_local_command
 from trainer.checkpointing import latest_committed_checkpoint
-from trainer.launch import TrainingFailed, run_local_training, trainer_arguments
+from trainer.launch import TrainingFailed, run_local_training
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -71,8 +71,6 @@ def test_checkpoint_reshards_between_world_sizes(saved_with, loaded_with, datase
 
 def test_rank_failure_surfaces_with_the_log(dataset_dir, tmp_path):
     (tmp_path / "empty").mkdir()
-    args = trainer_arguments(
-        dataset_dir=str(tmp_path / "empty"), workdir=str(tmp_path), steps=2, checkpoint_every=1, seed=1
-    )
+    config = run_config(tmp_path / "empty", tmp_path, steps=2, every=1)
     with pytest.raises(TrainingFailed, match=r"train\.log"):
-        run_local_training(2, args, tmp_path, echo=False)
+        run_local_training(2, config, echo=False)
