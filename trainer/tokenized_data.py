@@ -138,6 +138,8 @@ def tokenize_files(
         raise DataError(f"shard size {shard_bytes} bytes holds no {dtype.name} token: make it larger")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # An index left by an earlier run would vouch for shards this run is about to replace.
+    (out_dir / SHARD_INDEX_NAME).unlink(missing_ok=True)
 
     def encode(path: Path) -> list[list[int]]:
         documents = read_documents(path)

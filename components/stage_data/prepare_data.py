@@ -85,6 +85,8 @@ def write_shards(source: Path, out_dir: Path, shard_bytes: int = DEFAULT_SHARD_B
 
 def write_document_shards(docs: list[tuple[str, Path]], out_dir: Path, shard_bytes: int) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
+    # An index left by an earlier run would vouch for shards this run is about to replace.
+    (out_dir / SHARD_INDEX_NAME).unlink(missing_ok=True)
 
     def texts() -> Iterable[bytes]:
         for name, path in docs:

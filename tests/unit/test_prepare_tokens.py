@@ -154,6 +154,16 @@ def test_bad_input_gets_one_line(case, expected, tiny_llama, tmp_path, capsys):
     assert not (tmp_path / "out" / "index.json").exists()
 
 
+def test_a_failed_run_leaves_no_index_vouching_for_its_shards(tiny_llama, tmp_path):
+    corpus = write_corpus(tmp_path / "corpus", documents=6)
+    out = tmp_path / "shards"
+    args = ["--corpus", str(corpus), "--out-dir", str(out), "--tokenizer", str(tiny_llama)]
+    assert prepare(*args) == 0 and (out / "index.json").is_file()
+    (corpus / "zz-bad.jsonl").write_text("{oops\n")
+    assert prepare(*args) == 2
+    assert not (out / "index.json").exists(), "the earlier index must not describe this run's shards"
+
+
 # --- rtp local --model-source: which combinations work ------------------------------------
 
 
