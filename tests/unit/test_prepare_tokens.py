@@ -183,3 +183,15 @@ def test_model_source_plans(tiny_llama, tmp_path):
     no_config.mkdir()
     with pytest.raises(UserError, match=r"has no config\.json"):
         plan_model_run(str(no_config), "")
+
+
+def test_a_tiny_models_vocabulary_is_the_tokenizers_rounded_up(tmp_path):
+    from rtp_cli.tiny_models import write_tiny_model as write_model
+
+    folder = write_model(tmp_path / "tiny-qwen2", "qwen2", texts=CORPUS, tokenizer_vocab_size=300)
+    config = json.loads((folder / "config.json").read_text())
+    tokenizer = HFTokenizer(folder)
+    assert config["model_type"] == "qwen2" and tokenizer.vocab_size == 300
+    assert config["vocab_size"] == 320  # 300 rounded up to a multiple of 64
+    with pytest.raises(ValueError, match="smaller than the tokenizer's 300 tokens"):
+        write_model(tmp_path / "too-small", "llama", texts=CORPUS, tokenizer_vocab_size=300, vocab_size=256)
