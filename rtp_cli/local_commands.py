@@ -20,7 +20,7 @@ def add_local_parser(sub: argparse._SubParsersAction) -> None:
         "local",
         help="run the whole pipeline on this machine with kfp.local",
         description="Compile the pipeline and run it with kfp.local: stage (embedded S3 seeded with "
-        "a demo corpus unless --source), train (FSDP, gloo on CPU), validate, register (MLflow sqlite "
+        "a demo corpus unless --source; with --model-source a Hugging Face model folder and the demo corpus in its tokens), train (FSDP, gloo on CPU), validate, register (MLflow sqlite "
         "file in the work dir unless --mlflow-uri). Writes <workdir>/summary.json.",
     )
     p.add_argument("--workdir", default=defaults.workdir, help="all outputs go here (default: %(default)s)")
@@ -40,10 +40,21 @@ def add_local_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--s3-endpoint-url", default="", help="S3-compatible endpoint for --source (default: AWS)")
     p.add_argument(
+        "--model-source",
+        default="",
+        metavar="DIR|s3://…",
+        help="a Hugging Face model folder to train instead of the built-in byte LM. A local folder is "
+        "uploaded into the embedded S3 and the demo corpus is tokenized with its tokenizer; s3://bucket/"
+        "prefix/<model>/ is staged as given and needs --source data tokenized for it "
+        "(rtp prepare-data --tokenizer). Try `rtp make-tiny-model DIR`",
+    )
+    p.add_argument(
         "--mlflow-uri", default="", help="MLflow tracking URI (default: sqlite:///<workdir>/mlflow.db)"
     )
     p.add_argument(
-        "--model-name", default=defaults.model_name, help="registered model name (default: %(default)s)"
+        "--model-name",
+        default="",
+        help=f"registered model name (default: {defaults.model_name}, or rtp-<model> with --model-source)",
     )
     p.add_argument(
         "--max-loss",
@@ -64,6 +75,14 @@ def _cmd_local(args: argparse.Namespace) -> int:
 
     if args.source and not args.source.startswith("s3://"):
         raise UserError(f"--source {args.source!r} must look like s3://bucket/prefix")
+    model_name = args.model_name or LocalOptions().model_name
+    model_dir = ""
+    if args.model_source:
+        from rtp_cli.local_model import plan_model_run
+
+        plan = plan_model_run(args.model_source, args.source)
+        model_name = args.model_name or f"rtp-{plan.name}"
+        model_dir = str(plan.folder or "")
     options = LocalOptions(
         workdir=args.workdir,
         nproc=args.nproc,
@@ -73,18 +92,20 @@ def _cmd_local(args: argparse.Namespace) -> int:
         source=args.source,
         s3_endpoint_url=args.s3_endpoint_url,
         mlflow_uri=args.mlflow_uri,
-        model_name=args.model_name,
+        model_name=model_name,
         max_loss=args.max_loss,
         run_name=args.run_name,
+        model_source=args.model_source,
     )
-    _check_training_options(options)
+    _check_training_options(options, model_dir)
     summary = run_local(options)
     print(format_summary(summary, args.workdir))
     return 0
 
 
-def _check_training_options(options: LocalOptions) -> None:
-    """Fail on bad training input before any step starts (the train step would, later)."""
+def _check_training_options(options: LocalOptions, model_dir: str = "") -> None:
+    """Fail on bad training input before any step starts (the train step would, later);
+    `model_dir` is a local model folder (an s3:// one is checked when staged)."""
     from components.train.train import TrainRequest
 
     if options.nproc < 1:
@@ -92,6 +113,7 @@ def _check_training_options(options: LocalOptions) -> None:
     TrainRequest(
         dataset_dir="<staged>",
         run_folder=Path(options.workdir),
+        model_dir=model_dir,
         preset=options.preset,
         overrides=options.overrides,
         settings=options.training,

@@ -1,7 +1,8 @@
 """`rtp local`: the whole pipeline on this machine, with no cluster and no cloud account.
 
 Starts an embedded S3 endpoint seeded with the demo corpus (unless `--source` names a real
-bucket), points MLflow at a sqlite file in the work dir (unless `--mlflow-uri`), runs the
+bucket; with a local `--model-source` folder, the folder and the demo corpus tokenized with
+its tokenizer, rtp_cli/local_model.py), points MLflow at a sqlite file in the work dir (unless `--mlflow-uri`), runs the
 compiled pipeline through `kfp.local` (SubprocessRunner, tasks in this environment), and
 summarizes what each step did into `<workdir>/summary.json`.
 """
@@ -48,6 +49,8 @@ class LocalOptions:
     max_loss: float = 4.0
     run_name: str = ""
     dataset_name: str = "demo-corpus"
+    model_source: str = ""
+    """A Hugging Face model folder (local, or s3://); empty trains the built-in byte LM."""
 
 
 def _read_step_records(folder: Path) -> dict[str, dict[str, Any]]:
@@ -69,6 +72,7 @@ def build_summary(
         "run_dir": str(folder),
         "source": source,
         "dataset_snapshot": steps.get("stage", {}).get("snapshot_dir"),
+        "model_dir": steps.get("stage_model", {}).get("model_dir") or None,
         "steps": train.get("steps"),
         "final_loss": train.get("final_loss"),
         "checkpoint": train.get("checkpoint"),
@@ -103,21 +107,24 @@ def run_local(options: LocalOptions) -> dict[str, Any]:
 
     embedded = None
     source, endpoint = options.source, options.s3_endpoint_url
+    model_source, dataset_name = options.model_source, options.dataset_name
     if not source:
-        from components.stage_data.stage import s3_client
-        from rtp_cli.demo_data import upload_demo_corpus
         from rtp_cli.embedded_s3 import DEMO_CREDENTIALS, EmbeddedS3
 
         embedded = EmbeddedS3().start()
         os.environ.update(DEMO_CREDENTIALS)
         endpoint = embedded.endpoint_url
-        count = upload_demo_corpus(s3_client(endpoint), DEMO_BUCKET, DEMO_PREFIX)
-        source = f"s3://{DEMO_BUCKET}/{DEMO_PREFIX}"
+        print(f"rtp local: embedded S3 (moto) at {endpoint}", flush=True)
+    try:
+        if embedded and model_source:
+            source, model_source, dataset_name = _seed_model(endpoint, model_source, dataset_name)
+        elif embedded:
+            source = _seed_byte_corpus(endpoint)
         print(
-            f"rtp local: embedded S3 (moto) at {endpoint}, seeded {count} demo files into {source}",
+            f"rtp local: running the pipeline (stage data, stage model, train, validate, register) on {source}"
+            + (f" with model {model_source}" if model_source else " with the built-in byte LM"),
             flush=True,
         )
-    try:
         # Expected locally and said once in the README: the project image and display
         # names only matter on a cluster. Hiding these keeps the task logs readable.
         warnings.filterwarnings("ignore", message=".*non-Python base image.*")
@@ -129,7 +136,8 @@ def run_local(options: LocalOptions) -> dict[str, Any]:
                 source=source,
                 s3_endpoint_url=endpoint,
                 fsx_mount_path=str(fsx),
-                dataset_name=options.dataset_name,
+                dataset_name=dataset_name,
+                model_source=model_source,
                 run_name=run_name,
                 nproc=options.nproc,
                 preset=options.preset,
@@ -153,12 +161,49 @@ def run_local(options: LocalOptions) -> dict[str, Any]:
     return summary
 
 
+def _seed_byte_corpus(endpoint: str) -> str:
+    from components.stage_data.stage import s3_client
+    from rtp_cli.demo_data import upload_demo_corpus
+
+    count = upload_demo_corpus(s3_client(endpoint), DEMO_BUCKET, DEMO_PREFIX)
+    source = f"s3://{DEMO_BUCKET}/{DEMO_PREFIX}"
+    print(f"rtp local: seeded {count} demo byte shards into {source}", flush=True)
+    return source
+
+
+def _seed_model(endpoint: str, model_source: str, dataset_name: str) -> tuple[str, str, str]:
+    """Put a local model folder and the demo corpus in its tokens into the embedded S3;
+    returns (data source, model source, dataset name) for the pipeline."""
+    from components.stage_data.stage import s3_client
+    from rtp_cli.local_model import plan_model_run, upload_demo_tokens, upload_model_folder
+
+    plan = plan_model_run(model_source, "")
+    assert plan.folder is not None  # an s3:// model source comes with --source
+    client = s3_client(endpoint)
+    prefix = f"{DEMO_PREFIX.rstrip('/')}-{plan.name}/"
+    tokenize_started = time.time()
+    index = upload_demo_tokens(client, DEMO_BUCKET, prefix, plan.folder)
+    source = f"s3://{DEMO_BUCKET}/{prefix}"
+    print(
+        f"rtp local: tokenized the demo corpus with {plan.name}'s tokenizer in "
+        f"{time.time() - tokenize_started:.1f}s: {index['documents']} documents, {index['tokens']} tokens "
+        f"({index['dtype']}, vocabulary {index['vocab_size']}) in {len(index['shards'])} shards -> {source}",
+        flush=True,
+    )
+    model_prefix = f"models/{plan.name}/"
+    count = upload_model_folder(client, plan.folder, DEMO_BUCKET, model_prefix)
+    model_uri = f"s3://{DEMO_BUCKET}/{model_prefix}"
+    print(f"rtp local: uploaded model folder {plan.folder} ({count} files) -> {model_uri}", flush=True)
+    return source, model_uri, f"{dataset_name}-{plan.name}"
+
+
 def format_summary(summary: dict[str, Any], workdir: str) -> str:
     mlflow_info = summary["mlflow"]
     lines = [
         "",
         "rtp local: pipeline finished",
         f"  dataset snapshot : {summary['dataset_snapshot']}",
+        f"  model            : {summary['model_dir'] or 'built-in byte LM'}",
         f"  training         : {summary['steps']} steps, final loss {_fmt(summary['final_loss'])}",
         f"  checkpoint       : {summary['checkpoint']}",
         f"  validation       : holdout loss {_fmt(summary['holdout_loss'])} -> {summary['decision']}",

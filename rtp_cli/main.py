@@ -20,12 +20,14 @@ from rtp_cli.errors import UserError
 from rtp_cli.job_commands import add_render_job_parser
 from rtp_cli.kfp_commands import add_kfp_parsers
 from rtp_cli.local_commands import add_local_parser
+from rtp_cli.model_commands import add_make_tiny_model_parser
 from rtp_cli.stage_commands import add_prepare_data_parser, add_stage_parser
 from rtp_cli.train_commands import add_train_local_parser
 
 EPILOG = """examples:
   rtp local                              # whole pipeline on embedded defaults
   rtp local --steps 100 --nproc 2        # longer demo run
+  rtp make-tiny-model --arch llama tiny-llama && rtp local --model-source tiny-llama   # a Hugging Face model
   rtp compile -o pipeline.yaml --image 123456789012.dkr.ecr.us-east-1.amazonaws.com/rtp:0.1.0
   rtp train-local --dataset-dir DIR --workdir runs/a --steps 40 --checkpoint-every 10
   rtp upload --host http://127.0.0.1:8888 --image REGISTRY/rtp:0.1.0   # a new pipeline version
@@ -51,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_train_local_parser,
         add_stage_parser,
         add_prepare_data_parser,
+        add_make_tiny_model_parser,
         add_validate_parser,
         add_register_parser,
         add_bench_parser,

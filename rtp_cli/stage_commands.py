@@ -112,11 +112,30 @@ def add_prepare_data_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "prepare-data",
         help="turn a text corpus into token shards (+ index.json) and upload them to S3",
-        description="Tokenize a text file or folder (byte-level: UTF-8 bytes are the tokens), pack the "
-        "documents into shard-NNNNN.bin files with an index.json (format in docs/data.md), and upload them "
-        "to an S3 prefix that `rtp stage` then stages for training.",
+        description="Tokenize a text file or folder, pack the documents into shard-NNNNN.bin files with "
+        "an index.json (format in docs/data.md), and upload them to an S3 prefix that `rtp stage` then "
+        "stages for training. Without --tokenizer the tokens are UTF-8 bytes (the built-in byte LM); with "
+        "--tokenizer MODEL_DIR they are that model's token ids (text, .jsonl and .parquet inputs, documents "
+        "ending with its EOS, uint16 or uint32), and the index records the tokenizer's identity.",
     )
-    p.add_argument("--corpus", required=True, help="a UTF-8 text file or a folder of text files")
+    p.add_argument(
+        "--corpus",
+        required=True,
+        help="a file or folder: UTF-8 text files; with --tokenizer also .jsonl (a 'text' field per line) "
+        "and .parquet (a 'text' column)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default="",
+        metavar="MODEL_DIR",
+        help="a Hugging Face model folder whose tokenizer files tokenize the corpus (default: bytes)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="files tokenized in parallel with --tokenizer (default: the CPUs, at most 8)",
+    )
     p.add_argument("--out-dir", required=True, help="where the shards are written locally")
     p.add_argument("--dest", default="", help="s3://bucket/prefix to upload to (default: local only)")
     p.add_argument(
@@ -140,6 +159,8 @@ def _cmd_prepare_data(args: argparse.Namespace) -> int:
         args.dest,
         endpoint_url=args.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None,
         shard_bytes=int(args.shard_mib * MIB),
+        tokenizer_dir=args.tokenizer,
+        workers=args.workers,
     )
     print(json.dumps(summary, indent=2))
     return 0

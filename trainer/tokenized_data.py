@@ -115,6 +115,20 @@ def write_token_shards(
     """Tokenize `source` with the tokenizer in `tokenizer_dir` into `out_dir`; returns the index.
 
     `progress(files_done, files_total)` is called as files finish (for a progress bar)."""
+    return tokenize_files(
+        corpus_files(Path(source)), out_dir, tokenizer_dir, shard_bytes, workers=workers, progress=progress
+    )
+
+
+def tokenize_files(
+    files: list[Path],
+    out_dir: Path,
+    tokenizer_dir: Path,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    workers: int = 4,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """`write_token_shards` for a given list of corpus files, packed in that order."""
     from trainer.models.hf_causal_lm import HFTokenizer
 
     tokenizer = HFTokenizer(Path(tokenizer_dir))
@@ -122,8 +136,10 @@ def write_token_shards(
     shard_tokens = shard_bytes // dtype.itemsize
     if shard_tokens < 1:
         raise DataError(f"shard size {shard_bytes} bytes holds no {dtype.name} token: make it larger")
-    files = corpus_files(Path(source))
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # An index left by an earlier run would vouch for shards this run is about to replace.
+    (out_dir / SHARD_INDEX_NAME).unlink(missing_ok=True)
 
     def encode(path: Path) -> list[list[int]]:
         documents = read_documents(path)

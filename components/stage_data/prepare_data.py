@@ -7,6 +7,11 @@ by one newline token, never split across shards. Next to the shards, `index.json
 the format and lists every shard with its token count, document count and SHA-256; the
 stage step copies both, and the trainer reads the shards listed in the snapshot manifest
 (it skips `index.json`). The format is described in docs/data.md.
+
+With a model folder's tokenizer (`tokenizer_dir`, `rtp prepare-data --tokenizer`) the
+shards hold that tokenizer's ids instead (format version 2, written by
+trainer/tokenized_data.py): text, JSON Lines and Parquet inputs, tokenized in parallel
+across files with a progress bar, documents ending with the tokenizer's EOS.
 """
 
 from __future__ import annotations
@@ -80,6 +85,8 @@ def write_shards(source: Path, out_dir: Path, shard_bytes: int = DEFAULT_SHARD_B
 
 def write_document_shards(docs: list[tuple[str, Path]], out_dir: Path, shard_bytes: int) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
+    # An index left by an earlier run would vouch for shards this run is about to replace.
+    (out_dir / SHARD_INDEX_NAME).unlink(missing_ok=True)
 
     def texts() -> Iterable[bytes]:
         for name, path in docs:
@@ -137,14 +144,70 @@ def upload_shards(client: Any, folder: Path, bucket: str, prefix: str, max_worke
     return len(index["shards"]) + 1
 
 
+def check_tokenizer_dir(tokenizer_dir: Path) -> None:
+    """PrepareError, in one line, unless `tokenizer_dir` is a folder holding tokenizer files."""
+    from trainer.models.hf_causal_lm import TOKENIZER_FILES, tokenizer_files
+
+    if not tokenizer_dir.is_dir():
+        raise PrepareError(
+            f"--tokenizer {tokenizer_dir}: no such folder; give a model folder (what save_pretrained "
+            "writes, or `rtp make-tiny-model`)"
+        )
+    if not tokenizer_files(tokenizer_dir):
+        raise PrepareError(
+            f"--tokenizer {tokenizer_dir} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...): "
+            "give the model folder its tokenizer was saved in (tokenizer.save_pretrained(folder))"
+        )
+
+
+def write_tokenizer_shards(
+    source: Path, out_dir: Path, tokenizer_dir: Path, shard_bytes: int, workers: int = 0
+) -> dict[str, Any]:
+    """Shards of the tokenizer's ids (trainer/tokenized_data.py), with a progress bar on stderr."""
+    import os
+
+    from components.stage_data.progress import Progress
+    from trainer.tokenized_data import corpus_files, tokenize_files
+
+    check_tokenizer_dir(tokenizer_dir)
+    files = corpus_files(source)
+    sizes = [path.stat().st_size for path in files]
+    progress = Progress(sum(sizes), len(files), label="tokenizing")
+
+    def file_done(done: int, total: int) -> None:
+        progress.add_bytes(sizes[done - 1])  # files finish in corpus order
+        progress.add_file()
+
+    try:
+        return tokenize_files(
+            files,
+            out_dir,
+            tokenizer_dir,
+            shard_bytes,
+            workers=workers or min(8, os.cpu_count() or 1),
+            progress=file_done,
+        )
+    finally:
+        progress.close()
+
+
 def prepare_data(
     source: str,
     out_dir: str,
     destination: str = "",
     endpoint_url: str | None = None,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
+    tokenizer_dir: str = "",
+    workers: int = 0,
 ) -> dict[str, Any]:
-    index = write_shards(Path(source), Path(out_dir), shard_bytes)
+    """Shard `source` (bytes, or the ids of the tokenizer in `tokenizer_dir`) into `out_dir`
+    and upload the shards to `destination` when given; returns a summary."""
+    if shard_bytes < 1 or workers < 0:
+        raise PrepareError("--shard-mib must be positive and --workers at least 0")
+    if tokenizer_dir:
+        index = write_tokenizer_shards(Path(source), Path(out_dir), Path(tokenizer_dir), shard_bytes, workers)
+    else:
+        index = write_shards(Path(source), Path(out_dir), shard_bytes)
     uploaded = 0
     if destination:
         from components.stage_data.s3_clients import s3_client
@@ -158,5 +221,8 @@ def prepare_data(
         "shards": len(index["shards"]),
         "documents": index["documents"],
         "tokens": index["tokens"],
+        "tokenizer": index["tokenizer"],
+        "dtype": index["dtype"],
+        "vocab_size": index["vocab_size"],
         "objects_uploaded": uploaded,
     }

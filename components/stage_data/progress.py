@@ -54,7 +54,9 @@ class Progress:
         stream: TextIO | None = None,
         log_interval_s: float = 10.0,
         redraw_interval_s: float = 0.2,
+        label: str = "staging",
     ) -> None:
+        self.label = label
         self.total_bytes = total_bytes
         self.total_files = total_files
         self.stream = stream if stream is not None else sys.stderr
@@ -95,7 +97,7 @@ class Progress:
             self.stream.write("\r" + self.line())
             self.stream.flush()
         else:
-            log.info("staging %s", self.line())
+            log.info("%s %s", self.label, self.line())
 
     def close(self) -> None:
         self._maybe_report(force=True)

@@ -21,6 +21,8 @@ SUBCOMMANDS = {
         "--source",
         "--s3-endpoint-url",
         "--mlflow-uri",
+        "--model-source",
+        "--model-init",
     ],
     "compile": ["--output", "--image"],
     "train-local": [
@@ -33,6 +35,8 @@ SUBCOMMANDS = {
         "--dataset-dir",
     ],
     "stage": ["--source", "--fsx-mount-path"],
+    "prepare-data": ["--corpus", "--out-dir", "--dest", "--shard-mib", "--tokenizer", "--workers"],
+    "make-tiny-model": ["OUT_DIR", "--arch", "--vocab-size", "--seed"],
     "validate": ["--checkpoint", "--dataset-dir", "--max-loss"],
     "register": ["--checkpoint", "--model-name", "--alias"],
     "bench": ["checkpoint"],
@@ -58,7 +62,8 @@ def test_top_level_help_lists_every_subcommand(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     for name in SUBCOMMANDS:
-        assert f"    {name} " in out, f"rtp --help does not list {name}"
+        # a long name gets a line of its own, its help on the next
+        assert f"    {name} " in out or f"    {name}\n" in out, f"rtp --help does not list {name}"
 
 
 @pytest.mark.parametrize(("command", "flags"), SUBCOMMANDS.items())
@@ -94,6 +99,9 @@ def test_console_script_is_the_entry_point():
         (["local", "--overrides", "optimizer.nope=1"], "optimizer has"),
         (["local", "--nproc", "0"], "--nproc must be at least 1"),
         (["local", "--source", "/data"], "s3://bucket/prefix"),
+        (["local", "--model-source", "s3://b/models/m/"], "needs --source s3://"),
+        (["local", "--model-source", "/no/such/model"], "no such folder"),
+        (["make-tiny-model", "--arch", "llama", "/"], "not an empty folder"),
         (["train-local", "--dataset-dir", "x", "--override", "model.n_heads=3"], "divisible"),
         (["local", "--overrides", "model.n_heads=0"], "at least 1"),
         (["local", "--overrides", "checkpoint.dir=/fsx/rtp/runs/nightly/checkpoints"], "is refused"),

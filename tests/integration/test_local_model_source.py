@@ -1,0 +1,87 @@
+"""End to end with a Hugging Face model: `rtp make-tiny-model` writes a tiny Llama folder
+offline, and `rtp local --model-source FOLDER` uploads it into the embedded S3, tokenizes
+the demo corpus with its tokenizer, and runs stage -> stage model -> train -> validate
+through kfp.local. What each step produced is checked against the files it left."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+
+def rtp(*args: str, timeout_s: int) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "rtp_cli.main", *args]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def model_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rtp-local-hf")
+    model_dir = root / "tiny-llama"
+    rtp("make-tiny-model", "--arch", "llama", str(model_dir), timeout_s=120)
+    workdir = root / "work"
+    # Registering Hugging Face models (MLflow's transformers flavor) is built on another
+    # branch; until it lands, max_loss 0 makes validation reject, so the run ends after
+    # validate without a register step. Once it lands, this run should register and the
+    # test assert the MLflow model version.
+    result = rtp(
+        "local",
+        "--model-source",
+        str(model_dir),
+        "--workdir",
+        str(workdir),
+        "--steps",
+        "6",
+        "--checkpoint-every",
+        "3",
+        "--max-loss",
+        "0",
+        "--run-name",
+        "hf-e2e",
+        timeout_s=500,
+    )
+    return model_dir, workdir, result.stdout, json.loads((workdir / "summary.json").read_text())
+
+
+def test_the_model_folder_is_staged_from_s3(model_run):
+    model_dir, workdir, stdout, summary = model_run
+    staged = Path(summary["model_dir"])
+    assert staged.parent == workdir / "fsx/rtp/models/tiny-llama/snapshots"
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (staged / name).read_bytes() == (model_dir / name).read_bytes(), name
+    assert "uploaded model folder" in stdout and "s3://rtp-demo/models/tiny-llama/" in stdout
+
+
+def test_the_data_is_the_demo_corpus_in_the_models_tokens(model_run):
+    from trainer.models.hf_causal_lm import tokenizer_identity
+
+    model_dir, workdir, stdout, summary = model_run
+    snapshot = Path(summary["dataset_snapshot"])
+    assert snapshot.parent == workdir / "fsx/rtp/datasets/demo-corpus-tiny-llama/snapshots"
+    index = json.loads((snapshot / "index.json").read_text())
+    assert index["tokenizer"] == tokenizer_identity(model_dir) and index["dtype"] == "uint16"
+    assert "tokenized the demo corpus with tiny-llama's tokenizer" in stdout
+
+
+def test_the_model_trains_and_validation_decides(model_run):
+    _, workdir, stdout, summary = model_run
+    assert summary["steps"] == 6
+    checkpoint = Path(summary["checkpoint"])
+    assert checkpoint == workdir / "fsx/rtp/runs/hf-e2e/checkpoints/step_6"
+    assert (checkpoint / "COMMITTED").is_file()
+    config = json.loads((workdir / "fsx/rtp/runs/hf-e2e/train/config.json").read_text())
+    assert config["model"]["kind"] == "hf" and config["model"]["init"] == "pretrained"
+    assert config["model"]["model_dir"] == summary["model_dir"]
+    # A random 512-token model starts near ln(512) = 6.2 nats per token; a few steps move it.
+    assert 0 < summary["final_loss"] < 7 and 0 < summary["holdout_loss"] < 7
+    assert summary["decision"] == "reject" and summary["mlflow"]["version"] is None
+    assert set(summary["elapsed_s"]) == {"stage", "train", "validate"}
+    assert "pipeline finished" in stdout and "model            : " + summary["model_dir"] in stdout
