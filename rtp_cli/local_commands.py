@@ -106,10 +106,22 @@ def _cmd_local(args: argparse.Namespace) -> int:
 def _check_training_options(options: LocalOptions, model_dir: str = "") -> None:
     """Fail on bad training input before any step starts (the train step would, later);
     `model_dir` is a local model folder (an s3:// one is checked when staged)."""
+    from components.check_run.parameters import RunParameterError, check_run_parameters
     from components.train.train import TrainRequest
 
     if options.nproc < 1:
         raise UserError(f"--nproc must be at least 1, got {options.nproc}")
+    try:  # the check the pipeline's first step makes, here before anything starts
+        check_run_parameters(
+            {
+                "run_name": options.run_name,
+                "dataset_name": options.dataset_name,
+                "model_name": options.model_name,
+                "nproc": options.nproc,
+            }
+        )
+    except RunParameterError as exc:
+        raise UserError(str(exc)) from None
     TrainRequest(
         dataset_dir="<staged>",
         run_folder=Path(options.workdir),

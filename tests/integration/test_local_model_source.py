@@ -28,10 +28,8 @@ def model_run(tmp_path_factory):
     model_dir = root / "tiny-llama"
     rtp("make-tiny-model", "--arch", "llama", str(model_dir), timeout_s=120)
     workdir = root / "work"
-    # Registering Hugging Face models (MLflow's transformers flavor) is built on another
-    # branch; until it lands, max_loss 0 makes validation reject, so the run ends after
-    # validate without a register step. Once it lands, this run should register and the
-    # test assert the MLflow model version.
+    # max_loss is in nats per byte: a few steps of a random 512-token model pass 10, so the
+    # run registers the model in MLflow (transformers flavor).
     result = rtp(
         "local",
         "--model-source",
@@ -43,7 +41,7 @@ def model_run(tmp_path_factory):
         "--checkpoint-every",
         "3",
         "--max-loss",
-        "0",
+        "10",
         "--run-name",
         "hf-e2e",
         timeout_s=500,
@@ -82,6 +80,18 @@ def test_the_model_trains_and_validation_decides(model_run):
     assert config["model"]["model_dir"] == summary["model_dir"]
     # A random 512-token model starts near ln(512) = 6.2 nats per token; a few steps move it.
     assert 0 < summary["final_loss"] < 7 and 0 < summary["holdout_loss"] < 7
-    assert summary["decision"] == "reject" and summary["mlflow"]["version"] is None
-    assert set(summary["elapsed_s"]) == {"stage", "train", "validate"}
+    assert summary["decision"] == "champion" and summary["mlflow"]["version"] == "1"
+    assert set(summary["elapsed_s"]) == {"stage", "train", "validate", "register"}
     assert "pipeline finished" in stdout and "model            : " + summary["model_dir"] in stdout
+
+
+def test_the_registered_model_loads_with_the_transformers_flavor(model_run):
+    import mlflow
+
+    _, _, _, summary = model_run
+    mlflow.set_tracking_uri(summary["mlflow"]["tracking_uri"])
+    components = mlflow.transformers.load_model(
+        f"models:/{summary['mlflow']['model_name']}@champion", return_type="components"
+    )
+    assert type(components["model"]).__name__ == "LlamaForCausalLM"
+    assert components["tokenizer"]("def add").input_ids

@@ -104,6 +104,8 @@ def test_console_script_is_the_entry_point():
         (["make-tiny-model", "--arch", "llama", "/"], "not an empty folder"),
         (["train-local", "--dataset-dir", "x", "--override", "model.n_heads=3"], "divisible"),
         (["local", "--overrides", "model.n_heads=0"], "at least 1"),
+        (["local", "--run-name", "nightly\n"], "run_name"),
+        (["local", "--model-name", "a' or name != '"], "model_name"),
         (["local", "--overrides", "checkpoint.dir=/fsx/rtp/runs/nightly/checkpoints"], "is refused"),
         (["render-job", "--mode", "pytorchjob", "--tolerations", "[1]"], "toleration objects"),
         (["render-job", "--mode", "pytorchjob", "-o", "/nonexistent-rtp/dir/job.yaml"], "No such file"),
