@@ -35,6 +35,7 @@ from trainer.parallelize import (
     compute_dtype,
     init_distributed,
     parallelize,
+    peak_memory_bytes,
     set_collective_timeout,
     training_device,
 )
@@ -228,6 +229,7 @@ def train(
         model_sha256=model_sha256(model),
         train_seconds=step_seconds,
         wall_seconds=time.perf_counter() - wall_start,
+        peak_mem_bytes=peak_memory_bytes(device),
     )
     if rank == 0:
         from trainer import goodput, report

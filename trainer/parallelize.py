@@ -36,6 +36,16 @@ def training_device() -> torch.device:
     return torch.device("cpu")
 
 
+def peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak memory so far: allocated CUDA memory on a GPU, the peak resident
+    set size (which includes the Python interpreter and libraries) on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
 def init_distributed(timeout_s: float = 120.0, store: dist.Store | None = None) -> DeviceMesh:
     """Join the process group described by the launcher's environment; one 1-D mesh.
 
