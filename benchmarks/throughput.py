@@ -141,6 +141,9 @@ def run_rtp(config: TrainConfig, nproc: int, tokens_per_step: int) -> dict[str, 
         "step_s_median": statistics.median(step_s),
         "peak_mem_bytes": summary.peak_mem_bytes,
         "startup_s": summary.wall_seconds - summary.loop_wall_s - summary.final_drain_s,
+        "loop_wall_s": summary.loop_wall_s,
+        "final_drain_s": summary.final_drain_s,
+        "checkpoint_blocked_s": summary.checkpoint_blocked_s,
         "checkpoint_efficiency_pct": summary.efficiency_pct,
         "saves": len(summary.checkpoint_saves),
         "final_loss": summary.final_loss,
@@ -241,7 +244,12 @@ def format_table(result: dict[str, Any]) -> str:
             f"{name:<6} {row['tokens_per_s']:>10.0f} {row['wall_s']:>7.2f}s {row['step_s_median']:>8.4f}s "
             f"{row['peak_mem_bytes'] / 1e6:>12.0f} {mfu:>7} {row['startup_s']:>7.1f}s"
         )
-    lines.append(f"tax (rtp wall / bare wall): {result['tax']:.3f}x")
+    rtp = result["rtp"]
+    lines.append(
+        f"tax (rtp wall / bare wall): {result['tax']:.3f}x; rtp's wall: loop {rtp['loop_wall_s']:.2f}s "
+        f"(blocked on {rtp['saves']} saves {rtp['checkpoint_blocked_s']:.2f}s) + last save's commit "
+        f"{rtp['final_drain_s']:.2f}s"
+    )
     return "\n".join(lines)
 
 
