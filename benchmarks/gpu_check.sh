@@ -19,19 +19,27 @@
 # `gpu_check.sh --dry-run` does everything up to the benchmarks without a GPU and without
 # installing: checks torch, lists what would be installed from which wheel, checks the
 # imports with kfp and mlflow made unimportable, and parses every benchmark command line.
+# `--install-only` installs as on the GPU machine and runs those checks, without a GPU
+# and without the benchmarks (to try the install path in a throwaway venv).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 WHEELS=${RTP_WHEELS:-benchmarks/wheels}
 OUT_DIR=${OUT:-/tmp/rtp-gpu-check}
 DRY_RUN=0
-if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; fi
+INSTALL_ONLY=0
+case "${1:-}" in
+  --dry-run) DRY_RUN=1 ;;
+  --install-only) INSTALL_ONLY=1 ;;
+  "") ;;
+  *) echo "usage: $0 [--dry-run | --install-only]" >&2; exit 2 ;;
+esac
 mkdir -p "$OUT_DIR"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # works even where the editable install cannot
 STARTED=$(date +%s)
 
 # 1. torch: already there, >= 2.6, with CUDA (not needed for a dry run).
-"$PYTHON" - "$DRY_RUN" <<'PY' || exit 2
+"$PYTHON" - "$((DRY_RUN + INSTALL_ONLY))" <<'PY' || exit 2
 import sys
 try:
     import torch
@@ -40,7 +48,7 @@ except ImportError:
 version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 if version < (2, 6):
     sys.exit(f"gpu_check: torch {torch.__version__} is older than 2.6 (FSDP2 fully_shard and MixedPrecisionPolicy)")
-if not torch.cuda.is_available() and sys.argv[1] != "1":
+if not torch.cuda.is_available() and sys.argv[1] == "0":
     sys.exit(f"gpu_check: torch {torch.__version__} sees no CUDA device (use --dry-run to check the install path only)")
 device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device (dry run)"
 print(f"gpu_check: python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}, {device}")
@@ -78,11 +86,15 @@ else
       exit 2
     }
   fi
-  "$PYTHON" -m pip install --no-deps --no-build-isolation -e . >/dev/null ||
-    echo "gpu_check: the editable install failed; running from the checkout (PYTHONPATH)" >&2
+  "$PYTHON" -m pip install --no-deps --no-build-isolation -e . >"$OUT_DIR/pip-editable.log" 2>&1 ||
+    echo "gpu_check: the editable install failed (see $OUT_DIR/pip-editable.log; old setuptools need the wheel package); running from the checkout (PYTHONPATH)" >&2
 fi
 
 # 3. The trainer and the benchmarks below import neither kfp nor mlflow; their flags parse.
+if [ "$DRY_RUN" = 1 ] && [ -n "$MISSING" ]; then
+  echo "gpu_check: dry run: imports not checked (packages missing; --install-only installs them)"
+  exit 0
+fi
 "$PYTHON" - <<'PY' || exit 2
 import importlib, importlib.abc, sys
 
@@ -109,8 +121,8 @@ for argv in (
 print("gpu_check: imports without kfp/mlflow and benchmark flags: ok")
 PY
 
-if [ "$DRY_RUN" = 1 ]; then
-  echo "gpu_check: dry run done in $(($(date +%s) - STARTED)) s"
+if [ "$DRY_RUN" = 1 ] || [ "$INSTALL_ONLY" = 1 ]; then
+  echo "gpu_check: checks done in $(($(date +%s) - STARTED)) s (no benchmarks run)"
   exit 0
 fi
 
