@@ -119,8 +119,11 @@ def apply_activation_checkpointing(layer: nn.Module) -> None:
 
 
 def apply_compile(layer: nn.Module) -> None:
-    """torch.compile the layer in place (`nn.Module.compile`: names and hooks unchanged)."""
-    layer.compile()
+    """torch.compile the layer's `forward` in place; names and FSDP's hooks stay outside.
+
+    Not `nn.Module.compile()`: on torch 2.13 it compiles `Module._call_impl`, a frame in
+    torch.nn that dynamo skips, so nothing was compiled (no graph captured)."""
+    layer.forward = torch.compile(layer.forward)  # type: ignore[method-assign]
 
 
 def parallelize(
@@ -132,11 +135,13 @@ def parallelize(
 ) -> nn.Module:
     """Compile and checkpoint the decoder layers as `training` asks, then shard (`apply_fsdp`)
     with the mixed-precision policy for `device`."""
-    for index in checkpointed_layers(len(units), training):
-        apply_activation_checkpointing(units[index])
+    # Compile first, then checkpoint around the compiled forward: the recomputation in the
+    # backward pass runs the compiled code again.
     if training.compile:
         for unit in units:
             apply_compile(unit)
+    for index in checkpointed_layers(len(units), training):
+        apply_activation_checkpointing(units[index])
     return apply_fsdp(model, mesh, units, compute_dtype(training, device))
 
 
