@@ -121,8 +121,8 @@ def apply_activation_checkpointing(layer: nn.Module) -> None:
 def apply_compile(layer: nn.Module) -> None:
     """torch.compile the layer's `forward` in place; names and FSDP's hooks stay outside.
 
-    Not `nn.Module.compile()`: on torch 2.13 it compiles `Module._call_impl`, a frame in
-    torch.nn that dynamo skips, so nothing was compiled (no graph captured)."""
+    Not `nn.Module.compile()`, which wraps `Module._call_impl`: on torch 2.13 (CPU) a layer
+    compiled that way captured no graph at all (dynamo's counters stayed empty)."""
     layer.forward = torch.compile(layer.forward)  # type: ignore[method-assign]
 
 

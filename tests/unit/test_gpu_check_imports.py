@@ -46,3 +46,27 @@ def test_trainer_and_gpu_benchmarks_import_without_kfp_or_mlflow():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_gpu_check_dry_run_passes_on_cpu(tmp_path):
+    """The script's checks before the benchmarks (torch, missing wheels, imports, flags)."""
+    import os
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.sh"
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path)}
+    result = subprocess.run(
+        ["bash", str(script), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "missing runtime packages: none" in result.stdout
+    assert "imports without kfp/mlflow and benchmark flags: ok" in result.stdout
+    bad = subprocess.run(
+        ["bash", str(script), "--bogus"], capture_output=True, text=True, timeout=30, env=env
+    )
+    assert bad.returncode == 2 and "usage" in bad.stderr
