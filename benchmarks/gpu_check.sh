@@ -1,50 +1,177 @@
 #!/usr/bin/env bash
-# GPU check: the checkpoint benchmark on CUDA with a ~1B-parameter model (preset gpu-1b:
-# ~1.0B parameters, ~12 GB of fp32 weights + AdamW state per checkpoint), comparing sync,
-# torch-async and async (NVRx) side by side. 1 rank, or 2 when the machine has 2+ GPUs.
-# Budget: under 8 minutes. Prints the benchmark's JSON and table; with OUT set (the device
-# tool sets it) the JSON is also written to $OUT/gpu-bench.json.
+# GPU check: runs on a CUDA machine whose Python already has torch >= 2.6 (e.g. an H200 with
+# Python 3.12 and torch 2.11), in under 8 minutes, and writes JSON under $OUT:
 #
-# Needs: torch 2.13.0 with CUDA on the machine, or wheels carried along: put the wheels
-# of torch==2.13.0 (a CUDA build), nvidia-resiliency-ext==0.4.1, kfp==2.17.3,
-# kfp-kubernetes==2.17.3, mlflow==3.17.2, boto3 and their dependencies in
-# ${RTP_WHEELS:-benchmarks/wheels} (e.g. `pip download -d benchmarks/wheels .` on a machine
-# with network access and the same Python); nothing is downloaded here. The project itself
-# is installed without build isolation, so setuptools must be installed already. (A CUDA
-# torch wheel is ~1 GB: where only a small carry fits, use a machine that has torch.)
-set -euo pipefail
+#   gpu-checkpoint.json  checkpoint efficiency at ~1B parameters (preset gpu-1b, ~12 GB of
+#                        fp32 weights + AdamW state): off vs sync vs torch-async vs NVRx async
+#   gpu-recovery.json    in-process restart time on NCCL (exception@N:0, one rank)
+#   gpu-throughput.json  bf16 throughput and MFU of gpu-1b: the rtp stack vs a bare FSDP loop
+#   gpu-check.json       torch/CUDA/device, and each part's exit code and seconds
+#
+# Torch is never installed or replaced. The project is installed with --no-deps; of its
+# runtime modules only the missing ones are installed, with --no-deps, from the wheels in
+# ${RTP_WHEELS:-benchmarks/wheels} (git-ignored; e.g. nvidia-resiliency-ext 0.4.1 for cp312 and
+# whatever of pyyaml, psutil, defusedxml, nvidia-ml-py the machine lacks: `pip download
+# --no-deps --python-version 3.12 --only-binary=:all: -d benchmarks/wheels ...` on a machine
+# with network access; keep it under 64 MiB). Nothing is downloaded here. kfp and mlflow
+# are not needed: the trainer and these benchmarks do not import them (checked below).
+#
+# `gpu_check.sh --dry-run` does everything up to the benchmarks without a GPU and without
+# installing: checks torch, lists what would be installed from which wheel, checks the
+# imports with kfp and mlflow made unimportable, and parses every benchmark command line.
+# `--install-only` installs as on the GPU machine and runs those checks, without a GPU
+# and without the benchmarks (to try the install path in a throwaway venv).
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 WHEELS=${RTP_WHEELS:-benchmarks/wheels}
+OUT_DIR=${OUT:-/tmp/rtp-gpu-check}
+DRY_RUN=0
+INSTALL_ONLY=0
+case "${1:-}" in
+  --dry-run) DRY_RUN=1 ;;
+  --install-only) INSTALL_ONLY=1 ;;
+  "") ;;
+  *) echo "usage: $0 [--dry-run | --install-only]" >&2; exit 2 ;;
+esac
+mkdir -p "$OUT_DIR"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # works even where the editable install cannot
+STARTED=$(date +%s)
 
-if ! "$PYTHON" -c "import trainer.checkpointing, rtp_cli.main" 2>/dev/null; then
-  if [ -d "$WHEELS" ]; then
-    "$PYTHON" -m pip install --no-index --find-links "$WHEELS" --no-build-isolation -e .
-  else
-    echo "gpu_check: rtp's dependencies are not installed and $WHEELS does not exist (see the header)" >&2
-    exit 2
-  fi
-fi
-"$PYTHON" - <<'PY'
-import sys, torch
-if not torch.cuda.is_available():
-    sys.exit(f"gpu_check: torch {torch.__version__} sees no CUDA device")
-print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}")
+# 1. torch: already there, >= 2.6, with CUDA (not needed for a dry run).
+"$PYTHON" - "$((DRY_RUN + INSTALL_ONLY))" <<'PY' || exit 2
+import sys
+try:
+    import torch
+except ImportError:
+    sys.exit("gpu_check: this Python has no torch: it needs torch >= 2.6 with CUDA installed (the check never installs torch)")
+version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+if version < (2, 6):
+    sys.exit(f"gpu_check: torch {torch.__version__} is older than 2.6 (FSDP2 fully_shard and MixedPrecisionPolicy)")
+if not torch.cuda.is_available() and sys.argv[1] == "0":
+    sys.exit(f"gpu_check: torch {torch.__version__} sees no CUDA device (use --dry-run to check the install path only)")
+device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device (dry run)"
+print(f"gpu_check: python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}, {device}")
 PY
 
-# The async mode's host snapshot lives in shared memory (/dev/shm): ~12 GB, all ranks together.
-# Containers often mount a 64 MB /dev/shm (docker run --shm-size, a Kubernetes emptyDir
-# with medium: Memory). Fail early with the reason rather than mid-benchmark.
-SHM_KB=$(df -k --output=avail /dev/shm 2>/dev/null | tail -1 | tr -d ' ' || echo 0)
-if [ "${SHM_KB:-0}" -lt $((14 * 1024 * 1024)) ]; then
-  echo "gpu_check: /dev/shm has $((${SHM_KB:-0} / 1024)) MB free; the async snapshot of gpu-1b needs ~12 GB (all ranks together)" >&2
-  exit 2
+# 2. Missing runtime modules -> wheels to install (module:distribution).
+MISSING=$("$PYTHON" - <<'PY'
+import importlib.util
+needed = {
+    "nvidia_resiliency_ext": "nvidia-resiliency-ext==0.4.1",
+    "numpy": "numpy",
+    "safetensors": "safetensors",
+    "yaml": "pyyaml",
+    "psutil": "psutil",
+    "defusedxml": "defusedxml",
+    "pynvml": "nvidia-ml-py",
+    "packaging": "packaging",
+}
+print(" ".join(dist for module, dist in needed.items() if importlib.util.find_spec(module) is None))
+PY
+)
+echo "gpu_check: missing runtime packages: ${MISSING:-none}"
+if [ "$DRY_RUN" = 1 ]; then
+  for dist in $MISSING; do
+    name=$(echo "${dist%%==*}" | tr '-' '_')
+    found=$(ls "$WHEELS"/"${name}"-*.whl 2>/dev/null | head -1)
+    echo "gpu_check: would install ${dist} --no-deps from ${found:-NOTHING (no wheel in $WHEELS)}"
+  done
+  echo "gpu_check: would run: $PYTHON -m pip install --no-deps --no-build-isolation -e ."
+else
+  if [ -n "$MISSING" ]; then
+    # shellcheck disable=SC2086  # one argument per distribution
+    "$PYTHON" -m pip install --no-index --find-links "$WHEELS" --no-deps $MISSING || {
+      echo "gpu_check: could not install $MISSING from $WHEELS (see the header)" >&2
+      exit 2
+    }
+  fi
+  "$PYTHON" -m pip install --no-deps --no-build-isolation -e . >"$OUT_DIR/pip-editable.log" 2>&1 ||
+    echo "gpu_check: the editable install failed (see $OUT_DIR/pip-editable.log; old setuptools need the wheel package); running from the checkout (PYTHONPATH)" >&2
 fi
 
-NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
-NPROC=1
-if [ "$NGPU" -ge 2 ]; then NPROC=2; fi
-JSON=${OUT:-/tmp}/gpu-bench.json
+# 3. The trainer and the benchmarks below import neither kfp nor mlflow; their flags parse.
+if [ "$DRY_RUN" = 1 ] && [ -n "$MISSING" ]; then
+  echo "gpu_check: dry run: imports not checked (packages missing; --install-only installs them)"
+  exit 0
+fi
+"$PYTHON" - <<'PY' || exit 2
+import importlib, importlib.abc, sys
+
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("kfp", "mlflow"):
+            raise ImportError(f"{name} must not be needed on the GPU machine")
+        return None
+
+sys.meta_path.insert(0, Absent())
+for module in ("trainer.launch", "trainer.loop", "trainer.resilience", "trainer.__main__",
+               "benchmarks.throughput", "benchmarks.bare_fsdp", "benchmarks.checkpoint",
+               "benchmarks.recovery", "nvidia_resiliency_ext.inprocess",
+               "nvidia_resiliency_ext.fault_tolerance", "nvidia_resiliency_ext.checkpointing.async_ckpt"):
+    importlib.import_module(module)
+from rtp_cli.main import build_parser
+parser = build_parser()
+for argv in (
+    ["bench", "checkpoint", "--preset", "gpu-1b", "--modes", "off,sync,torch-async,async", "--nproc", "1", "--steps", "8", "--every", "4"],
+    ["bench", "recovery", "--mechanisms", "inprocess", "--nproc", "1", "--steps", "20", "--every", "5", "--fault-steps", "8,14"],
+    ["bench", "throughput", "--preset", "gpu-1b", "--steps", "30", "--every", "15", "--nproc", "1"],
+):
+    parser.parse_args(argv)
+print("gpu_check: imports without kfp/mlflow and benchmark flags: ok")
+PY
+
+if [ "$DRY_RUN" = 1 ] || [ "$INSTALL_ONLY" = 1 ]; then
+  echo "gpu_check: checks done in $(($(date +%s) - STARTED)) s (no benchmarks run)"
+  exit 0
+fi
+
+# 4. The measurements, each under its own time limit (all together < 8 minutes).
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
-timeout 450 "$PYTHON" -m rtp_cli.main bench checkpoint --preset gpu-1b --modes off,sync,torch-async,async \
-  --nproc "$NPROC" --steps 12 --every 4 --json "$JSON"
+declare -A RC SECONDS_TAKEN
+run_part() {  # name, time limit in seconds, rtp arguments...
+  local name=$1 limit=$2 start
+  shift 2
+  start=$(date +%s)
+  timeout --kill-after=10 "$limit" "$PYTHON" -m rtp_cli.main "$@" --json "$OUT_DIR/gpu-$name.json" \
+    >"$OUT_DIR/gpu-$name.log" 2>&1
+  RC[$name]=$?
+  SECONDS_TAKEN[$name]=$(($(date +%s) - start))
+  echo "gpu_check: $name exit ${RC[$name]} after ${SECONDS_TAKEN[$name]} s"
+  tail -8 "$OUT_DIR/gpu-$name.log"
+}
+
+# The async mode's host snapshot lives in /dev/shm (~12 GB for gpu-1b); containers often
+# mount 64 MB there. Without room, the async mode is left out (and said so) rather than failing.
+MODES=off,sync,torch-async,async
+SHM_KB=$(df -k --output=avail /dev/shm 2>/dev/null | tail -1 | tr -d ' ')
+if [ "${SHM_KB:-0}" -lt $((14 * 1024 * 1024)) ]; then
+  echo "gpu_check: /dev/shm has $((${SHM_KB:-0} / 1024)) MB free, the async snapshot needs ~12 GB: async left out" >&2
+  MODES=off,sync,torch-async
+fi
+run_part checkpoint 220 bench checkpoint --preset gpu-1b --modes "$MODES" --nproc 1 --steps 8 --every 4
+run_part recovery 90 bench recovery --mechanisms inprocess --nproc 1 --steps 20 --every 5 --fault-steps 8,14
+run_part throughput 140 bench throughput --preset gpu-1b --steps 30 --every 15 --nproc 1
+
+"$PYTHON" - "$OUT_DIR" "${RC[checkpoint]}" "${RC[recovery]}" "${RC[throughput]}" \
+  "${SECONDS_TAKEN[checkpoint]}" "${SECONDS_TAKEN[recovery]}" "${SECONDS_TAKEN[throughput]}" "$MODES" <<'PY'
+import json, sys
+from pathlib import Path
+import torch
+out, rc_c, rc_r, rc_t, s_c, s_r, s_t, modes = sys.argv[1:]
+check = {
+    "torch": torch.__version__,
+    "cuda": torch.version.cuda,
+    "device": torch.cuda.get_device_name(0),
+    "python": sys.version.split()[0],
+    "checkpoint_modes": modes.split(","),
+    "parts": {
+        name: {"exit_code": int(rc), "seconds": int(s), "json": f"gpu-{name}.json"}
+        for name, rc, s in (("checkpoint", rc_c, s_c), ("recovery", rc_r, s_r), ("throughput", rc_t, s_t))
+    },
+}
+Path(out, "gpu-check.json").write_text(json.dumps(check, indent=2) + "\n")
+print(json.dumps(check, indent=2))
+PY
+echo "gpu_check: done in $(($(date +%s) - STARTED)) s; JSON under $OUT_DIR"
+[ "${RC[checkpoint]}" = 0 ] && [ "${RC[recovery]}" = 0 ] && [ "${RC[throughput]}" = 0 ]

@@ -11,7 +11,8 @@ at fixed steps) recovered by:
 Per mechanism, from the run's own restart records (trainer/goodput.py): fault→resumed
 seconds (median over the faults), split into shutdown (fault → new attempt started) and
 startup (→ its first step), and `exact`: the final `model_sha256` equals the fault-free
-run's. On CPU the in-process time is bounded below by the gloo collective timeout
+run's. With 2+ ranks the fault hits rank 1 while rank 0 waits on it; with 1 rank (one GPU) it
+hits rank 0. On CPU the in-process time is bounded below by the gloo collective timeout
 (`resilience.collective_timeout_s`, set here with `--collective-timeout`): a rank waiting
 on the failed peer cannot be interrupted sooner (pytorch issue 130345).
 """
@@ -192,8 +193,8 @@ def main(args: argparse.Namespace) -> int:
     unknown = sorted(set(mechanisms) - set(MECHANISMS))
     if unknown:
         raise ValueError(f"unknown mechanism(s) {', '.join(unknown)}; choose from {', '.join(MECHANISMS)}")
-    if args.nproc < 2:
-        raise ValueError("--nproc must be at least 2: the fault hits rank 1 while rank 0 waits on it")
+    if args.nproc < 1:
+        raise ValueError("--nproc must be at least 1")
     fault_steps = [int(v) for v in args.fault_steps.split(",") if v.strip()]
     result = run_benchmark(
         mechanisms=mechanisms,

@@ -30,6 +30,8 @@ from trainer.faults import FaultSpecError, parse_faults
 
 CheckpointMode = Literal["off", "sync", "torch-async", "async"]
 ModelInit = Literal["pretrained", "random"]
+MixedPrecision = Literal["auto", "bf16", "fp32"]
+ActivationCheckpointing = Literal["none", "full", "every_n"]
 CHECKPOINT_MODES: tuple[str, ...] = typing.get_args(CheckpointMode)
 DEFAULT_CHECKPOINT_MODE: CheckpointMode = "async"
 DEFAULT_PRESET = "tiny-cpu"
@@ -159,6 +161,26 @@ class ResilienceConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class TrainingConfig:
+    """How the model's compute runs; none of it changes the weights a checkpoint holds
+    (fp32 master weights whatever the compute dtype), so a run may resume under another."""
+
+    mixed_precision: MixedPrecision = "auto"
+    """Compute dtype: bf16 (FSDP2 gathers bf16 parameters and computes in bf16; gradients
+    are reduced, and parameters, AdamW state and checkpoints kept, in fp32), fp32, or auto
+    (bf16 on CUDA, fp32 on CPU, where bf16 is slower and the exactness tests run)."""
+    activation_checkpointing: ActivationCheckpointing = "none"
+    """Recompute a decoder layer's activations in the backward pass instead of keeping them:
+    none, full (every layer) or every_n (every activation_checkpointing_every-th layer).
+    Trades compute for memory; the weights trained are the same."""
+    activation_checkpointing_every: int = 2
+    """With activation_checkpointing=every_n: checkpoint layers 0, N, 2N, ..."""
+    compile: bool = False
+    """torch.compile each decoder layer's forward (the first steps pay for compilation;
+    results match fp32 eager closely, not bit for bit)."""
+
+
+@dataclass(kw_only=True, slots=True)
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -166,6 +188,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -487,6 +510,16 @@ def validate(config: TrainConfig) -> None:
             "resilience.collective_timeout_s must be below resilience.hard_timeout_s: a rank waiting in a "
             "collective on a failed peer is only released by that timeout"
         )
+    t = config.training
+    choices: tuple[tuple[str, str, Any], ...] = (
+        ("training.mixed_precision", t.mixed_precision, MixedPrecision),
+        ("training.activation_checkpointing", t.activation_checkpointing, ActivationCheckpointing),
+    )
+    for key, chosen, allowed in choices:
+        if chosen not in typing.get_args(allowed):
+            raise ConfigError(f"{key} {chosen!r} is not one of {', '.join(typing.get_args(allowed))}")
+    if t.activation_checkpointing_every < 1:
+        raise ConfigError("training.activation_checkpointing_every must be at least 1")
     try:
         parse_faults(config.run.faults)
     except FaultSpecError as exc:

@@ -31,7 +31,14 @@ from trainer.data import StepSampler, check_tokenizer, load_tokens, split_files
 from trainer.events import EventLog
 from trainer.faults import FaultInjector, parse_faults
 from trainer.models import model_spec
-from trainer.parallelize import apply_fsdp, init_distributed, set_collective_timeout, training_device
+from trainer.parallelize import (
+    compute_dtype,
+    init_distributed,
+    parallelize,
+    peak_memory_bytes,
+    set_collective_timeout,
+    training_device,
+)
 from trainer.summary import TrainSummary
 
 log = logging.getLogger(__name__)
@@ -107,7 +114,9 @@ def train(
     mark = time.perf_counter()
     spec = model_spec(config.model.kind)
     model = spec.build_for_training(config.model, device, config.run.seed)
-    apply_fsdp(model, mesh, spec.fsdp_units(model))
+    parallelize(model, mesh, spec.fsdp_units(model), config.training, device)
+    if rank == 0:
+        log.info("compute dtype %s", str(compute_dtype(config.training, device)).removeprefix("torch."))
     spec.init_weights(model, config.model, device, config.run.seed)
     opt_cfg = config.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt_cfg.lr, weight_decay=opt_cfg.weight_decay)
@@ -220,6 +229,7 @@ def train(
         model_sha256=model_sha256(model),
         train_seconds=step_seconds,
         wall_seconds=time.perf_counter() - wall_start,
+        peak_mem_bytes=peak_memory_bytes(device),
     )
     if rank == 0:
         from trainer import goodput, report

@@ -4,10 +4,19 @@ The same code path serves CPU (gloo) and GPU (NCCL): the backend and device foll
 `torch.cuda.is_available()`. Each transformer block (the model spec's `fsdp_units`) is its
 own FSDP unit so only one block's full parameters exist at a time; the root unit holds the
 embeddings, the final norm and the output head.
+
+`parallelize` applies the `training` section on the way (torchtitan's order: compile and
+activation checkpointing per block first, then sharding): bf16 mixed precision is FSDP2's
+`MixedPrecisionPolicy` — each unit gathers bf16 copies of its parameters for compute and
+reduces gradients in fp32 — so the sharded parameters the optimizer steps, its AdamW state
+and every checkpoint stay fp32. Activation checkpointing and compile replace a block's
+`forward` instead of wrapping the block in another module, so parameter names (checkpoint
+keys, `model_sha256`, exports) are the same with and without them.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -15,15 +24,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from trainer import env
+from trainer.config import TrainingConfig
 
 
 def training_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", env.local_rank())
     return torch.device("cpu")
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak memory so far: allocated CUDA memory on a GPU, the peak resident
+    set size (which includes the Python interpreter and libraries) on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def init_distributed(timeout_s: float = 120.0, store: dist.Store | None = None) -> DeviceMesh:
@@ -58,11 +78,82 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, units: Sequence[nn.Module]) -> nn.Module:
-    """Shard each of `units` (from `ModelSpec.fsdp_units`) as its own FSDP unit, then the root."""
+def compute_dtype(training: TrainingConfig, device: torch.device) -> torch.dtype:
+    """The dtype forward and backward run in: `auto` is bf16 on CUDA and fp32 on CPU (where
+    bf16 matmuls are slower and the bit-exact resume tests run)."""
+    setting = training.mixed_precision
+    if setting == "auto":
+        setting = "bf16" if device.type == "cuda" else "fp32"
+    return torch.bfloat16 if setting == "bf16" else torch.float32
+
+
+def mixed_precision_policies(dtype: torch.dtype) -> tuple[MixedPrecisionPolicy, MixedPrecisionPolicy]:
+    """(per-block policy, root policy) for computing in `dtype`. Gradients are always reduced
+    in fp32 (summing bf16 gradients over ranks loses bits); the root hands fp32 logits to the
+    loss, so the cross-entropy and the loss all-reduce stay fp32."""
+    if dtype == torch.float32:
+        return MixedPrecisionPolicy(), MixedPrecisionPolicy()
+    block = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    root = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    return block, root
+
+
+def checkpointed_layers(n_layers: int, training: TrainingConfig) -> list[int]:
+    """Indices of the decoder layers whose activations are recomputed in the backward pass."""
+    if training.activation_checkpointing == "full":
+        return list(range(n_layers))
+    if training.activation_checkpointing == "every_n":
+        return list(range(0, n_layers, training.activation_checkpointing_every))
+    return []
+
+
+def apply_activation_checkpointing(layer: nn.Module) -> None:
+    """Recompute `layer`'s activations during backward (non-reentrant torch.utils.checkpoint).
+
+    The layer's own `forward` is replaced rather than the layer wrapped in a
+    CheckpointWrapper, so its parameter names stay the same. Under FSDP2 the layer's
+    parameters are gathered again for the backward before the recomputation needs them."""
+    from torch.utils.checkpoint import checkpoint
+
+    layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)  # type: ignore[method-assign]
+
+
+def apply_compile(layer: nn.Module) -> None:
+    """torch.compile the layer's `forward` in place; names and FSDP's hooks stay outside.
+
+    Not `nn.Module.compile()`, which wraps `Module._call_impl`: on torch 2.13 (CPU) a layer
+    compiled that way captured no graph at all (dynamo's counters stayed empty)."""
+    layer.forward = torch.compile(layer.forward)  # type: ignore[method-assign]
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    units: Sequence[nn.Module],
+    training: TrainingConfig,
+    device: torch.device,
+) -> nn.Module:
+    """Compile and checkpoint the decoder layers as `training` asks, then shard (`apply_fsdp`)
+    with the mixed-precision policy for `device`."""
+    # Compile first, then checkpoint around the compiled forward: the recomputation in the
+    # backward pass runs the compiled code again.
+    if training.compile:
+        for unit in units:
+            apply_compile(unit)
+    for index in checkpointed_layers(len(units), training):
+        apply_activation_checkpointing(units[index])
+    return apply_fsdp(model, mesh, units, compute_dtype(training, device))
+
+
+def apply_fsdp(
+    model: nn.Module, mesh: DeviceMesh, units: Sequence[nn.Module], dtype: torch.dtype = torch.float32
+) -> nn.Module:
+    """Shard each of `units` (from `ModelSpec.fsdp_units`) as its own FSDP unit, then the root;
+    compute runs in `dtype`, the sharded parameters stay as they are (fp32)."""
+    block_policy, root_policy = mixed_precision_policies(dtype)
     for unit in units:
-        fully_shard(unit, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(unit, mesh=mesh, mp_policy=block_policy)
+    fully_shard(model, mesh=mesh, mp_policy=root_policy)
     return model
 
 

@@ -47,6 +47,8 @@ class TrainSummary:
     """SHA-256 of the full trained weights: equal runs have equal hashes."""
     train_seconds: float
     wall_seconds: float
+    peak_mem_bytes: int = 0
+    """Rank 0's peak memory at the end of the loop (CUDA: allocated; CPU: resident set)."""
     # Rank 0 adds the goodput analysis of the whole run (all attempts) and its report.
     restarts: list[dict[str, Any]] = field(default_factory=list)
     goodput_pct: float = 0.0

@@ -1,0 +1,54 @@
+"""`rtp bench throughput` runs both stacks at toy size and writes the documented JSON (no timing asserts)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.throughput import mfu_pct, peak_bf16_flops
+
+pytestmark = [pytest.mark.timeout(600)]
+
+SIDE_KEYS = {"tokens_per_s", "wall_s", "step_s_median", "peak_mem_bytes", "mfu_pct"}
+
+
+def test_peak_flops_and_mfu():
+    assert peak_bf16_flops("NVIDIA H200") == peak_bf16_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_bf16_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_bf16_flops("cpu") is None
+    # 1B parameters at 41,200 tokens/s on one H200: 6e9 x 41.2e3 / 989e12 = 25%
+    assert mfu_pct(10**9, 41_200, 989e12, 1) == pytest.approx(24.99, abs=0.01)
+    assert mfu_pct(10**9, 41_200, None, 1) is None
+
+
+@pytest.mark.distributed
+def test_bench_throughput_writes_both_sides_and_the_tax(tmp_path):
+    out = tmp_path / "throughput.json"
+    command = [
+        sys.executable,
+        "-m",
+        "rtp_cli.main",
+        "bench",
+        "throughput",
+        "--preset",
+        "tiny-cpu",
+        "--steps",
+        "4",
+        "--every",
+        "2",
+        "--json",
+        str(out),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=550, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    for side in ("rtp", "bare"):
+        assert set(data[side]) >= SIDE_KEYS, side
+        assert data[side]["tokens_per_s"] > 0 and data[side]["peak_mem_bytes"] > 0
+        assert data[side]["mfu_pct"] is None  # CPU: no peak FLOP/s to compare with
+    assert data["tax"] == pytest.approx(data["rtp"]["wall_s"] / data["bare"]["wall_s"])
+    assert data["rtp"]["saves"] == 2
+    # The same model on the same batches: both stacks reach the same loss.
+    assert data["rtp"]["final_loss"] == pytest.approx(data["bare"]["final_loss"], rel=1e-6)
+    assert "tax (rtp wall / bare wall)" in result.stdout

@@ -1,0 +1,53 @@
+"""The `training` section in real runs through the launcher (gloo, CPU): activation
+checkpointing keeps stop-and-resume bit-exact, and under bf16 compute the checkpoint still
+holds fp32 weights and AdamW state."""
+
+import pytest
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from tests.distributed.conftest import train
+from trainer.checkpointing import latest_committed_checkpoint
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+
+STEPS = 12
+CHECKPOINTED = ("training.activation_checkpointing=every_n", "training.activation_checkpointing_every=1")
+
+
+def test_activation_checkpointing_resumes_exactly(dataset_dir, tmp_path):
+    uninterrupted = train(dataset_dir, tmp_path / "whole", overrides=CHECKPOINTED, checkpoint_mode="sync")
+    first = train(
+        dataset_dir, tmp_path / "split", overrides=CHECKPOINTED, checkpoint_mode="sync", stop_after=6
+    )
+    assert first["steps"] == 6 and first["model_sha256"] != uninterrupted["model_sha256"]
+    resumed = train(dataset_dir, tmp_path / "split", overrides=CHECKPOINTED, checkpoint_mode="sync")
+    assert resumed["resumed_from"].endswith("step_6") and resumed["steps_run"] == STEPS - 6
+    assert resumed["model_sha256"] == uninterrupted["model_sha256"]
+    assert resumed["final_loss"] == uninterrupted["final_loss"]
+    # Recomputing activations changes no number: the same weights as without checkpointing.
+    plain = train(dataset_dir, tmp_path / "plain", checkpoint_mode="sync")
+    assert plain["model_sha256"] == uninterrupted["model_sha256"]
+
+
+def test_bf16_compute_keeps_fp32_weights_and_optimizer_state_in_checkpoints(dataset_dir, tmp_path):
+    bf16 = train(
+        dataset_dir,
+        tmp_path / "bf16",
+        nproc=1,
+        overrides=("training.mixed_precision=bf16",),
+        checkpoint_mode="sync",
+    )
+    fp32 = train(dataset_dir, tmp_path / "fp32", nproc=1, checkpoint_mode="sync")
+    assert bf16["completed"] and bf16["final_loss"] < bf16["losses"][0]["loss"]
+    assert bf16["model_sha256"] != fp32["model_sha256"]  # the compute really ran in bf16
+    checkpoint = latest_committed_checkpoint(tmp_path / "bf16" / "checkpoints")
+    assert checkpoint is not None and checkpoint.name == f"step_{STEPS}"
+    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata()
+    dtypes = {
+        key: item.properties.dtype
+        for key, item in metadata.state_dict_metadata.items()
+        if isinstance(item, TensorStorageMetadata) and item.size.numel() > 1
+    }
+    assert any(key.startswith("model.") for key in dtypes) and any(key.startswith("optim.") for key in dtypes)
+    assert {str(dtype) for dtype in dtypes.values()} == {"torch.float32"}, dtypes
