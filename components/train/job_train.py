@@ -9,8 +9,10 @@ validate and register do not care which launcher trained the model.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+from components.train.job_scale import trainer_overrides
 from components.train.jobs import JOB_LAUNCHERS, JobSettings, JobSettingsError, job_manifest, job_name
 from components.train.k8s_launcher import JobFailed, in_cluster_api_client, pod_namespace, run_job
 from components.train.train import TrainRequest, TrainResult, checked_result
@@ -29,7 +31,15 @@ def job_settings_for_run(
     **job_fields: Any,
 ) -> JobSettings:
     """JobSettings whose pods train this run into its run folder (checked, pure)."""
+    request = scaled_request(request, job_fields.get("gpus_per_node", 0))
     return _job_settings(request.config(), run_id, namespace, image, nproc_per_node, job_fields)
+
+
+def scaled_request(request: TrainRequest, gpus_per_node: int) -> TrainRequest:
+    """`request` with the trainer's timeouts for a job of this GPU count (job_scale) put
+    before the user's overrides, which therefore still win."""
+    scaled = " ".join([*trainer_overrides(gpus_per_node), request.overrides]).strip()
+    return dataclasses.replace(request, overrides=scaled)
 
 
 def _job_settings(
@@ -74,7 +84,7 @@ def train_with_job(
     # The engine's own deadline backs up this step's timeout for when the step's pod dies
     # without cleaning up (node loss) and the exit handler cannot run either.
     job_fields.setdefault("deadline_s", int(timeout_s) + 600)
-    config = request.config()
+    config = scaled_request(request, job_fields.get("gpus_per_node", 0)).config()
     settings = _job_settings(config, run_id, pod_namespace(namespace), image, nproc_per_node, job_fields)
     manifest = job_manifest(launcher, settings)
     config.write(request.workdir / CONFIG_FILE)
