@@ -15,6 +15,7 @@ from typing import Any
 from components.train.job_scale import trainer_overrides
 from components.train.jobs import JOB_LAUNCHERS, JobSettings, JobSettingsError, job_manifest, job_name
 from components.train.k8s_launcher import JobFailed, in_cluster_api_client, pod_namespace, run_job
+from components.train.pod_health import DEFAULT_PENDING_TIMEOUT_S
 from components.train.train import TrainRequest, TrainResult, checked_result
 from trainer.config import TrainConfig
 from trainer.launch import CONFIG_FILE
@@ -73,6 +74,7 @@ def train_with_job(
     nproc_per_node: int,
     timeout_s: float,
     poll_interval_s: float = 10.0,
+    pending_timeout_s: float = DEFAULT_PENDING_TIMEOUT_S,
     api_client: Any = None,
     **job_fields: Any,
 ) -> TrainResult:
@@ -96,6 +98,7 @@ def train_with_job(
         api_client=api_client if api_client is not None else in_cluster_api_client(),
         timeout_s=timeout_s,
         poll_interval_s=poll_interval_s,
+        pending_timeout_s=pending_timeout_s,
     )
     if not summary_path.is_file():
         raise JobFailed(
