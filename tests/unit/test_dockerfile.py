@@ -19,7 +19,9 @@ DOCKERFILE = (ROOT / "Dockerfile").read_text()
 def _instructions() -> list[str]:
     """The Dockerfile's instructions with continuation lines joined and comments dropped."""
     lines = [line for line in DOCKERFILE.splitlines() if not line.lstrip().startswith("#")]
-    return [" ".join(part.split()) for part in "\n".join(lines).replace("\\\n", " ").split("\n") if part.strip()]
+    return [
+        " ".join(part.split()) for part in "\n".join(lines).replace("\\\n", " ").split("\n") if part.strip()
+    ]
 
 
 def test_the_efa_installer_runs_in_container_mode_from_a_pinned_version():
