@@ -397,3 +397,39 @@ def test_a_gpu_job_trains_with_gpu_scale_timeouts_and_a_cpu_job_with_the_trainer
         )  # fmt: skip
         assert result.config.resilience.soft_timeout_s == soft
         assert TrainConfig.read(run_folder / "train" / "config.json").resilience.soft_timeout_s == soft
+
+
+def test_the_train_step_reports_no_model_when_a_job_stopped_on_sigterm_early(fake, tmp_path, monkeypatch):
+    """The train component itself, with the job launcher against the fake API: the engine
+    says Succeeded, rank 0's summary says SIGTERM stopped it at step 60 of 100. The step
+    raises, so KFP marks it failed and never starts validate or register (they consume its
+    `model` output), and it records no model, metrics or step record for anyone to pick up."""
+    from types import SimpleNamespace
+
+    import components.train.job_train as job_train
+    from components.train.component import train_model
+
+    mount = tmp_path / "fsx"
+    run_folder = mount / "rtp" / "runs" / "drained"
+    (run_folder / "train").mkdir(parents=True)
+    partial = fake_summary(steps=60, checkpoint=str(run_folder / "checkpoints" / "step_60"))
+    partial.target_steps, partial.completed, partial.stopped_by_signal = 100, False, True
+    fake.on_success = lambda job: partial.write(run_folder / "train" / "summary.json")
+    monkeypatch.setattr(job_train, "in_cluster_api_client", lambda: api_client(fake))
+    monkeypatch.setattr(
+        job_train, "run_job", lambda manifest, **kw: run_job(manifest, **{**kw, "poll_interval_s": 0.01})
+    )
+    model = SimpleNamespace(metadata={}, path=str(tmp_path / "model.json"))
+    logged: list[tuple[str, float]] = []
+    metrics = SimpleNamespace(log_metric=lambda name, value: logged.append((name, value)))
+    with pytest.raises(TrainingIncomplete, match="step 60 of 100"):
+        train_model(
+            dataset=SimpleNamespace(metadata={"snapshot_dir": str(mount / "d")}),
+            base_model=SimpleNamespace(metadata={}), fsx_mount_path=str(mount), run_name="drained",
+            run_id=RUN_ID, steps=100, nproc=1, checkpoint_every=10, checkpoint_mode="async", seed=1,
+            preset="tiny-cpu", overrides="", faults="none", model_init="pretrained", model=model,
+            metrics=metrics, goodput_report=SimpleNamespace(path=str(tmp_path / "report.html")),
+            launcher="pytorchjob", nnodes=2, job_image="example.com/rtp:1", job_namespace="team-a",
+        )  # fmt: skip
+    assert model.metadata == {} and not (tmp_path / "model.json").exists() and logged == []
+    assert not (run_folder / "steps" / "train.json").exists()
