@@ -22,7 +22,9 @@ from components.register_model.component import register_model
 from components.stage_data.component import stage_data
 from components.stage_model.component import stage_model
 from components.train.component import train_model
-from components.train.jobs import DEFAULT_LAUNCHER, DEFAULT_TRAINING_RUNTIME
+from components.train.job_scale import AUTO, AUTO_COUNT
+from components.train.jobs import DEFAULT_LAUNCHER, DEFAULT_TRAINING_RUNTIME, JOB_LAUNCHERS
+from components.train.pod_health import DEFAULT_PENDING_TIMEOUT_S
 from components.validate_checkpoint.component import validate_checkpoint
 from pipelines import platform
 from pipelines.platform import PlatformOptions
@@ -50,6 +52,11 @@ def build_pipeline(
 ) -> Any:
     """The pipeline for `image`; `launcher` is the default of its launcher parameter."""
     options = (options or PlatformOptions()).check()
+    if launcher in JOB_LAUNCHERS and options.train_pod_gpus:
+        raise ValueError(
+            f"with launcher {launcher} the train step's pod only creates and watches the job: compile without "
+            f"--train-pod-gpus (got {options.train_pod_gpus}), or that pod holds GPUs the job's pods need"
+        )
     cleanup_op = as_component(cleanup_training_jobs, image)
     check_op = as_component(check_run, image)
     stage_op = as_component(stage_data, image)
@@ -93,6 +100,14 @@ def build_pipeline(
         gpu_node_selector: dict = {},  # noqa: B006 (KFP reads the literal as the default)
         gpu_tolerations: list = platform.DEFAULT_GPU_TOLERATIONS,
         mlflow_secret_name: str = platform.DEFAULT_MLFLOW_SECRET,
+        instance_type: str = platform.DEFAULT_GPU_INSTANCE_TYPE,
+        job_cpu_per_node: str = AUTO,
+        job_memory_per_node: str = AUTO,
+        job_shm_size: str = AUTO,
+        job_max_restarts: int = AUTO_COUNT,
+        job_backoff_limit: int = AUTO_COUNT,
+        job_termination_grace_s: int = AUTO_COUNT,
+        job_pending_timeout_s: int = int(DEFAULT_PENDING_TIMEOUT_S),
     ) -> None:
         """Resilient training: stage, train, validate, register.
 
@@ -126,6 +141,14 @@ def build_pipeline(
             gpu_node_selector: Node labels the training pods must match, e.g. {"node.kubernetes.io/instance-type": "p5.48xlarge"}.
             gpu_tolerations: Tolerations of the training pods (Kubernetes toleration objects) for tainted GPU nodes.
             mlflow_secret_name: Kubernetes secret with keys tracking_uri, username, password for the register step.
+            instance_type: EC2 instance type of the training job's nodes (match gpu_node_selector); with EFA it decides whether GPUDirect RDMA is on (p4d, p4de, p5, p5e, p5en).
+            job_cpu_per_node: CPU request of each training job pod; auto = a share of a p5.48xlarge (22.5 per GPU: 180 for 8 GPUs), none on CPU; empty = none.
+            job_memory_per_node: Memory request of each training job pod; auto = 225Gi per GPU (1800Gi for 8), none on CPU; empty = none.
+            job_shm_size: Size limit of each training job pod's /dev/shm; auto = 32Gi per GPU (256Gi for 8), unbounded on CPU.
+            job_max_restarts: ft_launcher worker-group restarts in each job pod; -1 = by GPU count (10 on GPUs, 3 on CPU).
+            job_backoff_limit: Pod restarts before a PyTorchJob is Failed; -1 = by GPU count (10 on GPUs, 2 on CPU).
+            job_termination_grace_s: Seconds a job pod gets after SIGTERM for its final checkpoint (ft_launcher waits 60 s less); -1 = by GPU count (600 on GPUs, 90 on CPU).
+            job_pending_timeout_s: The train step fails when a job pod stays unschedulable, or an init container waits, this many seconds.
         """
         # Every parameter, by name, for the check that runs before anything else (locals()
         # also holds the enclosing function's names this body uses: keep the parameters).
@@ -178,6 +201,14 @@ def build_pipeline(
                 node_selector=gpu_node_selector,
                 tolerations=gpu_tolerations,
                 image_pull_secrets=list(options.image_pull_secrets),
+                instance_type=instance_type,
+                job_cpu_per_node=job_cpu_per_node,
+                job_memory_per_node=job_memory_per_node,
+                job_shm_size=job_shm_size,
+                job_max_restarts=job_max_restarts,
+                job_backoff_limit=job_backoff_limit,
+                job_termination_grace_s=job_termination_grace_s,
+                job_pending_timeout_s=job_pending_timeout_s,
             ).set_display_name("Train the model with FSDP and checkpoints")
             platform.configure_train_pod(
                 train,

@@ -25,6 +25,7 @@ MLFLOW_SECRET_KEYS = {
     "password": "MLFLOW_TRACKING_PASSWORD",
 }
 DEFAULT_GPU_TOLERATIONS = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+DEFAULT_GPU_INSTANCE_TYPE = "p5.48xlarge"
 IMAGE_PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 
 
@@ -39,7 +40,9 @@ class PlatformOptions:
     """CPU request of the train step's own pod (all of training with launcher inpod)."""
     train_pod_memory: str = "8Gi"
     train_pod_gpus: int = 0
-    """GPUs the train step's own pod requests (launcher inpod); 0 requests none."""
+    """GPUs the train step's own pod requests, for launcher inpod only; 0 requests none.
+    With a job launcher that pod only watches the job, so a compile with a job launcher
+    as the default refuses GPUs here (pipelines.pipeline.build_pipeline)."""
     shm_size: str = ""
     """Size limit of the trainer's /dev/shm; empty leaves it bounded by the pod's memory."""
 

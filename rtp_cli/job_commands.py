@@ -12,6 +12,7 @@ import json
 import sys
 from typing import Any
 
+from components.train.job_scale import AUTO, AUTO_COUNT
 from components.train.jobs import DEFAULT_TRAINING_RUNTIME, JOB_LAUNCHERS
 from pipelines.platform import DEFAULT_GPU_TOLERATIONS, DEFAULT_PVC_NAME, PlatformOptions
 from trainer.arguments import PIPELINE_SETTINGS, add_named_arguments, add_preset_argument, named_from_args
@@ -41,15 +42,30 @@ def add_render_job_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--efa-per-node", type=int, default=0, help="EFA interfaces per pod (default: %(default)s)"
     )
-    p.add_argument("--cpu-per-node", default="", help="CPU request per pod, e.g. 90 (default: none)")
     p.add_argument(
-        "--memory-per-node", default="", help="memory request per pod, e.g. 1000Gi (default: none)"
+        "--instance-type",
+        default="",
+        help="EC2 instance type of the nodes; with EFA it decides GPUDirect RDMA (default: none said, so off)",
+    )
+    p.add_argument(
+        "--cpu-per-node",
+        default=AUTO,
+        help="CPU request per pod, e.g. 90; auto = 22.5 per GPU, none on CPU; '' = none (default: %(default)s)",
+    )
+    p.add_argument(
+        "--memory-per-node",
+        default=AUTO,
+        help="memory request per pod, e.g. 1000Gi; auto = 225Gi per GPU, none on CPU (default: %(default)s)",
     )
     p.add_argument("--pvc-name", default=DEFAULT_PVC_NAME, help="FSx PVC (default: %(default)s)")
     p.add_argument(
         "--fsx-mount-path", default=PlatformOptions().fsx_mount_path, help="(default: %(default)s)"
     )
-    p.add_argument("--shm-size", default="", help="size limit of /dev/shm (default: none)")
+    p.add_argument(
+        "--shm-size",
+        default=AUTO,
+        help="size limit of /dev/shm; auto = 32Gi per GPU, unbounded on CPU (default: %(default)s)",
+    )
     p.add_argument(
         "--node-selector",
         default="{}",
@@ -64,9 +80,24 @@ def add_render_job_parser(sub: argparse._SubParsersAction) -> None:
         "--service-account", default="", help="service account of the pods (default: namespace default)"
     )
     p.add_argument("--image-pull-secret", action="append", default=[], metavar="NAME", help="(repeatable)")
-    p.add_argument("--max-restarts", type=int, default=3, help="ft_launcher restarts (default: %(default)s)")
     p.add_argument(
-        "--backoff-limit", type=int, default=2, help="pod retries, PyTorchJob (default: %(default)s)"
+        "--max-restarts",
+        type=int,
+        default=AUTO_COUNT,
+        help="ft_launcher restarts; -1 = by GPU count: 10 on GPUs, 3 on CPU (default: %(default)s)",
+    )
+    p.add_argument(
+        "--backoff-limit",
+        type=int,
+        default=AUTO_COUNT,
+        help="pod retries, PyTorchJob; -1 = by GPU count: 10 on GPUs, 2 on CPU (default: %(default)s)",
+    )
+    p.add_argument(
+        "--termination-grace-s",
+        type=int,
+        default=AUTO_COUNT,
+        help="seconds for the final checkpoint after SIGTERM; -1 = by GPU count: 600 on GPUs, 90 on CPU "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--deadline-s", type=int, default=86400, help="activeDeadlineSeconds (default: %(default)s)"
@@ -124,8 +155,10 @@ def render_job(args: argparse.Namespace) -> dict[str, Any]:
         tolerations=_json_arg("--tolerations", args.tolerations, list),
         service_account=args.service_account,
         image_pull_secrets=list(args.image_pull_secret),
-        max_restarts=args.max_restarts,
-        backoff_limit=args.backoff_limit,
+        instance_type=args.instance_type,
+        max_restarts=args.max_restarts if args.max_restarts >= 0 else None,
+        backoff_limit=args.backoff_limit if args.backoff_limit >= 0 else None,
+        termination_grace_s=args.termination_grace_s if args.termination_grace_s >= 0 else None,
         deadline_s=args.deadline_s,
         training_runtime=args.training_runtime,
     )

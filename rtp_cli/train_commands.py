@@ -20,7 +20,7 @@ def add_train_local_parser(sub: argparse._SubParsersAction) -> None:
         description="Start N training ranks under ft_launcher on this machine. Soft faults (an "
         "exception, a hang) restart training in-process; a killed or hung rank restarts the worker "
         "group (--max-restarts). Resumes from the latest committed checkpoint in the checkpoint dir; "
-        "SIGTERM saves a final checkpoint and exits cleanly. Writes <workdir>/config.json (what the "
+        "SIGTERM saves a final checkpoint and exits non-zero (the run is unfinished). Writes <workdir>/config.json (what the "
         "ranks train with), <workdir>/summary.json (with restarts[], goodput_pct, lost_steps, "
         "model_sha256) and <workdir>/goodput.html.",
     )

@@ -2,7 +2,10 @@
 
 Reads the config (`--config`, as `rtp` writes it, or flags generated from the config's
 named settings: trainer/arguments.py), joins the process group from the launcher's
-environment, trains, and exits non-zero with a one-line reason on a user error.
+environment, trains, and exits non-zero with a one-line reason on a user error. A run
+that SIGTERM stopped before its last step exits with EXIT_STOPPED_BY_SIGNAL once its final
+checkpoint is committed: a partly trained run must not pass for a finished one (the pod
+would count as Succeeded), and the launcher or the engine restarts it from that checkpoint.
 """
 
 from __future__ import annotations
@@ -15,6 +18,10 @@ import time
 from trainer.arguments import add_training_arguments, config_from_args
 from trainer.config import ConfigError
 from trainer.lifecycle import die_with_parent
+
+EXIT_STOPPED_BY_SIGNAL = 143
+"""128 + SIGTERM, the shell's code for a process ended by SIGTERM; the Training Operator's
+ExitCode restart policy treats 128-255 as retryable."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.resilience import FatalTrainingError, run_training
 
     try:
-        run_training(config, process_started_at)
+        summary = run_training(config, process_started_at)
     except (DataError, ConfigError, FatalTrainingError) as exc:
         print(f"trainer: error: {exc}", file=sys.stderr)
         return 2
@@ -50,6 +57,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         shutdown_distributed()
+    if summary is not None and summary.stopped_by_signal and not summary.completed:
+        print(
+            f"trainer: stopped by SIGTERM at step {summary.steps} of {summary.target_steps}; the final "
+            f"checkpoint is committed ({summary.checkpoint}); exiting {EXIT_STOPPED_BY_SIGNAL} so the run "
+            "is not taken for finished",
+            file=sys.stderr,
+        )
+        return EXIT_STOPPED_BY_SIGNAL
     return 0
 
 

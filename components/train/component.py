@@ -33,6 +33,14 @@ def train_model(
     node_selector: dict = {},  # noqa: B006 (KFP reads the literal as the default; never mutated)
     tolerations: list = [],  # noqa: B006
     image_pull_secrets: list = [],  # noqa: B006
+    instance_type: str = "p5.48xlarge",
+    job_cpu_per_node: str = "auto",
+    job_memory_per_node: str = "auto",
+    job_shm_size: str = "auto",
+    job_max_restarts: int = -1,
+    job_backoff_limit: int = -1,
+    job_termination_grace_s: int = -1,
+    job_pending_timeout_s: int = 900,
 ) -> None:
     """Train the language model with FSDP, in this pod or as a multi-node job; resume from the last checkpoint.
 
@@ -66,6 +74,14 @@ def train_model(
         node_selector: node labels the job's pods must match.
         tolerations: tolerations of the job's pods (Kubernetes toleration objects).
         image_pull_secrets: names of the image pull secrets of the job's pods.
+        instance_type: EC2 instance type of the job's nodes; with EFA it decides GPUDirect RDMA (p4d, p5 families).
+        job_cpu_per_node: CPU request of each job pod; auto = a p5 share on GPU jobs (22.5 per GPU), none on CPU.
+        job_memory_per_node: memory request of each job pod; auto = 225Gi per GPU, none on CPU.
+        job_shm_size: size limit of each job pod's /dev/shm; auto = 32Gi per GPU, unbounded on CPU.
+        job_max_restarts: ft_launcher restarts in each job pod; -1 = by GPU count (10 on GPUs, 3 on CPU).
+        job_backoff_limit: pod restarts before a PyTorchJob fails; -1 = by GPU count (10 on GPUs, 2 on CPU).
+        job_termination_grace_s: seconds a job pod has for its final checkpoint after SIGTERM; -1 = by GPU count (600 on GPUs, 90 on CPU).
+        job_pending_timeout_s: a job pod unschedulable, or an init container waiting, this long fails the step.
     """
     import json
     import shutil
@@ -113,6 +129,14 @@ def train_model(
             node_selector=node_selector,
             tolerations=tolerations,
             image_pull_secrets=image_pull_secrets,
+            instance_type=instance_type,
+            cpu_per_node=job_cpu_per_node,
+            memory_per_node=job_memory_per_node,
+            shm_size=job_shm_size,
+            max_restarts=job_max_restarts if job_max_restarts >= 0 else None,
+            backoff_limit=job_backoff_limit if job_backoff_limit >= 0 else None,
+            termination_grace_s=job_termination_grace_s if job_termination_grace_s >= 0 else None,
+            pending_timeout_s=job_pending_timeout_s,
         )
     summary = result.summary
     from trainer.checkpointing.storage import manifest_sha256

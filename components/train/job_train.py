@@ -9,10 +9,13 @@ validate and register do not care which launcher trained the model.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+from components.train.job_scale import trainer_overrides
 from components.train.jobs import JOB_LAUNCHERS, JobSettings, JobSettingsError, job_manifest, job_name
 from components.train.k8s_launcher import JobFailed, in_cluster_api_client, pod_namespace, run_job
+from components.train.pod_health import DEFAULT_PENDING_TIMEOUT_S
 from components.train.train import TrainRequest, TrainResult, checked_result
 from trainer.config import TrainConfig
 from trainer.launch import CONFIG_FILE
@@ -29,7 +32,15 @@ def job_settings_for_run(
     **job_fields: Any,
 ) -> JobSettings:
     """JobSettings whose pods train this run into its run folder (checked, pure)."""
+    request = scaled_request(request, job_fields.get("gpus_per_node", 0))
     return _job_settings(request.config(), run_id, namespace, image, nproc_per_node, job_fields)
+
+
+def scaled_request(request: TrainRequest, gpus_per_node: int) -> TrainRequest:
+    """`request` with the trainer's timeouts for a job of this GPU count (job_scale) put
+    before the user's overrides, which therefore still win."""
+    scaled = " ".join([*trainer_overrides(gpus_per_node), request.overrides]).strip()
+    return dataclasses.replace(request, overrides=scaled)
 
 
 def _job_settings(
@@ -63,6 +74,7 @@ def train_with_job(
     nproc_per_node: int,
     timeout_s: float,
     poll_interval_s: float = 10.0,
+    pending_timeout_s: float = DEFAULT_PENDING_TIMEOUT_S,
     api_client: Any = None,
     **job_fields: Any,
 ) -> TrainResult:
@@ -74,7 +86,7 @@ def train_with_job(
     # The engine's own deadline backs up this step's timeout for when the step's pod dies
     # without cleaning up (node loss) and the exit handler cannot run either.
     job_fields.setdefault("deadline_s", int(timeout_s) + 600)
-    config = request.config()
+    config = scaled_request(request, job_fields.get("gpus_per_node", 0)).config()
     settings = _job_settings(config, run_id, pod_namespace(namespace), image, nproc_per_node, job_fields)
     manifest = job_manifest(launcher, settings)
     config.write(request.workdir / CONFIG_FILE)
@@ -86,6 +98,7 @@ def train_with_job(
         api_client=api_client if api_client is not None else in_cluster_api_client(),
         timeout_s=timeout_s,
         poll_interval_s=poll_interval_s,
+        pending_timeout_s=pending_timeout_s,
     )
     if not summary_path.is_file():
         raise JobFailed(

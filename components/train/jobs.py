@@ -12,10 +12,12 @@ tests can validate them against the CRD schemas; `k8s_launcher` creates and watc
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from components.train.job_scale import AUTO, JobScale, job_scale
 from trainer.launch import LauncherSettings, launcher_flags
 
 PYTORCHJOB_API_VERSION = "kubeflow.org/v1"
@@ -37,6 +39,14 @@ EFA_RESOURCE = "vpc.amazonaws.com/efa"
 PYTORCHJOB_CONTAINER = "pytorch"
 TRAINJOB_CONTAINER = "node"
 TRAINJOB_REPLICATED_JOB = "node"
+ISTIO_INJECT_ANNOTATION = "sidecar.istio.io/inject"
+"""Kubeflow profile namespaces inject Istio sidecars; a training pod must not get one: the
+sidecar keeps the master pod from reaching Succeeded, and c10d/NCCL traffic would pass Envoy."""
+EFA_DEVICE_RDMA_INSTANCE_TYPES = frozenset(
+    {"p4d.24xlarge", "p4de.24xlarge", "p5.48xlarge", "p5e.48xlarge", "p5en.48xlarge"}
+)
+"""EC2 instance types whose EFA supports GPUDirect RDMA (FI_EFA_USE_DEVICE_RDMA=1), per the
+EC2 user guide's EFA pages; on others (g5, g6, p3dn) libfabric would fail to register GPU memory."""
 SHM_VOLUME = "dshm"
 FSX_VOLUME = "fsx"
 _DNS_LABEL = re.compile(r"[^a-z0-9-]+")
@@ -64,21 +74,33 @@ class JobSettings:
     """0 trains on CPU (gloo); otherwise each pod requests this many `nvidia.com/gpu`."""
     efa_per_node: int = 0
     """EFA interfaces each pod requests (`vpc.amazonaws.com/efa`); 0 uses TCP sockets."""
+    instance_type: str = ""
+    """EC2 instance type of the job's nodes; with EFA it decides whether device RDMA is on
+    (EFA_DEVICE_RDMA_INSTANCE_TYPES). It does not schedule: match it with node_selector."""
     cpu_per_node: str = ""
+    """CPU request (and limit) of each pod; `auto` takes a p5 share from job_scale on GPU
+    jobs and none on CPU; empty requests none."""
     memory_per_node: str = ""
+    """Memory request (and limit) of each pod; `auto` as for cpu_per_node."""
     pvc_name: str = "fsx-claim"
     mount_path: str = "/fsx"
     shm_size: str = ""
-    """Size limit of the memory-backed /dev/shm; empty leaves it bounded by pod memory."""
+    """Size limit of the memory-backed /dev/shm; empty leaves it bounded by pod memory;
+    `auto` as for cpu_per_node."""
     node_selector: dict[str, str] = field(default_factory=dict)
     tolerations: list[dict[str, Any]] = field(default_factory=list)
     service_account: str = ""
     image_pull_policy: str = "IfNotPresent"
     image_pull_secrets: list[str] = field(default_factory=list)
-    max_restarts: int = 3
-    """ft_launcher restarts of the worker group inside the pods before the pod fails."""
-    backoff_limit: int = 2
-    """Pod-level retries the engine makes before the job is Failed (PyTorchJob)."""
+    max_restarts: int | None = None
+    """ft_launcher restarts of the worker group inside the pods before the pod fails;
+    None takes job_scale's value for the GPU count."""
+    backoff_limit: int | None = None
+    """Pod-level retries the engine makes before the job is Failed (PyTorchJob); None
+    takes job_scale's value."""
+    termination_grace_s: int | None = None
+    """The pods' terminationGracePeriodSeconds (ft_launcher's --term-timeout is 60 s less,
+    at least half of it); None takes job_scale's value."""
     deadline_s: int = 24 * 3600
     """The job is stopped after this many seconds (activeDeadlineSeconds)."""
     ttl_after_finished_s: int = 3600
@@ -98,8 +120,13 @@ class JobSettings:
             ("nproc_per_node", self.nproc_per_node, 1),
             ("gpus_per_node", self.gpus_per_node, 0),
             ("efa_per_node", self.efa_per_node, 0),
-            ("max_restarts", self.max_restarts, 0),
-            ("backoff_limit", self.backoff_limit, 0),
+            ("max_restarts", self.max_restarts if self.max_restarts is not None else 0, 0),
+            ("backoff_limit", self.backoff_limit if self.backoff_limit is not None else 0, 0),
+            (
+                "termination_grace_s",
+                self.termination_grace_s if self.termination_grace_s is not None else 2,
+                2,
+            ),
             ("deadline_s", self.deadline_s, 1),
         ):
             if value < low:
@@ -124,6 +151,34 @@ class JobSettings:
             raise JobSettingsError("; ".join(problems))
         return self
 
+    @property
+    def scale(self) -> JobScale:
+        return job_scale(self.gpus_per_node)
+
+    def resolved(self) -> JobSettings:
+        """A copy with every `auto`/None value taken from `job_scale` (what the pods get)."""
+        scale = self.scale
+        cpu, memory, shm = scale.resources(self.gpus_per_node)
+        grace = (
+            self.termination_grace_s if self.termination_grace_s is not None else scale.termination_grace_s
+        )
+        return dataclasses.replace(
+            self,
+            cpu_per_node=cpu if self.cpu_per_node == AUTO else self.cpu_per_node,
+            memory_per_node=memory if self.memory_per_node == AUTO else self.memory_per_node,
+            shm_size=shm if self.shm_size == AUTO else self.shm_size,
+            max_restarts=self.max_restarts if self.max_restarts is not None else scale.max_restarts,
+            backoff_limit=self.backoff_limit if self.backoff_limit is not None else scale.backoff_limit,
+            termination_grace_s=grace,
+        )
+
+    def term_timeout_s(self) -> int:
+        """ft_launcher's --term-timeout: 60 s (at most half) below the grace period, so the
+        launcher stops the ranks and exits on its own before the kubelet's SIGKILL."""
+        grace = self.resolved().termination_grace_s
+        assert grace is not None
+        return max(grace // 2, grace - 60)
+
 
 def job_name(run_id: str, prefix: str = "rtp-train") -> str:
     """A DNS-label job name unique to a KFP run (the cleanup task finds it by label)."""
@@ -137,6 +192,8 @@ def ft_launcher_command(settings: JobSettings, rdzv_host_env: str, rdzv_port_env
     `$(VAR)` is expanded by the kubelet from the container's environment, which the engine
     fills in (MASTER_ADDR/MASTER_PORT for PyTorchJob, PET_MASTER_* for TrainJob).
     """
+    resolved = settings.resolved()
+    assert resolved.max_restarts is not None
     nodes = settings.nnodes
     command = [
         "ft_launcher",
@@ -149,7 +206,7 @@ def ft_launcher_command(settings: JobSettings, rdzv_host_env: str, rdzv_port_env
         # heartbeat timeouts until learned follow AWS's EKS test case, not the local defaults.
         *launcher_flags(
             LauncherSettings(
-                max_restarts=settings.max_restarts,
+                max_restarts=resolved.max_restarts,
                 initial_heartbeat_timeout_s=1200,
                 heartbeat_timeout_s=900,
                 workers_stop_timeout_s=30,
@@ -157,8 +214,18 @@ def ft_launcher_command(settings: JobSettings, rdzv_host_env: str, rdzv_port_env
             ),
             cpu=settings.gpus_per_node == 0,
         ),
+        # After the kubelet's SIGTERM the ranks write their final checkpoint; the launcher
+        # waits this long for them (its default, 1800 s, outlasts any grace period).
+        f"--term-timeout={settings.term_timeout_s()}",
     ]
     return [*command, "-m", "trainer", *settings.trainer_args]
+
+
+def efa_device_rdma(settings: JobSettings) -> bool:
+    """GPUDirect RDMA over EFA: only with EFA, GPUs and an instance type known to support it."""
+    return bool(settings.efa_per_node and settings.gpus_per_node) and (
+        settings.instance_type in EFA_DEVICE_RDMA_INSTANCE_TYPES
+    )
 
 
 def training_env(settings: JobSettings) -> list[dict[str, str]]:
@@ -168,7 +235,20 @@ def training_env(settings: JobSettings) -> list[dict[str, str]]:
         # gloo on CPU: one intra-op thread per rank, or the ranks oversubscribe the cores.
         env["OMP_NUM_THREADS"] = "1"
     if settings.efa_per_node:
-        env.update({"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"})
+        env.update(
+            {
+                # libfabric's EFA provider for NCCL's aws-ofi-nccl plugin (Dockerfile); INFO with
+                # the INIT and NET subsystems prints which provider NCCL chose, once per rank
+                # ("NET/OFI Selected Provider is efa", docs/eks.md), and little else.
+                "FI_PROVIDER": "efa",
+                "NCCL_DEBUG": "INFO",
+                "NCCL_DEBUG_SUBSYS": "INIT,NET",
+                # The data loader and the checkpoint writer fork; registered memory must survive it.
+                "FI_EFA_FORK_SAFE": "1",
+            }
+        )
+        if efa_device_rdma(settings):
+            env["FI_EFA_USE_DEVICE_RDMA"] = "1"
     env.update(settings.env)
     return [{"name": key, "value": value} for key, value in env.items()]
 
@@ -219,6 +299,10 @@ def _metadata(settings: JobSettings) -> dict[str, Any]:
     return {"name": settings.name, "namespace": settings.namespace, "labels": _labels(settings)}
 
 
+def _pod_annotations() -> dict[str, str]:
+    return {ISTIO_INJECT_ANNOTATION: "false"}
+
+
 def _scheduling(settings: JobSettings) -> dict[str, Any]:
     spec: dict[str, Any] = {}
     if settings.node_selector:
@@ -257,7 +341,7 @@ def container_security_context(settings: JobSettings) -> dict[str, Any]:
 
 def pytorchjob_manifest(settings: JobSettings) -> dict[str, Any]:
     """A `kubeflow.org/v1` PyTorchJob: one Master and nnodes-1 Workers, one pod per node."""
-    settings.check()
+    settings = settings.check().resolved()
     container: dict[str, Any] = {
         "name": PYTORCHJOB_CONTAINER,
         "image": settings.image,
@@ -278,9 +362,10 @@ def pytorchjob_manifest(settings: JobSettings) -> dict[str, Any]:
             # backoffLimit); ft_launcher has already retried inside the pod by then.
             "restartPolicy": "OnFailure",
             "template": {
-                "metadata": {"labels": _labels(settings)},
+                "metadata": {"labels": _labels(settings), "annotations": _pod_annotations()},
                 "spec": {
                     **_scheduling(settings),
+                    "terminationGracePeriodSeconds": settings.termination_grace_s,
                     # Training needs no Kubernetes API access: no token in the pods.
                     "automountServiceAccountToken": False,
                     "securityContext": pod_security_context(),
@@ -314,10 +399,12 @@ def trainjob_manifest(settings: JobSettings) -> dict[str, Any]:
     """A `trainer.kubeflow.org/v1alpha1` TrainJob on a torch-distributed ClusterTrainingRuntime.
 
     Volumes, scheduling and pull secrets go through `runtimePatches` (the v2.3 API for
-    changing the runtime's pod template). The runtime owns the restart policy of the pods
-    and their image pull policy; ft_launcher restarts the ranks inside each pod.
+    changing the runtime's pod template), and so do the Istio annotation (pod template
+    metadata) and the grace period. The runtime owns the restart policy of the pods, their
+    image pull policy and the JobSet's failure policy (no backoffLimit here); ft_launcher
+    restarts the ranks inside each pod.
     """
-    settings.check()
+    settings = settings.check().resolved()
     trainer: dict[str, Any] = {
         "image": settings.image,
         "numNodes": settings.nnodes,
@@ -332,6 +419,7 @@ def trainjob_manifest(settings: JobSettings) -> dict[str, Any]:
     # that does not mount its token (--service-account), or set it in the runtime (docs/eks.md).
     pod_patch: dict[str, Any] = {
         **_scheduling(settings),
+        "terminationGracePeriodSeconds": settings.termination_grace_s,
         "securityContext": pod_security_context(),
         "volumes": _volumes(settings),
         "containers": [
@@ -363,7 +451,14 @@ def trainjob_manifest(settings: JobSettings) -> dict[str, Any]:
                                 "replicatedJobs": [
                                     {
                                         "name": TRAINJOB_REPLICATED_JOB,
-                                        "template": {"spec": {"template": {"spec": pod_patch}}},
+                                        "template": {
+                                            "spec": {
+                                                "template": {
+                                                    "metadata": {"annotations": _pod_annotations()},
+                                                    "spec": pod_patch,
+                                                }
+                                            }
+                                        },
                                     }
                                 ]
                             }

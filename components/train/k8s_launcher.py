@@ -2,8 +2,11 @@
 
 `run_job` creates a PyTorchJob or TrainJob manifest (from `jobs`) with the `kubernetes`
 client, polls the job's conditions every `poll_interval_s`, copies new lines of the rank-0
-pod's log into this process's output, and returns once the engine reports success. It
-raises `JobFailed` when the engine reports failure and `JobTimedOut` after `timeout_s`;
+pod's log into this process's output, watches the job's pods and their events for a pod
+that will never get anywhere (`pod_health`: unschedulable, a bad image, a crash loop, an
+init container waiting too long), and returns once the engine reports success. It raises
+`JobFailed` when the engine reports failure, `PodStuck` with the reason when a pod is
+stuck, and `JobTimedOut` after `timeout_s`;
 on either, and on SIGTERM (a terminated KFP run deletes the component's pod), it deletes
 the job so no GPU pods outlive the run. Transient API errors while reading the status are
 retried with backoff and never delete the job. `delete_run_jobs` is the pipeline's
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from components.train.jobs import (
+    ISTIO_INJECT_ANNOTATION,
     MANAGED_BY_LABEL,
     MANAGED_BY_RTP,
     PYTORCHJOB_API_VERSION,
@@ -39,6 +43,7 @@ from components.train.jobs import (
     TRAINJOB_REPLICATED_JOB,
     run_id_label_value,
 )
+from components.train.pod_health import DEFAULT_PENDING_TIMEOUT_S, stuck_reason
 from trainer.launch import TrainingFailed
 
 log = logging.getLogger(__name__)
@@ -57,6 +62,10 @@ class JobFailed(TrainingFailed):
 
 class JobTimedOut(JobFailed):
     """The job did not finish within the step's timeout; it has been deleted."""
+
+
+class PodStuck(JobFailed):
+    """A pod of the job cannot start or run (see `pod_health`); the job has been deleted."""
 
 
 class _Terminated(BaseException):
@@ -142,6 +151,92 @@ def _api_error(exc: Exception) -> str:
         return json.loads(body).get("message", body)
     except (ValueError, AttributeError):
         return str(body) or str(exc)
+
+
+def job_pods_selector(ref: JobRef) -> str:
+    """The label selector of every pod of the job (all replicas, all nodes)."""
+    if ref.kind == "PyTorchJob":
+        return f"training.kubeflow.org/job-name={ref.name}"
+    return f"jobset.sigs.k8s.io/jobset-name={ref.name}"
+
+
+def _allowed_crash_restarts(manifest: dict[str, Any]) -> int:
+    """Container restarts the engine may still retry: the PyTorchJob's backoffLimit (the
+    TrainJob's runtime owns its failure policy: allow as many as a CPU PyTorchJob)."""
+    run_policy = manifest.get("spec", {}).get("runPolicy", {})
+    return int(run_policy.get("backoffLimit", 2))
+
+
+class _PodWatcher:
+    """Lists the job's pods (and the events about a pod that is not running) every poll and
+    raises PodStuck with the reason when one will never get the job anywhere."""
+
+    def __init__(self, core: Any, ref: JobRef, pending_timeout_s: float, crash_restarts: int) -> None:
+        self.core, self.ref = core, ref
+        self.selector = job_pods_selector(ref)
+        self.pending_timeout_s, self.crash_restarts = pending_timeout_s, crash_restarts
+        self.events_readable = True
+        self.warned_sidecar = False
+
+    def _events(self, pod_name: str) -> list[dict[str, Any]]:
+        from kubernetes.client.exceptions import ApiException
+
+        if not self.events_readable:
+            return []
+        try:
+            events = self.core.list_namespaced_event(
+                self.ref.namespace, field_selector=f"involvedObject.kind=Pod,involvedObject.name={pod_name}"
+            ).items
+        except ApiException as exc:
+            if exc.status == 403:  # an older Role without `events`: diagnose from pod status alone
+                log.warning("cannot list events (%s): add `events` to the Role (deploy/eks)", _api_error(exc))
+                self.events_readable = False
+            return []
+        return [self.core.api_client.sanitize_for_serialization(event) for event in events]
+
+    def check(self) -> None:
+        from datetime import UTC, datetime
+
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            pods = self.core.list_namespaced_pod(self.ref.namespace, label_selector=self.selector).items
+        except Exception as exc:
+            if not isinstance(exc, ApiException) and not is_transient(exc):
+                raise
+            log.debug("could not list the job's pods: %s", _api_error(exc))
+            return
+        now = datetime.now(UTC)
+        for item in pods:
+            pod = self.core.api_client.sanitize_for_serialization(item)
+            self._warn_about_sidecars(pod)
+            status = pod.get("status") or {}
+            settled = status.get("phase") in ("Running", "Succeeded") and all(
+                "waiting" not in (c.get("state") or {}) for c in status.get("containerStatuses") or []
+            )
+            events = [] if settled else self._events(pod["metadata"]["name"])
+            reason = stuck_reason(
+                pod,
+                events,
+                now=now,
+                pending_timeout_s=self.pending_timeout_s,
+                crash_restarts=self.crash_restarts,
+            )
+            if reason:
+                raise PodStuck(
+                    f"{self.ref.kind} {self.ref.namespace}/{self.ref.name}: {reason}; the job was deleted"
+                )
+
+    def _warn_about_sidecars(self, pod: dict[str, Any]) -> None:
+        names = [c.get("name") for c in pod.get("spec", {}).get("containers") or []]
+        if "istio-proxy" in names and not self.warned_sidecar:
+            self.warned_sidecar = True
+            log.warning(
+                "pod %s has an istio-proxy sidecar despite %s=false: the master pod may never "
+                "reach Succeeded; see docs/eks.md (Istio)",
+                pod["metadata"]["name"],
+                ISTIO_INJECT_ANNOTATION,
+            )
 
 
 class _LogFollower:
@@ -277,17 +372,21 @@ def run_job(
     poll_interval_s: float = 10.0,
     write: Callable[[str], None] | None = None,
     status_read_grace_s: float = STATUS_READ_GRACE_S,
+    pending_timeout_s: float = DEFAULT_PENDING_TIMEOUT_S,
 ) -> dict[str, Any]:
     """Create the job, wait for it and return its final object. The job is deleted only
-    when it is known to have failed, timed out, or the step was terminated; transient errors
-    reading its status are retried with backoff for up to `status_read_grace_s`."""
+    when it is known to have failed, to be stuck (a pod unschedulable or waiting for
+    `pending_timeout_s`, a bad image, a crash loop), timed out, or the step was terminated;
+    transient errors reading its status are retried with backoff for up to `status_read_grace_s`."""
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
 
     write = write or (lambda line: print(line, file=sys.stdout, flush=True))
     ref = JobRef.of(manifest)
     custom = client.CustomObjectsApi(api_client)
-    follower = _LogFollower(client.CoreV1Api(api_client), ref, write)
+    core = client.CoreV1Api(api_client)
+    follower = _LogFollower(core, ref, write)
+    watcher = _PodWatcher(core, ref, pending_timeout_s, _allowed_crash_restarts(manifest))
     deadline = time.monotonic() + timeout_s
     _create(custom, ref, manifest, api_client)
     write(f"created {ref.kind} {ref.namespace}/{ref.name}; waiting up to {timeout_s:.0f} s")
@@ -328,6 +427,11 @@ def run_job(
                 if outcome == "failed":
                     delete_on_exit = True
                     raise JobFailed(f"{ref.kind} {ref.namespace}/{ref.name} failed: {message}")
+                try:
+                    watcher.check()
+                except PodStuck:
+                    delete_on_exit = True
+                    raise
                 if time.monotonic() >= deadline:
                     delete_on_exit = True
                     raise JobTimedOut(

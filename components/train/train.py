@@ -18,7 +18,7 @@ from typing import Any
 
 from trainer.arguments import config_from_pipeline
 from trainer.config import DEFAULT_PRESET, TrainConfig
-from trainer.launch import run_local_training
+from trainer.launch import TrainingFailed, run_local_training
 from trainer.summary import TrainSummary
 
 
@@ -78,9 +78,32 @@ class CheckpointOutsideRun(RuntimeError):
     """The training reported a checkpoint outside its own run folder."""
 
 
+class TrainingIncomplete(TrainingFailed):
+    """Training ended before its target step (SIGTERM from a node drain, a Spot reclaim or a
+    deleted pod): the model is partly trained and must not be validated or registered."""
+
+
+def require_completed(summary: TrainSummary, config: TrainConfig) -> None:
+    """Raise TrainingIncomplete unless the run reached its target step (or the `stop_after`
+    step it was asked to stop at, without a signal)."""
+    if summary.completed:
+        return
+    stop_after = config.run.stop_after_steps
+    if stop_after and summary.steps >= stop_after and not summary.stopped_by_signal:
+        return
+    why = "it was stopped by SIGTERM (a node drain, Spot reclaim or deleted pod)" if (
+        summary.stopped_by_signal) else "it ended early"  # fmt: skip
+    raise TrainingIncomplete(
+        f"training reached step {summary.steps} of {summary.target_steps}: {why}. Its last checkpoint "
+        f"({summary.checkpoint or 'none'}) is kept; run again with the same run_name to resume from it"
+    )
+
+
 def checked_result(result: TrainResult, request: TrainRequest) -> TrainResult:
-    """`result`, once its checkpoint is known to lie in this run's checkpoints folder: later
-    steps load and register whatever the train step reports, so it must be this run's."""
+    """`result`, once training is known to have reached its target and its checkpoint to lie
+    in this run's checkpoints folder: later steps load and register whatever the train step
+    reports, so it must be this run's finished model."""
+    require_completed(result.summary, result.config)
     checkpoint = result.summary.checkpoint
     own = (Path(request.run_folder) / "checkpoints").resolve()
     if checkpoint is not None and not Path(checkpoint).resolve().is_relative_to(own):

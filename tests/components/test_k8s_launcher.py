@@ -20,9 +20,22 @@ from kubernetes import client
 
 from components.train.job_train import train_with_job
 from components.train.jobs import RUN_ID_LABEL, JobSettings, job_manifest
-from components.train.k8s_launcher import JobFailed, JobTimedOut, StatusUnknown, delete_run_jobs, run_job
-from components.train.train import CheckpointOutsideRun, TrainRequest
-from tests.fakes.kube_api import FakeKubernetes, Scenario
+from components.train.k8s_launcher import (
+    JobFailed,
+    JobTimedOut,
+    PodStuck,
+    StatusUnknown,
+    delete_run_jobs,
+    run_job,
+)
+from components.train.train import (
+    CheckpointOutsideRun,
+    TrainingIncomplete,
+    TrainRequest,
+    TrainResult,
+    checked_result,
+)
+from tests.fakes.kube_api import FakeKubernetes, PodTrouble, Scenario
 from trainer.config import TrainConfig
 from trainer.summary import TrainSummary
 
@@ -265,3 +278,158 @@ def test_exit_handler_deletes_the_job_only_when_the_run_did_not_succeed(fake, la
     client.CustomObjectsApi(api).create_namespaced_custom_object(group, version, "team-a", plural, manifest)
     cleanup_after_run(launcher, state, RUN_ID, "team-a", api_client=api)
     assert fake.deleted == deleted
+
+
+def stuck_job(fake: FakeKubernetes, launcher: str, troubles: dict, **run_args) -> JobFailed:
+    fake.default_scenario = Scenario(outcome="hang", pod_troubles=troubles)
+    lines: list[str] = []
+    with pytest.raises(JobFailed) as raised:
+        run_job(
+            job_manifest(launcher, settings()), api_client=api_client(fake), timeout_s=20,
+            poll_interval_s=0.01, write=lines.append, **run_args,
+        )  # fmt: skip
+    return raised.value
+
+
+@pytest.mark.parametrize("launcher", ["pytorchjob", "trainjob"])
+def test_a_master_pod_that_stays_pending_fails_fast_with_the_schedulers_reason(fake, launcher):
+    error = stuck_job(fake, launcher, {0: PodTrouble("unschedulable", since_s=1000)}, pending_timeout_s=900)
+    assert isinstance(error, PodStuck)
+    assert "could not be scheduled" in str(error) and "Insufficient nvidia.com/gpu" in str(error)
+    assert fake.deleted == ["rtp-train-test"]  # no pod keeps waiting on GPU nodes
+
+
+def test_a_pending_pod_gets_its_grace_while_a_node_group_may_scale_up(fake):
+    fake.default_scenario = Scenario(
+        outcome="hang", pod_troubles={0: PodTrouble("unschedulable", since_s=10)}
+    )
+    with pytest.raises(JobTimedOut):  # only the step's own timeout ends it: still within pending_timeout_s
+        run_job(job_manifest("pytorchjob", settings()), api_client=api_client(fake), timeout_s=0.3,
+                poll_interval_s=0.01, write=lambda line: None, pending_timeout_s=900)  # fmt: skip
+
+
+def test_a_pod_no_node_group_can_take_fails_at_once(fake):
+    error = stuck_job(fake, "pytorchjob", {1: PodTrouble("no-scale-up")}, pending_timeout_s=900)
+    assert "rtp-train-test-worker-0" in str(error) and "max node group size" in str(error)
+
+
+@pytest.mark.parametrize("launcher", ["pytorchjob", "trainjob"])
+def test_an_image_pull_backoff_fails_fast_with_the_image(fake, launcher):
+    error = stuck_job(fake, launcher, {1: PodTrouble("image-pull")})
+    assert isinstance(error, PodStuck)
+    assert "ImagePullBackOff" in str(error) and "example.com/rtp:1" in str(error)
+    assert fake.deleted == ["rtp-train-test"]
+
+
+def test_a_crash_loop_past_the_jobs_backoff_limit_fails_with_the_exit_code(fake):
+    error = stuck_job(fake, "pytorchjob", {0: PodTrouble("crash-loop", restarts=5)})
+    assert "CrashLoopBackOff after 5 restarts" in str(error) and "exit code 1" in str(error)
+    assert "kubectl logs rtp-train-test-master-0" in str(error)
+
+
+def test_a_crash_loop_within_the_backoff_limit_is_left_to_the_engine(fake):
+    fake.default_scenario = Scenario(outcome="hang", pod_troubles={0: PodTrouble("crash-loop", restarts=1)})
+    with pytest.raises(JobTimedOut):
+        run_job(job_manifest("pytorchjob", settings(backoff_limit=3)), api_client=api_client(fake),
+                timeout_s=0.3, poll_interval_s=0.01, write=lambda line: None)  # fmt: skip
+
+
+def test_a_worker_whose_init_container_waits_too_long_fails(fake):
+    error = stuck_job(fake, "pytorchjob", {1: PodTrouble("init-wait", since_s=1200)}, pending_timeout_s=900)
+    assert "init container init-pytorch of pod rtp-train-test-worker-0" in str(error)
+    assert "master pod" in str(error)
+
+
+def test_without_events_permission_the_pods_status_still_names_the_reason(fake):
+    fake.events_forbidden = True
+    error = stuck_job(
+        fake, "pytorchjob", {0: PodTrouble("unschedulable", since_s=1000)}, pending_timeout_s=900
+    )
+    assert "Insufficient nvidia.com/gpu" in str(error)
+
+
+def test_a_run_stopped_by_sigterm_before_its_last_step_is_not_a_success(fake, tmp_path):
+    """A drained node's SIGTERM: every rank saved and the engine may report Succeeded, but the
+    summary says the target was not reached. The step fails (so validate and register never
+    run: they take the train step's output) and names the checkpoint a rerun resumes from."""
+    run_folder = tmp_path / "fsx" / "rtp" / "runs" / "r1"
+    (run_folder / "train").mkdir(parents=True)
+    checkpoint = str(run_folder / "checkpoints" / "step_60")
+    partial = fake_summary(steps=60, checkpoint=checkpoint)
+    partial.target_steps, partial.completed, partial.stopped_by_signal = 100, False, True
+    fake.on_success = lambda job: partial.write(run_folder / "train" / "summary.json")
+    with pytest.raises(TrainingIncomplete, match=r"step 60 of 100: it was stopped by SIGTERM.*step_60"):
+        train_with_job(
+            "pytorchjob", TrainRequest(dataset_dir="/fsx/d", run_folder=run_folder, settings={"steps": 100}),
+            run_id=RUN_ID, namespace="team-a", image="example.com/rtp:1", nproc_per_node=1, timeout_s=30,
+            poll_interval_s=0.01, api_client=api_client(fake), pvc_name="fsx-claim",
+            mount_path=str(tmp_path / "fsx"),
+        )  # fmt: skip
+
+
+def test_the_in_pod_path_refuses_an_incomplete_summary_too(tmp_path):
+    config = TrainRequest(dataset_dir="/fsx/d", run_folder=tmp_path, settings={"steps": 100}).config()
+    partial = fake_summary(steps=60, checkpoint=str(tmp_path / "checkpoints" / "step_60"))
+    partial.target_steps, partial.completed, partial.stopped_by_signal = 100, False, True
+    request = TrainRequest(dataset_dir="/fsx/d", run_folder=tmp_path)
+    with pytest.raises(TrainingIncomplete):
+        checked_result(TrainResult(summary=partial, config=config, preset="tiny-cpu"), request)
+    done = fake_summary(steps=100, checkpoint=str(tmp_path / "checkpoints" / "step_100"))
+    assert (
+        checked_result(TrainResult(summary=done, config=config, preset="tiny-cpu"), request).summary == done
+    )
+
+
+def test_a_gpu_job_trains_with_gpu_scale_timeouts_and_a_cpu_job_with_the_trainers(fake, tmp_path):
+    from components.train.job_scale import GPU_SCALE
+
+    run_folder = tmp_path / "fsx" / "rtp" / "runs" / "r1"
+    (run_folder / "train").mkdir(parents=True)
+    for gpus, soft in ((0, TrainConfig().resilience.soft_timeout_s), (8, GPU_SCALE.soft_timeout_s)):
+        fake.on_success = lambda job: fake_summary(4, str(run_folder / "checkpoints" / "step_4")).write(
+            run_folder / "train" / "summary.json"
+        )
+        result = train_with_job(
+            "pytorchjob", TrainRequest(dataset_dir="/fsx/d", run_folder=run_folder, settings={"steps": 4}),
+            run_id=f"{RUN_ID[:-1]}{gpus}", namespace="team-a", image="example.com/rtp:1",
+            nproc_per_node=1, timeout_s=30, poll_interval_s=0.01, api_client=api_client(fake),
+            pvc_name="fsx-claim", mount_path=str(tmp_path / "fsx"), gpus_per_node=gpus,
+        )  # fmt: skip
+        assert result.config.resilience.soft_timeout_s == soft
+        assert TrainConfig.read(run_folder / "train" / "config.json").resilience.soft_timeout_s == soft
+
+
+def test_the_train_step_reports_no_model_when_a_job_stopped_on_sigterm_early(fake, tmp_path, monkeypatch):
+    """The train component itself, with the job launcher against the fake API: the engine
+    says Succeeded, rank 0's summary says SIGTERM stopped it at step 60 of 100. The step
+    raises, so KFP marks it failed and never starts validate or register (they consume its
+    `model` output), and it records no model, metrics or step record for anyone to pick up."""
+    from types import SimpleNamespace
+
+    import components.train.job_train as job_train
+    from components.train.component import train_model
+
+    mount = tmp_path / "fsx"
+    run_folder = mount / "rtp" / "runs" / "drained"
+    (run_folder / "train").mkdir(parents=True)
+    partial = fake_summary(steps=60, checkpoint=str(run_folder / "checkpoints" / "step_60"))
+    partial.target_steps, partial.completed, partial.stopped_by_signal = 100, False, True
+    fake.on_success = lambda job: partial.write(run_folder / "train" / "summary.json")
+    monkeypatch.setattr(job_train, "in_cluster_api_client", lambda: api_client(fake))
+    monkeypatch.setattr(
+        job_train, "run_job", lambda manifest, **kw: run_job(manifest, **{**kw, "poll_interval_s": 0.01})
+    )
+    model = SimpleNamespace(metadata={}, path=str(tmp_path / "model.json"))
+    logged: list[tuple[str, float]] = []
+    metrics = SimpleNamespace(log_metric=lambda name, value: logged.append((name, value)))
+    with pytest.raises(TrainingIncomplete, match="step 60 of 100"):
+        train_model(
+            dataset=SimpleNamespace(metadata={"snapshot_dir": str(mount / "d")}),
+            base_model=SimpleNamespace(metadata={}), fsx_mount_path=str(mount), run_name="drained",
+            run_id=RUN_ID, steps=100, nproc=1, checkpoint_every=10, checkpoint_mode="async", seed=1,
+            preset="tiny-cpu", overrides="", faults="none", model_init="pretrained", model=model,
+            metrics=metrics, goodput_report=SimpleNamespace(path=str(tmp_path / "report.html")),
+            launcher="pytorchjob", nnodes=2, job_image="example.com/rtp:1", job_namespace="team-a",
+        )  # fmt: skip
+    assert model.metadata == {} and not (tmp_path / "model.json").exists() and logged == []
+    assert not (run_folder / "steps" / "train.json").exists()

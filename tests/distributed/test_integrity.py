@@ -130,7 +130,9 @@ def test_killed_run_leaves_only_verifiable_checkpoints_and_resumes(dataset_dir, 
     assert resumed["completed"]
 
 
-def test_sigterm_saves_a_final_checkpoint_and_exits_cleanly(dataset_dir, tmp_path):
+def test_sigterm_saves_a_final_checkpoint_and_exits_non_zero(dataset_dir, tmp_path):
+    """A run SIGTERM stopped before its last step keeps its final checkpoint but must not
+    pass for finished: the ranks exit 143 and `rtp train-local` fails (issue 18)."""
     command = train_local_command(dataset_dir, tmp_path, 100000, 100000)
     process = subprocess.Popen(
         command,
@@ -154,6 +156,7 @@ def test_sigterm_saves_a_final_checkpoint_and_exits_cleanly(dataset_dir, tmp_pat
     finally:
         kill_tree(process.pid)
     assert "SIGTERM received" in output
+    assert "stopped by SIGTERM at step" in output and process.returncode != 0
     latest = latest_committed_checkpoint(tmp_path / "checkpoints", verify_hashes=True)
     assert latest is not None
     stopped = [e for e in events(tmp_path) if e["kind"] == "stopped_by_signal"]

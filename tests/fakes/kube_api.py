@@ -9,9 +9,13 @@ removes their pods. Every created custom object is validated strictly against it
 openAPIV3Schema (unknown fields rejected, 422 like the real server); a kind whose CRD was
 not loaded answers 404 like a cluster without that operator. Each read of a job advances
 it one phase (Created -> Running -> Succeeded/Failed, or stays Running forever for a
-"hang"), and a rank-0 pod, labelled the way the Training Operator or JobSet labels it,
-serves a growing log. It is not a Kubernetes implementation: no scheduling, no
-controllers, no watch streams, no admission webhooks.
+"hang"). Once running, a job has one pod per node, labelled the way the Training Operator
+or JobSet labels them; the rank-0 pod serves a growing log. A scenario can make pods
+stuck the way a cluster shows it (`PodTrouble`): Pending and Unschedulable with the
+scheduler's FailedScheduling event, ImagePullBackOff, CrashLoopBackOff, an init container
+still running; events are listed by `involvedObject` field selector. It is not a
+Kubernetes implementation: no scheduling, no controllers, no watch streams, no admission
+webhooks.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import json
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -31,6 +35,23 @@ from tests.fakes.crd_schema import CustomResource, load_custom_resources
 _SUCCESS_CONDITION = {"PyTorchJob": "Succeeded", "TrainJob": "Complete"}
 
 
+SCHEDULER_MESSAGE = (
+    "0/4 nodes are available: 2 Insufficient nvidia.com/gpu, 2 node(s) didn't match Pod's node "
+    "affinity/selector. preemption: 0/4 nodes are available: 4 Preemption is not helpful for scheduling."
+)
+
+
+@dataclass
+class PodTrouble:
+    """What keeps one pod of a running job from getting anywhere, as the API shows it."""
+
+    kind: str  # unschedulable | no-scale-up | image-pull | crash-loop | init-wait
+    since_s: float = 0.0
+    """How long ago the trouble began (condition, init container start)."""
+    restarts: int = 5
+    """restartCount of a crash-looping container."""
+
+
 @dataclass
 class Scenario:
     """How the fake runs a job: the outcome, its log, and how many reads each phase lasts."""
@@ -39,6 +60,8 @@ class Scenario:
     log_lines: list[str] = field(default_factory=lambda: ["rank 0: step 1 loss 5.5", "rank 0: done"])
     reads_per_phase: int = 1
     failure_message: str = "pod rtp-master-0 exited with code 1"
+    pod_troubles: dict[int, PodTrouble] = field(default_factory=dict)
+    """Troubles by node index (0 is the master / node 0, the rank-0 pod)."""
 
 
 @dataclass
@@ -76,6 +99,8 @@ class FakeKubernetes:
         self.default_scenario = Scenario()
         self.scenarios: dict[str, Scenario] = {}
         self.on_success: Callable[[dict[str, Any]], None] | None = None
+        self.events_forbidden = False
+        """Answer 403 to event lists, like a Role without `events`."""
         self.failing_reads: list[int] = []
         """HTTP statuses the next reads of a job answer with instead of the job (e.g. 503, 429):
         an API server hiccup; each is used once."""
@@ -130,31 +155,156 @@ class FakeKubernetes:
             "lastTransitionTime": _now(),
         }
 
-    def _rank0_pod(self, job: _Job) -> dict[str, Any] | None:
+    def _job_pods(self, job: _Job) -> list[dict[str, Any]]:
+        """One pod per node once the job runs; node 0's pod runs rank 0."""
         if job.phase == "Created":
-            return None
-        name = job.body["metadata"]["name"]
+            return []
+        name, namespace = job.body["metadata"]["name"], job.body["metadata"]["namespace"]
+        pods = []
         if job.resource.kind == "PyTorchJob":
-            labels = {
-                "training.kubeflow.org/job-name": name,
-                "training.kubeflow.org/replica-type": "master",
-                "training.kubeflow.org/replica-index": "0",
-            }
-            pod_name, container = f"{name}-master-0", "pytorch"
+            replicas = job.body["spec"]["pytorchReplicaSpecs"]
+            roles = [("master", 0)] + [
+                ("worker", i) for i in range(replicas.get("Worker", {}).get("replicas", 0))
+            ]
+            for index, (role, replica_index) in enumerate(roles):
+                labels = {
+                    "training.kubeflow.org/job-name": name,
+                    "training.kubeflow.org/replica-type": role,
+                    "training.kubeflow.org/replica-index": str(replica_index),
+                }
+                pods.append((index, f"{name}-{role}-{replica_index}", labels, "pytorch", role == "worker"))
         else:
-            labels = {
-                "jobset.sigs.k8s.io/jobset-name": name,
-                "jobset.sigs.k8s.io/replicatedjob-name": "node",
-                "batch.kubernetes.io/job-completion-index": "0",
+            for index in range(job.body["spec"]["trainer"].get("numNodes", 1)):
+                labels = {
+                    "jobset.sigs.k8s.io/jobset-name": name,
+                    "jobset.sigs.k8s.io/replicatedjob-name": "node",
+                    "batch.kubernetes.io/job-completion-index": str(index),
+                }
+                pods.append((index, f"{name}-node-0-{index}-abcde", labels, "node", False))
+        return [
+            self._pod(
+                job, pod_name, namespace, labels, container, has_init, job.scenario.pod_troubles.get(index)
+            )
+            for index, pod_name, labels, container, has_init in pods
+        ]
+
+    def _pod(
+        self,
+        job: _Job,
+        name: str,
+        namespace: str,
+        labels: dict[str, str],
+        container: str,
+        has_init: bool,
+        trouble: PodTrouble | None,
+    ) -> dict[str, Any]:
+        since = (datetime.now(UTC) - timedelta(seconds=trouble.since_s if trouble else 0)).strftime(
+            "%Y-%m-%dT%H:%M:%SZ"
+        )
+        phase = "Running" if job.phase == "Running" else "Succeeded"
+        status: dict[str, Any] = {"phase": phase, "startTime": since}
+        spec: dict[str, Any] = {"containers": [{"name": container, "image": "fake"}]}
+        if has_init:
+            spec["initContainers"] = [{"name": "init-pytorch", "image": "alpine"}]
+        base = {"name": container, "image": "fake", "imageID": "", "ready": False, "restartCount": 0}
+        kind = trouble.kind if trouble else ""
+        if kind in ("unschedulable", "no-scale-up"):
+            status = {
+                "phase": "Pending",
+                "conditions": [
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": SCHEDULER_MESSAGE,
+                        "lastTransitionTime": since,
+                    }
+                ],
             }
-            pod_name, container = f"{name}-node-0-0-abcde", "node"
+        elif kind == "image-pull":
+            status = {
+                "phase": "Pending",
+                "startTime": since,
+                "containerStatuses": [
+                    {
+                        **base,
+                        "state": {
+                            "waiting": {
+                                "reason": "ImagePullBackOff",
+                                "message": 'Back-off pulling image "example.com/rtp:1"',
+                            }
+                        },
+                    }
+                ],
+            }
+        elif kind == "crash-loop":
+            assert trouble is not None
+            status["containerStatuses"] = [
+                {
+                    **base,
+                    "restartCount": trouble.restarts,
+                    "state": {
+                        "waiting": {"reason": "CrashLoopBackOff", "message": "back-off 5m0s restarting"}
+                    },
+                    "lastState": {"terminated": {"exitCode": 1, "reason": "Error"}},
+                }
+            ]
+        elif kind == "init-wait":
+            status = {
+                "phase": "Pending",
+                "startTime": since,
+                "initContainerStatuses": [
+                    {**base, "name": "init-pytorch", "state": {"running": {"startedAt": since}}}
+                ],
+            }
         return {
             "apiVersion": "v1",
             "kind": "Pod",
-            "metadata": {"name": pod_name, "namespace": job.body["metadata"]["namespace"], "labels": labels},
-            "spec": {"containers": [{"name": container, "image": "fake"}]},
-            "status": {"phase": "Running" if job.phase == "Running" else "Succeeded"},
+            "metadata": {"name": name, "namespace": namespace, "labels": labels, "creationTimestamp": since},
+            "spec": spec,
+            "status": status,
         }
+
+    def _events(self, job: _Job, pod: dict[str, Any]) -> list[dict[str, Any]]:
+        """What the scheduler, autoscaler and kubelet report about a troubled pod."""
+        status = pod["status"]
+        reasons = []
+        if any(c.get("reason") == "Unschedulable" for c in status.get("conditions", [])):
+            reasons.append(("FailedScheduling", "default-scheduler", SCHEDULER_MESSAGE))
+            troubles = [t.kind for t in job.scenario.pod_troubles.values()]
+            if "no-scale-up" in troubles:
+                reasons.append(
+                    (
+                        "NotTriggerScaleUp",
+                        "cluster-autoscaler",
+                        "pod didn't trigger scale-up: 1 max node group size reached",
+                    )
+                )
+        for container in status.get("containerStatuses", []):
+            waiting = container.get("state", {}).get("waiting", {})
+            if waiting.get("reason") == "ImagePullBackOff":
+                reasons.append(("Failed", "kubelet", f"Error: {waiting['reason']}"))
+        return [
+            {
+                "apiVersion": "v1",
+                "kind": "Event",
+                "metadata": {
+                    "name": f"{pod['metadata']['name']}.{i}",
+                    "namespace": pod["metadata"]["namespace"],
+                },
+                "involvedObject": {
+                    "kind": "Pod",
+                    "name": pod["metadata"]["name"],
+                    "namespace": pod["metadata"]["namespace"],
+                },
+                "reason": reason,
+                "message": message,
+                "source": {"component": source},
+                "type": "Warning",
+                "lastTimestamp": _now(),
+            }
+            for i, (reason, source, message) in enumerate(reasons)
+        ]
 
     def _log(self, job: _Job) -> str:
         lines = job.scenario.log_lines
@@ -244,8 +394,29 @@ class FakeKubernetes:
             def _pods(self, parts: list[str], query: dict[str, str]) -> None:
                 namespace = parts[3]
                 running = [j for (_, ns, _), j in fake.jobs.items() if ns == namespace]
-                pods = [(fake._rank0_pod(j), j) for j in running]
-                pods = [(p, j) for p, j in pods if p is not None]
+                pods = [(p, j) for j in running for p in fake._job_pods(j)]
+                if parts[4:] == ["events"]:
+                    if fake.events_forbidden:
+                        return self._status(
+                            403, "Forbidden", 'events is forbidden: cannot list resource "events"'
+                        )
+                    wanted = dict(
+                        term.split("=", 1)
+                        for term in query.get("fieldSelector", "").split(",")
+                        if "=" in term
+                    )
+                    items = [
+                        event
+                        for pod, job in pods
+                        for event in fake._events(job, pod)
+                        if all(
+                            event["involvedObject"].get(key.removeprefix("involvedObject.")) == value
+                            for key, value in wanted.items()
+                        )
+                    ]
+                    return self._send(
+                        200, {"apiVersion": "v1", "kind": "EventList", "metadata": {}, "items": items}
+                    )
                 if parts[4:] == ["pods"]:
                     selector = query.get("labelSelector", "")
                     items = [p for p, _ in pods if _matches(p["metadata"]["labels"], selector)]
@@ -259,6 +430,10 @@ class FakeKubernetes:
                             if query.get("container", expected) != expected:
                                 return self._status(
                                     400, "BadRequest", f"container {query['container']} is not valid"
+                                )
+                            if pod["status"]["phase"] == "Pending":
+                                return self._status(
+                                    400, "BadRequest", f'container "{expected}" is waiting to start'
                                 )
                             return self._send(200, fake._log(job), "text/plain")
                     return self._status(404, "NotFound", f'pods "{parts[5]}" not found')

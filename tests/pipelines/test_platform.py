@@ -202,3 +202,37 @@ def test_compiled_header_is_the_same_whatever_the_hash_seed():
     assert stable_header(one) == stable_header(other)
     assert "[{'effect': 'NoSchedule', 'key': 'k'}]" in stable_header(one)
     assert stable_header(one).endswith("#    n: int [Default: 1.0]\ncomponents: {}\n")
+
+
+JOB_PARAMETERS = {
+    # pipeline parameter -> (train component input, `rtp render-job` flag destination)
+    "instance_type": ("instance_type", None),
+    "job_cpu_per_node": ("job_cpu_per_node", "cpu_per_node"),
+    "job_memory_per_node": ("job_memory_per_node", "memory_per_node"),
+    "job_shm_size": ("job_shm_size", "shm_size"),
+    "job_max_restarts": ("job_max_restarts", "max_restarts"),
+    "job_backoff_limit": ("job_backoff_limit", "backoff_limit"),
+    "job_termination_grace_s": ("job_termination_grace_s", "termination_grace_s"),
+    "job_pending_timeout_s": ("job_pending_timeout_s", None),
+}
+
+
+def test_job_resources_and_restarts_are_run_parameters_with_the_examples_defaults(compiled):
+    """The pipeline passes cpu, memory, shm and restart settings to the job, overridable per
+    run, and its defaults are `rtp render-job`'s, which rendered deploy/eks/*-example.yaml."""
+    from rtp_cli.main import build_parser
+
+    pipeline, _, _ = compiled
+    root = pipeline["root"]["inputDefinitions"]["parameters"]
+    train_inputs = pipeline["root"]["dag"]["tasks"]["exit-handler-1"]["inputs"]["parameters"]
+    handler = pipeline["components"]["comp-exit-handler-1"]["dag"]["tasks"]["train-model"]["inputs"][
+        "parameters"
+    ]
+    render_defaults = build_parser().parse_args(["render-job", "--mode", "pytorchjob"])
+    for parameter, (component_input, render_flag) in JOB_PARAMETERS.items():
+        assert root[parameter]["description"], parameter
+        assert train_inputs[f"pipelinechannel--{parameter}"]["componentInputParameter"] == parameter
+        assert handler[component_input]["componentInputParameter"] == f"pipelinechannel--{parameter}"
+        if render_flag:
+            assert root[parameter]["defaultValue"] == getattr(render_defaults, render_flag), parameter
+    assert root["instance_type"]["defaultValue"] == "p5.48xlarge"

@@ -55,7 +55,7 @@ def test_render_job_bad_input_is_one_line_and_exit_2(capsys, extra, message):
 def test_compile_flags_reach_the_compiled_pipeline(tmp_path, capsys):
     target = tmp_path / "p.yaml"
     argv = ["compile", "-o", str(target), "--launcher", "trainjob", "--fsx-mount-path", "/lustre",
-            "--image-pull-secret", "regcred", "--train-pod-gpus", "4"]  # fmt: skip
+            "--image-pull-secret", "regcred"]  # fmt: skip
     assert main(argv) == 0
     pipeline, platform_spec = [doc for doc in yaml.safe_load_all(target.read_text()) if doc]
     parameters = pipeline["root"]["inputDefinitions"]["parameters"]
@@ -64,6 +64,18 @@ def test_compile_flags_reach_the_compiled_pipeline(tmp_path, capsys):
     train = platform_spec["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-train-model"]
     assert [secret["secretName"] for secret in train["imagePullSecret"]] == ["regcred"]
     assert "launcher trainjob" in capsys.readouterr().out
+
+
+def test_a_watcher_pod_that_would_hold_gpus_is_refused(tmp_path, capsys):
+    """With a job launcher the train step's pod only watches the job: GPUs there are a whole
+    p5 taken from the job (issue 18); in-pod training may still ask for them."""
+    argv = ["compile", "-o", str(tmp_path / "p.yaml"), "--launcher", "pytorchjob", "--train-pod-gpus", "8"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "compile without --train-pod-gpus" in err and "Traceback" not in err
+    assert (
+        main(["compile", "-o", str(tmp_path / "q.yaml"), "--launcher", "inpod", "--train-pod-gpus", "8"]) == 0
+    )
 
 
 def test_compile_refuses_a_relative_mount_path(tmp_path, capsys):

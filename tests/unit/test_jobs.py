@@ -11,9 +11,11 @@ import itertools
 
 import pytest
 
+from components.train.job_scale import AUTO, CPU_SCALE, GPU_SCALE, job_scale, trainer_overrides
 from components.train.jobs import (
     EFA_RESOURCE,
     GPU_RESOURCE,
+    ISTIO_INJECT_ANNOTATION,
     RUN_ID_LABEL,
     JobSettings,
     JobSettingsError,
@@ -25,6 +27,7 @@ from components.train.jobs import (
     trainjob_manifest,
 )
 from tests.fakes.crd_schema import load_custom_resources
+from trainer.config import ConfigError, ResilienceConfig, build_config
 
 RUN_ID = "9b2c4f0e-1d2a-4c3b-8e7f-a1b2c3d4e5f6"
 
@@ -103,7 +106,7 @@ def test_pytorchjob_has_one_master_and_n_minus_1_workers_with_gpus_efa_and_volum
     env = {item["name"]: item["value"] for item in container["env"]}
     assert env["FI_PROVIDER"] == "efa" and "OMP_NUM_THREADS" not in env
     assert manifest["spec"]["runPolicy"]["activeDeadlineSeconds"] == 86400
-    assert manifest["spec"]["runPolicy"]["backoffLimit"] == 2
+    assert manifest["spec"]["runPolicy"]["backoffLimit"] == GPU_SCALE.backoff_limit
     assert manifest["metadata"]["labels"][RUN_ID_LABEL] == RUN_ID
     assert "Worker" not in pytorchjob_manifest(settings(nnodes=1))["spec"]["pytorchReplicaSpecs"]
 
@@ -194,3 +197,111 @@ def test_job_pods_run_unprivileged(crds, launcher, efa):
         security = container["securityContext"]
         assert security["allowPrivilegeEscalation"] is False and security["capabilities"]["drop"] == ["ALL"]
         assert security["capabilities"].get("add", []) == (["IPC_LOCK"] if efa else [])
+
+
+def pod_templates(manifest: dict) -> list[dict]:
+    """Every pod template (metadata and spec) a job manifest makes its pods from."""
+    if manifest["kind"] == "PyTorchJob":
+        return [replica["template"] for replica in manifest["spec"]["pytorchReplicaSpecs"].values()]
+    patch = manifest["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]
+    return [job["template"]["spec"]["template"] for job in patch["replicatedJobs"]]
+
+
+def env_of(manifest: dict) -> dict[str, str]:
+    if manifest["kind"] == "PyTorchJob":
+        container = manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+        return {item["name"]: item["value"] for item in container["env"]}
+    return {item["name"]: item["value"] for item in manifest["spec"]["trainer"]["env"]}
+
+
+@pytest.mark.parametrize("launcher", ["pytorchjob", "trainjob"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_every_pod_template_turns_istio_injection_off_and_has_a_grace_period(crds, launcher, shape):
+    fields = SHAPES[shape]
+    manifest = job_manifest(launcher, settings(**fields))
+    templates = pod_templates(manifest)
+    assert templates
+    for template in templates:
+        assert template["metadata"]["annotations"][ISTIO_INJECT_ANNOTATION] == "false"
+        grace = template["spec"]["terminationGracePeriodSeconds"]
+        assert grace == job_scale(fields.get("gpus_per_node", 0)).termination_grace_s
+    command = manifest["spec"]["trainer"]["command"] if launcher == "trainjob" else (
+        manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["command"])  # fmt: skip
+    [term] = [int(arg.split("=")[1]) for arg in command if arg.startswith("--term-timeout=")]
+    assert 0 < term < grace  # the launcher gives up on the final save before the kubelet kills it
+
+
+def test_gpu_jobs_get_gpu_scale_restarts_and_cpu_jobs_keep_theirs():
+    from nvidia_resiliency_ext.fault_tolerance.launcher import get_args_parser
+
+    for gpus, scale in ((0, CPU_SCALE), (8, GPU_SCALE)):
+        manifest = pytorchjob_manifest(settings(nnodes=2, nproc_per_node=2, gpus_per_node=gpus))
+        assert manifest["spec"]["runPolicy"]["backoffLimit"] == scale.backoff_limit
+        command = manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0][
+            "command"
+        ]
+        args = get_args_parser().parse_args(command[1:])
+        assert args.max_restarts == scale.max_restarts
+        assert args.term_timeout == scale.termination_grace_s - 60 or gpus == 0
+    assert (CPU_SCALE.max_restarts, CPU_SCALE.backoff_limit) == (3, 2)  # unchanged CPU behaviour
+    assert (
+        GPU_SCALE.max_restarts > CPU_SCALE.max_restarts and GPU_SCALE.backoff_limit > CPU_SCALE.backoff_limit
+    )
+    # Given values win over the table.
+    manifest = pytorchjob_manifest(
+        settings(gpus_per_node=8, nproc_per_node=8, max_restarts=1, backoff_limit=0, termination_grace_s=1200)
+    )
+    assert manifest["spec"]["runPolicy"]["backoffLimit"] == 0
+    pod = manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 1200
+    assert "--max-restarts=1" in pod["containers"][0]["command"]
+    assert "--term-timeout=1140" in pod["containers"][0]["command"]
+
+
+def test_trainer_timeouts_are_gpu_scale_on_gpu_jobs_unless_overridden():
+    scaled = build_config("gpu-125m", trainer_overrides(gpus_per_node=8))
+    r = scaled.resilience
+    assert (r.collective_timeout_s, r.soft_timeout_s, r.hard_timeout_s, r.heartbeat_floor_s) == (
+        GPU_SCALE.collective_timeout_s, GPU_SCALE.soft_timeout_s, GPU_SCALE.hard_timeout_s,
+        GPU_SCALE.heartbeat_floor_s,
+    )  # fmt: skip
+    assert r.collective_timeout_s >= 60 and r.heartbeat_floor_s >= 60 and r.soft_timeout_s >= 300
+    assert trainer_overrides(gpus_per_node=0) == []  # CPU: the trainer's own defaults
+    assert build_config("tiny-cpu").resilience == ResilienceConfig()
+    assert ResilienceConfig().collective_timeout_s == CPU_SCALE.collective_timeout_s == 15
+    # A user's override comes later and wins; one GPU value a user changed stays checked.
+    kept = build_config("gpu-125m", [*trainer_overrides(8), "resilience.soft_timeout_s=100"]).resilience
+    assert kept.soft_timeout_s == 100 and kept.hard_timeout_s == GPU_SCALE.hard_timeout_s
+    with pytest.raises(ConfigError, match=r"below resilience\.hard_timeout_s"):
+        build_config("gpu-125m", [*trainer_overrides(8), "resilience.hard_timeout_s=100"])
+
+
+def test_auto_resources_are_a_p5_share_on_gpus_and_none_on_cpu():
+    auto = dict(cpu_per_node=AUTO, memory_per_node=AUTO, shm_size=AUTO)
+    manifest = pytorchjob_manifest(settings(nnodes=2, nproc_per_node=8, gpus_per_node=8, **auto))
+    pod = manifest["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    requests = pod["containers"][0]["resources"]["requests"]
+    assert (requests["cpu"], requests["memory"]) == ("180", "1800Gi")  # deploy/eks/*-example.yaml
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "256Gi"}} in pod["volumes"]
+    assert GPU_SCALE.resources(1) == ("22500m", "225Gi", "32Gi")
+    cpu_pod = pytorchjob_manifest(settings(**auto))["spec"]["pytorchReplicaSpecs"]["Master"]["template"][
+        "spec"
+    ]
+    assert "resources" not in cpu_pod["containers"][0]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in cpu_pod["volumes"]
+
+
+@pytest.mark.parametrize("launcher", ["pytorchjob", "trainjob"])
+def test_efa_env_sets_device_rdma_only_on_instance_types_that_support_it(launcher):
+    efa = dict(nnodes=2, nproc_per_node=8, gpus_per_node=8, efa_per_node=32)
+    p5 = env_of(job_manifest(launcher, settings(**efa, instance_type="p5.48xlarge")))
+    assert (
+        p5["FI_PROVIDER"] == "efa" and p5["FI_EFA_USE_DEVICE_RDMA"] == "1" and p5["FI_EFA_FORK_SAFE"] == "1"
+    )
+    assert p5["NCCL_DEBUG"] == "INFO" and "NET" in p5["NCCL_DEBUG_SUBSYS"].split(",")  # the EFA check's lines
+    g5 = env_of(job_manifest(launcher, settings(**{**efa, "efa_per_node": 1}, instance_type="g5.48xlarge")))
+    assert g5["FI_PROVIDER"] == "efa" and "FI_EFA_USE_DEVICE_RDMA" not in g5
+    unknown = env_of(job_manifest(launcher, settings(**efa)))  # not said: not guessed
+    assert "FI_EFA_USE_DEVICE_RDMA" not in unknown
+    tcp = env_of(job_manifest(launcher, settings(nnodes=2, instance_type="p5.48xlarge")))
+    assert not any(name.startswith("FI_") for name in tcp) and tcp["NCCL_DEBUG"] == "WARN"

@@ -1,0 +1,62 @@
+"""The component image's EFA layer, checked statically (no container engine runs here).
+
+What a real build must contain for NCCL to use EFA between nodes: AWS's EFA installer run
+in its container mode (libfabric with the efa provider and the aws-ofi-nccl plugin), a
+build-time check that both landed, and the loader path NCCL finds the plugin through.
+The per-job variables belong to the job manifests, not the image (the image also runs
+the CPU steps); docs/eks.md says how to confirm on a cluster that NCCL chose EFA.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = (ROOT / "Dockerfile").read_text()
+
+
+def _instructions() -> list[str]:
+    """The Dockerfile's instructions with continuation lines joined and comments dropped."""
+    lines = [line for line in DOCKERFILE.splitlines() if not line.lstrip().startswith("#")]
+    return [
+        " ".join(part.split()) for part in "\n".join(lines).replace("\\\n", " ").split("\n") if part.strip()
+    ]
+
+
+def test_the_efa_installer_runs_in_container_mode_from_a_pinned_version():
+    run = next(i for i in _instructions() if "efa_installer.sh" in i)
+    assert run.startswith("RUN ")
+    assert re.search(r"ARG EFA_INSTALLER_VERSION=\d+\.\d+\.\d+", DOCKERFILE)
+    assert "https://efa-installer.amazonaws.com/aws-efa-installer-${EFA_INSTALLER_VERSION}.tar.gz" in run
+    flags = run.split("efa_installer.sh", 1)[1].split("&&", 1)[0].split()
+    # No kernel module (the node's AMI has it), no limits file, no device check at build time.
+    assert {"-y", "-g", "--skip-kmod", "--skip-limit-conf", "--no-verify"} <= set(flags)
+    assert "rm -rf /tmp/aws-efa-installer" in run  # the installer does not stay in the image
+
+
+def test_the_build_fails_without_libfabric_or_the_aws_ofi_nccl_plugin():
+    run = next(i for i in _instructions() if "efa_installer.sh" in i)
+    assert "/opt/amazon/efa/lib*/libfabric.so" in run
+    assert "libnccl-net" in run and "/opt/amazon/ofi-nccl" in run
+    assert "exit 1" in run
+
+
+def test_nccl_finds_the_plugin_and_libfabric_on_the_loader_path():
+    env = " ".join(i for i in _instructions() if i.startswith("ENV "))
+    ld_path = re.search(r"LD_LIBRARY_PATH=(\S+)", env)
+    assert ld_path
+    entries = ld_path.group(1).split(":")
+    assert any(e.startswith("/opt/amazon/ofi-nccl/lib") for e in entries)
+    assert "/opt/amazon/efa/lib" in entries and entries[-1] == "${LD_LIBRARY_PATH}"
+    assert "/opt/amazon/efa/bin" in env  # fi_info, to check the provider by hand (docs/eks.md)
+
+
+def test_the_efa_layer_comes_before_the_project_and_per_job_variables_stay_out():
+    instructions = _instructions()
+    efa = next(n for n, i in enumerate(instructions) if "efa_installer.sh" in i)
+    project = next(n for n, i in enumerate(instructions) if i.startswith("COPY setup.cfg"))
+    assert efa < project  # a code change does not rebuild the EFA layer
+    env = " ".join(i for i in instructions if i.startswith("ENV "))
+    assert "FI_PROVIDER" not in env and "FI_EFA_USE_DEVICE_RDMA" not in env  # the job manifests set them
+    assert instructions[-3:-1] == ["WORKDIR /home/rtp", "ENTRYPOINT []"] and "USER 1000" in instructions
