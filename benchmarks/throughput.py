@@ -219,7 +219,7 @@ def run_benchmark(
         "model_params": params,
         "tokens_per_step": tokens_per_step,
         "steps": steps,
-        "checkpoint_every": every,
+        "checkpoint.every_steps": every,
         "nproc": nproc,
         "preset": preset,
         "model_source": model_source,
@@ -234,7 +234,7 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"{result['model_params'] / 1e6:.1f}M params, {result['steps']} steps x {result['tokens_per_step']} "
         f"tokens, {result['nproc']} ranks on {result['device']}, {result['compute_dtype']}; rtp saves every "
-        f"{result['checkpoint_every']} steps",
+        f"{result['checkpoint.every_steps']} steps",
         f"{'stack':<6} {'tokens/s':>10} {'wall':>8} {'step med':>9} {'peak mem MB':>12} {'MFU':>7} {'startup':>8}",
     ]
     for name in ("rtp", "bare"):

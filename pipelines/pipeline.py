@@ -8,12 +8,12 @@ trainer's config fields; the docstring's Args become the descriptions in the Kub
 # No `from __future__ import annotations`: kfp reads the pipeline signature's real types.
 
 import ast
+import inspect
 import re
 from pathlib import Path
 from typing import Any
 
 from kfp import dsl
-from kfp.dsl.pipeline_channel import PipelineParameterChannel
 
 from components import DEFAULT_IMAGE, as_component
 from components.check_run.component import check_run
@@ -31,6 +31,7 @@ from pipelines.platform import PlatformOptions
 from trainer.config import DEFAULT_PRESET, named_settings
 
 PIPELINE_NAME = "rtp-resilient-training"
+CHECKED_PARAMETERS = tuple(name for name in inspect.signature(check_run).parameters if name != "report")
 DEFAULT_SOURCE = "s3://rtp-demo/corpus/"
 DEFAULT_MODEL_NAME = "rtp-byte-lm"
 
@@ -150,11 +151,8 @@ def build_pipeline(
             job_termination_grace_s: Seconds a job pod gets after SIGTERM for its final checkpoint (ft_launcher waits 60 s less); -1 = by GPU count (600 on GPUs, 90 on CPU).
             job_pending_timeout_s: The train step fails when a job pod stays unschedulable, or an init container waits, this many seconds.
         """
-        # Every parameter, by name, for the check that runs before anything else (locals()
-        # also holds the enclosing function's names this body uses: keep the parameters).
-        parameters = {
-            name: value for name, value in locals().items() if isinstance(value, PipelineParameterChannel)
-        }
+        # The parameters the check step takes, by name (its signature lists them).
+        parameters = {name: value for name, value in locals().items() if name in CHECKED_PARAMETERS}
         run_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER
         # The exit task runs whatever happens inside the handler; it deletes a training job
         # a failed or terminated run would otherwise leave running on GPU nodes.
@@ -165,7 +163,7 @@ def build_pipeline(
         # Every step finds the run's folder on the shared volume the same way.
         run_folder = {"fsx_mount_path": fsx_mount_path, "run_name": run_name, "run_id": run_id}
         with dsl.ExitHandler(cleanup, name="Stage the data then train, validate and register the model"):
-            check = check_op(parameters=parameters).set_display_name("Check the run's parameters first")
+            check = check_op(**parameters).set_display_name("Check the run's parameters first")
             check.set_caching_options(False)
             platform.apply_common(check, options)
             stage = stage_op(

@@ -1,15 +1,64 @@
-"""KFP interface of the check-run step: the run's parameters, checked before anything runs."""
+"""KFP interface of the check-run step: the run's parameters, checked before anything runs.
+
+Each parameter is its own input: KFP fills a parameter nested in a dict input by pasting
+its text into JSON, which breaks on a value with a quote (and kfp.local fails on lists).
+The pipeline passes the parameters of this signature by name (pipelines/pipeline.py).
+"""
 
 from kfp.dsl import Markdown, Output
 
 
-def check_run(parameters: dict, report: Output[Markdown]) -> None:
-    """Check every run parameter (names, numbers, choices, S3 URIs, the training config) before any staging.
+def check_run(
+    source: str,
+    model_source: str,
+    dataset_name: str,
+    run_name: str,
+    steps: int,
+    checkpoint_every: int,
+    checkpoint_mode: str,
+    seed: int,
+    preset: str,
+    overrides: str,
+    faults: str,
+    model_init: str,
+    model_name: str,
+    launcher: str,
+    nproc: int,
+    nnodes: int,
+    gpus_per_node: int,
+    efa_per_node: int,
+    job_timeout_s: int,
+    gpu_node_selector: dict,
+    gpu_tolerations: list,
+    report: Output[Markdown],
+) -> None:
+    """Check every run parameter (names, numbers, choices, S3 URIs, node selector and tolerations, the training config) before any staging.
 
     Args:
-        parameters: the pipeline run's parameters, by name.
+        source: the pipeline's source parameter.
+        model_source: the pipeline's model_source parameter.
+        dataset_name: the pipeline's dataset_name parameter.
+        run_name: the pipeline's run_name parameter.
+        steps: the pipeline's steps parameter.
+        checkpoint_every: the pipeline's checkpoint_every parameter.
+        checkpoint_mode: the pipeline's checkpoint_mode parameter.
+        seed: the pipeline's seed parameter.
+        preset: the pipeline's preset parameter.
+        overrides: the pipeline's overrides parameter.
+        faults: the pipeline's faults parameter.
+        model_init: the pipeline's model_init parameter.
+        model_name: the pipeline's model_name parameter.
+        launcher: the pipeline's launcher parameter.
+        nproc: the pipeline's nproc parameter.
+        nnodes: the pipeline's nnodes parameter.
+        gpus_per_node: the pipeline's gpus_per_node parameter.
+        efa_per_node: the pipeline's efa_per_node parameter.
+        job_timeout_s: the pipeline's job_timeout_s parameter.
+        gpu_node_selector: the pipeline's gpu_node_selector parameter.
+        gpu_tolerations: the pipeline's gpu_tolerations parameter.
         report: what was checked, or the list of wrong parameters.
     """
+    parameters = {name: value for name, value in locals().items() if name != "report"}
     from components.check_run.parameters import RunParameterError, check_run_parameters, normalized
 
     try:

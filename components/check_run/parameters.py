@@ -17,10 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from components.layout import check_name
+from trainer.config import named_settings
 
-POSITIVE = ("steps", "checkpoint_every", "nproc", "nnodes", "job_timeout_s")
+POSITIVE = ("nproc", "nnodes", "job_timeout_s")  # steps and checkpoint_every: the training config
 NON_NEGATIVE = ("gpus_per_node", "efa_per_node")
-INTEGERS = (*POSITIVE, *NON_NEGATIVE, "seed")
+INTEGERS = (
+    *POSITIVE,
+    *NON_NEGATIVE,
+    *(param for param, setting in named_settings().items() if setting.scalar_type is int),
+)
 STRUCTURED = ("gpu_node_selector", "gpu_tolerations")
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,255}")
 _LABEL_KEY = re.compile(r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")

@@ -48,7 +48,7 @@ def test_the_defaults_pass_and_the_check_imports_no_heavy_library():
         ({"run_name": "../../x"}, "run_name"),
         ({"run_name": "nightly\n"}, "run_name"),
         ({"launcher": "k8s"}, "launcher 'k8s'"),
-        ({"checkpoint_every": -5}, "checkpoint_every must be"),
+        ({"checkpoint_every": -5}, "checkpoint.every_steps must be at least 1"),
         ({"job_timeout_s": 0}, "job_timeout_s must be"),
         ({"model_name": "a' or name != '"}, "model_name"),
         ({"gpu_node_selector": {"pool": {"nested": "x"}}}, "gpu_node_selector"),
