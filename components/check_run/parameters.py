@@ -19,7 +19,7 @@ from typing import Any
 from components.layout import check_name
 from trainer.config import named_settings
 
-POSITIVE = ("nproc", "nnodes", "job_timeout_s")  # steps and checkpoint_every: the training config
+POSITIVE = ("nproc", "nnodes", "job_timeout_s")  # the training numbers are checked by its config
 NON_NEGATIVE = ("gpus_per_node", "efa_per_node")
 INTEGERS = (
     *POSITIVE,
