@@ -94,10 +94,9 @@ def write_dataset(root: Path, model_source: str) -> Path:
 
     if not model_source:
         return write_local_dataset(root / "dataset", budget_bytes=500_000)
-    import hashlib
     import shutil
 
-    from rtp_cli.demo_data import demo_corpus
+    from rtp_cli.demo_data import demo_corpus, write_local_manifest
     from trainer.tokenized_data import write_token_shards
 
     corpus = root / "corpus"
@@ -106,19 +105,7 @@ def write_dataset(root: Path, model_source: str) -> Path:
         shutil.copyfile(source, corpus / f"{name}.txt")
     snapshot = root / "dataset"
     write_token_shards(corpus, snapshot / "files", Path(model_source), shard_bytes=64 * 1024, workers=2)
-    files = []
-    for path in sorted((snapshot / "files").iterdir()):
-        data = path.read_bytes()
-        files.append(
-            {
-                "key": f"tokens/{path.name}",
-                "size": len(data),
-                "etag": hashlib.md5(data).hexdigest(),
-                "path": f"files/{path.name}",
-            }
-        )
-    (snapshot / "manifest.json").write_text(json.dumps({"snapshot_id": "bench-tokens", "files": files}))
-    return snapshot
+    return write_local_manifest(snapshot, key_prefix="tokens/", snapshot_id="bench-tokens")
 
 
 def _rank_env() -> dict[str, str]:

@@ -49,22 +49,29 @@ def upload_demo_corpus(
 
 def write_local_dataset(folder: Path, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> Path:
     """The demo corpus as a dataset snapshot folder (the stage step's format), no S3 needed."""
+    for name, source in demo_corpus(budget_bytes):
+        target = folder / "files" / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(source.read_bytes())
+    return write_local_manifest(folder, key_prefix="corpus/", snapshot_id="local-demo")
+
+
+def write_local_manifest(snapshot: Path, key_prefix: str, snapshot_id: str) -> Path:
+    """manifest.json for the files under `<snapshot>/files`, as the stage step writes it, so a
+    local folder is a dataset snapshot for tests and benchmarks; returns `snapshot`."""
     import hashlib
     import json
 
     files = []
-    for name, source in demo_corpus(budget_bytes):
-        data = source.read_bytes()
-        target = folder / "files" / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
+    for path in sorted((snapshot / "files").iterdir()):
+        data = path.read_bytes()
         files.append(
             {
-                "key": f"corpus/{name}",
+                "key": f"{key_prefix}{path.name}",
                 "size": len(data),
                 "etag": hashlib.md5(data).hexdigest(),
-                "path": f"files/{name}",
+                "path": f"files/{path.name}",
             }
         )
-    (folder / "manifest.json").write_text(json.dumps({"snapshot_id": "local-demo", "files": files}))
-    return folder
+    (snapshot / "manifest.json").write_text(json.dumps({"snapshot_id": snapshot_id, "files": files}))
+    return snapshot

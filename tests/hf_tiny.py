@@ -48,25 +48,12 @@ def write_tiny_model(
 def write_token_snapshot(corpus: Path, model_dir: Path, snapshot: Path, shard_bytes: int = 800) -> Path:
     """`corpus` tokenized with the model folder's tokenizer, laid out as a staged snapshot
     (the stage step's manifest.json beside the shards and index.json)."""
-    import hashlib
-    import json
 
+    from rtp_cli.demo_data import write_local_manifest
     from trainer.tokenized_data import write_token_shards
 
     write_token_shards(corpus, snapshot / "files", model_dir, shard_bytes=shard_bytes, workers=2)
-    files = []
-    for path in sorted((snapshot / "files").iterdir()):
-        data = path.read_bytes()
-        files.append(
-            {
-                "key": f"tokens/{path.name}",
-                "size": len(data),
-                "etag": hashlib.md5(data).hexdigest(),
-                "path": f"files/{path.name}",
-            }
-        )
-    (snapshot / "manifest.json").write_text(json.dumps({"snapshot_id": "test-tokens", "files": files}))
-    return snapshot
+    return write_local_manifest(snapshot, key_prefix="tokens/", snapshot_id="test-tokens")
 
 
 def write_corpus(folder: Path, documents: int = 40) -> Path:
