@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -123,8 +123,11 @@ class StageRun:
 
     def fetch(
         self, objects_and_targets: list[tuple[SourceObject, Path]], *, stripe_large_files: bool
-    ) -> None:
-        """Download each object into its target, verified, with one progress display for them all."""
+    ) -> dict[str, str]:
+        """Download each object into its target, verified, with one progress display for them all.
+
+        Returns key -> encryption for the objects whose GET showed an ETag that is no MD5.
+        """
         objects = [obj for obj, _ in objects_and_targets]
         progress = Progress(sum(o.size for o in objects), len(objects), stream=self.progress_stream)
         downloader = Downloader(
@@ -138,6 +141,9 @@ class StageRun:
             run_downloads(downloader, jobs, self.pool, progress)
         finally:
             progress.close()
+        if downloader.size_only and self.source.kind == "s3":
+            say_size_only_once(downloader.size_only)
+        return downloader.encrypted
 
     def result(
         self,
@@ -240,6 +246,19 @@ def stage_dataset(
     )
 
 
+def say_size_only_once(size_only: dict[str, str]) -> None:
+    """One notice line per stage for the objects that could be checked by size alone."""
+    key, why = next(iter(sorted(size_only.items())))
+    others = f" and {len(size_only) - 1} more" if len(size_only) > 1 else ""
+    log.warning(
+        "notice: %s%s checked by size only (%s, and no additional checksum); upload with "
+        "--checksum-algorithm SHA256 (or CRC32C) to have such objects verified in full",
+        key,
+        others,
+        why,
+    )
+
+
 def _keep_what_is_already_there(
     run: StageRun, objects: list[SourceObject], tree: SafeTree, *, link_from_current: bool
 ) -> tuple[list[SourceObject], int]:
@@ -275,8 +294,8 @@ def _download_all(run: StageRun, todo: list[SourceObject], tree: SafeTree) -> tu
         else todo
     )
     log.info("staging: %d objects to download (%.1f MiB)", len(described), total / 2**20)
-    run.fetch([(o, tree.target(run.paths[o.key])) for o in described], stripe_large_files=True)
-    return total, described
+    encrypted = run.fetch([(o, tree.target(run.paths[o.key])) for o in described], stripe_large_files=True)
+    return total, [replace(o, encryption=encrypted.get(o.key, o.encryption)) for o in described]
 
 
 def _link_from_repository(run: StageRun, repository: Path, todo: list[SourceObject], tree: SafeTree) -> int:
