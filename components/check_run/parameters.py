@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from components.layout import check_name
+from components.mlflow_access import MODEL_NAME
 
 POSITIVE = ("steps", "checkpoint_every", "nproc", "nnodes", "job_timeout_s")
 NON_NEGATIVE = ("gpus_per_node", "efa_per_node")
 INTEGERS = (*POSITIVE, *NON_NEGATIVE, "seed")
 STRUCTURED = ("gpu_node_selector", "gpu_tolerations")
-_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,255}")
+_MODEL_NAME = MODEL_NAME  # one pattern for the run parameter and the registry calls
 _LABEL_KEY = re.compile(r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 
 
