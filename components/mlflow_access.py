@@ -43,6 +43,7 @@ _TRANSIENT_CODES = ("INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_
 _MLFLOW_MAX_RETRIES_ENV = "MLFLOW_HTTP_REQUEST_MAX_RETRIES"
 _MLFLOW_TIMEOUT_ENV = "MLFLOW_HTTP_REQUEST_TIMEOUT"
 _MAX_HTTP_TIMEOUT_S = 120  # MLflow's default
+_MIN_HTTP_TIMEOUT_S = 5  # near the deadline, a healthy server still gets time to answer
 # A registered model name: it goes into search filters, URIs (models:/<name>/<version>)
 # and file names. components/check_run checks the run parameter against the same pattern.
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,255}")
@@ -76,8 +77,9 @@ class RetryPolicy:
     """Wait after the first failure; doubles after each further one."""
     max_delay_s: float = 30.0
     """Upper bound of one wait."""
-    deadline_s: float = 600.0
-    """Wall time a step may spend on MLflow, every call and wait included (see `step_deadline`)."""
+    deadline_s: float = 900.0
+    """Wall time a step may spend on MLflow, every call and wait included (see `step_deadline`);
+    past it, a failed call is not retried. Model uploads count: raise it for very large models."""
 
     def delays_s(self) -> list[float]:
         """The waits between attempts, in order (attempts - 1 of them)."""
@@ -122,11 +124,14 @@ def step_deadline(policy: RetryPolicy | None = None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _mlflow_http_settings(timeout_s: float) -> Iterator[None]:
-    """MLflow's own HTTP retries off and its timeout at most `timeout_s`, restored afterwards."""
+    """MLflow's own HTTP retries off and its timeout at most `timeout_s` (but not under a few
+    seconds), restored afterwards."""
     saved = {name: os.environ.get(name) for name in (_MLFLOW_MAX_RETRIES_ENV, _MLFLOW_TIMEOUT_ENV)}
     os.environ[_MLFLOW_MAX_RETRIES_ENV] = "0"
     configured = int(saved[_MLFLOW_TIMEOUT_ENV] or _MAX_HTTP_TIMEOUT_S)
-    os.environ[_MLFLOW_TIMEOUT_ENV] = str(max(1, min(configured, int(timeout_s))))
+    os.environ[_MLFLOW_TIMEOUT_ENV] = str(
+        max(min(_MIN_HTTP_TIMEOUT_S, configured), min(configured, int(timeout_s)))
+    )
     try:
         yield
     finally:
