@@ -188,3 +188,19 @@ def test_a_server_that_never_answers_fails_within_the_steps_deadline(point_at, m
     # MLflow's settings are ours only while our loop runs
     assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ
     assert "MLFLOW_HTTP_REQUEST_TIMEOUT" not in os.environ
+
+
+def test_the_cli_never_prints_credentials_in_an_error(monkeypatch, capsys):
+    import argparse
+
+    import rtp_cli.main as cli
+
+    def failing(args: argparse.Namespace) -> int:  # stand-in for a command whose error names the URI
+        raise ValueError("cannot reach https://alice:s3cret@mlflow.example.com/api")
+
+    parser = argparse.ArgumentParser()
+    parser.set_defaults(handler=failing, command="register", verbose=False)
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    assert cli.main([]) == 2
+    err = capsys.readouterr().err
+    assert err == "rtp register: error: cannot reach https://***@mlflow.example.com/api\n"
