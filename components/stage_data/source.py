@@ -152,6 +152,23 @@ def describe_object(client: Any, bucket: str, obj: SourceObject, settings: Trans
     return found
 
 
+def describe_from_head(
+    client: Any, bucket: str, obj: SourceObject, settings: TransferSettings
+) -> SourceObject:
+    """`obj` with what its HEAD says beyond the listing: the encryption that makes its ETag no
+    MD5 (SSE-KMS, DSSE-KMS, SSE-C) and its additional checksum."""
+    head = with_retries(
+        f"HEAD s3://{bucket}/{obj.key}",
+        lambda: client.head_object(Bucket=bucket, Key=obj.key, ChecksumMode="ENABLED"),
+        settings,
+    )
+    found = replace(obj, encryption=etag_encryption(head))
+    if obj.checksum_algorithm and not obj.checksum:
+        value = head.get(f"Checksum{obj.checksum_algorithm}", "")
+        found = replace(found, checksum=value, checksum_algorithm=obj.checksum_algorithm if value else "")
+    return found
+
+
 def describe_all(
     client: Any, bucket: str, objects: list[SourceObject], pool: Executor, settings: TransferSettings
 ) -> list[SourceObject]:

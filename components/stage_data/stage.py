@@ -47,6 +47,7 @@ from components.stage_data.source import (
     Source,
     SourceObject,
     describe_all,
+    describe_from_head,
     list_local_folder,
     list_objects,
     parse_s3_uri,
@@ -230,8 +231,8 @@ def stage_dataset(
         tree = store.staging_tree(snap)
         todo, reused = _keep_what_is_already_there(run, objects, tree, link_from_current=mode == "copy")
         if mode == "repository":
-            downloaded_files = _link_from_repository(run, Path(repository_dir), todo, tree)
-            downloaded, fetched = 0, todo
+            fetched = _link_from_repository(run, Path(repository_dir), todo, tree)
+            downloaded, downloaded_files = 0, len(fetched)
         else:
             downloaded, fetched = _download_all(run, todo, tree)
             downloaded_files = len(fetched)
@@ -298,8 +299,11 @@ def _download_all(run: StageRun, todo: list[SourceObject], tree: SafeTree) -> tu
     return total, [replace(o, encryption=encrypted.get(o.key, o.encryption)) for o in described]
 
 
-def _link_from_repository(run: StageRun, repository: Path, todo: list[SourceObject], tree: SafeTree) -> int:
-    """Data-repository mode: the objects are already files under `repository`; check, pre-load, link."""
+def _link_from_repository(
+    run: StageRun, repository: Path, todo: list[SourceObject], tree: SafeTree
+) -> list[SourceObject]:
+    """Data-repository mode: the objects are already files under `repository`; check, pre-load,
+    link. Returns the objects as checked (with what a HEAD added)."""
     if not repository.is_dir():
         raise StageError(
             f"repository folder {repository} does not exist: give the FSx path that the data repository "
@@ -312,9 +316,15 @@ def _link_from_repository(run: StageRun, repository: Path, todo: list[SourceObje
         if path.stat().st_size != obj.size:
             raise StageError(f"{path} is {path.stat().st_size} bytes but s3 key {obj.key} is {obj.size}")
     run.lustre.hsm_restore([p for _, p in files])
+    checked = []
     for obj, path in files:
         if run.verify_local == "full":
             reason = verify_file_any_part_size(path, obj.expectation())
+            if reason and run.source.kind == "s3":
+                # The listing alone may mislead: an SSE-KMS/SSE-C ETag is no MD5, and a checksum
+                # is only named. The object's HEAD says which, then the file is checked again.
+                obj = describe_from_head(run.client, run.source.bucket, obj, run.settings)
+                reason = verify_file_any_part_size(path, obj.expectation())
             if reason:
                 raise StageError(
                     f"{path} does not match s3 key {obj.key} ({reason}): re-import the repository"
@@ -329,7 +339,8 @@ def _link_from_repository(run: StageRun, repository: Path, todo: list[SourceObje
                 f"cannot hard-link {path} into the snapshot ({exc.strerror}): the repository folder must be on "
                 "the same file system as --fsx-mount-path"
             ) from exc
-    return len(files)
+        checked.append(obj)
+    return checked
 
 
 def _recheck_snapshot(run: StageRun, manifest: dict[str, Any]) -> StageResult:

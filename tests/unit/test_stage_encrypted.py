@@ -206,3 +206,40 @@ def test_someone_elses_bucket_is_an_error_not_success(tmp_path):
         upload_shards(TakenBucketS3(), tmp_path, "taken", "p/")
     with pytest.raises(PrepareError, match="denied"):
         upload_shards(TakenBucketS3(), tmp_path, "taken", "p/", create_bucket=False)
+
+
+def test_repository_mode_checks_encrypted_files_by_what_their_head_says(kms_bucket, s3_endpoint, tmp_path):
+    """An FSx data repository already shows the objects as files: a full check must not take
+    an SSE-KMS ETag for an MD5."""
+    name, bodies = kms_bucket
+    repository = tmp_path / "fsx/repo"
+    for key, body in bodies.items():
+        (repository / key.removeprefix("enc/")).parent.mkdir(parents=True, exist_ok=True)
+        (repository / key.removeprefix("enc/")).write_bytes(body)
+    with FaultProxy(s3_endpoint, etags="opaque", strip_checksums=True) as proxy:
+        result = stage_dataset(
+            f"s3://{name}/enc/",
+            str(tmp_path / "fsx"),
+            "ds",
+            proxy.endpoint_url,
+            mode="repository",
+            repository_dir=str(repository),
+            verify_local="full",
+        )
+    manifest = json.loads((tmp_path / "fsx/rtp/datasets/ds/current/manifest.json").read_text())
+    assert result.files == 3 and {e["encryption"] for e in manifest["files"]} == {"SSE-KMS"}
+    # a file that differs from its object is still refused
+    (repository / "a.txt").write_bytes(b"changed!" * 75)
+    with (
+        FaultProxy(s3_endpoint, etags="nonhex", strip_checksums=False) as proxy,
+        pytest.raises(StageError, match=r"a\.txt does not match"),
+    ):
+        stage_dataset(
+            f"s3://{name}/enc/",
+            str(tmp_path / "fsx"),
+            "ds2",
+            proxy.endpoint_url,
+            mode="repository",
+            repository_dir=str(repository),
+            verify_local="full",
+        )
