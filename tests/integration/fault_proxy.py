@@ -6,9 +6,11 @@ answers SlowDown, `"reset"` sends the headers and half the body then drops the
 connection, `"stall"` sleeps before answering, `"corrupt"` flips one byte of the body.
 `counts` records what was injected, so tests can assert that faults really happened.
 
-`etags="opaque"` makes the proxy answer as AWS does for SSE-KMS / SSE-C objects: every
-ETag (headers and listings) becomes a hex value that is not the body's MD5, and If-Match
-is translated back for the server behind; `etags="nonhex"` gives non-hex ETags instead.
+`etags="opaque"` makes the proxy answer as AWS does for SSE-KMS objects: every ETag
+(headers and listings) becomes a hex value that is not the body's MD5 (a multipart one
+keeps its "-<parts>"), object answers carry `x-amz-server-side-encryption: aws:kms`, and
+If-Match is translated back for the server behind (which changes a signed header: only
+for a server that does not check SigV4 signatures, such as moto); `etags="nonhex"` gives non-hex ETags instead.
 `strip_checksums` hides the additional checksums (headers and listings).
 """
 
@@ -27,6 +29,9 @@ SLOWDOWN = (
     b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
     b"<Message>Please reduce your request rate.</Message></Error>"
 )
+
+
+SSE_HEADER = "x-amz-server-side-encryption"
 
 
 class FaultProxy:
@@ -48,8 +53,11 @@ class FaultProxy:
 
         def rewrite_etag(real: str) -> str:
             real = real.strip('"')
+            _, dash, parts = real.partition("-")  # AWS keeps a multipart ETag's "-<parts>"
             digest = hashlib.md5(f"opaque:{real}".encode(), usedforsecurity=False).hexdigest()
-            fake = digest if proxy.etags == "opaque" else f"v1.{digest[:20]}"
+            fake = (digest if proxy.etags == "opaque" else f"v1.{digest[:20]}") + (
+                f"-{parts}" if dash else ""
+            )
             with proxy.lock:
                 proxy.real_etags[fake] = real
             return fake
@@ -135,6 +143,9 @@ class FaultProxy:
                         head or lower != "content-length"
                     ):
                         self.send_header(name, value)
+                object_answer = not listing and response.status in (200, 206)
+                if proxy.etags == "opaque" and object_answer and not response.getheader(SSE_HEADER):
+                    self.send_header(SSE_HEADER, "aws:kms")  # what AWS adds for an SSE-KMS object
                 if not head:
                     self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
