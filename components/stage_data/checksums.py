@@ -95,6 +95,12 @@ class Expectation:
         return int(parts) if dash and parts.isdigit() and is_md5_hex(head) else 0
 
     @property
+    def upload_parts(self) -> int:
+        """Number of upload parts the ETag's "-<parts>" says, whether or not the ETag is an MD5."""
+        _, dash, parts = self.etag.partition("-")
+        return int(parts) if dash and parts.isdigit() else 0
+
+    @property
     def etag_is_md5(self) -> bool:
         """Whether the ETag is an MD5 of the body (single part) or of its part MD5s (multipart)."""
         return not self.encryption and (self.etag_parts > 0 or is_md5_hex(self.etag))
@@ -226,7 +232,7 @@ class Digester:
             else:
                 got = base64.b64encode(self._whole[exp.algorithm].digest()).decode()
                 parts = self._part_digests[exp.algorithm]
-                if got != exp.checksum and exp.etag_parts and len(parts) == exp.etag_parts:
+                if got != exp.checksum and exp.upload_parts and len(parts) == exp.upload_parts:
                     # Some servers (moto 5) give a multipart object's composite checksum
                     # without its "-<parts>" suffix: accept it as the composite it is.
                     hasher = _new_hasher(exp.algorithm)
@@ -268,9 +274,14 @@ def verify_file(path: Path, expectation: Expectation, part_size: int | None = No
 
 def verify_file_any_part_size(path: Path, expectation: Expectation) -> str:
     """Like `verify_file`, trying plausible part sizes when the upload's is unknown."""
-    if expectation.part_size or not expectation.needs_parts():
+    composite_maybe = bool(expectation.algorithm and expectation.upload_parts)  # moto omits "-<parts>"
+    if expectation.part_size or not (expectation.needs_parts() or composite_maybe):
         return verify_file(path, expectation)
-    parts = expectation.etag_parts or int(expectation.checksum.rpartition("-")[2] or 0)
+    parts = (
+        expectation.etag_parts
+        or int(expectation.checksum.rpartition("-")[2] or 0)
+        or expectation.upload_parts
+    )
     reasons = []
     for candidate in plausible_part_sizes(expectation.size, parts):
         reason = verify_file(path, expectation, part_size=candidate)

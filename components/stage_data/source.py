@@ -137,7 +137,10 @@ def describe_object(client: Any, bucket: str, obj: SourceObject, settings: Trans
             checksum_algorithm=obj.checksum_algorithm if value else "",
             encryption=etag_encryption(head),
         )
-    if found.expectation().needs_parts():
+    exp = found.expectation()
+    # The part size matters for a multipart ETag that is an MD5, and for a checksum that may be
+    # composite even when the ETag is no MD5 (SSE-KMS): "-<parts>" still counts the parts.
+    if exp.needs_parts() or (exp.algorithm and exp.upload_parts):
         try:
             head = with_retries(
                 f"HEAD s3://{bucket}/{obj.key} part 1",

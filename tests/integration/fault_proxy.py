@@ -49,6 +49,7 @@ class FaultProxy:
         self.strip_checksums = strip_checksums
         self.real_etags: dict[str, str] = {}  # rewritten ETag -> the server's
         self.gets = 0  # object GETs (not listings) forwarded
+        self.bytes_served = 0  # body bytes of those GETs
         proxy = self
 
         def rewrite_etag(real: str) -> str:
@@ -131,6 +132,7 @@ class FaultProxy:
                 elif self.command == "GET" and response.status in (200, 206):
                     with proxy.lock:
                         proxy.gets += 1
+                        proxy.bytes_served += len(data)
                 self.send_response(response.status)
                 head = self.command == "HEAD"
                 for name, value in response.getheaders():

@@ -5,11 +5,13 @@ not. The `FaultProxy` test double in front of moto rewrites every ETag into an o
 (as AWS does for such objects) so the end-to-end tests see what AWS would answer.
 """
 
+import io
 import json
 import logging
 import os
 
 import pytest
+from boto3.s3.transfer import TransferConfig
 
 from components.stage_data.checksums import Digester, Expectation, etag_encryption, verify_file
 from components.stage_data.errors import StageError
@@ -68,7 +70,7 @@ def test_a_non_hex_etag_is_never_taken_for_a_multipart_md5():
 
 @pytest.fixture
 def kms_bucket(s3_endpoint, request):
-    """Two small and one ranged (multipart-sized) SSE-KMS objects under enc/."""
+    """Two small SSE-KMS objects, one large single-part and one multipart one, under enc/."""
     from components.stage_data.s3_clients import s3_client
 
     client = s3_client(s3_endpoint)
@@ -83,6 +85,16 @@ def kms_bucket(s3_endpoint, request):
         client.put_object(
             Bucket=name, Key=key, Body=body, ServerSideEncryption="aws:kms", ChecksumAlgorithm="SHA256"
         )
+    # a 2-part upload: its KMS ETag looks like "<hex>-2" but is no multipart MD5 either
+    parts = os.urandom(10 * MIB + 3)
+    client.upload_fileobj(
+        io.BytesIO(parts),
+        name,
+        "enc/parts.bin",
+        ExtraArgs={"ServerSideEncryption": "aws:kms", "ChecksumAlgorithm": "SHA256"},
+        Config=TransferConfig(multipart_threshold=5 * MIB, multipart_chunksize=5 * MIB),
+    )
+    bodies["enc/parts.bin"] = parts
     return name, bodies
 
 
@@ -99,7 +111,7 @@ def test_encrypted_objects_without_a_checksum_stage_once_with_one_notice(
     stage = dict(s3_client_kind=kind, settings=SMALL_RANGES)
     with FaultProxy(s3_endpoint, etags=etags, strip_checksums=True) as proxy:
         result = stage_dataset(f"s3://{name}/enc/", str(tmp_path), "ds", proxy.endpoint_url, **stage)
-        gets = proxy.gets
+        served = proxy.bytes_served
         # a full re-check of the snapshot trusts its recorded encryption: nothing is fetched again
         again = stage_dataset(
             f"s3://{name}/enc/", str(tmp_path), "ds", proxy.endpoint_url, verify_local="full", **stage
@@ -107,12 +119,12 @@ def test_encrypted_objects_without_a_checksum_stage_once_with_one_notice(
     current = tmp_path / "rtp/datasets/ds/current"
     for key, body in bodies.items():
         assert (current / key.removeprefix("enc/")).read_bytes() == body
-    assert result.files == 3 and again.snapshot_id == result.snapshot_id
-    assert gets == 2 + 4, "one GET per small object, one per 1 MiB range: nothing fetched twice"
+    assert result.files == 4 and again.snapshot_id == result.snapshot_id
+    assert served == sum(len(b) for b in bodies.values()), "every byte fetched once: no failed attempt"
     assert again.bytes_downloaded == 0
     assert not [r for r in caplog.records if "failed verification" in r.getMessage()]
     notices = [r.getMessage() for r in caplog.records if "checked by size only" in r.getMessage()]
-    assert len(notices) == 1 and "2 more" in notices[0], notices
+    assert len(notices) == 1 and "3 more" in notices[0], notices
     if etags == "opaque":
         assert "SSE-KMS" in notices[0]
         manifest = json.loads((current / "manifest.json").read_text())
@@ -136,16 +148,18 @@ def test_encrypted_objects_with_a_checksum_are_verified_by_it(
         )
         assert not [r for r in caplog.records if "size only" in r.getMessage()]
         # corruption on the wire is caught by the checksum, since the ETag cannot catch it
-        proxy.always["big.bin"] = "corrupt"
-        with pytest.raises(StageError, match=r"big\.bin"):
-            stage_dataset(
-                f"s3://{name}/enc/",
-                str(tmp_path / "bad"),
-                "ds",
-                proxy.endpoint_url,
-                s3_client_kind=kind,
-                settings=SMALL_RANGES,
-            )
+        for corrupted in ("a.txt", "big.bin", "parts.bin"):  # whole, ranged, multipart
+            proxy.always.clear()
+            proxy.always[corrupted] = "corrupt"
+            with pytest.raises(StageError, match=rf"{corrupted.replace('.', '[.]')}.*did not match"):
+                stage_dataset(
+                    f"s3://{name}/enc/",
+                    str(tmp_path / corrupted),
+                    "ds",
+                    proxy.endpoint_url,
+                    s3_client_kind=kind,
+                    settings=SMALL_RANGES,
+                )
 
 
 # ---------------------------------------------------------------- names staging uses itself
@@ -227,7 +241,7 @@ def test_repository_mode_checks_encrypted_files_by_what_their_head_says(kms_buck
             verify_local="full",
         )
     manifest = json.loads((tmp_path / "fsx/rtp/datasets/ds/current/manifest.json").read_text())
-    assert result.files == 3 and {e["encryption"] for e in manifest["files"]} == {"SSE-KMS"}
+    assert result.files == 4 and {e["encryption"] for e in manifest["files"]} == {"SSE-KMS"}
     # a file that differs from its object is still refused
     (repository / "a.txt").write_bytes(b"changed!" * 75)
     with (
