@@ -284,6 +284,12 @@ class Downloader:
             return StageError(
                 f"s3://{job.bucket}/{job.key} was deleted while it was being staged: re-run the stage"
             )
+        message = str(exc.response.get("Error", {}).get("Message", ""))
+        if code == "InvalidRequest" and "Server Side Encryption" in message:
+            return StageError(
+                f"s3://{job.bucket}/{job.key} is encrypted with a customer-provided key (SSE-C), which "
+                "rtp stage does not hold: copy the data to a prefix encrypted with SSE-S3 or SSE-KMS"
+            )
         if code in ("AccessDenied", "403"):
             return StageError(
                 f"reading s3://{job.bucket}/{job.key} was denied: grant s3:GetObject on the prefix to "

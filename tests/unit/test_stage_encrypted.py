@@ -257,3 +257,26 @@ def test_repository_mode_checks_encrypted_files_by_what_their_head_says(kms_buck
             repository_dir=str(repository),
             verify_local="full",
         )
+
+
+def test_an_sse_c_object_without_its_key_fails_saying_so(tmp_path):
+    from botocore.exceptions import ClientError
+
+    from components.stage_data.transfer import Downloader, ObjectJob
+
+    class SseCS3:
+        """Stand-in client: S3's answer to a GET of an SSE-C object without its key."""
+
+        def get_object(self, **_):
+            error = {
+                "Code": "InvalidRequest",
+                "Message": "The object was stored using a form of Server Side Encryption. "
+                "The correct parameters must be provided to retrieve the object.",
+            }
+            raise ClientError({"Error": error}, "GetObject")
+
+    job = ObjectJob("b", "data/f.bin", Expectation(5, MD5_OF_HELLO), tmp_path / "f.bin")
+    downloader = Downloader(SseCS3(), TransferSettings())
+    downloader.plan(job)
+    with pytest.raises(StageError, match=r"data/f\.bin is encrypted with a customer-provided key \(SSE-C\)"):
+        downloader.fetch_whole(job)
