@@ -186,9 +186,16 @@ def format_table(results: dict[str, Any]) -> str:
         )
     if "rtp" in results and "awscli" in results:
         lines.append(
-            f"rtp full stage is {results['awscli']['full_s'] / results['rtp']['full_s']:.2f}x faster than aws s3 sync"
+            f"rtp full stage is {speed_comparison(results['rtp']['full_s'], results['awscli']['full_s'])}"
         )
     return "\n".join(lines)
+
+
+def speed_comparison(rtp_s: float, awscli_s: float) -> str:
+    """'1.80x faster than aws s3 sync' or '1.25x slower than aws s3 sync': the word follows the numbers."""
+    if rtp_s <= awscli_s:
+        return f"{awscli_s / rtp_s:.2f}x faster than aws s3 sync"
+    return f"{rtp_s / awscli_s:.2f}x slower than aws s3 sync"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

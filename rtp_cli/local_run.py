@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from components.layout import run_dir
+from components.mlflow_access import redact_credentials
 from trainer.config import DEFAULT_PRESET
 from trainer.events import write_json_atomic
 
@@ -80,7 +81,7 @@ def build_summary(
         "holdout_loss": validate.get("holdout_loss"),
         "decision": validate.get("decision"),
         "mlflow": {
-            "tracking_uri": tracking_uri,
+            "tracking_uri": redact_credentials(tracking_uri),
             "model_name": register.get("model_name"),
             "version": register.get("version"),
             "alias": register.get("alias"),

@@ -103,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handler(args)
     except _user_error_types() as exc:
-        print(f"rtp {args.command}: error: {exc}", file=sys.stderr)
+        from components.mlflow_access import redact_credentials  # light: imports no MLflow
+
+        # A URI in a message (an MLflow tracking URI, an endpoint) may hold user:password@.
+        print(f"rtp {args.command}: error: {redact_credentials(str(exc))}", file=sys.stderr)
         return 2
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from components.layout import check_name
+from components.mlflow_access import MODEL_NAME
 from trainer.config import named_settings
 
 POSITIVE = ("nproc", "nnodes", "job_timeout_s")  # the training numbers are checked by its config
@@ -27,7 +28,7 @@ INTEGERS = (
     *(param for param, setting in named_settings().items() if setting.scalar_type is int),
 )
 STRUCTURED = ("gpu_node_selector", "gpu_tolerations")
-_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,255}")
+_MODEL_NAME = MODEL_NAME  # one pattern for the run parameter and the registry calls
 _LABEL_KEY = re.compile(r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 
 

@@ -15,10 +15,16 @@ the current one, otherwise the version becomes `challenger`.
 Registration is idempotent and never leaves a half-registered version:
 - a version is found by the checkpoint's manifest SHA-256 tag; registering the same
   checkpoint again (a KFP retry, a re-run) returns it instead of creating a duplicate;
-- a found version that is not READY or has no weights is deleted and registered anew;
+- a found version that is PENDING_REGISTRATION belongs to a registration still under way
+  (a concurrent task): it is waited for, never deleted;
+- a found version that failed registration or has no weights is deleted and registered anew;
 - a version created here is checked (READY, weights present) before any alias points at
-  it, and deleted again if that check or setting the alias fails.
-Every server call is retried with backoff (`components.mlflow_access`).
+  it, and deleted again if that check or setting the alias fails; a version this step did
+  not create is never deleted;
+- a request whose answer was lost is retried; looking for the version first makes the
+  retry return the version the server did create.
+The model name is checked before it reaches a search filter. Every server call is retried
+with backoff, all of them within one deadline for the step (`components.mlflow_access`).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import trainer
-from components.mlflow_access import RetryPolicy, call_with_retries
+from components.mlflow_access import RetryPolicy, call_with_retries, check_model_name, step_deadline
 from components.register_model import hf_export
 from components.register_model.bundle import WEIGHTS_FILE, pip_requirements, write_bundle
 from components.register_model.lineage import (
@@ -54,6 +60,7 @@ EXPERIMENT = "rtp"
 SERVING_MODEL = Path(__file__).with_name("serving_model.py")
 SHA_TAG = "rtp.checkpoint_sha256"
 READY_TIMEOUT_S = 300.0
+PENDING = "PENDING_REGISTRATION"
 
 
 class RegistrationError(RuntimeError):
@@ -95,11 +102,21 @@ def _ensure_experiment(mlflow: Any, tracking_uri: str) -> None:
     mlflow.set_experiment(EXPERIMENT)
 
 
+def _literal(value: str) -> str:
+    """`value` as a quoted search-filter string. MLflow's filter grammar has no escape for a
+    quote, so a value holding one is refused (names are checked up front; SHA-256s are hex)."""
+    if any(c in value for c in "'\"\\`"):
+        raise ValueError(f"{value!r} cannot be used in an MLflow search filter (it holds a quote)")
+    return f"'{value}'"
+
+
 def _find_version(client: Any, model_name: str, sha: str) -> Any | None:
     """The newest version registered from this checkpoint, or None."""
-    if not client.search_registered_models(filter_string=f"name = '{model_name}'"):
+    if not client.search_registered_models(filter_string=f"name = {_literal(model_name)}"):
         return None
-    found = client.search_model_versions(f"name = '{model_name}' and tags.`{SHA_TAG}` = '{sha}'")
+    found = client.search_model_versions(
+        f"name = {_literal(model_name)} and tags.`{SHA_TAG}` = {_literal(sha)}"
+    )
     return max(found, key=lambda v: int(v.version)) if found else None
 
 
@@ -134,15 +151,31 @@ def model_tags(config: Any) -> dict[str, str]:
     }
 
 
-def _await_ready(client: Any, model_name: str, version: str, timeout_s: float = READY_TIMEOUT_S) -> Any:
+def _await_ready(
+    client: Any,
+    model_name: str,
+    version: str,
+    timeout_s: float = READY_TIMEOUT_S,
+    *,
+    failed_is_error: bool = True,
+) -> Any:
+    """The version once READY. A FAILED_REGISTRATION one is returned as it is when
+    `failed_is_error` is False (the caller replaces it); still pending at the timeout raises."""
     deadline = time.monotonic() + timeout_s
     while True:
         current = client.get_model_version(model_name, version)
         if str(current.status) == "READY":
             return current
+        if str(current.status) == "FAILED_REGISTRATION" and not failed_is_error:
+            return current
         if str(current.status) == "FAILED_REGISTRATION" or time.monotonic() > deadline:
             raise RegistrationError(
                 f"{model_name} version {version} is {current.status}: {current.status_message or 'no message'}"
+                + (
+                    ""
+                    if failed_is_error
+                    else "; another registration of this checkpoint holds it: retry later"
+                )
             )
         time.sleep(1.0)
 
@@ -251,15 +284,34 @@ def register_checkpoint(
     `lineage` supplies what the checkpoint cannot tell (KFP run, dataset, training figures);
     the checkpoint's own step, URI, SHA-256 and config hash are always filled in here.
     """
-    import mlflow
-
     if decision not in ALIASES:
         raise ValueError(f"decision {decision!r} cannot be registered; expected one of {', '.join(ALIASES)}")
+    check_model_name(model_name)
+    with step_deadline(retry):
+        return _register(checkpoint_dir, model_name, decision, lineage, retry, published_manifest_sha256)
+
+
+def _register(
+    checkpoint_dir: str,
+    model_name: str,
+    decision: str,
+    lineage: Lineage | None,
+    retry: RetryPolicy | None,
+    published_manifest_sha256: str | None,
+) -> RegisterResult:
+    import mlflow
+
     client = mlflow.MlflowClient()
     sha = checkpoint_sha256(checkpoint_dir)
 
     def find_complete() -> Any | None:
         version = _find_version(client, model_name, sha)
+        if version is not None and str(version.status) == PENDING:
+            # Another registration of this checkpoint is under way: wait for it, never delete it.
+            log.info(
+                "%s version %s of this checkpoint is being registered: waiting", model_name, version.version
+            )
+            version = _await_ready(client, model_name, str(version.version), failed_is_error=False)
         if version is not None and not _version_is_complete(client, model_name, version):
             log.warning(
                 "%s version %s of this checkpoint is incomplete: replacing it", model_name, version.version
@@ -304,13 +356,23 @@ def register_checkpoint(
         f"log the model of {checkpoint_dir}", lambda: _log_model(model, config, meta, tags, base), retry
     )
 
+    attempts = 0
+    created_here = False
+
     def find_or_create() -> Any:
         # Looking first makes a retry after a lost response return the version the server
         # did create, instead of registering a second one.
+        nonlocal attempts, created_here
+        attempts += 1
         found = _find_version(client, model_name, sha)
         if found is not None:
+            # Found on a retry: most likely our own request whose answer was lost. Found on
+            # the first try: a concurrent registration's, which this step must not delete.
+            created_here = attempts > 1 and str(found.status) != PENDING
             return found
-        return mlflow.register_model(info.model_uri, model_name, tags=tags, await_registration_for=0)
+        created = mlflow.register_model(info.model_uri, model_name, tags=tags, await_registration_for=0)
+        created_here = True
+        return created
 
     version = call_with_retries(f"register a version of {model_name}", find_or_create, retry)
     try:
@@ -327,7 +389,8 @@ def register_checkpoint(
             raise RegistrationError(f"{model_name} version {version.version} has no weights in its artifacts")
         alias = _set_alias(client, model_name, decision, version, retry)
     except BaseException:
-        _delete_version(client, model_name, str(version.version), retry)
+        if created_here:
+            _delete_version(client, model_name, str(version.version), retry)
         raise
     log.info("registered %s version %s as %s", model_name, version.version, alias)
     return RegisterResult(

@@ -8,6 +8,11 @@ additional checksum (CRC32, CRC32C or SHA-256), either of the full object or com
 holds what the listing and HEAD said; `Digester` computes the matching digests of a body
 part by part, so a ranged download whose ranges are the upload's parts verifies without
 a second pass.
+
+An ETag is an MD5 only for unencrypted and SSE-S3 objects: with SSE-KMS, DSSE-KMS or SSE-C
+it is an opaque value, and some S3-compatible servers give ETags that are not hex at all.
+`etag_encryption` reads which case a GET/HEAD answer is; such an object is checked by its
+additional checksum when it has one, else by its size alone (`Digester.checks_content`).
 """
 
 from __future__ import annotations
@@ -16,12 +21,14 @@ import base64
 import hashlib
 import zlib
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 MIB = 2**20
 ADDITIONAL_ALGORITHMS = ("SHA256", "CRC32C", "CRC32")  # preference order when several are present
+# x-amz-server-side-encryption values whose objects' ETags are not the MD5 of the body.
+_OPAQUE_ETAG_ENCRYPTIONS = {"aws:kms": "SSE-KMS", "aws:kms:dsse": "DSSE-KMS"}
 
 
 class _Crc32:
@@ -77,12 +84,34 @@ class Expectation:
     algorithm: str = ""  # "SHA256" | "CRC32C" | "CRC32" | ""
     checksum: str = ""  # base64, possibly "-<parts>" for a composite checksum
     part_size: int = 0  # upload part size when multipart (0 = unknown or single part)
+    encryption: str = ""  # "SSE-KMS" | "DSSE-KMS" | "SSE-C" when that makes the ETag no MD5
 
     @property
     def etag_parts(self) -> int:
-        """Number of upload parts the ETag says (0 for a single-part MD5 ETag)."""
+        """Number of upload parts an MD5 ETag says (0 for a single-part one, or an ETag that is no MD5)."""
+        if self.encryption:
+            return 0
+        head, dash, parts = self.etag.partition("-")
+        return int(parts) if dash and parts.isdigit() and is_md5_hex(head) else 0
+
+    @property
+    def upload_parts(self) -> int:
+        """Number of upload parts the ETag's "-<parts>" says, whether or not the ETag is an MD5."""
         _, dash, parts = self.etag.partition("-")
         return int(parts) if dash and parts.isdigit() else 0
+
+    @property
+    def etag_is_md5(self) -> bool:
+        """Whether the ETag is an MD5 of the body (single part) or of its part MD5s (multipart)."""
+        return not self.encryption and (self.etag_parts > 0 or is_md5_hex(self.etag))
+
+    def why_size_only(self) -> str:
+        """Why the ETag cannot check the body ('' when it can)."""
+        if self.encryption:
+            return f"{self.encryption}-encrypted: its ETag is not an MD5 of the data"
+        if not self.etag_is_md5:
+            return f"its ETag {self.etag!r} is not an MD5"
+        return ""
 
     @property
     def checksum_is_composite(self) -> bool:
@@ -101,7 +130,18 @@ class Expectation:
             return not self.checksum_is_composite or self.part_size > 0
         if self.etag_parts:
             return self.part_size > 0
-        return is_md5_hex(self.etag)
+        return self.etag_is_md5
+
+
+def etag_encryption(response: dict[str, Any]) -> str:
+    """The encryption a GET/HEAD answer names that makes the object's ETag no MD5, or ''.
+
+    S3 documents that objects encrypted with SSE-KMS, DSSE-KMS or SSE-C (customer key) have
+    ETags that are not an MD5 digest of the object data; SSE-S3 (AES256) ones still are.
+    """
+    if response.get("SSECustomerAlgorithm"):
+        return "SSE-C"
+    return _OPAQUE_ETAG_ENCRYPTIONS.get(str(response.get("ServerSideEncryption", "")), "")
 
 
 def is_md5_hex(value: str) -> bool:
@@ -132,12 +172,17 @@ class Digester:
     def __post_init__(self) -> None:
         exp = self.expectation
         self._algorithms = []
-        if exp.etag_parts or is_md5_hex(exp.etag):
+        if exp.etag_is_md5:
             self._algorithms.append("MD5")
         if exp.algorithm and (exp.algorithm != "CRC32C" or crc32c_available()):
             self._algorithms.append(exp.algorithm)
         self._part_digests = {a: [] for a in self._algorithms}
         self._whole = {a: _new_hasher(a) for a in self._algorithms}
+
+    @property
+    def checks_content(self) -> bool:
+        """Whether anything beyond the size is checked (an MD5 ETag or an additional checksum)."""
+        return bool(self._algorithms)
 
     def add_part(self, chunks: Iterable[bytes | memoryview]) -> None:
         """Feed one whole part (in order), chunk by chunk."""
@@ -187,7 +232,7 @@ class Digester:
             else:
                 got = base64.b64encode(self._whole[exp.algorithm].digest()).decode()
                 parts = self._part_digests[exp.algorithm]
-                if got != exp.checksum and exp.etag_parts and len(parts) == exp.etag_parts:
+                if got != exp.checksum and exp.upload_parts and len(parts) == exp.upload_parts:
                     # Some servers (moto 5) give a multipart object's composite checksum
                     # without its "-<parts>" suffix: accept it as the composite it is.
                     hasher = _new_hasher(exp.algorithm)
@@ -218,8 +263,10 @@ def verify_file(path: Path, expectation: Expectation, part_size: int | None = No
         return f"size {size} != {expectation.size}"
     exp = expectation
     if part_size is not None and part_size != exp.part_size:
-        exp = Expectation(exp.size, exp.etag, exp.algorithm, exp.checksum, part_size)
+        exp = replace(exp, part_size=part_size)
     digester = Digester(exp)
+    if not digester.checks_content:
+        return ""  # only the size can be checked, and it matched
     for offset, length in exp.part_ranges():
         digester.add_part(read_chunks(path, offset, length))
     return digester.mismatch()
@@ -227,9 +274,14 @@ def verify_file(path: Path, expectation: Expectation, part_size: int | None = No
 
 def verify_file_any_part_size(path: Path, expectation: Expectation) -> str:
     """Like `verify_file`, trying plausible part sizes when the upload's is unknown."""
-    if expectation.part_size or not expectation.needs_parts():
+    composite_maybe = bool(expectation.algorithm and expectation.upload_parts)  # moto omits "-<parts>"
+    if expectation.part_size or not (expectation.needs_parts() or composite_maybe):
         return verify_file(path, expectation)
-    parts = expectation.etag_parts or int(expectation.checksum.rpartition("-")[2] or 0)
+    parts = (
+        expectation.etag_parts
+        or int(expectation.checksum.rpartition("-")[2] or 0)
+        or expectation.upload_parts
+    )
     reasons = []
     for candidate in plausible_part_sizes(expectation.size, parts):
         reason = verify_file(path, expectation, part_size=candidate)

@@ -179,6 +179,13 @@ class LeanS3Client:
             "ContentLength": int(response.headers.get("content-length", 0)),
             "ETag": response.headers.get("etag", ""),
         }
+        # The encryption decides whether the ETag is an MD5 (checksums.etag_encryption).
+        if response.headers.get("x-amz-server-side-encryption"):
+            answer["ServerSideEncryption"] = response.headers["x-amz-server-side-encryption"]
+        if response.headers.get("x-amz-server-side-encryption-customer-algorithm"):
+            answer["SSECustomerAlgorithm"] = response.headers[
+                "x-amz-server-side-encryption-customer-algorithm"
+            ]
         if response.headers.get("x-amz-mp-parts-count"):
             answer["PartsCount"] = int(response.headers["x-amz-mp-parts-count"])
         for algorithm, header in _CHECKSUM_HEADERS.items():

@@ -119,18 +119,18 @@ def write_document_shards(docs: list[tuple[str, Path]], out_dir: Path, shard_byt
     return index
 
 
-def upload_shards(client: Any, folder: Path, bucket: str, prefix: str, max_workers: int = 16) -> int:
-    """Upload the shards, then index.json last (a reader that sees the index finds every shard)."""
-    from botocore.exceptions import ClientError
+def upload_shards(
+    client: Any, folder: Path, bucket: str, prefix: str, max_workers: int = 16, *, create_bucket: bool = True
+) -> int:
+    """Upload the shards, then index.json last (a reader that sees the index finds every shard).
 
-    try:
-        client.create_bucket(Bucket=bucket)
-    except ClientError as exc:
-        if exc.response.get("Error", {}).get("Code") not in (
-            "BucketAlreadyOwnedByYou",
-            "BucketAlreadyExists",
-        ):
-            raise PrepareError(f"cannot use bucket {bucket!r}: {exc}") from exc
+    `create_bucket` is for rtp's own demo S3 server only; `rtp prepare-data --dest` passes
+    False: a user's bucket must already exist (`check_destination_bucket`).
+    """
+    if create_bucket:
+        _create_own_bucket(client, bucket)
+    else:
+        check_destination_bucket(client, bucket)
     index = json.loads((folder / SHARD_INDEX_NAME).read_text())
     prefix = prefix if not prefix or prefix.endswith("/") else prefix + "/"
     with ThreadPoolExecutor(max_workers=max_workers) as pool:
@@ -142,6 +142,46 @@ def upload_shards(client: Any, folder: Path, bucket: str, prefix: str, max_worke
             future.result()
     client.upload_file(str(folder / SHARD_INDEX_NAME), bucket, f"{prefix}{SHARD_INDEX_NAME}")
     return len(index["shards"]) + 1
+
+
+def _create_own_bucket(client: Any, bucket: str) -> None:
+    from botocore.exceptions import ClientError
+
+    try:
+        client.create_bucket(Bucket=bucket)
+    except ClientError as exc:
+        code = exc.response.get("Error", {}).get("Code")
+        if code == "BucketAlreadyExists":  # the name is taken by another account
+            raise PrepareError(
+                f"bucket {bucket!r} belongs to someone else (BucketAlreadyExists): pick another name"
+            ) from exc
+        if code != "BucketAlreadyOwnedByYou":
+            raise PrepareError(f"cannot use bucket {bucket!r}: {exc}") from exc
+
+
+def check_destination_bucket(client: Any, bucket: str) -> None:
+    """PrepareError unless `bucket` exists and is readable: never create a user's bucket implicitly."""
+    from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
+
+    try:
+        client.head_bucket(Bucket=bucket)
+    except ClientError as exc:
+        code = str(exc.response.get("Error", {}).get("Code", ""))
+        if code in ("404", "NoSuchBucket"):
+            raise PrepareError(
+                f"bucket {bucket!r} does not exist: create it first (e.g. `aws s3 mb s3://{bucket}`) "
+                "with the encryption and lifecycle rules you want, then run again"
+            ) from exc
+        if code in ("403", "AccessDenied"):
+            raise PrepareError(
+                f"access to bucket {bucket!r} denied: it may belong to another account; give your AWS "
+                "profile s3:ListBucket and s3:PutObject on it, or pick a bucket of your own"
+            ) from exc
+        raise PrepareError(f"cannot use bucket {bucket!r}: {exc}") from exc
+    except NoCredentialsError as exc:
+        raise PrepareError("no AWS credentials found: set AWS_PROFILE or AWS_ACCESS_KEY_ID") from exc
+    except EndpointConnectionError as exc:
+        raise PrepareError(f"cannot reach the S3 endpoint: {exc}; check --endpoint-url") from exc
 
 
 def check_tokenizer_dir(tokenizer_dir: Path) -> None:
@@ -214,7 +254,7 @@ def prepare_data(
         from components.stage_data.source import parse_s3_uri
 
         bucket, prefix = parse_s3_uri(destination)
-        uploaded = upload_shards(s3_client(endpoint_url), Path(out_dir), bucket, prefix)
+        uploaded = upload_shards(s3_client(endpoint_url), Path(out_dir), bucket, prefix, create_bucket=False)
     return {
         "out_dir": out_dir,
         "destination": destination,

@@ -87,6 +87,7 @@ def entry_object(entry: dict[str, Any]) -> SourceObject:
         entry.get("checksum_algorithm", ""),
         entry.get("checksum", ""),
         int(entry.get("part_size", 0)),
+        entry.get("encryption", ""),
     )
 
 
@@ -96,6 +97,8 @@ def manifest_entry(obj: SourceObject, path: str, mtime_ns: int) -> dict[str, Any
         entry |= {"checksum_algorithm": obj.checksum_algorithm, "checksum": obj.checksum}
     if obj.part_size:
         entry["part_size"] = obj.part_size
+    if obj.encryption:
+        entry["encryption"] = obj.encryption
     entry["mtime_ns"] = mtime_ns
     return entry
 
@@ -157,8 +160,13 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text())
 
 
-def _write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
-    tmp = folder / f".{MANIFEST_NAME}.tmp"
+def _write_manifest(folder: Path, manifest: dict[str, Any], tmp_dir: Path) -> None:
+    """Write `folder/manifest.json` atomically, through a temporary file in `tmp_dir`.
+
+    The temporary lives outside the snapshot folder: any name inside it may be an S3 key's
+    (a key `.manifest.json.tmp` would otherwise be overwritten and renamed away).
+    """
+    tmp = tmp_dir / f".{folder.name}.{MANIFEST_NAME}.{os.getpid()}.tmp"
     with tmp.open("w") as handle:
         handle.write(manifest_text(manifest))
         handle.flush()
@@ -167,7 +175,7 @@ def _write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
     fsync_dir(folder)
 
 
-Refetch = Callable[[list[tuple[SourceObject, Path]]], None]
+Refetch = Callable[[list[tuple[SourceObject, Path]]], object]
 """Fetches each object again into its path (which does not exist when called)."""
 
 
@@ -226,7 +234,7 @@ class SnapshotStore:
             "bytes_total": sum(o.size for o in objects),
             "files": entries,
         }
-        _write_manifest(staging, manifest)
+        _write_manifest(staging, manifest, self.root)
         final = self.snapshot_dir(snap)
         final.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staging, final)
@@ -265,7 +273,7 @@ class SnapshotStore:
             for entry in damaged:
                 entry["mtime_ns"] = (final / entry["path"]).stat().st_mtime_ns
             sync_filesystem(final)
-            _write_manifest(final, manifest)
+            _write_manifest(final, manifest, self.root)
         else:
             log.info("snapshot %s already staged and intact: nothing to transfer", snap)
         self.switch_current(snap)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from components.stage_data.checksums import ADDITIONAL_ALGORITHMS, Expectation
+from components.stage_data.checksums import ADDITIONAL_ALGORITHMS, Expectation, etag_encryption
 from components.stage_data.errors import StageError
 from components.stage_data.settings import TransferSettings, with_retries
 
@@ -30,9 +30,12 @@ class SourceObject:
     checksum_algorithm: str = ""
     checksum: str = ""
     part_size: int = 0
+    encryption: str = ""  # set once a GET/HEAD showed an encryption whose ETag is no MD5
 
     def expectation(self) -> Expectation:
-        return Expectation(self.size, self.etag, self.checksum_algorithm, self.checksum, self.part_size)
+        return Expectation(
+            self.size, self.etag, self.checksum_algorithm, self.checksum, self.part_size, self.encryption
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,8 +131,16 @@ def describe_object(client: Any, bucket: str, obj: SourceObject, settings: Trans
             settings,
         )
         value = head.get(f"Checksum{obj.checksum_algorithm}", "")
-        found = replace(found, checksum=value, checksum_algorithm=obj.checksum_algorithm if value else "")
-    if found.expectation().needs_parts() or "-" in obj.etag:
+        found = replace(
+            found,
+            checksum=value,
+            checksum_algorithm=obj.checksum_algorithm if value else "",
+            encryption=etag_encryption(head),
+        )
+    exp = found.expectation()
+    # The part size matters for a multipart ETag that is an MD5, and for a checksum that may be
+    # composite even when the ETag is no MD5 (SSE-KMS): "-<parts>" still counts the parts.
+    if exp.needs_parts() or (exp.algorithm and exp.upload_parts):
         try:
             head = with_retries(
                 f"HEAD s3://{bucket}/{obj.key} part 1",
@@ -141,6 +152,23 @@ def describe_object(client: Any, bucket: str, obj: SourceObject, settings: Trans
                 found = replace(found, part_size=part)
         except ClientError:
             pass
+    return found
+
+
+def describe_from_head(
+    client: Any, bucket: str, obj: SourceObject, settings: TransferSettings
+) -> SourceObject:
+    """`obj` with what its HEAD says beyond the listing: the encryption that makes its ETag no
+    MD5 (SSE-KMS, DSSE-KMS, SSE-C) and its additional checksum."""
+    head = with_retries(
+        f"HEAD s3://{bucket}/{obj.key}",
+        lambda: client.head_object(Bucket=bucket, Key=obj.key, ChecksumMode="ENABLED"),
+        settings,
+    )
+    found = replace(obj, encryption=etag_encryption(head))
+    if obj.checksum_algorithm and not obj.checksum:
+        value = head.get(f"Checksum{obj.checksum_algorithm}", "")
+        found = replace(found, checksum=value, checksum_algorithm=obj.checksum_algorithm if value else "")
     return found
 
 

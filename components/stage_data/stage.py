@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ from components.stage_data.source import (
     Source,
     SourceObject,
     describe_all,
+    describe_from_head,
     list_local_folder,
     list_objects,
     parse_s3_uri,
@@ -123,8 +124,11 @@ class StageRun:
 
     def fetch(
         self, objects_and_targets: list[tuple[SourceObject, Path]], *, stripe_large_files: bool
-    ) -> None:
-        """Download each object into its target, verified, with one progress display for them all."""
+    ) -> dict[str, str]:
+        """Download each object into its target, verified, with one progress display for them all.
+
+        Returns key -> encryption for the objects whose GET showed an ETag that is no MD5.
+        """
         objects = [obj for obj, _ in objects_and_targets]
         progress = Progress(sum(o.size for o in objects), len(objects), stream=self.progress_stream)
         downloader = Downloader(
@@ -138,6 +142,9 @@ class StageRun:
             run_downloads(downloader, jobs, self.pool, progress)
         finally:
             progress.close()
+        if downloader.size_only and self.source.kind == "s3":
+            say_size_only_once(downloader.size_only)
+        return downloader.encrypted
 
     def result(
         self,
@@ -224,8 +231,8 @@ def stage_dataset(
         tree = store.staging_tree(snap)
         todo, reused = _keep_what_is_already_there(run, objects, tree, link_from_current=mode == "copy")
         if mode == "repository":
-            downloaded_files = _link_from_repository(run, Path(repository_dir), todo, tree)
-            downloaded, fetched = 0, todo
+            fetched = _link_from_repository(run, Path(repository_dir), todo, tree)
+            downloaded, downloaded_files = 0, len(fetched)
         else:
             downloaded, fetched = _download_all(run, todo, tree)
             downloaded_files = len(fetched)
@@ -237,6 +244,19 @@ def stage_dataset(
         files_downloaded=downloaded_files,
         files_reused=reused,
         files_repaired=0,
+    )
+
+
+def say_size_only_once(size_only: dict[str, str]) -> None:
+    """One notice line per stage for the objects that could be checked by size alone."""
+    key, why = next(iter(sorted(size_only.items())))
+    others = f" and {len(size_only) - 1} more" if len(size_only) > 1 else ""
+    log.warning(
+        "notice: %s%s checked by size only (%s, and no additional checksum); upload with "
+        "--checksum-algorithm SHA256 (or CRC32C) to have such objects verified in full",
+        key,
+        others,
+        why,
     )
 
 
@@ -275,12 +295,15 @@ def _download_all(run: StageRun, todo: list[SourceObject], tree: SafeTree) -> tu
         else todo
     )
     log.info("staging: %d objects to download (%.1f MiB)", len(described), total / 2**20)
-    run.fetch([(o, tree.target(run.paths[o.key])) for o in described], stripe_large_files=True)
-    return total, described
+    encrypted = run.fetch([(o, tree.target(run.paths[o.key])) for o in described], stripe_large_files=True)
+    return total, [replace(o, encryption=encrypted.get(o.key, o.encryption)) for o in described]
 
 
-def _link_from_repository(run: StageRun, repository: Path, todo: list[SourceObject], tree: SafeTree) -> int:
-    """Data-repository mode: the objects are already files under `repository`; check, pre-load, link."""
+def _link_from_repository(
+    run: StageRun, repository: Path, todo: list[SourceObject], tree: SafeTree
+) -> list[SourceObject]:
+    """Data-repository mode: the objects are already files under `repository`; check, pre-load,
+    link. Returns the objects as checked (with what a HEAD added)."""
     if not repository.is_dir():
         raise StageError(
             f"repository folder {repository} does not exist: give the FSx path that the data repository "
@@ -293,9 +316,15 @@ def _link_from_repository(run: StageRun, repository: Path, todo: list[SourceObje
         if path.stat().st_size != obj.size:
             raise StageError(f"{path} is {path.stat().st_size} bytes but s3 key {obj.key} is {obj.size}")
     run.lustre.hsm_restore([p for _, p in files])
+    checked = []
     for obj, path in files:
         if run.verify_local == "full":
             reason = verify_file_any_part_size(path, obj.expectation())
+            if reason and run.source.kind == "s3":
+                # The listing alone may mislead: an SSE-KMS/SSE-C ETag is no MD5, and a checksum
+                # is only named. The object's HEAD says which, then the file is checked again.
+                obj = describe_from_head(run.client, run.source.bucket, obj, run.settings)
+                reason = verify_file_any_part_size(path, obj.expectation())
             if reason:
                 raise StageError(
                     f"{path} does not match s3 key {obj.key} ({reason}): re-import the repository"
@@ -310,7 +339,8 @@ def _link_from_repository(run: StageRun, repository: Path, todo: list[SourceObje
                 f"cannot hard-link {path} into the snapshot ({exc.strerror}): the repository folder must be on "
                 "the same file system as --fsx-mount-path"
             ) from exc
-    return len(files)
+        checked.append(obj)
+    return checked
 
 
 def _recheck_snapshot(run: StageRun, manifest: dict[str, Any]) -> StageResult:

@@ -8,7 +8,9 @@ written in place with `pwrite` into a preallocated `<name>.part`. A sidecar
 resumes a large object where it stopped (each recorded range is re-hashed from disk first,
 and fetched again if its bytes no longer match). The thread that finishes an object's last
 range verifies it and renames it to its final name; nothing unverified ever carries a
-final name. Nothing is fsynced file by file or range by range: the stage makes everything
+final name. An object whose GET shows an encryption that makes its ETag no MD5 (SSE-KMS,
+DSSE-KMS, SSE-C) is checked by its additional checksum, or else by size; the downloader
+keeps the keys checked by size alone (`size_only`) so the stage can say so once. Nothing is fsynced file by file or range by range: the stage makes everything
 durable with one `syncfs` of the destination before the snapshot is committed
 (fs_safety.sync_filesystem). Each request is retried as settings.with_retries decides.
 """
@@ -30,6 +32,7 @@ from typing import Any
 from components.stage_data.checksums import (
     Digester,
     Expectation,
+    etag_encryption,
     plausible_part_sizes,
     read_chunks,
     split_ranges,
@@ -52,6 +55,14 @@ def with_response_checksum(expectation: Expectation, response: dict[str, Any]) -
     if value:
         return replace(expectation, checksum=value)
     return replace(expectation, algorithm="")
+
+
+def with_response_encryption(expectation: Expectation, response: dict[str, Any]) -> Expectation:
+    """Mark the ETag as no MD5 when the GET/HEAD answer names SSE-KMS, DSSE-KMS or SSE-C."""
+    encryption = etag_encryption(response)
+    if not encryption or expectation.encryption:
+        return expectation
+    return replace(expectation, encryption=encryption)
 
 
 # ---------------------------------------------------------------- one object
@@ -106,6 +117,20 @@ class Downloader:
         self.settings = settings
         self.on_bytes = on_bytes
         self.prepare_large_file = prepare_large_file
+        self.size_only: dict[str, str] = {}
+        """Key -> why only its size could be checked (an ETag that is no MD5, no additional checksum)."""
+        self.encrypted: dict[str, str] = {}
+        """Key -> the encryption its GET showed (SSE-KMS, ...): the manifest records it."""
+        self._lock = threading.Lock()
+
+    def _verified(self, job: ObjectJob) -> None:
+        """Record what a verified object taught: its encryption, and whether only its size was checked."""
+        exp = job.expectation
+        with self._lock:
+            if exp.encryption:
+                self.encrypted[job.key] = exp.encryption
+            if not Digester(exp).checks_content:
+                self.size_only[job.key] = exp.why_size_only() or "nothing but its size to check"
 
     # -- planning
 
@@ -172,6 +197,7 @@ class Downloader:
         for attempt in range(1, self.settings.verify_attempts + 1):
             reason = self._fetch_whole_once(job)
             if not reason:
+                self._verified(job)
                 return job.expectation.size
             log.warning(
                 "s3://%s/%s failed verification (%s), attempt %d/%d",
@@ -207,6 +233,7 @@ class Downloader:
             written = 0
             response = self._get(job) if job.expectation.size else None
             exp = with_response_checksum(job.expectation, response or {})
+            exp = job.expectation = with_response_encryption(exp, response or {})
             digester = Digester(exp)
             fd = open_no_follow(job.partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             try:
@@ -257,6 +284,12 @@ class Downloader:
             return StageError(
                 f"s3://{job.bucket}/{job.key} was deleted while it was being staged: re-run the stage"
             )
+        message = str(exc.response.get("Error", {}).get("Message", ""))
+        if code == "InvalidRequest" and "Server Side Encryption" in message:
+            return StageError(
+                f"s3://{job.bucket}/{job.key} is encrypted with a customer-provided key (SSE-C), which "
+                "rtp stage does not hold: copy the data to a prefix encrypted with SSE-S3 or SSE-KMS"
+            )
         if code in ("AccessDenied", "403"):
             return StageError(
                 f"reading s3://{job.bucket}/{job.key} was denied: grant s3:GetObject on the prefix to "
@@ -289,6 +322,9 @@ class Downloader:
         def attempt() -> dict[str, bytes]:
             hashers = digester.part_hashers()
             response = self._get(job, (offset, length))
+            if etag_encryption(response):
+                with job.lock:  # every range of the object answers alike; finish_ranged reads it
+                    job.expectation = with_response_encryption(job.expectation, response)
             fd = open_no_follow(job.partial, os.O_WRONLY)
             position = offset
             try:
@@ -354,6 +390,7 @@ class Downloader:
             return reason
         os.replace(job.partial, job.target)
         job.sidecar.unlink(missing_ok=True)
+        self._verified(job)
         return ""
 
 

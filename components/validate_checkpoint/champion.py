@@ -8,8 +8,10 @@ holdout text as the candidate (in bits per byte, so tokenizers may differ). The 
 tags say what it was trained with (`rtp.model_kind`, `rtp.model_seq_len`, `rtp.tokenizer`)
 and what it scored when it was validated (`rtp.validate.*`); versions registered before
 those tags existed are byte LMs and lack them, which is reported, not an error.
-Server failures are retried (`components.mlflow_access`); a registered model or alias that
-does not exist simply means there is no champion yet.
+Server failures are retried (`components.mlflow_access`); a registered model that does not
+exist (RESOURCE_DOES_NOT_EXIST) or one without the alias means there is no champion yet.
+Any other answer is an error: a lookup that fails must not pass as "no champion", or a
+worse model would be promoted.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 from torch import nn
 
-from components.mlflow_access import RetryPolicy, call_with_retries
+from components.mlflow_access import RetryPolicy, call_with_retries, check_model_name, step_deadline
 from components.register_model.bundle import WEIGHTS_FILE, BundleError, read_bundle
 from components.register_model.lineage import SEQ_LEN_TAG, TOKENIZER_TAG, VALIDATE_TAG_PREFIX
 from trainer.models.spec import Tokenizer
@@ -30,8 +32,9 @@ from trainer.models.spec import Tokenizer
 log = logging.getLogger(__name__)
 
 CHAMPION_ALIAS = "champion"
-# What MLflow answers when the registered model or the alias does not exist.
-_ABSENT_CODES = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND")
+# What MLflow answers when the registered model does not exist. Not INVALID_PARAMETER_VALUE:
+# it is also the answer to a malformed request, which must not read as "no champion".
+_ABSENT_CODE = "RESOURCE_DOES_NOT_EXIST"
 BITS_PER_BYTE_TAG = f"{VALIDATE_TAG_PREFIX}holdout_bits_per_byte"
 
 
@@ -98,20 +101,46 @@ def load_champion(
     readable model.
     """
     import mlflow
-    from mlflow.exceptions import MlflowException
 
+    check_model_name(model_name)
     client = mlflow.MlflowClient()
-    try:
+    with step_deadline(retry):
         version = call_with_retries(
             f"look up the {CHAMPION_ALIAS} of {model_name}",
-            lambda: client.get_model_version_by_alias(model_name, CHAMPION_ALIAS),
+            lambda: _champion_version(client, model_name),
             retry,
         )
+        if version is None:
+            log.info("%s has no %s yet", model_name, CHAMPION_ALIAS)
+            return None
+        return _download_champion(model_name, version, retry, default_seq_len)
+
+
+def _champion_version(client: Any, model_name: str) -> Any | None:
+    """The version the alias points at, None when the model or its alias does not exist.
+
+    The alias is read from the registered model: MLflow answers a lookup by a missing alias
+    with INVALID_PARAMETER_VALUE, the same code as for a malformed request.
+    """
+    from mlflow.exceptions import MlflowException
+
+    try:
+        registered = client.get_registered_model(model_name)
     except MlflowException as exc:
-        if exc.error_code in _ABSENT_CODES:
-            log.info("%s has no %s yet: %s", model_name, CHAMPION_ALIAS, str(exc).splitlines()[0])
+        if exc.error_code == _ABSENT_CODE:
             return None
         raise
+    aliases = dict(registered.aliases or {})
+    if CHAMPION_ALIAS not in aliases:
+        return None
+    return client.get_model_version(model_name, str(aliases[CHAMPION_ALIAS]))
+
+
+def _download_champion(
+    model_name: str, version: Any, retry: RetryPolicy | None, default_seq_len: int
+) -> Champion:
+    import mlflow
+
     tags = dict(version.tags or {})
     with tempfile.TemporaryDirectory(prefix="rtp-champion-") as tmp:
         local = call_with_retries(

@@ -48,4 +48,14 @@ def test_bench_staging_reports_every_contender(tmp_path):
         assert set(row) == {"full_s", "nochange_s", "bytes", "objects"}, name
         assert (row["objects"], row["bytes"]) == (13, expected_bytes), name
         assert row["full_s"] > 0 and row["nochange_s"] > 0, name
-    assert "rtp" in result.stdout and "faster than aws s3 sync" in result.stdout
+    assert "rtp" in result.stdout and "than aws s3 sync" in result.stdout
+
+
+def test_the_table_says_slower_when_rtp_is_slower():
+    from benchmarks.staging import format_table
+
+    row = {"nochange_s": 0.1, "bytes": 2**20, "objects": 1}
+    slower = format_table({"rtp": {**row, "full_s": 5.0}, "awscli": {**row, "full_s": 4.0}})
+    assert slower.splitlines()[-1] == "rtp full stage is 1.25x slower than aws s3 sync"
+    faster = format_table({"rtp": {**row, "full_s": 2.0}, "awscli": {**row, "full_s": 4.0}})
+    assert faster.splitlines()[-1] == "rtp full stage is 2.00x faster than aws s3 sync"

@@ -1,5 +1,7 @@
 """A real `mlflow server` on loopback that a test can stop and start again on the same port,
-and a flaky HTTP proxy (a stand-in, named as such) that answers 503 to the first requests."""
+and a flaky HTTP proxy (a stand-in, named as such) that answers 503 to the first requests,
+or forwards a request and then drops the server's answer (the server did the work, the
+client never hears of it)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import http.client
 import http.server
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -87,11 +90,18 @@ class RestartableMlflowServer:
 
 class FlakyProxy:
     """A fake front end for a real MLflow server: answers 503 to the first `failures`
-    requests, forwards everything after that. Stands in for an overloaded ingress."""
+    requests, forwards everything after that. Stands in for an overloaded ingress.
 
-    def __init__(self, upstream_port: int, failures: int) -> None:
+    With `drop_answers_to`, the first `drops` requests whose path contains it are forwarded
+    and answered by the server, but the answer is dropped: the connection closes instead.
+    """
+
+    def __init__(self, upstream_port: int, failures: int, drop_answers_to: str = "", drops: int = 1) -> None:
         self.failures_left = failures
         self.failed = 0
+        self.drop_answers_to = drop_answers_to
+        self.drops_left = drops if drop_answers_to else 0
+        self.dropped = 0
         self.lock = threading.Lock()
         proxy = self
 
@@ -119,6 +129,16 @@ class FlakyProxy:
                 upstream.request(self.command, self.path, body=body, headers=headers)
                 response = upstream.getresponse()
                 data = response.read()
+                with proxy.lock:
+                    drop = proxy.drops_left > 0 and proxy.drop_answers_to in self.path
+                    if drop:
+                        proxy.drops_left -= 1
+                        proxy.dropped += 1
+                if drop:  # the server has done the work; the client never hears of it
+                    upstream.close()
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
                 self.send_response(response.status)
                 for key, value in response.getheaders():
                     if key.lower() not in ("transfer-encoding", "connection", "content-length"):

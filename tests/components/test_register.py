@@ -284,3 +284,48 @@ def test_failure_after_the_version_exists_removes_it(tracking, trained_run, monk
     with pytest.raises(MlflowException, match="aliases are locked"):
         register_checkpoint(trained_run["checkpoint"], name, "champion", retry=FAST_RETRY)
     assert _versions(tracking, name) == []
+
+
+def test_a_lost_answer_to_the_registration_still_registers_once(
+    monkeypatch, fast_mlflow_client, mlflow_server, trained_run
+):
+    """The server creates the version but its answer is lost: the retry finds it, no duplicate."""
+    name = "rtp-test-lost-answer"
+    upstream_port = int(mlflow_server.rsplit(":", 1)[1])
+    with FlakyProxy(upstream_port, failures=0, drop_answers_to="/model-versions/create") as proxy:
+        client = _point_at(monkeypatch, proxy.url)
+        result = register_checkpoint(trained_run["checkpoint"], name, "challenger", retry=FAST_RETRY)
+        assert proxy.dropped == 1, "the answer to the version's creation was dropped"
+        assert [v.version for v in _versions(client, name)] == [result.version] == ["1"]
+        assert client.get_model_version_by_alias(name, "challenger").version == "1"
+        # the model exists with a challenger but no champion: no champion, not an error
+        assert load_champion(name, FAST_RETRY) is None
+
+
+def test_a_concurrent_pending_version_is_waited_for_not_deleted(tracking, trained_run, monkeypatch):
+    """Another task is registering the same checkpoint (its version PENDING_REGISTRATION):
+    this one waits for it and uses it, and never deletes it."""
+    name = "rtp-test-concurrent"
+    first = register_checkpoint(trained_run["checkpoint"], name, "challenger", retry=FAST_RETRY)
+    pending_reads = {"left": 3}
+    real_search, real_get = mlflow.MlflowClient.search_model_versions, mlflow.MlflowClient.get_model_version
+
+    def as_pending(version):  # stand-in for the other task's registration still under way
+        if pending_reads["left"] > 0:
+            pending_reads["left"] -= 1
+            version._status = "PENDING_REGISTRATION"
+        return version
+
+    monkeypatch.setattr(
+        mlflow.MlflowClient,
+        "search_model_versions",
+        lambda self, *a, **k: [as_pending(v) for v in real_search(self, *a, **k)],
+    )
+    monkeypatch.setattr(
+        mlflow.MlflowClient, "get_model_version", lambda self, *a, **k: as_pending(real_get(self, *a, **k))
+    )
+    again = register_checkpoint(trained_run["checkpoint"], name, "champion", retry=FAST_RETRY)
+    assert pending_reads["left"] == 0, "the version was seen pending"
+    assert (again.version, again.created) == (first.version, False)
+    assert [v.version for v in _versions(tracking, name)] == [first.version]
+    assert tracking.get_model_version_by_alias(name, "champion").version == first.version

@@ -5,11 +5,20 @@ and, for GETs of object bodies, applies the next fault from a per-key plan: `"50
 answers SlowDown, `"reset"` sends the headers and half the body then drops the
 connection, `"stall"` sleeps before answering, `"corrupt"` flips one byte of the body.
 `counts` records what was injected, so tests can assert that faults really happened.
+
+`etags="opaque"` makes the proxy answer as AWS does for SSE-KMS objects: every ETag
+(headers and listings) becomes a hex value that is not the body's MD5 (a multipart one
+keeps its "-<parts>"), object answers carry `x-amz-server-side-encryption: aws:kms`, and
+If-Match is translated back for the server behind (which changes a signed header: only
+for a server that does not check SigV4 signatures, such as moto); `etags="nonhex"` gives non-hex ETags instead.
+`strip_checksums` hides the additional checksums (headers and listings).
 """
 
 from __future__ import annotations
 
+import hashlib
 import http.client
+import re
 import threading
 import time
 from collections import Counter, defaultdict
@@ -22,8 +31,13 @@ SLOWDOWN = (
 )
 
 
+SSE_HEADER = "x-amz-server-side-encryption"
+
+
 class FaultProxy:
-    def __init__(self, upstream: str, stall_s: float = 0.5) -> None:
+    def __init__(
+        self, upstream: str, stall_s: float = 0.5, etags: str = "", strip_checksums: bool = False
+    ) -> None:
         parts = urlsplit(upstream)
         self.upstream_host, self.upstream_port = parts.hostname or "127.0.0.1", parts.port or 80
         self.stall_s = stall_s
@@ -31,7 +45,36 @@ class FaultProxy:
         self.always: dict[str, str] = {}  # key suffix -> fault applied to every GET
         self.counts: Counter[str] = Counter()
         self.lock = threading.Lock()
+        self.etags = etags
+        self.strip_checksums = strip_checksums
+        self.real_etags: dict[str, str] = {}  # rewritten ETag -> the server's
+        self.gets = 0  # object GETs (not listings) forwarded
+        self.bytes_served = 0  # body bytes of those GETs
         proxy = self
+
+        def rewrite_etag(real: str) -> str:
+            real = real.strip('"')
+            _, dash, parts = real.partition("-")  # AWS keeps a multipart ETag's "-<parts>"
+            digest = hashlib.md5(f"opaque:{real}".encode(), usedforsecurity=False).hexdigest()
+            fake = (digest if proxy.etags == "opaque" else f"v1.{digest[:20]}") + (
+                f"-{parts}" if dash else ""
+            )
+            with proxy.lock:
+                proxy.real_etags[fake] = real
+            return fake
+
+        def rewrite_listing(data: bytes) -> bytes:
+            text = data.decode()
+            if proxy.etags:
+                text = re.sub(
+                    r"<ETag>(?:&quot;|\")?([^<&\"]*)(?:&quot;|\")?</ETag>",
+                    lambda m: f"<ETag>&quot;{rewrite_etag(m.group(1))}&quot;</ETag>",
+                    text,
+                )
+            if proxy.strip_checksums:
+                text = re.sub(r"<ChecksumAlgorithm>[^<]*</ChecksumAlgorithm>", "", text)
+                text = re.sub(r"<ChecksumType>[^<]*</ChecksumType>", "", text)
+            return text.encode()
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -72,6 +115,9 @@ class FaultProxy:
                 try:
                     upstream.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
                     for name, value in self.headers.items():
+                        if name.lower() == "if-match" and proxy.etags:
+                            with proxy.lock:
+                                value = f'"{proxy.real_etags.get(value.strip(chr(34)), value)}"'
                         upstream.putheader(name, value)
                     upstream.endheaders(body)
                     response = upstream.getresponse()
@@ -80,13 +126,28 @@ class FaultProxy:
                     upstream.close()
                 if fault == "corrupt" and data and response.status in (200, 206):
                     data = bytes([data[0] ^ 0xFF]) + data[1:]
+                listing = "list-type" in self.path
+                if listing and response.status == 200:
+                    data = rewrite_listing(data)
+                elif self.command == "GET" and response.status in (200, 206):
+                    with proxy.lock:
+                        proxy.gets += 1
+                        proxy.bytes_served += len(data)
                 self.send_response(response.status)
                 head = self.command == "HEAD"
                 for name, value in response.getheaders():
-                    if name.lower() not in ("transfer-encoding", "connection") and (
-                        head or name.lower() != "content-length"
+                    lower = name.lower()
+                    if proxy.strip_checksums and lower.startswith("x-amz-checksum-"):
+                        continue
+                    if lower == "etag" and proxy.etags:
+                        value = f'"{rewrite_etag(value)}"'
+                    if lower not in ("transfer-encoding", "connection") and (
+                        head or lower != "content-length"
                     ):
                         self.send_header(name, value)
+                object_answer = not listing and response.status in (200, 206)
+                if proxy.etags == "opaque" and object_answer and not response.getheader(SSE_HEADER):
+                    self.send_header(SSE_HEADER, "aws:kms")  # what AWS adds for an SSE-KMS object
                 if not head:
                     self.send_header("Content-Length", str(len(data)))
                 self.end_headers()

@@ -47,6 +47,9 @@ def test_text_jsonl_and_parquet_become_eos_separated_uint16_ids(tiny_llama, tmp_
     out = tmp_path / "shards"
     args = ["--corpus", str(corpus), "--out-dir", str(out), "--tokenizer", str(tiny_llama)]
     dest = ["--dest", "s3://tokens/corpus/", "--endpoint-url", s3_endpoint, "--shard-mib", "0.001"]
+    from components.stage_data.s3_clients import s3_client
+
+    s3_client(s3_endpoint).create_bucket(Bucket="tokens")  # prepare-data never creates buckets
     assert prepare(*args, *dest, "--workers", "3") == 0
 
     tokenizer = HFTokenizer(tiny_llama)
@@ -65,8 +68,6 @@ def test_text_jsonl_and_parquet_become_eos_separated_uint16_ids(tiny_llama, tmp_
         decoded += [tokenizer.decode(doc) for doc in documents]
     # text files (one document each), then the .jsonl lines, then the .parquet rows: corpus order
     assert decoded == [f"{CORPUS[i % len(CORPUS)]}document {i}\n" for i in range(40)]
-
-    from components.stage_data.s3_clients import s3_client
 
     listing = s3_client(s3_endpoint).list_objects_v2(Bucket="tokens", Prefix="corpus/")
     keys = sorted(obj["Key"].removeprefix("corpus/") for obj in listing["Contents"])
