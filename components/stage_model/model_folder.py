@@ -20,9 +20,12 @@ HF_CONFIG_FILE = "config.json"
 
 
 def model_name_of(source: str) -> str:
-    """tiny-llama for s3://bucket/models/tiny-llama/ or /data/models/tiny-llama."""
-    path = source.removeprefix("s3://").rstrip("/")
-    name = PurePosixPath(path).name if "/" in path else ""
+    """tiny-llama for s3://bucket/models/tiny-llama/, /data/models/tiny-llama or ./tiny-llama."""
+    if source.startswith("s3://"):
+        path = source.removeprefix("s3://").rstrip("/")
+        name = PurePosixPath(path).name if "/" in path else ""
+    else:
+        name = Path(source).resolve().name if source.strip() else ""
     if not name:
         raise StageError(
             f"model_source {source!r} must name a folder (s3://bucket/prefix/<model>/ or a local path): "

@@ -11,6 +11,7 @@ from components.stage_model.model_folder import model_name_of, stage_model_folde
 def test_the_model_name_is_the_last_segment_of_the_source():
     assert model_name_of("s3://bucket/models/tiny-llama/") == "tiny-llama"
     assert model_name_of("/data/models/qwen2-tiny") == "qwen2-tiny"
+    assert model_name_of("tiny-llama") == "tiny-llama"  # a folder in the working directory
     for bad in ("s3://bucket", "s3://bucket/", "s3://b/x/..bad"):
         with pytest.raises(StageError):
             model_name_of(bad)
