@@ -24,8 +24,9 @@ from trainer.config import (
     resolve_config,
 )
 
-PIPELINE_SETTINGS = ("steps", "checkpoint_every", "checkpoint_mode", "seed", "faults", "model_init")
-"""The named settings a pipeline run exposes as parameters (besides preset and overrides)."""
+PIPELINE_SETTINGS = tuple(param for param, setting in named_settings().items() if setting.pipeline)
+"""The named settings a pipeline run exposes as parameters (besides preset and overrides),
+declared `named(..., pipeline=True)` in trainer/config.py."""
 
 
 def add_named_arguments(

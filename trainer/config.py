@@ -37,13 +37,14 @@ DEFAULT_CHECKPOINT_MODE: CheckpointMode = "async"
 DEFAULT_PRESET = "tiny-cpu"
 
 
-def named(param: str, default: Any, *, path: bool = False) -> Any:
-    """A field with its own pipeline parameter `param` (flag `--param-with-dashes`).
+def named(param: str, default: Any, *, path: bool = False, pipeline: bool = False) -> Any:
+    """A field with its own name `param` (flag `--param-with-dashes`); with `pipeline`, also
+    a parameter of the pipeline (its Kubeflow UI form, `rtp local` and `rtp render-job`).
 
     Overrides may not set it: the named parameter is its one source. `path` marks a
     location on disk, which entry points derive from the run folder.
     """
-    return field(default=default, metadata={"param": param, "path": path})
+    return field(default=default, metadata={"param": param, "path": path, "pipeline": pipeline})
 
 
 class ConfigError(ValueError):
@@ -59,7 +60,7 @@ class ModelConfig:
     model_dir: str = named("model_dir", "", path=True)
     """A Hugging Face model folder (config.json, optional *.safetensors weights, tokenizer
     files) to train instead of the built-in byte-level model; empty = the byte-level model."""
-    init: ModelInit = named("model_init", "pretrained")
+    init: ModelInit = named("model_init", "pretrained", pipeline=True)
     """How a Hugging Face model's weights start: pretrained (the folder's safetensors) or
     random (seeded, from config.json: pretraining). The byte-level model always starts random."""
     vocab_size: int = 256
@@ -104,12 +105,12 @@ class OptimizerConfig:
 
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
-    mode: CheckpointMode = named("checkpoint_mode", DEFAULT_CHECKPOINT_MODE)
+    mode: CheckpointMode = named("checkpoint_mode", DEFAULT_CHECKPOINT_MODE, pipeline=True)
     """How checkpoints are written: async (NVRx persistent worker, overlaps the write with
     training), torch-async (dcp.async_save), sync (dcp.save) or off."""
     dir: str = named("checkpoint_dir", "", path=True)
     """Folder holding step_<N>/ checkpoints; empty means <workdir>/checkpoints."""
-    every_steps: int = named("checkpoint_every", 10)
+    every_steps: int = named("checkpoint_every", 10, pipeline=True)
     """Save a checkpoint every N steps (and always after the last step)."""
     keep_last: int = 3
     """Committed checkpoints to keep; older ones are deleted after a new one commits."""
@@ -124,9 +125,9 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True, slots=True)
 class RunConfig:
-    steps: int = named("steps", 40)
+    steps: int = named("steps", 40, pipeline=True)
     """Total optimizer steps of the run (a resumed run continues up to this number)."""
-    seed: int = named("seed", 1234)
+    seed: int = named("seed", 1234, pipeline=True)
     """Random seed for weights and data order."""
     workdir: str = named("workdir", "rtp-work/train", path=True)
     """Where checkpoints, events.jsonl, logs and summary.json go."""
@@ -134,7 +135,7 @@ class RunConfig:
     stop_after_steps: int = named("stop_after", 0)
     """Stop (exit cleanly) once this step is reached and checkpointed; 0 = never. Lets a
     test or an operator interrupt a run at a known step and resume it later."""
-    faults: str = named("faults", "")
+    faults: str = named("faults", "", pipeline=True)
     """Injected faults for a drill or test, `KIND@STEP[:RANK]` separated by commas: KIND is
     exception, hang, sigkill or sigkill-during-save; each fires once per run on RANK
     (default 0). Empty (or none) = no faults."""
@@ -322,6 +323,8 @@ class NamedSetting:
     default: Any
     help: str
     path: bool
+    pipeline: bool
+    """Also a pipeline parameter (trainer.arguments.PIPELINE_SETTINGS)."""
 
     @property
     def flag(self) -> str:
@@ -375,6 +378,7 @@ def named_settings() -> dict[str, NamedSetting]:
                 default=item.default,
                 help=docs.get(item.name, ""),
                 path=item.metadata["path"],
+                pipeline=item.metadata["pipeline"],
             )
     return found
 
