@@ -141,7 +141,7 @@ def build_pipeline(
             fsx_pvc_name: Name of the FSx for Lustre PersistentVolumeClaim mounted in every step.
             gpu_node_selector: Node labels the training pods must match, e.g. {"node.kubernetes.io/instance-type": "p5.48xlarge"}.
             gpu_tolerations: Tolerations of the training pods (Kubernetes toleration objects) for tainted GPU nodes.
-            mlflow_secret_name: Kubernetes secret with keys tracking_uri, username, password for the register step.
+            mlflow_secret_name: Kubernetes secret with keys tracking_uri, username, password for the train (live metrics), validate and register steps.
             instance_type: EC2 instance type of the training job's nodes (match gpu_node_selector); with EFA it decides whether GPUDirect RDMA is on (p4d, p4de, p5, p5e, p5en).
             job_cpu_per_node: CPU request of each training job pod; auto = a share of a p5.48xlarge (22.5 per GPU: 180 for 8 GPUs), none on CPU; empty = none.
             job_memory_per_node: Memory request of each training job pod; auto = 225Gi per GPU (1800Gi for 8), none on CPU; empty = none.
@@ -199,6 +199,7 @@ def build_pipeline(
                 node_selector=gpu_node_selector,
                 tolerations=gpu_tolerations,
                 image_pull_secrets=list(options.image_pull_secrets),
+                pipeline_version=pipeline_version(),
                 instance_type=instance_type,
                 job_cpu_per_node=job_cpu_per_node,
                 job_memory_per_node=job_memory_per_node,
@@ -208,6 +209,8 @@ def build_pipeline(
                 job_termination_grace_s=job_termination_grace_s,
                 job_pending_timeout_s=job_pending_timeout_s,
             ).set_display_name("Train the model with FSDP and checkpoints")
+            # Rank 0 logs live metrics to MLflow (in the train pod; job pods need it passed on).
+            platform.use_mlflow_secret(train, mlflow_secret_name)
             platform.configure_train_pod(
                 train,
                 options=options,

@@ -67,6 +67,12 @@ def add_local_parser(sub: argparse._SubParsersAction) -> None:
         default="",
         help="run folder name; reuse one to resume its checkpoints (default: local-<time>)",
     )
+    p.add_argument(
+        "--verbose",
+        dest="show_kfp_output",  # not `verbose`: `rtp -v` (debug logging) owns that name
+        action="store_true",
+        help="also show kfp.local's executor output (task outputs and artifact listings)",
+    )
     p.set_defaults(handler=_cmd_local)
 
 
@@ -96,6 +102,7 @@ def _cmd_local(args: argparse.Namespace) -> int:
         max_loss=args.max_loss,
         run_name=args.run_name,
         model_source=args.model_source,
+        verbose=args.show_kfp_output,
     )
     _check_training_options(options, model_dir)
     summary = run_local(options)

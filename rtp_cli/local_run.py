@@ -52,6 +52,8 @@ class LocalOptions:
     dataset_name: str = "demo-corpus"
     model_source: str = ""
     """A Hugging Face model folder (local, or s3://); empty trains the built-in byte LM."""
+    verbose: bool = False
+    """Show kfp.local's executor output (task outputs, artifact listings) too."""
 
 
 def _read_step_records(folder: Path) -> dict[str, dict[str, Any]]:
@@ -86,6 +88,8 @@ def build_summary(
             "version": register.get("version"),
             "alias": register.get("alias"),
             "model_uri": register.get("model_uri"),
+            "run_id": train.get("mlflow_run_id") or None,
+            "run_url": None,
         },
         "elapsed_s": {name: steps[name].get("elapsed_s") for name in PIPELINE_STEPS if name in steps},
         "total_elapsed_s": round(elapsed_s, 3),
@@ -130,6 +134,10 @@ def run_local(options: LocalOptions) -> dict[str, Any]:
         # names only matter on a cluster. Hiding these keeps the task logs readable.
         warnings.filterwarnings("ignore", message=".*non-Python base image.*")
         warnings.filterwarnings("ignore", message=".*have no effect in the current local runner.*")
+        if not options.verbose:
+            from rtp_cli.local_console import quiet_kfp_local
+
+            quiet_kfp_local()
         local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(workdir / "kfp-local"))
         pipeline = build_pipeline()
         try:
@@ -157,9 +165,27 @@ def run_local(options: LocalOptions) -> dict[str, Any]:
         if embedded:
             embedded.stop()
     summary = build_summary(options, folder, tracking_uri, source, time.time() - started)
+    if summary["mlflow"]["run_id"]:
+        summary["mlflow"]["run_url"] = mlflow_run_url(tracking_uri, summary["mlflow"]["run_id"])
     write_json_atomic(workdir / "summary.json", summary)
     write_json_atomic(folder / "summary.json", summary)
     return summary
+
+
+def mlflow_run_url(tracking_uri: str, run_id: str) -> str:
+    """Where the run shows in the MLflow UI (for a sqlite store: under `mlflow ui`'s default address)."""
+    base = (
+        tracking_uri.rstrip("/")
+        if tracking_uri.startswith(("http://", "https://"))
+        else "http://127.0.0.1:5000"
+    )
+    try:
+        import mlflow
+
+        experiment_id = mlflow.MlflowClient(tracking_uri).get_run(run_id).info.experiment_id
+    except Exception:  # the summary still names the run id
+        return f"{base}/#/runs/{run_id}"
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
 def _seed_byte_corpus(endpoint: str) -> str:
@@ -216,6 +242,8 @@ def format_summary(summary: dict[str, Any], workdir: str) -> str:
         )
     else:
         lines.append("  MLflow model     : not registered (validation rejected the checkpoint)")
+    if mlflow_info.get("run_url"):
+        lines.append(f"  MLflow run       : {mlflow_info['run_url']} (live metrics, holdout scores, model)")
     timing = ", ".join(f"{k} {v:.1f}s" for k, v in summary["elapsed_s"].items() if v is not None)
     lines += [
         f"  time             : {timing}; total {summary['total_elapsed_s']:.1f}s",

@@ -132,6 +132,19 @@ class RunConfig:
     workdir: str = named("workdir", "rtp-work/train", path=True)
     """Where checkpoints, events.jsonl, logs and summary.json go."""
     log_every_steps: int = 5
+    """Rank 0 logs a progress line and live metrics (MLflow, when configured) every N steps."""
+    mlflow_experiment: str = "rtp"
+    """MLflow experiment of the run's live metrics (named after the pipeline). Metrics go to
+    MLflow only when MLFLOW_TRACKING_URI is set."""
+    mlflow_run_name: str = ""
+    """Name of the run's MLflow run; empty = the run folder's name. Every attempt of a run
+    (resume, restart, KFP retry) continues the one MLflow run tagged with its workdir."""
+    mlflow_tags: dict[str, str] = field(default_factory=dict)
+    """Extra tags on the MLflow run when it is created (the train step adds the KFP run id
+    and the pipeline version)."""
+    mlflow_buffer_limit: int = 20000
+    """Metric values held in memory while MLflow is unreachable; later ones are dropped (with
+    one warning) so training never waits on MLflow."""
     stop_after_steps: int = named("stop_after", 0)
     """Stop (exit cleanly) once this step is reached and checkpointed; 0 = never. Lets a
     test or an operator interrupt a run at a known step and resume it later."""

@@ -27,3 +27,11 @@ def world_size() -> int:
 def local_world_size() -> int:
     """Ranks on this machine (they share its memory)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+MLFLOW_TRACKING_URI = "MLFLOW_TRACKING_URI"
+
+
+def mlflow_tracking_uri() -> str:
+    """The MLflow server live metrics go to; empty = none (training logs only to files)."""
+    return os.environ.get(MLFLOW_TRACKING_URI, "")

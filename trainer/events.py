@@ -10,14 +10,22 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 
 class EventLog:
-    def __init__(self, workdir: str | Path, enabled: bool) -> None:
+    def __init__(
+        self,
+        workdir: str | Path,
+        enabled: bool,
+        listener: Callable[[str, dict[str, Any]], None] | None = None,
+    ) -> None:
         self.path = Path(workdir) / "events.jsonl"
         self.enabled = enabled
+        self.listener = listener
+        """Also told of every event (rank 0's live metrics); must not block."""
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -27,6 +35,8 @@ class EventLog:
         record = {"time": time.time(), "kind": kind, **fields}
         with self.path.open("a") as handle:
             handle.write(json.dumps(record, sort_keys=True) + "\n")
+        if self.listener is not None:
+            self.listener(kind, record)
 
 
 def write_json_atomic(path: str | Path, payload: dict[str, Any]) -> None:

@@ -39,6 +39,7 @@ from trainer.parallelize import (
     set_collective_timeout,
     training_device,
 )
+from trainer.progress import Progress
 from trainer.summary import TrainSummary
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,22 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float) 
     span = max(1, total_steps - warmup_steps)
     progress = min(1.0, (step - warmup_steps) / span)
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _gathered_norm(norm: torch.Tensor) -> float:
+    """The total grad norm as a number. Under FSDP2 it may be a DTensor: every rank calls
+    this on the same steps, so gathering it is a collective all ranks take part in."""
+    full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    return float(full.detach().float().cpu().item())
+
+
+def _report_restart(workdir: Path, progress: Progress) -> None:
+    """Rank 0 of a restarted attempt: what the restart cost, for the log and MLflow."""
+    from trainer import goodput
+
+    restarts = goodput.analyze_run(workdir, time.time())["restarts"]
+    if restarts:
+        progress.on_restart(restarts[-1], len(restarts))
 
 
 class TrainHooks:
@@ -107,7 +124,8 @@ def train(
     rank, world = dist.get_rank(), dist.get_world_size()
     device = training_device()
     workdir = Path(config.run.workdir)
-    events = EventLog(workdir, enabled=rank == 0)
+    progress = Progress(config, rank, world)
+    events = EventLog(workdir, enabled=rank == 0, listener=progress.on_event)
     events.emit("attempt_start", at=attempt_started_at, world_size=world, **attempt)
     injector = FaultInjector(parse_faults(config.run.faults), workdir, rank, world)
 
@@ -159,6 +177,10 @@ def train(
     set_collective_timeout(config.resilience.collective_timeout_s)
     loop_start = time.perf_counter()
     events.emit("resumed", step=last_step, startup_s=loop_start - wall_start, phases=phases)
+    if rank == 0 and last_step > 0:
+        progress.backfill(workdir, last_step)
+    if is_restart and rank == 0:
+        _report_restart(workdir, progress)
     try:
         for step in range(last_step + 1, config.run.steps + 1):
             step_start = time.perf_counter()
@@ -166,7 +188,7 @@ def train(
             batch = sampler.batch(step).to(device)
             loss = spec.loss(model, batch)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), opt_cfg.grad_clip_norm)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), opt_cfg.grad_clip_norm)
             # An async save's snapshot copy ran beside this forward and backward; it must be
             # complete before the optimizer changes the weights in place.
             queued = checkpoints.before_optimizer_step()
@@ -185,11 +207,11 @@ def train(
             step_seconds += step_duration_s
             steps_run += 1
             losses.append((step, loss_value))
-            events.emit(
-                "step", step=step, loss=loss_value, lr=scheduler.get_last_lr()[0], duration_s=step_duration_s
-            )
-            if rank == 0 and (step % config.run.log_every_steps == 0 or step == last_step + 1):
-                log.info("step %d/%d loss %.4f", step, config.run.steps, loss_value)
+            lr = float(scheduler.get_last_lr()[0])
+            norm = _gathered_norm(grad_norm) if progress.wants_detail(step) else None
+            detail = {} if norm is None else {"grad_norm": norm}
+            events.emit("step", step=step, loss=loss_value, lr=lr, duration_s=step_duration_s, **detail)
+            progress.on_step(step, loss_value, lr, step_duration_s, norm)
 
             stopped_by_signal = reduced[1].item() > 0
             queued = checkpoints.maybe_save(step, loss_value, final=stopped_by_signal or step == stop_at)
@@ -237,8 +259,13 @@ def train(
 
         summary = dataclasses.replace(summary, **goodput.analyze_run(workdir, time.time()))
         report_path = report.write_goodput_report(
-            workdir / "goodput.html", summary.to_dict(), goodput.read_events(workdir), fired_faults(workdir)
+            workdir / "goodput.html",
+            summary.to_dict(),
+            goodput.read_events(workdir),
+            fired_faults(workdir),
+            progress.tokens_per_step,
         )
         summary.goodput_report = str(report_path)
+        summary.mlflow_run_id = progress.finish(summary.to_dict())
         summary.write(workdir / "summary.json")
     return summary

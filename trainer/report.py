@@ -1,7 +1,9 @@
 """The goodput report: one self-contained HTML page (inline SVG, no scripts, no downloads).
 
 A timeline of the run — step executions, checkpoint saves, injected faults and the
-downtime each restart cost — above the numbers from `trainer.goodput`. The train
+downtime each restart cost — above the numbers from `trainer.goodput`, and beside it the
+training loss and throughput by step (each step's execution that lasted, so a redone
+step appears once). The train
 component publishes it as an `Output[HTML]` so it shows in the Kubeflow UI; the register
 step logs it to MLflow.
 """
@@ -71,6 +73,59 @@ def timeline_svg(
     return "\n".join(parts)
 
 
+def last_executions(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The step events, one per step (the execution that lasted), by step."""
+    last: dict[int, dict[str, Any]] = {}
+    for event in events:
+        if event["kind"] == "step":
+            last[int(event["step"])] = event
+    return [last[step] for step in sorted(last)]
+
+
+def curve_svg(title: str, points: list[tuple[float, float]], color: str, unit: str = "") -> str:
+    """One line chart (x: step) as inline SVG, with its range written on the axes."""
+    width, height, left, bottom = 460, 220, 60, 30
+    if not points:
+        return f"<p>No {html.escape(title)} recorded.</p>"
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
+    xspan, yspan = max(x1 - x0, 1e-9), max(y1 - y0, 1e-9)
+
+    def at(x: float, y: float) -> str:
+        px = left + (x - x0) / xspan * (width - left - 10)
+        py = height - bottom - (y - y0) / yspan * (height - bottom - 25)
+        return f"{px:.1f},{py:.1f}"
+
+    line = " ".join(at(x, y) for x, y in points)
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="curve" width="{width}" height="{height}">'
+        f"<title>{html.escape(title)}</title>"
+        f'<text x="{left}" y="14" font-size="13">{html.escape(title)}</text>'
+        f'<line x1="{left}" y1="{height - bottom}" x2="{width - 10}" y2="{height - bottom}" stroke="#999"/>'
+        f'<line x1="{left}" y1="20" x2="{left}" y2="{height - bottom}" stroke="#999"/>'
+        f'<text x="4" y="30" font-size="11">{y1:.4g}{unit}</text>'
+        f'<text x="4" y="{height - bottom}" font-size="11">{y0:.4g}{unit}</text>'
+        f'<text x="{left}" y="{height - 10}" font-size="11">step {x0:.0f}</text>'
+        f'<text x="{width - 70}" y="{height - 10}" font-size="11">step {x1:.0f}</text>'
+        f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{line}"/>'
+        "</svg>"
+    )
+
+
+def curves_html(events: list[dict[str, Any]], tokens_per_step: int) -> str:
+    """Loss and throughput by step; tokens/s when `tokens_per_step` is known, else steps/s."""
+    steps = last_executions(events)
+    loss = [(float(e["step"]), float(e["loss"])) for e in steps if "loss" in e]
+    per_step = tokens_per_step or 1
+    throughput = [
+        (float(e["step"]), per_step / float(e["duration_s"]))
+        for e in steps
+        if float(e.get("duration_s", 0)) > 0
+    ]
+    label = "throughput (tokens/s)" if tokens_per_step else "throughput (steps/s)"
+    return curve_svg("training loss", loss, "#1f77b4") + "\n" + curve_svg(label, throughput, "#2ca02c")
+
+
 def _fmt(value: Any) -> str:
     if value is None:
         return "-"
@@ -79,7 +134,12 @@ def _fmt(value: Any) -> str:
     return html.escape(str(value))
 
 
-def goodput_html(summary: dict[str, Any], events: list[dict[str, Any]], faults: list[dict[str, Any]]) -> str:
+def goodput_html(
+    summary: dict[str, Any],
+    events: list[dict[str, Any]],
+    faults: list[dict[str, Any]],
+    tokens_per_step: int = 0,
+) -> str:
     restarts = summary.get("restarts", [])
     rows = "".join(
         "<tr>"
@@ -119,6 +179,8 @@ td,th{{border:1px solid #ccc;padding:3px 8px;text-align:left}}</style></head>
 <table>{facts}</table>
 <h2>Timeline</h2>
 {timeline_svg(events, faults, restarts)}
+<h2>Loss and throughput</h2>
+<div>{curves_html(events, tokens_per_step)}</div>
 <h2>Restarts</h2>
 <table><tr><th>fault</th><th>mechanism</th><th>fault step</th><th>resumed step</th><th>detection s</th>
 <th>shutdown s</th><th>startup s</th><th>downtime s</th><th>steps redone</th></tr>{rows}</table>
@@ -130,10 +192,14 @@ from there to its first step (process group, model, checkpoint load, loader).</p
 
 
 def write_goodput_report(
-    path: str | Path, summary: dict[str, Any], events: list[dict[str, Any]], faults: list[dict[str, Any]]
+    path: str | Path,
+    summary: dict[str, Any],
+    events: list[dict[str, Any]],
+    faults: list[dict[str, Any]],
+    tokens_per_step: int = 0,
 ) -> Path:
     target = Path(path)
     tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(goodput_html(summary, events, faults))
+    tmp.write_text(goodput_html(summary, events, faults, tokens_per_step))
     tmp.replace(target)
     return target

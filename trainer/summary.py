@@ -59,6 +59,8 @@ class TrainSummary:
     faults_injected: int = 0
     goodput_report: str = ""
     """Path of the run's goodput.html."""
+    mlflow_run_id: str = ""
+    """The MLflow run holding the live metrics (empty without MLFLOW_TRACKING_URI)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -64,6 +64,7 @@ def register_model(
         decision,
         lineage,
         published_manifest_sha256=model.metadata.get("checkpoint_manifest_sha256", ""),
+        training_run_id=str(model.metadata.get("mlflow_run_id", "")),
     )
     record_step(folder, "register", started, **result.as_dict())
     metrics.log_metric("registered_version", int(result.version))

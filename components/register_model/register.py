@@ -228,16 +228,27 @@ def _signature() -> Any:
 
 
 def _log_model(
-    model: Any, config: Any, meta: dict[str, Any], tags: dict[str, str], lineage: Lineage | None = None
+    model: Any,
+    config: Any,
+    meta: dict[str, Any],
+    tags: dict[str, str],
+    lineage: Lineage | None = None,
+    training_run_id: str = "",
 ) -> Any:
-    """One MLflow run holding the pyfunc model (and the training report); returns its ModelInfo."""
+    """The pyfunc model (and the training report) in an MLflow run: the run that holds the
+    training's live metrics when `training_run_id` is given (so the version points at the run
+    that trained it), else a new one. Returns its ModelInfo."""
     import mlflow
     import pandas as pd
 
-    _ensure_experiment(mlflow, mlflow.get_tracking_uri())
+    if not training_run_id:
+        _ensure_experiment(mlflow, mlflow.get_tracking_uri())
     with (
         tempfile.TemporaryDirectory() as tmp,
-        mlflow.start_run(run_name=f"register-step-{meta['step']}") as run,
+        mlflow.start_run(
+            run_id=training_run_id or None,
+            run_name=None if training_run_id else f"register-step-{meta['step']}",
+        ) as run,
     ):
         mlflow.log_params({f"model.{k}": v for k, v in config.to_dict()["model"].items()})
         mlflow.log_metric("checkpoint_step", float(meta["step"]))
@@ -276,10 +287,12 @@ def register_checkpoint(
     lineage: Lineage | None = None,
     retry: RetryPolicy | None = None,
     published_manifest_sha256: str | None = None,
+    training_run_id: str = "",
 ) -> RegisterResult:
     """Register `checkpoint_dir` as a version of `model_name` with the alias `decision`.
     With `published_manifest_sha256` (the train step's output) the checkpoint must be the
-    one the train step published before anything is loaded from it.
+    one the train step published before anything is loaded from it. `training_run_id` is the
+    MLflow run of the training's live metrics; the model is logged into it.
 
     `lineage` supplies what the checkpoint cannot tell (KFP run, dataset, training figures);
     the checkpoint's own step, URI, SHA-256 and config hash are always filled in here.
@@ -288,7 +301,9 @@ def register_checkpoint(
         raise ValueError(f"decision {decision!r} cannot be registered; expected one of {', '.join(ALIASES)}")
     check_model_name(model_name)
     with step_deadline(retry):
-        return _register(checkpoint_dir, model_name, decision, lineage, retry, published_manifest_sha256)
+        return _register(
+            checkpoint_dir, model_name, decision, lineage, retry, published_manifest_sha256, training_run_id
+        )
 
 
 def _register(
@@ -298,6 +313,7 @@ def _register(
     lineage: Lineage | None,
     retry: RetryPolicy | None,
     published_manifest_sha256: str | None,
+    training_run_id: str,
 ) -> RegisterResult:
     import mlflow
 
@@ -353,7 +369,9 @@ def _register(
     )
     tags.update(model_tags(config))
     info = call_with_retries(
-        f"log the model of {checkpoint_dir}", lambda: _log_model(model, config, meta, tags, base), retry
+        f"log the model of {checkpoint_dir}",
+        lambda: _log_model(model, config, meta, tags, base, training_run_id),
+        retry,
     )
 
     attempts = 0

@@ -41,6 +41,7 @@ def train_model(
     job_backoff_limit: int = -1,
     job_termination_grace_s: int = -1,
     job_pending_timeout_s: int = 900,
+    pipeline_version: str = "",
 ) -> None:
     """Train the language model with FSDP, in this pod or as a multi-node job; resume from the last checkpoint.
 
@@ -82,6 +83,10 @@ def train_model(
         job_backoff_limit: pod restarts before a PyTorchJob fails; -1 = by GPU count (10 on GPUs, 2 on CPU).
         job_termination_grace_s: seconds a job pod has for its final checkpoint after SIGTERM; -1 = by GPU count (600 on GPUs, 90 on CPU).
         job_pending_timeout_s: a job pod unschedulable, or an init container waiting, this long fails the step.
+        pipeline_version: version of the pipeline definition (a tag of the run's MLflow run).
+
+    With MLFLOW_TRACKING_URI set, rank 0 logs live metrics to one MLflow run per run folder
+    (experiment: the pipeline's name); validate and register log into the same run.
     """
     import json
     import shutil
@@ -89,6 +94,7 @@ def train_model(
 
     from components.layout import record_step, run_dir
     from components.train.train import TrainRequest, train_in_pod
+    from pipelines.pipeline import PIPELINE_NAME
 
     started = time.time()
     folder = run_dir(fsx_mount_path, run_name, run_id)
@@ -98,6 +104,8 @@ def train_model(
         model_dir=base_model.metadata.get("model_dir", ""),
         preset=preset,
         overrides=overrides,
+        mlflow_experiment=PIPELINE_NAME,
+        mlflow_tags={"rtp.kfp_run_id": run_id, "rtp.pipeline_version": pipeline_version},
         settings={
             "steps": steps,
             "checkpoint_every": checkpoint_every,
@@ -155,6 +163,8 @@ def train_model(
             "efficiency_pct": summary.efficiency_pct,
             "restarts": len(summary.restarts),
             "goodput_report": summary.goodput_report,
+            # validate and register log into the MLflow run that holds the training metrics
+            "mlflow_run_id": summary.mlflow_run_id,
         }
     )
     with open(model.path, "w") as handle:
@@ -176,4 +186,5 @@ def train_model(
         final_loss=summary.final_loss,
         checkpoint=summary.checkpoint,
         model_sha256=summary.model_sha256,
+        mlflow_run_id=summary.mlflow_run_id,
     )

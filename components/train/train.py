@@ -37,6 +37,11 @@ class TrainRequest:
     """Extra trainer config, 'section.field=value' items separated by spaces."""
     settings: Mapping[str, Any] = field(default_factory=dict)
     """The named settings the pipeline exposes (trainer.arguments.PIPELINE_SETTINGS)."""
+    mlflow_experiment: str = ""
+    """The MLflow experiment of the run's live metrics (the pipeline's name); empty keeps
+    the config's."""
+    mlflow_tags: Mapping[str, str] = field(default_factory=dict)
+    """Tags of the run's MLflow run (KFP run id, pipeline version)."""
 
     @property
     def workdir(self) -> Path:
@@ -44,7 +49,7 @@ class TrainRequest:
 
     def config(self) -> TrainConfig:
         """The checked config; fails in one line on a bad override or fault, before any rank starts."""
-        return config_from_pipeline(
+        config = config_from_pipeline(
             preset=self.preset,
             overrides=self.overrides,
             dataset_dir=self.dataset_dir,
@@ -53,6 +58,10 @@ class TrainRequest:
             model_dir=self.model_dir,
             **self.settings,
         )
+        if self.mlflow_experiment:
+            config.run.mlflow_experiment = self.mlflow_experiment
+        config.run.mlflow_tags = {**config.run.mlflow_tags, **self.mlflow_tags}
+        return config
 
 
 @dataclass(kw_only=True, slots=True)

@@ -65,6 +65,11 @@ def validate_checkpoint(
         metrics.log_metric("champion_bits_per_byte", round(result.champion_bits_per_byte, 6))
         metrics.log_metric("delta_bits_per_byte", round(result.delta_bits_per_byte or 0.0, 6))
         metrics.log_metric("delta", round(result.delta or 0.0, 6))
+    training_run_id = str(model.metadata.get("mlflow_run_id", ""))
+    if training_run_id and tracking_uri_is_configured():
+        from components.validate_checkpoint.validate import log_to_training_run
+
+        log_to_training_run(training_run_id, result, step=int(model.metadata.get("step", 0)))
     with open(report.path, "w") as handle:
         handle.write(report_markdown(result))
     record_step(run_dir(fsx_mount_path, run_name, run_id), "validate", started, **result.as_dict())

@@ -12,7 +12,9 @@ by the same code on the same holdout text, in bytes, so tokenizers may differ.
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -26,6 +28,8 @@ from trainer.checkpointing import storage
 from trainer.config import ModelConfig, TrainConfig
 from trainer.data import holdout_batches, load_tokens, split_files
 from trainer.models import model_spec
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from components.validate_checkpoint.champion import Champion
@@ -316,3 +320,25 @@ def report_markdown(result: ValidationResult) -> str:
         }[result.decision],
     ]
     return "\n".join(lines) + "\n"
+
+
+def log_to_training_run(run_id: str, result: ValidationResult, step: int) -> None:
+    """The holdout scores and the decision on the MLflow run of the training's live metrics,
+    at the checkpoint's step. Best effort: the decision stands even if MLflow does not answer."""
+    import mlflow
+    from mlflow.entities import Metric, RunTag
+
+    now_ms = int(time.time() * 1000)
+    figures = {
+        "holdout.loss": result.holdout_loss,
+        "holdout.perplexity": result.perplexity,
+        "holdout.bits_per_byte": result.holdout_bits_per_byte,
+    }
+    try:
+        mlflow.MlflowClient().log_batch(
+            run_id,
+            metrics=[Metric(key, float(value), now_ms, step) for key, value in figures.items()],
+            tags=[RunTag("rtp.validate.decision", result.decision)],
+        )
+    except Exception as exc:  # the validate step's answer does not depend on this record
+        log.warning("could not log the holdout scores to MLflow run %s: %s", run_id, exc)

@@ -34,6 +34,9 @@ def local_run(tmp_path_factory, mlflow_server):
         "5.0",
         "--run-name",
         "e2e",
+        # a fault drill: an in-process restart redoes steps, which MLflow must hold once
+        "--fault",
+        "exception@8:1",
     ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=800, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
@@ -66,3 +69,21 @@ def test_model_version_exists_in_mlflow(local_run, mlflow_server):
     assert reports == ["reports/goodput.html"], "the goodput report is logged with the model"
     assert version.tags["rtp.dataset_snapshot_id"] == Path(summary["dataset_snapshot"]).name
     assert summary["mlflow"]["model_uri"] == f"models:/rtp-e2e/{version.version}"
+
+
+def test_one_mlflow_run_goes_from_the_first_step_to_the_registered_version(local_run, mlflow_server):
+    _, stdout, summary = local_run
+    client = mlflow.MlflowClient(mlflow_server)
+    run_id = summary["mlflow"]["run_id"]
+    assert run_id and summary["mlflow"]["run_url"].endswith(f"/runs/{run_id}")
+    assert f"MLflow run       : {summary['mlflow']['run_url']}" in stdout
+    version = client.get_model_version_by_alias("rtp-e2e", "champion")
+    assert version.run_id == run_id, "the registered version points at the run that trained it"
+    run = client.get_run(run_id)
+    assert run.info.run_name == "e2e"
+    assert run.data.tags["rtp.kfp_run_id"] and run.data.tags["rtp.pipeline_version"]
+    assert client.get_experiment(run.info.experiment_id).name == "rtp-resilient-training"
+    loss_steps = [m.step for m in client.get_metric_history(run_id, "loss")]
+    assert sorted(loss_steps) == [5, 10, 12]  # every run.log_every_steps (5) and the last, once each
+    assert [m.step for m in client.get_metric_history(run_id, "holdout.loss")] == [12]
+    assert run.data.metrics["restarts"] == 1

@@ -92,11 +92,12 @@ def test_trainer_gets_shm_gpu_scheduling_and_resources(compiled):
         assert "emptyDirMounts" not in _executors(platform_spec)[name]
 
 
-def test_mlflow_credentials_come_from_a_secret_only_in_validate_and_register(compiled):
-    """Validate scores the current champion and register writes the model: both need MLflow."""
+def test_mlflow_credentials_come_from_a_secret_only_in_train_validate_and_register(compiled):
+    """Train logs live metrics, validate scores the current champion and register writes the
+    model: the three need MLflow."""
     _, platform_spec, _ = compiled
     executors = _executors(platform_spec)
-    for name in ("exec-register-model", "exec-validate-checkpoint"):
+    for name in ("exec-register-model", "exec-train-model", "exec-validate-checkpoint"):
         (secret,) = executors[name]["secretAsEnv"]
         assert (
             secret["secretNameParameter"]["componentInputParameter"] == "pipelinechannel--mlflow_secret_name"
@@ -108,6 +109,7 @@ def test_mlflow_credentials_come_from_a_secret_only_in_validate_and_register(com
         }
     assert sorted(name for name, config in executors.items() if "secretAsEnv" in config) == [
         "exec-register-model",
+        "exec-train-model",
         "exec-validate-checkpoint",
     ]
 
