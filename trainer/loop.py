@@ -113,6 +113,11 @@ def train(
     `store` and `hooks` come from trainer/resilience.py: the rendezvous store of this
     attempt and the progress/launcher callbacks. Called again after an in-process restart."""
     hooks = hooks or TrainHooks()
+    # An in-process restart interrupts the previous attempt with an asynchronous exception,
+    # which can land inside a `torch.no_grad()` block before its exit restores grad mode
+    # (seen: the next attempt's backward failed with "does not require grad"). Grad mode is
+    # per thread and part of the clean slate each attempt starts from.
+    torch.set_grad_enabled(True)
     attempt = hooks.attempt_info()
     is_restart = attempt.get("inprocess_iteration", 0) > 0 or attempt.get("launcher_restart", 0) > 0
     attempt_started_at = time.time()
