@@ -1,12 +1,9 @@
 """`rtp bench throughput` runs both stacks at toy size and writes the documented JSON (no timing asserts)."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 
 from benchmarks.throughput import mfu_pct, peak_bf16_flops
+from tests.benchmarks import run_bench
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -25,24 +22,7 @@ def test_peak_flops_and_mfu():
 @pytest.mark.distributed
 def test_bench_throughput_writes_both_sides_and_the_tax(tmp_path):
     out = tmp_path / "throughput.json"
-    command = [
-        sys.executable,
-        "-m",
-        "rtp_cli.main",
-        "bench",
-        "throughput",
-        "--preset",
-        "tiny-cpu",
-        "--steps",
-        "4",
-        "--every",
-        "2",
-        "--json",
-        str(out),
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=550, stdin=subprocess.DEVNULL)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    data = json.loads(out.read_text())
+    data, printed = run_bench("throughput", out, "--preset", "tiny-cpu", "--steps", "4", "--every", "2")
     for side in ("rtp", "bare"):
         assert set(data[side]) >= SIDE_KEYS, side
         assert data[side]["tokens_per_s"] > 0 and data[side]["peak_mem_bytes"] > 0
@@ -51,4 +31,4 @@ def test_bench_throughput_writes_both_sides_and_the_tax(tmp_path):
     assert data["rtp"]["saves"] == 2
     # The same model on the same batches: both stacks reach the same loss.
     assert data["rtp"]["final_loss"] == pytest.approx(data["bare"]["final_loss"], rel=1e-6)
-    assert "tax (rtp wall / bare wall)" in result.stdout
+    assert "tax (rtp wall / bare wall)" in printed
