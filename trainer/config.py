@@ -165,10 +165,12 @@ class ResilienceConfig:
     hard_timeout_s: float = 45.0
     """A hung rank that does not react within this long is terminated (must exceed soft)."""
     collective_timeout_s: float = 15.0
-    """Process-group timeout. On CPU a gloo collective cannot be aborted (pytorch issue
-    130345): ranks waiting on a failed peer sit in it until this timeout, so it sets the
-    in-process restart time there and must stay below hard_timeout_s (or the hung-looking
-    rank is killed and the launcher has to restart the group). NCCL on GPUs aborts at once."""
+    """Process-group timeout: a safety net. A gloo collective cannot be aborted (pytorch
+    issue 130345), so an in-process restart shuts the process groups' connections down
+    instead and the ranks waiting on a failed peer leave at once (trainer/peer_abort.py);
+    NCCL aborts at once. Only a wait no abort reaches ends here; it must stay below
+    hard_timeout_s (or the waiting rank looks hung, is killed, and the launcher has to
+    restart the group)."""
     heartbeat_floor_s: float = 15.0
     """ft_launcher learns heartbeat timeouts from observed step times; learned values are
     never set below this floor (a busy shared CPU makes step times jumpy)."""

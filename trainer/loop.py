@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer import peer_abort
 from trainer.checkpointing import CheckpointManager, model_sha256
 from trainer.config import TrainConfig
 from trainer.data import StepSampler, check_tokenizer, load_tokens, split_files
@@ -124,7 +125,8 @@ def train(
     wall_start = time.perf_counter()
     phases: dict[str, float] = {}
     mark = time.perf_counter()
-    mesh = init_distributed(config.resilience.collective_timeout_s, store)
+    with peer_abort.tracking():  # an in-process restart shuts these connections down at once
+        mesh = init_distributed(config.resilience.collective_timeout_s, store)
     phases["process_group_s"] = time.perf_counter() - mark
     rank, world = dist.get_rank(), dist.get_world_size()
     device = training_device()

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from trainer import peer_abort
 from trainer.checkpointing import abandon_all
 from trainer.config import TrainConfig
 from trainer.faults import record_fatal_error, recorded_fatal_error
@@ -39,6 +40,7 @@ MASTER_ADDR = "MASTER_ADDR"
 MASTER_PORT = "MASTER_PORT"
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun / ft_launcher per worker group
 FT_SOCKET = "FT_RANK_MONITOR_IPC_SOCKET"  # present when ft_launcher runs this rank
+LAST_CALL_WAIT_S = 0.2
 
 
 class _LauncherClient:
@@ -208,6 +210,16 @@ def _run_inprocess(config: TrainConfig, store: dist.Store, launcher: _LauncherCl
     r = config.resilience
     detected: dict[str, float] = {}
 
+    class _AbortPeers(inprocess.abort.Abort):
+        """NVRx's abort (destroys the process groups; aborts NCCL communicators) preceded by
+        shutting down this attempt's gloo connections, which a gloo collective cannot be
+        aborted without: the ranks that wait on the failed one leave their collective at
+        once instead of after `collective_timeout_s` (trainer/peer_abort.py)."""
+
+        def __call__(self, state: Any) -> Any:
+            peer_abort.shutdown_tracked()
+            return inprocess.abort.AbortTorchDistributed()(state)
+
     class _RecordRestart(inprocess.finalize.Finalize):
         """Runs once the wrapper has torn the failed attempt down: releases the async
         checkpoint writer and its pending saves, and notes the time (for goodput).
@@ -233,7 +245,7 @@ def _run_inprocess(config: TrainConfig, store: dist.Store, launcher: _LauncherCl
         initialize=inprocess.initialize.RetryController(
             max_iterations=r.inprocess_restarts + 1, min_world_size=int(os.environ["WORLD_SIZE"])
         ),
-        abort=inprocess.abort.AbortTorchDistributed(),
+        abort=_AbortPeers(),
         finalize=_RecordRestart(),
         health_check=None,
         soft_timeout=datetime.timedelta(seconds=r.soft_timeout_s),
@@ -242,6 +254,10 @@ def _run_inprocess(config: TrainConfig, store: dist.Store, launcher: _LauncherCl
         barrier_timeout=datetime.timedelta(seconds=max(120.0, 2 * r.hard_timeout_s + 10)),
         completion_timeout=datetime.timedelta(seconds=max(120.0, 2 * r.hard_timeout_s + 10)),
         termination_grace_time=datetime.timedelta(seconds=2),
+        # How long a rank's monitor thread waits for concurrent fault reports before it
+        # aborts (NVRx's default: 1 s). With fast peer abort a restart on CPU takes about a
+        # second, so the default would be most of it.
+        last_call_wait=datetime.timedelta(seconds=LAST_CALL_WAIT_S),
     )
     result = wrapper(wrapped)(config)
     return result if isinstance(result, TrainSummary) else None

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from trainer import lifecycle
+from trainer import lifecycle, peer_abort
 from trainer.checkpointing import storage
 from trainer.checkpointing.writer import CheckpointWriter, PendingSave, SaveRecord
 
@@ -56,7 +56,8 @@ class NvrxAsyncWriter(CheckpointWriter):
         share_snapshots_by_file_name()
         # Save planning gathers plans from all ranks, and runs in the snapshot's thread
         # while the loop runs collectives of its own: a group of its own keeps them apart.
-        self._group = dist.new_group(backend="gloo")
+        with peer_abort.tracking():  # an in-process restart shuts its connections down
+            self._group = dist.new_group(backend="gloo")
         self._snapshot = HostSnapshot()
         self._plan_cache = CheckpointMetadataCache()
         with lifecycle.children_ignore_sigterm():  # the results Manager starts here too

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from trainer import peer_abort
 from trainer.checkpointing import storage
 from trainer.checkpointing.writer import CheckpointWriter, PendingSave
 
@@ -48,7 +49,8 @@ class TorchAsyncWriter(CheckpointWriter):
     def start(self, background: bool) -> None:
         # A group of its own: the writer thread's collectives must not interleave with
         # the training loop's on the default group.
-        self._group = dist.new_group(backend="gloo")
+        with peer_abort.tracking():  # an in-process restart shuts its connections down
+            self._group = dist.new_group(backend="gloo")
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rtp-ckpt-hash")
 
     def start_save(self, state: dict[str, Any], pending: PendingSave) -> None:
