@@ -8,6 +8,13 @@ thread if it is still running and registers the write for finalizing. `poll()` (
 step, on every rank) finalizes it as soon as all ranks agree; rank 0 then writes DCP's
 metadata and commits in a background thread, and the next save or `finalize()` waits for
 all of it. What 0.4.1 needs on a CPU build lives in `nvrx_compat`.
+
+The attempt's last save (its last step, or a stop was requested) is the exception: no step
+follows it to hide a background write behind, and the loop waits for it in `finalize()`
+anyway. It skips the snapshot copy and the hand-offs to the writer process (the snapshot
+thread, the worker, its forked writer, NVRx's results Manager, the committer thread: each
+a wait for a CPU on a busy machine) and is written by `finalize()`, in this process, with
+torch DCP into the same layout, with the same shard hashes and commit.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from functools import partial
 from typing import Any
 
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from trainer import lifecycle
 from trainer.checkpointing import storage
@@ -44,6 +52,7 @@ class NvrxAsyncWriter(CheckpointWriter):
         self._committer: threading.Thread | None = None
         self._committer_error: BaseException | None = None
         self._warming_up = False
+        self._last_state: dict[str, Any] | None = None
 
     def start(self, background: bool) -> None:
         from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import (
@@ -133,6 +142,9 @@ class NvrxAsyncWriter(CheckpointWriter):
     def _hand_off(self) -> None:
         from nvidia_resiliency_ext.checkpointing.async_ckpt.core import _ActiveAsyncRequest
 
+        if self._last_state is not None:
+            self._write_last()  # no optimizer step was to follow; write it before one does
+            return
         pending, self._handoff = self._handoff, None
         assert pending is not None
         request = self._snapshot.wait()  # the request, planned and sent
@@ -218,11 +230,26 @@ class NvrxAsyncWriter(CheckpointWriter):
         if self._warming_up:
             self._wait_for_writer()
             self._finish_warm_up()
+        if self._last_state is not None:
+            self._write_last()
         if self._pending is not None:
             if self._handoff is not None:  # saved at the loop's last step: no optimizer step follows
                 self._hand_off()
             self._wait_for_writer()
         self._join_committer()
+
+    def _write_last(self) -> None:
+        """Collective: write the attempt's last save here and commit it (see the module doc).
+
+        Any earlier save was committed before this one started (`manager._save`), and the
+        state is the live one: nothing changed it since `start_save()`."""
+        state, self._last_state = self._last_state, None
+        pending, self._pending, self._handoff = self._pending, None, None
+        assert state is not None and pending is not None
+        self._join_committer()
+        dcp.save(state, checkpoint_id=str(pending.staging), process_group=self._group)
+        storage.write_hash_sidecars(pending.staging, dist.get_rank())
+        self._commit(pending)
 
     def _wait_for_writer(self) -> None:
         """Finalize every queued NVRx request, checking every 5 ms.
@@ -252,6 +279,7 @@ class NvrxAsyncWriter(CheckpointWriter):
         process is forgotten only once it is dead, so NVRx's `close()`/`__del__` never waits
         on a writer that can no longer answer."""
         self._pending = self._handoff = None
+        self._last_state = None
         self._warming_up = False
         if self._snapshot is not None:
             self._snapshot.discard()
