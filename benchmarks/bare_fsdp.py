@@ -56,6 +56,7 @@ def train_bare(config: TrainConfig) -> dict[str, Any]:
     dist.barrier()
     startup_s = time.perf_counter() - started
     step_seconds = []
+    loop_started_at = time.time()
     loop_start = time.perf_counter()
     loss = torch.zeros(())
     for step in range(1, config.run.steps + 1):
@@ -78,6 +79,7 @@ def train_bare(config: TrainConfig) -> dict[str, Any]:
         "step_s_median": statistics.median(step_seconds),
         "steps": len(step_seconds),
         "startup_s": startup_s,
+        "loop_started_at": loop_started_at,
         "peak_mem_bytes": peak_memory_bytes(device),
         "final_loss": final_loss,
         "world_size": dist.get_world_size(),

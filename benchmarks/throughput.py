@@ -10,23 +10,35 @@ activation checkpointing, compile; `--override training.mixed_precision=bf16`):
 - bare: `benchmarks/bare_fsdp.py` under torchrun — registry model, `fully_shard`, AdamW,
   nothing else.
 
-Reported for each: tokens/s (all ranks), wall_s (the training loop, plus for rtp the wait
-for its last checkpoint to commit; process start-up is reported apart as startup_s),
-step_s_median, peak_mem_bytes (rank 0; CUDA: allocated, CPU: resident set) and, on CUDA,
-mfu_pct: 6 x parameters x tokens/s against the GPUs' peak dense bf16 FLOP/s (the 6N rule
-leaves out attention's FLOPs, so it slightly understates long-context MFU). `tax` is rtp
-wall / bare wall: what resilience and checkpointing cost.
+Reported for each side: tokens/s (all ranks), wall_s (the training loop from its first step,
+plus for rtp the wait for its last checkpoint to commit), step_s_median (the loop's own
+step time; for rtp it ends at the loss all-reduce), iteration_s_median (step start to next
+step start, so for rtp it also holds the per-step events, heartbeats and checkpoint polls;
+the bare loop has nothing outside its step), peak_mem_bytes (rank 0; CUDA: allocated, CPU:
+resident set), startup_s (process launch to the first step: launcher, rank monitors,
+stores, imports, model build, checkpoint writer warm-up), total_s (launch to exit) and, on
+CUDA, mfu_pct: 6 x parameters x tokens/s against the GPUs' peak dense bf16 FLOP/s (the 6N
+rule leaves out attention's FLOPs, so it slightly understates long-context MFU).
+
+`tax` is rtp wall / bare wall: what resilience and checkpointing cost while training (the
+last save's commit included; start-up is apart, in startup_s). `step_tax` is rtp
+iteration_s_median / bare iteration_s_median, the steady-state per-step cost. With
+`--repeats N` the two sides run N times each, alternating which goes first (a shared
+machine's load drifts), and every side's field is the median over the repeats; `runs`
+holds each repeat.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -116,18 +128,27 @@ def _rank_env() -> dict[str, str]:
 
 
 def run_rtp(config: TrainConfig, nproc: int, tokens_per_step: int) -> dict[str, Any]:
+    launched = time.time()
     summary = run_local_training(nproc, config, echo=False)
+    ended = time.time()
     events = [
         json.loads(line) for line in (Path(config.run.workdir) / "events.jsonl").read_text().splitlines()
     ]
-    step_s = [event["duration_s"] for event in events if event.get("kind") == "step"]
+    steps = [event for event in events if event.get("kind") == "step"]
+    step_s = [event["duration_s"] for event in steps]
+    # Consecutive step events are one whole iteration apart: the step and all the loop does
+    # around it (event log, progress, checkpoint policy and polls, heartbeats).
+    iteration_s = [b["time"] - a["time"] for a, b in itertools.pairwise(steps)] or step_s
+    loop_started_at = next(event["time"] for event in events if event.get("kind") == "resumed")
     wall_s = summary.loop_wall_s + summary.final_drain_s
     return {
         "tokens_per_s": tokens_per_step * summary.steps_run / wall_s,
         "wall_s": wall_s,
         "step_s_median": statistics.median(step_s),
+        "iteration_s_median": statistics.median(iteration_s),
         "peak_mem_bytes": summary.peak_mem_bytes,
-        "startup_s": summary.wall_seconds - summary.loop_wall_s - summary.final_drain_s,
+        "startup_s": loop_started_at - launched,
+        "total_s": ended - launched,
         "loop_wall_s": summary.loop_wall_s,
         "final_drain_s": summary.final_drain_s,
         "checkpoint_blocked_s": summary.checkpoint_blocked_s,
@@ -153,9 +174,11 @@ def run_bare(config: TrainConfig, nproc: int, tokens_per_step: int) -> dict[str,
         str(config_path),
         str(out),
     ]
+    launched = time.time()
     result = subprocess.run(
         command, capture_output=True, text=True, env=_rank_env(), stdin=subprocess.DEVNULL, check=False
     )
+    ended = time.time()
     if result.returncode != 0 or not out.is_file():
         raise RuntimeError(f"the bare FSDP loop failed ({result.returncode}):\n{result.stderr[-3000:]}")
     raw = json.loads(out.read_text())
@@ -163,10 +186,22 @@ def run_bare(config: TrainConfig, nproc: int, tokens_per_step: int) -> dict[str,
         "tokens_per_s": tokens_per_step * raw["steps"] / raw["wall_s"],
         "wall_s": raw["wall_s"],
         "step_s_median": raw["step_s_median"],
+        "iteration_s_median": raw["step_s_median"],  # nothing runs between its steps
         "peak_mem_bytes": raw["peak_mem_bytes"],
-        "startup_s": raw["startup_s"],
+        "startup_s": raw["loop_started_at"] - launched,
+        "total_s": ended - launched,
         "final_loss": raw["final_loss"],
     }
+
+
+def _median_side(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each numeric field's median over the repeats (the first repeat's value otherwise)."""
+    merged: dict[str, Any] = {}
+    for key, value in runs[0].items():
+        values = [run[key] for run in runs]
+        numeric = all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
+        merged[key] = statistics.median(values) if numeric else value
+    return merged
 
 
 def run_benchmark(
@@ -177,6 +212,7 @@ def run_benchmark(
     every: int,
     nproc: int,
     overrides: list[str],
+    repeats: int = 1,
     workdir: Path | None = None,
 ) -> dict[str, Any]:
     import torch
@@ -184,25 +220,48 @@ def run_benchmark(
     from trainer.models import model_spec
     from trainer.parallelize import compute_dtype
 
+    load_before = os.getloadavg()
+    runs = []
     with tempfile.TemporaryDirectory(prefix="rtp-bench-throughput-") as tmp:
         root = workdir or Path(tmp)
         dataset = write_dataset(root, model_source)
         rtp_config = bench_config(preset, model_source, dataset, root / "rtp", steps, every, overrides)
-        bare_config = bench_config(preset, model_source, dataset, root / "bare", steps, every, overrides)
         meta_model = model_spec(rtp_config.model.kind).build(rtp_config.model, torch.device("meta"))
         params = sum(p.numel() for p in meta_model.parameters())
         tokens_per_step = rtp_config.data.batch_size * rtp_config.model.seq_len * nproc
-        bare = run_bare(bare_config, nproc, tokens_per_step)
-        rtp = run_rtp(rtp_config, nproc, tokens_per_step)
+        for index in range(repeats):
+            run_root = root if repeats == 1 else root / f"repeat{index}"
+            rtp_config = bench_config(
+                preset, model_source, dataset, run_root / "rtp", steps, every, overrides
+            )
+            bare_config = bench_config(
+                preset, model_source, dataset, run_root / "bare", steps, every, overrides
+            )
+            run: dict[str, Any] = {"order": "bare,rtp" if index % 2 == 0 else "rtp,bare"}
+            for side in run["order"].split(","):
+                if side == "bare":
+                    run["bare"] = run_bare(bare_config, nproc, tokens_per_step)
+                else:
+                    run["rtp"] = run_rtp(rtp_config, nproc, tokens_per_step)
+            run["tax"] = run["rtp"]["wall_s"] / run["bare"]["wall_s"]
+            runs.append(run)
     cuda = torch.cuda.is_available()
     device_name = torch.cuda.get_device_name(0) if cuda else "cpu"
     peak = peak_bf16_flops(device_name) if cuda else None
-    for side in (rtp, bare):
-        side["mfu_pct"] = mfu_pct(params, side["tokens_per_s"], peak, nproc)
+    for run in runs:
+        for side in (run["rtp"], run["bare"]):
+            side["mfu_pct"] = mfu_pct(params, side["tokens_per_s"], peak, nproc)
+    rtp = _median_side([run["rtp"] for run in runs])
+    bare = _median_side([run["bare"] for run in runs])
     return {
         "rtp": rtp,
         "bare": bare,
         "tax": rtp["wall_s"] / bare["wall_s"],
+        "step_tax": rtp["iteration_s_median"] / bare["iteration_s_median"],
+        "repeats": repeats,
+        "runs": runs,
+        "load_avg_1m": [load_before[0], os.getloadavg()[0]],
+        "cpu_count": os.cpu_count(),
         "model_params": params,
         "tokens_per_step": tokens_per_step,
         "steps": steps,
@@ -218,25 +277,33 @@ def run_benchmark(
 
 
 def format_table(result: dict[str, Any]) -> str:
+    repeats = result["repeats"]
     lines = [
         f"{result['model_params'] / 1e6:.1f}M params, {result['steps']} steps x {result['tokens_per_step']} "
         f"tokens, {result['nproc']} ranks on {result['device']}, {result['compute_dtype']}; rtp saves every "
-        f"{result['checkpoint.every_steps']} steps",
-        f"{'stack':<6} {'tokens/s':>10} {'wall':>8} {'step med':>9} {'peak mem MB':>12} {'MFU':>7} {'startup':>8}",
+        f"{result['checkpoint.every_steps']} steps"
+        + (f"; medians of {repeats} repeats" if repeats > 1 else ""),
+        f"{'stack':<6} {'tokens/s':>10} {'wall':>8} {'step med':>9} {'iter med':>9} {'peak mem MB':>12} "
+        f"{'MFU':>7} {'startup':>8}",
     ]
     for name in ("rtp", "bare"):
         row = result[name]
         mfu = f"{row['mfu_pct']:.1f}%" if row["mfu_pct"] is not None else "-"
         lines.append(
             f"{name:<6} {row['tokens_per_s']:>10.0f} {row['wall_s']:>7.2f}s {row['step_s_median']:>8.4f}s "
-            f"{row['peak_mem_bytes'] / 1e6:>12.0f} {mfu:>7} {row['startup_s']:>7.1f}s"
+            f"{row['iteration_s_median']:>8.4f}s {row['peak_mem_bytes'] / 1e6:>12.0f} {mfu:>7} "
+            f"{row['startup_s']:>7.1f}s"
         )
     rtp = result["rtp"]
     lines.append(
-        f"tax (rtp wall / bare wall): {result['tax']:.3f}x; rtp's wall: loop {rtp['loop_wall_s']:.2f}s "
-        f"(blocked on {rtp['saves']} saves {rtp['checkpoint_blocked_s']:.2f}s) + last save's commit "
-        f"{rtp['final_drain_s']:.2f}s"
+        f"tax (rtp wall / bare wall): {result['tax']:.3f}x; per step (iteration medians): "
+        f"{result['step_tax']:.3f}x; rtp's wall: loop {rtp['loop_wall_s']:.2f}s (blocked on {rtp['saves']:g} "
+        f"saves {rtp['checkpoint_blocked_s']:.2f}s) + last save's commit {rtp['final_drain_s']:.2f}s"
     )
+    if repeats > 1:
+        lines.append("tax per repeat: " + ", ".join(f"{run['tax']:.3f}x" for run in result["runs"]))
+    low, high = result["load_avg_1m"]
+    lines.append(f"load average (1 min) before/after: {low:.2f}/{high:.2f} on {result['cpu_count']} CPUs")
     return "\n".join(lines)
 
 
@@ -258,6 +325,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--nproc", type=int, default=1, help="ranks per side (default: %(default)s)")
     parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run both sides this many times, alternating which goes first, and report medians "
+        "(a shared machine's load drifts; default: %(default)s)",
+    )
+    parser.add_argument(
         "--override",
         action="append",
         default=[],
@@ -268,8 +342,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.steps < 1 or args.nproc < 1:
-        raise ValueError("--steps and --nproc must be at least 1")
+    if args.steps < 1 or args.nproc < 1 or args.repeats < 1:
+        raise ValueError("--steps, --nproc and --repeats must be at least 1")
     preset = args.preset if not args.model_source else "tiny-cpu"
     result = run_benchmark(
         preset=preset,
@@ -278,5 +352,6 @@ def main(args: argparse.Namespace) -> int:
         every=args.every,
         nproc=args.nproc,
         overrides=args.override,
+        repeats=args.repeats,
     )
     return report(result, args.json_path, format_table)

@@ -9,8 +9,11 @@ survives a call (the loop abandons its checkpoint writer on the way out).
 
 Layer 2, ft_launcher (NVRx `fault_tolerance`): a rank that dies (SIGKILL, OOM kill) or
 stops heart-beating is handled by the launcher, which restarts the whole worker group. The
-loop sends a heartbeat per step; the timeouts ft_launcher learns from them are stored in
-every checkpoint (never below `resilience.heartbeat_floor_s`) so a restarted group keeps them.
+loop sends a heartbeat after a step, at most one per `HEARTBEAT_INTERVAL_S` (each is a
+round trip to the rank monitor process: on a busy machine a wait for it to get a CPU,
+every step); the timeouts ft_launcher learns from them are stored in every checkpoint
+(never below `resilience.heartbeat_floor_s`) so a restarted group keeps them. The
+in-process watchdog is pinged after every step.
 
 Ports: the launcher's store listens on MASTER_PORT, the training store on MASTER_PORT+1
 and the wrapper's own store on MASTER_PORT+2 — the layout NVRx's examples use.
@@ -21,6 +24,7 @@ parameter that receives it by its (evaluated) `CallWrapper` annotation.
 
 import datetime
 import logging
+import math
 import os
 import time
 from typing import Any
@@ -42,6 +46,15 @@ RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun / ft_launcher pe
 FT_SOCKET = "FT_RANK_MONITOR_IPC_SOCKET"  # present when ft_launcher runs this rank
 LAST_CALL_WAIT_S = 0.2
 
+HEARTBEAT_INTERVAL_S = 1.0
+"""Least time between two heartbeats to the launcher's rank monitor. Small against what
+they are checked with: the learned timeouts are at least `resilience.heartbeat_floor_s`,
+the launcher's defaults 60-120 s, and the launcher checks every 0.5 s. Slow steps send one
+after every step."""
+LEARN_AFTER_STEPS = 8
+"""The step (of this process) after which ft_launcher's timeouts are learned: a collective,
+so every rank does it at the same step."""
+
 
 class _LauncherClient:
     """ft_launcher's rank-monitor client, or nothing when another launcher runs us."""
@@ -51,6 +64,7 @@ class _LauncherClient:
         self.client: Any = None
         self.process_started_at = time.time()
         self.steps_seen = 0
+        self.last_beat = -math.inf
         if os.environ.get(FT_SOCKET):
             from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
 
@@ -65,14 +79,23 @@ class _LauncherClient:
         if self.client is None or self.client.is_initialized:
             return
         self.client.init_workload_monitoring()
+        self._beat(time.monotonic())
+
+    def _beat(self, now: float) -> None:
         self.client.send_heartbeat()
+        self.last_beat = now
 
     def heartbeat(self) -> None:
+        """After every step: a heartbeat if `HEARTBEAT_INTERVAL_S` passed since the last one,
+        and always after the process's first step and the step the timeouts are learned at."""
         if self.client is None:
             return
-        self.client.send_heartbeat()
         self.steps_seen += 1
-        if self.steps_seen == 8:  # enough samples of step time to learn from
+        now = time.monotonic()
+        learn = self.steps_seen == LEARN_AFTER_STEPS
+        if learn or self.steps_seen == 1 or now - self.last_beat >= HEARTBEAT_INTERVAL_S:
+            self._beat(now)
+        if learn:  # enough samples of step time to learn from
             self.client.calculate_and_set_hb_timeouts(skip_if_not_ready=True)
             self._apply_floor()
 

@@ -134,14 +134,14 @@ class CheckpointManager:
             "launcher": self.hooks.launcher_state(),
         }
         rank_extra = {"sampler": self.sampler.state_dict(next_step=step + 1)}
-        record = self._save(step, meta, rank_extra)
+        record = self._save(step, meta, rank_extra, last=final)
         fields = {"weights_sha256": model_sha256(self.model)} if self.settings.record_weight_hashes else {}
         self.events.emit(
             "checkpoint_queued", step=step, mode=record.mode, blocked_s=record.blocked_s, **fields
         )
         return None if self.writer.awaiting_handoff else record
 
-    def _save(self, step: int, meta: dict[str, Any], rank_extra: dict[str, Any]) -> SaveRecord:
+    def _save(self, step: int, meta: dict[str, Any], rank_extra: dict[str, Any], last: bool) -> SaveRecord:
         started = time.perf_counter()
         self.writer.finalize()  # the previous save commits first: snapshot buffers are reused
         previous_wait_s = time.perf_counter() - started
@@ -154,7 +154,7 @@ class CheckpointManager:
             previous_wait_s=previous_wait_s,
             path=str(final),
         )
-        pending = PendingSave(record, staging, final, meta, started_at=started, queued_at=started)
+        pending = PendingSave(record, staging, final, meta, started_at=started, queued_at=started, last=last)
         self.writer.start_save({"model": model_state, "optim": optim_state}, pending)
         self.records.append(record)
         return record

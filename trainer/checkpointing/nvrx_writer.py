@@ -8,6 +8,13 @@ thread if it is still running and registers the write for finalizing. `poll()` (
 step, on every rank) finalizes it as soon as all ranks agree; rank 0 then writes DCP's
 metadata and commits in a background thread, and the next save or `finalize()` waits for
 all of it. What 0.4.1 needs on a CPU build lives in `nvrx_compat`.
+
+The attempt's last save (its last step, or a stop was requested) is the exception: no step
+follows it to hide a background write behind, and the loop waits for it in `finalize()`
+anyway. It skips the snapshot copy and the hand-offs to the writer process (the snapshot
+thread, the worker, its forked writer, NVRx's results Manager, the committer thread: each
+a wait for a CPU on a busy machine) and is written by `finalize()`, in this process, with
+torch DCP into the same layout, with the same shard hashes and commit.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ class NvrxAsyncWriter(CheckpointWriter):
         self._committer: threading.Thread | None = None
         self._committer_error: BaseException | None = None
         self._warming_up = False
+        self._last_state: dict[str, Any] | None = None
 
     def start(self, background: bool) -> None:
         from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import (
@@ -73,7 +81,15 @@ class NvrxAsyncWriter(CheckpointWriter):
         The snapshot's thread plans and sends the write right after the copy, so the write
         starts while the loop is still in forward and backward. Planning runs collectives
         (the first two saves gather plans from all ranks; later ones reuse NVRx's cached
-        plan) over the writer's own gloo group, never the loop's."""
+        plan) over the writer's own gloo group, never the loop's.
+
+        The attempt's last save (`pending.last`) is only remembered: `finalize()` writes it."""
+        if pending.last:
+            self._pending = self._handoff = pending
+            self._last_state = state
+            pending.queued_at = time.perf_counter()
+            pending.record.queue_s = pending.record.blocked_s = pending.queued_at - pending.started_at
+            return
         from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
 
         writer = FileSystemWriterAsync(str(pending.staging))
@@ -134,6 +150,9 @@ class NvrxAsyncWriter(CheckpointWriter):
     def _hand_off(self) -> None:
         from nvidia_resiliency_ext.checkpointing.async_ckpt.core import _ActiveAsyncRequest
 
+        if self._last_state is not None:
+            self._write_last()  # no optimizer step was to follow; write it before one does
+            return
         pending, self._handoff = self._handoff, None
         assert pending is not None
         request = self._snapshot.wait()  # the request, planned and sent
@@ -219,11 +238,47 @@ class NvrxAsyncWriter(CheckpointWriter):
         if self._warming_up:
             self._wait_for_writer()
             self._finish_warm_up()
+        if self._last_state is not None:
+            self._write_last()
         if self._pending is not None:
             if self._handoff is not None:  # saved at the loop's last step: no optimizer step follows
                 self._hand_off()
             self._wait_for_writer()
         self._join_committer()
+
+    def _write_last(self) -> None:
+        """Collective: write the attempt's last save here and commit it (see the module doc).
+
+        Planned like every save (NVRx's cached plan, the writer's group), written bucket by
+        bucket by NVRx's own bucket writer in this process, then finalized and committed
+        as `_finalize_nvrx` does. Any earlier save was committed before this one started
+        (`manager._save`), and the state is the live one: nothing changed it since
+        `start_save()`."""
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
+        from torch.distributed.checkpoint import CheckpointException
+        from torch.distributed.checkpoint.utils import _get_failure_dict
+
+        state, self._last_state = self._last_state, None
+        pending, self._pending, self._handoff = self._pending, None, None
+        assert state is not None and pending is not None
+        self._join_committer()
+        writer, metadata, dist_wrapper = save_state_dict_async_plan(
+            state,
+            FileSystemWriterAsync(str(pending.staging)),
+            process_group=self._group,
+            enable_cache=True,
+            metadata_cache=self._plan_cache,
+        )
+        results = _write_buckets_here(writer)
+        storage.write_hash_sidecars(pending.staging, dist.get_rank())
+        all_results = dist_wrapper.gather_object(results)
+        if dist_wrapper.is_coordinator:
+            failures = _get_failure_dict(all_results)
+            if failures:
+                raise CheckpointException("write", failures)
+            writer.finish(metadata, all_results)  # DCP's .metadata
+        self._commit(pending)
 
     def _wait_for_writer(self) -> None:
         """Finalize every queued NVRx request, checking every 5 ms.
@@ -253,6 +308,7 @@ class NvrxAsyncWriter(CheckpointWriter):
         process is forgotten only once it is dead, so NVRx's `close()`/`__del__` never waits
         on a writer that can no longer answer."""
         self._pending = self._handoff = None
+        self._last_state = None
         self._warming_up = False
         if self._snapshot is not None:
             self._snapshot.discard()
@@ -272,6 +328,27 @@ class NvrxAsyncWriter(CheckpointWriter):
             self._calls.async_calls.clear()
             self._calls = None
         self._group = None
+
+
+def _write_buckets_here(writer: Any) -> Any:
+    """This rank's write results (or the exception that failed it): NVRx's bucket writer,
+    called in this process instead of in processes forked for it."""
+    import queue
+
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
+
+    transforms = [writer.transforms] if hasattr(writer, "transforms") else []
+    results: list[Any] = []
+    for index, bucket in enumerate(writer.write_buckets or []):
+        outcome: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        done: queue.Queue[int] = queue.Queue()
+        done.put(index)  # the writer takes one item off it and marks it done when finished
+        FileSystemWriterAsync.write_preloaded_data(transforms, index, bucket, outcome, done, use_fsync=True)
+        _, written = outcome.get()
+        if isinstance(written, BaseException):
+            return written
+        results.extend(written)
+    return results
 
 
 def _write_then_hash(save_fn: Callable[..., None], staging: str, rank: int, *args: Any) -> None:

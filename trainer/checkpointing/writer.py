@@ -74,6 +74,9 @@ class PendingSave:
     """torch-async: the background write and shard hashing."""
     request: Any = None
     """async: plans and sends the NVRx request; runs in the snapshot's thread."""
+    last: bool = False
+    """The attempt's last save (its last step, or a stop was requested): no optimizer step
+    follows it, so the live state stays as saved until `finalize()`."""
 
 
 OnCommit = Callable[[SaveRecord], None]
