@@ -121,6 +121,14 @@ class CheckpointConfig:
     never tear. Costs a full gather per save: for tests and drills."""
     verify_hashes: bool = False
     """Also verify SHA-256 of every file when choosing the checkpoint to resume from."""
+    local_every_steps: int = 1
+    """The fast tier: every N steps each rank keeps a copy of its own shard of the training
+    state in memory (an in-process restart resumes from it) and in local_dir (a restarted
+    worker group resumes from it), so a fault redoes at most N steps instead of every step
+    since the last durable checkpoint; 0 = off (trainer/checkpointing/local_tier.py)."""
+    local_dir: str = named("checkpoint_local_dir", "", path=True)
+    """Node-local folder of the fast tier's files (the rank processes' survivor, not the
+    node's); empty = /dev/shm/rtp-local (a pod's memory-backed /dev/shm)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -517,6 +525,8 @@ def validate(config: TrainConfig) -> None:
         )
     if config.checkpoint.keep_every_steps < 0:
         raise ConfigError("checkpoint.keep_every_steps must be 0 (off) or a positive step count")
+    if config.checkpoint.local_every_steps < 0:
+        raise ConfigError("checkpoint.local_every_steps must be 0 (off) or a positive step count")
     r = config.resilience
     if r.inprocess_restarts < 0:
         raise ConfigError("resilience.inprocess_restarts must be 0 (off) or more")

@@ -185,6 +185,9 @@ def run_local_training(
     trainer_args = trainer_arguments(config.write(work / CONFIG_FILE))
     if new_run:
         mark_new_run(work)
+        from trainer.checkpointing.local_tier import forget_run
+
+        forget_run(config.checkpoint.local_dir, config.checkpoint_dir())  # the previous run's fast tier
     log_path = work / "logs" / "train.log"
     summary_path = work / "summary.json"
     summary_path.unlink(missing_ok=True)

@@ -34,7 +34,11 @@ class TrainSummary:
     resumed_from: str | None
     checkpoint_saves: list[dict[str, Any]]
     checkpoint_blocked_s: float
-    """Seconds the loop waited on checkpoint saves in total."""
+    """Seconds the loop waited on checkpoint saves in total (the fast tier's copies included)."""
+    local_tier_s: float = 0.0
+    """Of those, the fast tier's copies (checkpoint.local_every_steps)."""
+    local_tier_captures: int = 0
+    """Fast-tier copies taken by this attempt (rank 0's view)."""
     efficiency_pct: float
     """Share of the loop's wall time not spent blocked on checkpoints."""
     final_drain_s: float

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from trainer.checkpointing import storage
 from trainer.checkpointing.fingerprint import model_sha256
+from trainer.checkpointing.local_tier import LocalTier
 from trainer.checkpointing.nvrx_writer import NvrxAsyncWriter
 from trainer.checkpointing.torch_writers import SyncWriter, TorchAsyncWriter
 from trainer.checkpointing.writer import CheckpointWriter, NoCheckpoints, PendingSave, SaveRecord
@@ -77,6 +78,21 @@ class CheckpointManager:
             self.root, settings.keep_last, settings.keep_every_steps, self._on_commit
         )
         self.records: list[SaveRecord] = []
+        self.durable_step = 0  # the newest committed durable checkpoint this attempt knows of
+        self.local_tier_s = 0.0
+        self.local = LocalTier(
+            every_steps=settings.local_every_steps,
+            local_dir=settings.local_dir,
+            checkpoint_dir=self.root,
+            identity={
+                "checkpoint_dir": str(self.root.resolve()),
+                "model_hash": config.model_hash(),
+                "world_size": dist.get_world_size(),
+            },
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+        )
         self.resumed_from: str | None = None
         self.start_s = 0.0
         self.final_drain_s = 0.0
@@ -86,6 +102,17 @@ class CheckpointManager:
         """Collective: restore model, optimizer, scheduler, RNG and launcher state from the
         latest committed checkpoint; returns its step (0 when there is none)."""
         latest = storage.latest_committed_checkpoint(self.root, self.settings.verify_hashes)
+        durable_meta = storage.read_meta(latest) if latest is not None else {}
+        self.durable_step = int(durable_meta.get("step", 0))
+        local_step = self.local.restore(self.durable_step)
+        if local_step is not None:
+            # The launcher's learned timeouts travel with the durable checkpoint only.
+            self.hooks.restore_launcher_state(durable_meta.get("launcher", {}))
+            self.resumed_from = f"local:{local_step}"
+            self.events.emit("resume", step=local_step, checkpoint=self.resumed_from, tier="local")
+            if self.rank == 0:
+                log.info("resumed from the fast tier at step %d (durable checkpoint: step %d)", local_step, self.durable_step)
+            return local_step
         if latest is None:
             return 0
         restored = storage.load_checkpoint(latest, self.model, self.optimizer)
@@ -122,6 +149,9 @@ class CheckpointManager:
         """Collective, after step `step`: save if it is a checkpoint step or `final` (the
         attempt's last step, or a stop was requested). Returns the save's record if it is
         queued with the writer now; an async save is queued by `before_optimizer_step()`."""
+        started = time.perf_counter()
+        if self.local.capture(step, self.durable_step):
+            self.local_tier_s += time.perf_counter() - started
         if not (final or step % self.settings.every_steps == 0):
             return None
         if not self.writer.writes_checkpoints:
@@ -174,6 +204,7 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Collective: commit what is pending and stop the writer (safe to call twice)."""
+        self.local.close()
         self.writer.close()
         if self in _LIVE:
             _LIVE.remove(self)
@@ -181,6 +212,7 @@ class CheckpointManager:
     def abandon(self) -> None:
         """Not collective: drop pending work (its process group is gone, e.g. before an
         in-process restart); the save in progress is never committed."""
+        self.local.close()
         self.writer.abandon()
         if self in _LIVE:
             _LIVE.remove(self)
@@ -188,8 +220,10 @@ class CheckpointManager:
     def summary(self, loop_wall_s: float) -> dict[str, Any]:
         """The summary's checkpoint fields (rank 0 writes them to summary.json)."""
         latest = storage.latest_committed_checkpoint(self.root)
-        blocked_total = sum(record.blocked_s for record in self.records)
+        blocked_total = sum(record.blocked_s for record in self.records) + self.local_tier_s
         return {
+            "local_tier_s": self.local_tier_s,
+            "local_tier_captures": self.local.captures,
             "checkpoint": str(latest) if latest else None,
             "checkpoint_mode": self.settings.mode,
             "resumed_from": self.resumed_from,
@@ -202,6 +236,7 @@ class CheckpointManager:
         }
 
     def _on_commit(self, record: SaveRecord) -> None:
+        self.durable_step = max(self.durable_step, record.step)
         self.events.emit("checkpoint_committed", **record.as_dict())
         if self.rank == 0:
             log.info(

@@ -1,0 +1,315 @@
+"""The fast checkpoint tier: each rank's own shard of the training state, every few steps,
+in process memory and in a node-local folder.
+
+The durable DCP checkpoint on the shared volume is written every `checkpoint.every_steps`
+steps; a fault used to throw away every step since. The fast tier keeps, every
+`checkpoint.local_every_steps` steps (default: every step), a copy of what this rank needs
+to continue exactly: its local shards of the parameters and of the optimizer state, the
+optimizer's hyper-parameters, the scheduler, the RNG state and the step. It is a host copy
+of the shards each rank already holds (no collective, no planning), so it costs a memory
+copy per step.
+
+- An **in-process restart** (the process lives on) resumes from the copy in memory.
+- A **worker-group restart** (ft_launcher, after a rank was killed) resumes from the copy
+  a background thread wrote to `checkpoint.local_dir` (node-local: /dev/shm by default,
+  which survives the processes but not the node). Each rank keeps its two newest files,
+  so a rank killed while writing one still has the previous step.
+
+On resume the ranks agree (one all-gather) on the newest step every rank holds; it is used
+only when it is newer than the latest committed durable checkpoint, belongs to the same
+run (same checkpoint folder, model and world size) and was taken after that checkpoint's
+step. Otherwise the durable checkpoint is loaded, as before. The durable checkpoint stays
+the recovery point for losing the whole job or a node, and the only thing validate and
+register read. Files are read with `torch.load(weights_only=True)`.
+
+Not done here: replicating a rank's copy to a peer on another node (NVRx's
+LocalCheckpointManager does that on GPUs, but needs CUDA tensors in 0.4.1).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+_FILE = re.compile(r"^rank_(\d+)_step_(\d+)\.pt$")
+_KEEP_FILES = 2
+_memory: dict[str, dict[str, Any]] = {}
+"""Per run key: this process's newest capture (survives an in-process restart)."""
+
+
+def default_local_root() -> Path:
+    """Node-local and memory-backed where there is one (a pod's /dev/shm)."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        return shm / "rtp-local"
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / "rtp-local"
+
+
+def run_key(checkpoint_dir: str | Path) -> str:
+    """One run's name in the local folder: its checkpoint folder, hashed."""
+    return hashlib.sha256(str(Path(checkpoint_dir).resolve()).encode()).hexdigest()[:16]
+
+
+def local_folder(local_dir: str, checkpoint_dir: str | Path) -> Path:
+    return (Path(local_dir) if local_dir else default_local_root()) / run_key(checkpoint_dir)
+
+
+def forget_run(local_dir: str, checkpoint_dir: str | Path) -> None:
+    """A new run starts in this checkpoint folder: drop the fast tier of the previous one."""
+    import shutil
+
+    shutil.rmtree(local_folder(local_dir, checkpoint_dir), ignore_errors=True)
+    _memory.pop(run_key(checkpoint_dir), None)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+class LocalTier:
+    """One per attempt and rank. `capture()` after an optimizer step; `restore()` at start."""
+
+    def __init__(
+        self,
+        *,
+        every_steps: int,
+        local_dir: str,
+        checkpoint_dir: str | Path,
+        identity: dict[str, Any],
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+    ) -> None:
+        self.every_steps = every_steps
+        self.key = run_key(checkpoint_dir)
+        self.folder = local_folder(local_dir, checkpoint_dir)
+        self.identity = identity
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.rank = dist.get_rank()
+        self.params = list(model.parameters())
+        self._buffers: list[dict[str, Any] | None] = [None, None]
+        self._slot = 0
+        self._writing: int | None = None  # the slot the file thread is writing
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._queued: int | None = None
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.captures = 0
+        self.skipped = 0
+        self.files_written = 0
+        self.write_errors = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.every_steps > 0
+
+    # ---- capture ---------------------------------------------------------------------
+
+    def capture(self, step: int, durable_step: int) -> bool:
+        """Not collective. Copy this rank's state after step `step` if it is a capture step;
+        `durable_step`: the newest durable checkpoint step this attempt knows of."""
+        if not self.enabled or step % self.every_steps:
+            return False
+        with self._lock:
+            slot = self._slot
+            if self._writing == slot:  # the file thread still writes this buffer: skip one
+                self.skipped += 1
+                return False
+        snapshot = self._copy_into(self._buffers[slot], step, durable_step)
+        self._buffers[slot] = snapshot
+        _memory[self.key] = snapshot
+        self.captures += 1
+        with self._lock:
+            self._slot = 1 - slot
+            if self._writing is None:
+                self._queued = slot
+                self._wake.notify()
+            # else: the thread is busy; this capture lives in memory only
+        self._ensure_thread()
+        return True
+
+    def _copy_into(self, buffer: dict[str, Any] | None, step: int, durable_step: int) -> dict[str, Any]:
+        with torch.no_grad():
+            if buffer is None:
+                params = [_local(p).detach().clone() for p in self.params]
+                optim = [
+                    {k: (_local(v).detach().clone() if torch.is_tensor(v) else v) for k, v in self.optimizer.state.get(p, {}).items()}
+                    for p in self.params
+                ]
+            else:
+                params = buffer["params"]
+                for target, p in zip(params, self.params, strict=True):
+                    target.copy_(_local(p))
+                optim = []
+                for old, p in zip(buffer["optim"], self.params, strict=True):
+                    state = self.optimizer.state.get(p, {})
+                    if old.keys() != state.keys():
+                        old = {k: (_local(v).detach().clone() if torch.is_tensor(v) else v) for k, v in state.items()}
+                    else:
+                        for k, v in state.items():
+                            if torch.is_tensor(v):
+                                old[k].copy_(_local(v))
+                            else:
+                                old[k] = v
+                    optim.append(old)
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        return {
+            "step": step,
+            "durable_step": durable_step,
+            "identity": dict(self.identity),
+            "params": params,
+            "optim": optim,
+            "groups": groups,
+            "scheduler": self.scheduler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+        }
+
+    # ---- node-local files -----------------------------------------------------------
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._thread = threading.Thread(target=self._write_loop, name="rtp-local-tier", daemon=True)
+            self._thread.start()
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._lock:
+                while self._queued is None and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                slot, self._queued = self._queued, None
+                self._writing = slot
+                snapshot = self._buffers[slot]
+            try:
+                self._write_file(snapshot)
+                self.files_written += 1
+            except Exception as exc:  # a full /dev/shm must not stop training
+                self.write_errors += 1
+                if self.write_errors == 1:
+                    log.warning("fast checkpoint tier: cannot write to %s: %s", self.folder, exc)
+            finally:
+                with self._lock:
+                    self._writing = None
+
+    def _write_file(self, snapshot: dict[str, Any] | None) -> None:
+        if snapshot is None:
+            return
+        final = self.folder / f"rank_{self.rank}_step_{snapshot['step']}.pt"
+        temporary = final.with_name(f".{final.name}.tmp")
+        torch.save(snapshot, temporary)
+        os.replace(temporary, final)
+        mine = sorted(
+            (int(m.group(2)), path)
+            for path in self.folder.iterdir()
+            if (m := _FILE.match(path.name)) and int(m.group(1)) == self.rank
+        )
+        for _, old in mine[:-_KEEP_FILES]:
+            old.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """Stop the file thread after the write in progress (not collective)."""
+        with self._lock:
+            self._closed = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    # ---- restore -------------------------------------------------------------------
+
+    def _candidates(self) -> dict[int, str]:
+        """step -> where this rank holds it ("memory" or a file path), matching this run."""
+        found: dict[int, str] = {}
+        if self.folder.is_dir():
+            for path in self.folder.iterdir():
+                match = _FILE.match(path.name)
+                if match and int(match.group(1)) == self.rank:
+                    found[int(match.group(2))] = str(path)
+        memory = _memory.get(self.key)
+        if memory is not None and memory["identity"] == self.identity:
+            found[int(memory["step"])] = "memory"
+        return found
+
+    def restore(self, durable_step: int) -> int | None:
+        """Collective: if every rank holds a capture of the same step newer than
+        `durable_step`, load the newest such into model, optimizer, scheduler and RNG and
+        return its step; else None (load the durable checkpoint)."""
+        mine = self._candidates() if self.enabled else {}
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, sorted(mine))
+        common = set(gathered[0])
+        for steps in gathered[1:]:
+            common &= set(steps)
+        usable = sorted((s for s in common if s > durable_step), reverse=True)
+        for step in usable:
+            snapshot, problem = self._read(mine[step])
+            ok = problem is None and snapshot is not None and self._matches(snapshot, durable_step)
+            verdicts: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(verdicts, bool(ok))
+            if all(verdicts):
+                assert snapshot is not None
+                self._load(snapshot)
+                _memory[self.key] = snapshot
+                return step
+            if problem and self.rank == 0:
+                log.warning("fast checkpoint tier: step %d unusable: %s", step, problem)
+        return None
+
+    def _read(self, where: str) -> tuple[dict[str, Any] | None, str | None]:
+        if where == "memory":
+            return _memory.get(self.key), None
+        try:
+            return torch.load(where, weights_only=True), None
+        except (OSError, RuntimeError, pickle.UnpicklingError, EOFError) as exc:
+            return None, f"{where}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+
+    def _matches(self, snapshot: dict[str, Any], durable_step: int) -> bool:
+        if snapshot.get("identity") != self.identity:
+            return False
+        if int(snapshot.get("durable_step", -1)) > durable_step:
+            return False  # taken after a durable checkpoint that is gone: another run's
+        shapes = [tuple(t.shape) for t in snapshot["params"]]
+        return shapes == [tuple(_local(p).shape) for p in self.params]
+
+    def _load(self, snapshot: dict[str, Any]) -> None:
+        from torch.distributed.tensor import DTensor
+
+        with torch.no_grad():
+            for p, saved in zip(self.params, snapshot["params"], strict=True):
+                _local(p).copy_(saved)
+            for p, saved in zip(self.params, snapshot["optim"], strict=True):
+                state = {}
+                for k, v in saved.items():
+                    if torch.is_tensor(v) and isinstance(p, DTensor) and v.shape == _local(p).shape:
+                        state[k] = DTensor.from_local(
+                            v.clone(), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                        )
+                    elif torch.is_tensor(v):
+                        state[k] = v.clone().to(_local(p).device)
+                    else:
+                        state[k] = v
+                if state:
+                    self.optimizer.state[p] = state
+        for group, saved_group in zip(self.optimizer.param_groups, snapshot["groups"], strict=True):
+            group.update(saved_group)
+        self.scheduler.load_state_dict(snapshot["scheduler"])
+        torch.set_rng_state(snapshot["torch_rng"])
