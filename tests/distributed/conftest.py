@@ -9,7 +9,9 @@ from trainer.launch import run_local_training
 def run_config(dataset_dir, workdir, steps: int = 12, every: int = 4, overrides=(), **named) -> TrainConfig:
     """The config of a test run with seed 7. `named` are the trainer's named settings
     (checkpoint_mode=, faults=, stop_after=, ...), resolved with `overrides` the way every
-    entry point resolves them."""
+    entry point resolves them. The fast checkpoint tier's files go to the run folder, not
+    to /dev/shm."""
+    named.setdefault("checkpoint_local_dir", str(Path(workdir) / "local-tier"))
     return resolve_config(
         named={
             "dataset_dir": str(dataset_dir),
@@ -50,6 +52,8 @@ def train_local_command(dataset_dir, workdir, steps: int, every: int, *extra: st
         str(every),
         "--seed",
         "7",
+        "--checkpoint-local-dir",
+        str(Path(workdir) / "local-tier"),
         *extra,
     ]
 

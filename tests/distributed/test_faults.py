@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.distributed.conftest import run_config, train
+from tests.distributed.conftest import events, run_config, train
 from trainer.checkpointing import latest_committed_checkpoint, verify_checkpoint
 from trainer.launch import LauncherSettings, TrainingFailed, run_local_training
 
@@ -66,23 +66,35 @@ def fault_free(dataset_dir, tmp_path_factory) -> dict:
 
 
 CASES = {
-    # kind: (fault, the layer that must recover it)
-    "exception": ("exception@10:1", "inprocess"),
-    "hang": ("hang@10:1", "inprocess"),
-    "sigkill": ("sigkill@10:0", "launcher"),
-    "sigkill-during-save": ("sigkill-during-save@8:1", "launcher"),
+    # case: (fault, the layer that must recover it, the tier it resumes from)
+    "exception": ("exception@10:1", "inprocess", "local"),
+    "hang": ("hang@10:1", "inprocess", "local"),
+    "sigkill": ("sigkill@10:0", "launcher", "local"),
+    "sigkill-during-save": ("sigkill-during-save@8:1", "launcher", "local"),
+    # The fast tier off: the durable checkpoint on the shared volume is the recovery point.
+    "exception-durable": ("exception@10:1", "inprocess", "durable"),
+    "sigkill-durable": ("sigkill@10:0", "launcher", "durable"),
 }
 
 
-@pytest.mark.parametrize("kind", sorted(CASES))
-def test_each_fault_kind_is_recovered_exactly(kind, dataset_dir, tmp_path, fault_free, run_mark):
-    fault, mechanism = CASES[kind]
-    summary = train(dataset_dir, tmp_path, steps=STEPS, every=EVERY, overrides=FAST, faults=[fault])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_fault_kind_is_recovered_exactly(case, dataset_dir, tmp_path, fault_free, run_mark):
+    fault, mechanism, tier = CASES[case]
+    kind = fault.split("@")[0]
+    overrides = FAST + (["checkpoint.local_every_steps=0"] if tier == "durable" else [])
+    summary = train(dataset_dir, tmp_path, steps=STEPS, every=EVERY, overrides=overrides, faults=[fault])
     assert summary["completed"] and summary["steps"] == STEPS
     assert summary["model_sha256"] == fault_free["model_sha256"]
     [restart] = summary["restarts"]
     assert restart["kind"] == kind and restart["mechanism"] == mechanism
-    assert restart["resumed_step"] % EVERY == 0 and restart["resumed_step"] <= restart["fault_step"]
+    resumes = [e for e in events(tmp_path) if e["kind"] == "resume"]
+    assert resumes and all(e.get("tier") == ("local" if tier == "local" else None) for e in resumes), resumes
+    if tier == "local":
+        # At most one step redone: the fault hit during the step after the newest copy.
+        assert restart["fault_step"] - 1 <= restart["resumed_step"] <= restart["fault_step"]
+        assert restart["steps_redone"] <= 1
+    else:
+        assert restart["resumed_step"] % EVERY == 0 and restart["resumed_step"] <= restart["fault_step"]
     assert restart["downtime_s"] > 0 and restart["startup_s"] >= 0
     assert summary["lost_steps"] == restart["steps_redone"]
     assert 0 < summary["goodput_pct"] < 100
@@ -166,4 +178,53 @@ def test_an_error_no_restart_can_fix_is_not_retried(dataset_dir, tmp_path, run_m
     attempts = [e for e in events if e["kind"] == "attempt_start"]
     assert len(attempts) == 1, "no in-process restart of a fatal error"
     assert time.monotonic() - started < 120
+    assert_nothing_left(run_mark)
+
+
+@pytest.mark.parametrize("damage", ["missing", "torn"])
+def test_a_cold_restart_resumes_from_the_fast_tier_and_a_damaged_copy_falls_back(
+    damage, dataset_dir, tmp_path, fault_free, run_mark
+):
+    """A rank killed with no restart left (a pod restart follows): the relaunch resumes from
+    the node-local fast tier, at the newest step every rank still holds. Rank 1's newest
+    copy is `missing` (a lost copy) or `torn` (what a rank killed while writing it would
+    leave without the atomic rename): the ranks agree on an older step, and the run still
+    ends with the fault-free weights."""
+    from trainer.checkpointing.local_tier import local_folder
+
+    durable_every = 8
+    config = run_config(
+        dataset_dir,
+        tmp_path,
+        steps=STEPS,
+        every=durable_every,
+        overrides=FAST,
+        faults=["sigkill@14:1"],
+        inprocess_restarts=0,
+    )
+    no_restarts = LauncherSettings(max_restarts=0)
+    with pytest.raises(TrainingFailed):
+        run_local_training(2, config, echo=False, settings=no_restarts)
+    folder = local_folder(config.checkpoint.local_dir, config.checkpoint_dir())
+    held = {
+        rank: {int(p.name.split("_step_")[1].removesuffix(".pt")) for p in folder.glob(f"rank_{rank}_step_*.pt")}
+        for rank in (0, 1)
+    }
+    common = held[0] & held[1]
+    assert common and max(common) > durable_every, held
+    damaged = folder / f"rank_1_step_{max(common)}.pt"
+    if damage == "missing":
+        damaged.unlink()
+    else:
+        damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+    older = [s for s in common if durable_every < s < max(common)]
+
+    summary = run_local_training(2, config, echo=False, settings=no_restarts, new_run=False).to_dict()
+    assert summary["completed"] and summary["model_sha256"] == fault_free["model_sha256"]
+    resume = [e for e in events(tmp_path) if e["kind"] == "resume"][-1]
+    if older:
+        assert (resume["step"], resume.get("tier")) == (max(older), "local"), (held, resume)
+    else:  # rank 1 held only the damaged step beyond the durable checkpoint
+        assert (resume["step"], resume.get("tier")) == (durable_every, None), (held, resume)
+    assert not folder.exists() or not list(folder.glob("rank_*")), "a finished run leaves its fast tier behind"
     assert_nothing_left(run_mark)

@@ -28,6 +28,7 @@ LocalCheckpointManager does that on GPUs, but needs CUDA tensors in 0.4.1).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -225,14 +226,26 @@ class LocalTier:
         for _, old in mine[:-_KEEP_FILES]:
             old.unlink(missing_ok=True)
 
-    def close(self) -> None:
-        """Stop the file thread after the write in progress (not collective)."""
+    def close(self, discard: bool = False) -> None:
+        """Stop the file thread after the write in progress (not collective). `discard`:
+        the attempt ended with a committed durable checkpoint of its last step, so this
+        rank's copies are of no further use: free the memory and /dev/shm they hold."""
         with self._lock:
             self._closed = True
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        if discard:
+            _memory.pop(self.key, None)
+            self._buffers = [None, None]
+            if self.folder.is_dir():
+                for path in self.folder.iterdir():
+                    match = _FILE.match(path.name)
+                    if match and int(match.group(1)) == self.rank:
+                        path.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    self.folder.rmdir()  # the last rank out removes the folder
 
     # ---- restore -------------------------------------------------------------------
 

@@ -199,6 +199,8 @@ class CheckpointManager:
         started = time.perf_counter()
         self.writer.finalize()
         self.final_drain_s = time.perf_counter() - started
+        # The last step's durable checkpoint is committed: the fast tier is of no more use.
+        self.local.close(discard=self.writer.writes_checkpoints)
         self.close()
         self.teardown_s = time.perf_counter() - started - self.final_drain_s
 
