@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -17,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.conftest import PROJECT_ROOT
 from tests.distributed.conftest import run_config, train
 from trainer.checkpointing import latest_committed_checkpoint, verify_checkpoint
 from trainer.launch import LauncherSettings, TrainingFailed, run_local_training
@@ -109,6 +112,23 @@ def test_several_faults_of_different_kinds_in_one_run(dataset_dir, tmp_path, fau
         ("sigkill", "launcher"),
     ]
     assert [r["fault_step"] for r in summary["restarts"]] == [4, 7, 11, 14]
+    assert_nothing_left(run_mark)
+
+
+def test_a_rank_killed_while_its_writer_starts_leaves_no_process(tmp_path, run_mark):
+    """A restart's writer process starts in the background (seconds: a fresh interpreter
+    imports torch). A rank killed meanwhile must not leave it waiting for saves forever,
+    with multiprocessing's resource tracker: the several-faults run left both (its sigkill
+    came three steps after an in-process restart)."""
+    rank = subprocess.run(
+        [sys.executable, "-m", "tests.distributed.rank_killed_while_writer_starts", str(tmp_path / "ckpt")],
+        cwd=PROJECT_ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,  # a pipe would wait for a leftover that holds it
+        stderr=subprocess.DEVNULL,
+        timeout=300,
+    )
+    assert rank.returncode == -9
     assert_nothing_left(run_mark)
 
 
