@@ -90,7 +90,14 @@ class CpuSafePersistentAsyncCaller(core.PersistentAsyncCaller):
             self.rank = dist.get_rank()
         self.process = torch.multiprocessing.get_context("spawn").Process(
             target=_worker_main,
-            args=(os.getpid(), self.rank, self.queue, self.preload_q, self.comp_q, core.logger.getEffectiveLevel()),
+            args=(
+                os.getpid(),
+                self.rank,
+                self.queue,
+                self.preload_q,
+                self.comp_q,
+                core.logger.getEffectiveLevel(),
+            ),
         )
         self.process.start()
 
