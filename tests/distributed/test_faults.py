@@ -95,7 +95,9 @@ def test_each_fault_kind_is_recovered_exactly(kind, dataset_dir, tmp_path, fault
         # Detected without anyone stepping in, within the configured timeouts.
         assert restart["detection_s"] is not None and restart["detection_s"] < 30  # the hard timeout
     if kind == "sigkill-during-save":
-        # The save the rank died in never became a checkpoint; the resumed one is intact.
+        # The save of step 8 the rank died in never became a checkpoint: the run resumed
+        # from step 4's, the one before it.
+        assert restart["resumed_step"] == 4
         verify_checkpoint(Path(summary["checkpoint"]), verify_hashes=True)
     assert_nothing_left(run_mark)
 
