@@ -8,12 +8,14 @@ recovery takes seconds on 2 CPU cores, yet high enough for a busy machine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -35,11 +37,16 @@ FAST = [
 
 
 @pytest.fixture
-def run_mark(monkeypatch) -> str:
-    """Tags every process the test starts (the variable is inherited) to find leftovers."""
+def run_mark(monkeypatch) -> Iterator[str]:
+    """Tags every process the test starts (the variable is inherited by all of them: ranks,
+    writers, Managers, multiprocessing's resource tracker, torch_shm_manager) to find
+    leftovers. A test that failed before its own check still leaves nothing running."""
     mark = uuid.uuid4().hex
     monkeypatch.setenv("RTP_TEST_RUN_MARK", mark)
-    return mark
+    yield mark
+    for process in _leftovers(mark):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
 
 
 def _leftovers(mark: str) -> list[psutil.Process]:
