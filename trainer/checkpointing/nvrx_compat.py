@@ -86,13 +86,13 @@ class CpuSafePersistentAsyncCaller(core.PersistentAsyncCaller):
 
     def _start_worker(self) -> None:
         """NVRx's own start of the worker (`schedule_async_call`), with `_worker_main` first."""
-        if self.rank is None:
-            self.rank = dist.get_rank()
+        rank = dist.get_rank()
+        self.rank = rank  # NVRx's own start sets it the same way
         self.process = torch.multiprocessing.get_context("spawn").Process(
             target=_worker_main,
             args=(
                 os.getpid(),
-                self.rank,
+                rank,
                 self.queue,
                 self.preload_q,
                 self.comp_q,
