@@ -74,7 +74,6 @@ def build_pipeline(
     def rtp_pipeline(
         source: str = DEFAULT_SOURCE,
         s3_endpoint_url: str = "",
-        fsx_mount_path: str = options.fsx_mount_path,
         dataset_name: str = "demo-corpus",
         model_source: str = "",
         model_init: str = _default("model_init"),
@@ -115,7 +114,6 @@ def build_pipeline(
         Args:
             source: S3 prefix holding the training text, as s3://bucket/prefix.
             s3_endpoint_url: S3-compatible endpoint URL; leave empty for AWS S3.
-            fsx_mount_path: Mount path of the FSx for Lustre volume in every step.
             dataset_name: Dataset folder name under <mount>/rtp/datasets.
             model_source: S3 prefix of a Hugging Face model folder (config.json, *.safetensors, tokenizer files) to train, as s3://bucket/prefix/<model>/; staged under <mount>/rtp/models/<model>. Empty trains the built-in byte-level model. The dataset must be tokenized with this model's tokenizer (rtp prepare-data --tokenizer).
             model_init: How the Hugging Face model starts: pretrained (its weights) or random (from its config.json, for pretraining).
@@ -160,8 +158,10 @@ def build_pipeline(
         cleanup.set_display_name("Delete the run's training job if the run did not succeed")
         cleanup.set_caching_options(False)
         platform.apply_common(cleanup, options)
-        # Every step finds the run's folder on the shared volume the same way.
-        run_folder = {"fsx_mount_path": fsx_mount_path, "run_name": run_name, "run_id": run_id}
+        # Every step finds the run's folder on the shared volume the same way. The mount path
+        # is compiled in, not a run parameter: it must be where the volume is mounted
+        # (`platform.mount_fsx`, a compile-time constant), and a run could set another.
+        run_folder = {"fsx_mount_path": options.fsx_mount_path, "run_name": run_name, "run_id": run_id}
         with dsl.ExitHandler(cleanup, name="Stage the data then train, validate and register the model"):
             check = check_op(**parameters).set_display_name("Check the run's parameters first")
             check.set_caching_options(False)

@@ -52,7 +52,7 @@ def add_platform_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--fsx-mount-path",
         default=defaults.fsx_mount_path,
-        help="where every step mounts the FSx PVC; also the fsx_mount_path default (default: %(default)s)",
+        help="where every step mounts the FSx PVC, compiled in: no run parameter changes it (default: %(default)s)",
     )
     p.add_argument(
         "--image-pull-policy",

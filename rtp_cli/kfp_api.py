@@ -2,8 +2,10 @@
 
 Each function does one operation against the KFP v2beta1 API and returns plain data;
 the decisions (parameter checks, cron form, version names, token choice) live in
-`rtp_cli.kfp_checks`. API failures become `KfpError` with a message saying what to do: 401 and
-403 name the token source and namespace, an unreachable host names the URL.
+`rtp_cli.kfp_checks`. API failures become `KfpError` with a one-line message saying what to
+do: 401 and 403 name the token source and namespace, an unreachable host names the URL, TLS
+and protocol failures say which (`transport_failure`), and an answer that is not the API's
+JSON says so.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import io
 import json
 import logging
 import os
+import re
+import ssl
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -82,6 +86,79 @@ class Connection:
     client: Any = field(repr=False)
 
 
+_CHECK_HOST = (
+    "check that --host is the KFP API (e.g. `kubectl port-forward -n kubeflow svc/ml-pipeline 8888:8888` "
+    "then --host http://127.0.0.1:8888)"
+)
+
+
+def _one_line(text: Any, limit: int = 200) -> str:
+    line = re.sub(r"\s+", " ", str(text)).strip()
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """The exception and what it wraps: urllib3 keeps the cause in `reason` and `args`."""
+    found: list[BaseException] = []
+    stack: list[Any] = [exc]
+    while stack and len(found) < 20:
+        item = stack.pop()
+        if not isinstance(item, BaseException) or any(item is seen for seen in found):
+            continue
+        found.append(item)
+        stack += [getattr(item, "reason", None), item.__cause__, item.__context__, *item.args]
+    return found
+
+
+def transport_failure(host: str, exc: BaseException, doing: str) -> str:
+    """One line for a request that got no HTTP answer: what went wrong, what to do."""
+    import http.client
+
+    causes = _causes(exc)
+    text = " ".join(str(cause) for cause in causes)
+    other_scheme = re.sub(r"^https?://", "", host)
+    if (
+        any(isinstance(c, ssl.SSLCertVerificationError) for c in causes)
+        or "CERTIFICATE_VERIFY_FAILED" in text
+    ):
+        detail = next(
+            (
+                c.verify_message
+                for c in causes
+                if isinstance(c, ssl.SSLCertVerificationError) and c.verify_message
+            ),
+            "certificate verify failed",
+        )
+        return (
+            f"the TLS certificate of {host} could not be verified ({detail}) while {doing}: if the cluster "
+            "uses its own CA, point SSL_CERT_FILE at its bundle; or reach the API through "
+            "`kubectl port-forward -n kubeflow svc/ml-pipeline 8888:8888` and --host http://127.0.0.1:8888"
+        )
+    if any(isinstance(c, ssl.SSLError) for c in causes) or "SSLError" in text:
+        if re.search(r"WRONG_VERSION_NUMBER|wrong version number|record layer failure|HTTP_REQUEST", text):
+            return (
+                f"{host} does not speak TLS (its answer to the TLS handshake was plain data) while {doing}: "
+                f"it looks like a plain-http server; use --host http://{other_scheme}"
+            )
+        reason = next((c for c in causes if isinstance(c, ssl.SSLError)), exc)
+        return f"TLS with {host} failed ({_one_line(reason)}) while {doing}: check --host and that it serves https"
+    if any(isinstance(c, (http.client.HTTPException, ConnectionResetError)) for c in causes):
+        # RemoteDisconnected is a BadStatusLine: no answer at all, or not an HTTP one.
+        reason = next(c for c in causes if isinstance(c, (http.client.HTTPException, ConnectionResetError)))
+        return (
+            f"{host} answered with something that is not HTTP, or closed the connection without an answer "
+            f"({type(reason).__name__}: {_one_line(reason, 80)}), while {doing}: {_CHECK_HOST}"
+            + (f"; if it serves TLS, use --host https://{other_scheme}" if host.startswith("http://") else "")
+        )
+    return f"cannot reach the KFP API at {host} ({type(exc).__name__}) while {doing}: {_CHECK_HOST}"
+
+
+def not_the_api_message(host: str, doing: str, why: str) -> str:
+    return (
+        f"the answer of {host} while {doing} is not the KFP API's JSON ({_one_line(why, 120)}): {_CHECK_HOST}"
+    )
+
+
 @contextlib.contextmanager
 def api_errors(host: str, token_source: str, namespace: str | None, doing: str) -> Iterator[None]:
     """Turn kfp_server_api and connection failures into an KfpError that says what to do."""
@@ -95,15 +172,34 @@ def api_errors(host: str, token_source: str, namespace: str | None, doing: str) 
             raise KfpError(
                 kfp_checks.auth_failure_message(exc.status, host, token_source, namespace)
             ) from None
-        detail = exc.body
-        with contextlib.suppress(TypeError, ValueError, AttributeError):
-            detail = json.loads(exc.body).get("message", exc.body)
-        raise KfpError(f"{doing} failed: the KFP API answered {exc.status} {exc.reason}: {detail}") from None
-    except urllib3.exceptions.HTTPError as exc:
+        if not exc.status:  # kfp_server_api's own wrapping of an SSL error: no answer at all
+            raise KfpError(transport_failure(host, exc, doing)) from None
+        try:
+            answer = json.loads(exc.body)
+        except (TypeError, ValueError):
+            raise KfpError(
+                not_the_api_message(host, doing, f"{exc.status} {exc.reason}: {exc.body!r}")
+            ) from None
+        detail = answer.get("message", exc.body) if isinstance(answer, dict) else exc.body
         raise KfpError(
-            f"cannot reach the KFP API at {host} ({type(exc).__name__}) while {doing}: check --host "
-            "(e.g. `kubectl port-forward -n kubeflow svc/ml-pipeline 8888:8888` then --host http://127.0.0.1:8888)"
+            f"{doing} failed: the KFP API answered {exc.status} {exc.reason}: {_one_line(detail, 500)}"
         ) from None
+    except urllib3.exceptions.HTTPError as exc:
+        raise KfpError(transport_failure(host, exc, doing)) from None
+    except (ValueError, TypeError, AttributeError, KeyError) as exc:
+        # kfp_server_api could not read the answer into the API's types.
+        raise KfpError(not_the_api_message(host, doing, f"{type(exc).__name__}: {exc}")) from None
+
+
+def _health(host: str, body: bytes) -> dict[str, Any]:
+    """The healthz answer, which every KFP API gives as a JSON object."""
+    try:
+        health = json.loads(body)
+    except ValueError:
+        health = None
+    if not isinstance(health, dict):
+        raise KfpError(not_the_api_message(host, "checking the API's health", repr(body[:80])))
+    return health
 
 
 @contextlib.contextmanager
@@ -142,11 +238,14 @@ def connect(
     if bearer:
         config.api_key["authorization"] = bearer
         config.api_key_prefix["authorization"] = "Bearer"
+    if not log.isEnabledFor(logging.DEBUG):  # urllib3 warns on each retry: rtp prints one line
+        logging.getLogger("urllib3").setLevel(logging.ERROR)
     with api_errors(host, token_source, namespace, "checking the API's health"):
-        health = kfp_server_api.HealthzServiceApi(
+        answer = kfp_server_api.HealthzServiceApi(
             kfp_server_api.ApiClient(config)
-        ).healthz_service_get_healthz()
-    if health.multi_user and not namespace:
+        ).healthz_service_get_healthz(_preload_content=False)
+    health = _health(host, answer.data)
+    if health.get("multi_user") and not namespace:
         raise KfpError(
             f"the Kubeflow Pipelines at {host} is multi-user: pass your profile namespace with "
             f"--namespace or ${kfp_checks.NAMESPACE_ENV}"

@@ -100,6 +100,7 @@ def run_local(options: LocalOptions) -> dict[str, Any]:
     from kfp import local
 
     from pipelines.pipeline import build_pipeline
+    from pipelines.platform import PlatformOptions
 
     started = time.time()
     workdir = Path(options.workdir).resolve()
@@ -139,12 +140,12 @@ def run_local(options: LocalOptions) -> dict[str, Any]:
 
             quiet_kfp_local()
         local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(workdir / "kfp-local"))
-        pipeline = build_pipeline()
+        # The mount path is compiled into the pipeline: here, the run's local folder.
+        pipeline = build_pipeline(options=PlatformOptions(fsx_mount_path=str(fsx)))
         try:
             pipeline(
                 source=source,
                 s3_endpoint_url=endpoint,
-                fsx_mount_path=str(fsx),
                 dataset_name=dataset_name,
                 model_source=model_source,
                 run_name=run_name,

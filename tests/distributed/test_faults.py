@@ -8,15 +8,20 @@ recovery takes seconds on 2 CPU cores, yet high enough for a busy machine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import subprocess
+import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
+from tests.conftest import PROJECT_ROOT
 from tests.distributed.conftest import events, run_config, train
 from trainer.checkpointing import latest_committed_checkpoint, verify_checkpoint
 from trainer.launch import LauncherSettings, TrainingFailed, run_local_training
@@ -32,11 +37,16 @@ FAST = [
 
 
 @pytest.fixture
-def run_mark(monkeypatch) -> str:
-    """Tags every process the test starts (the variable is inherited) to find leftovers."""
+def run_mark(monkeypatch) -> Iterator[str]:
+    """Tags every process the test starts (the variable is inherited by all of them: ranks,
+    writers, Managers, multiprocessing's resource tracker, torch_shm_manager) to find
+    leftovers. A test that failed before its own check still leaves nothing running."""
     mark = uuid.uuid4().hex
     monkeypatch.setenv("RTP_TEST_RUN_MARK", mark)
-    return mark
+    yield mark
+    for process in _leftovers(mark):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
 
 
 def _leftovers(mark: str) -> list[psutil.Process]:
@@ -73,7 +83,7 @@ CASES = {
     "sigkill-during-save": ("sigkill-during-save@8:1", "launcher", "local"),
     # The fast tier off: the durable checkpoint on the shared volume is the recovery point.
     "exception-durable": ("exception@10:1", "inprocess", "durable"),
-    "sigkill-durable": ("sigkill@10:0", "launcher", "durable"),
+    "sigkill-during-save-durable": ("sigkill-during-save@8:1", "launcher", "durable"),
 }
 
 
@@ -103,8 +113,11 @@ def test_each_fault_kind_is_recovered_exactly(case, dataset_dir, tmp_path, fault
     if kind == "hang":
         # Detected without anyone stepping in, within the configured timeouts.
         assert restart["detection_s"] is not None and restart["detection_s"] < 30  # the hard timeout
+    if kind == "sigkill-during-save" and tier == "durable":
+        # The save of step 8 the rank died in never became a checkpoint: the run resumed
+        # from step 4's, the one before it.
+        assert restart["resumed_step"] == 4
     if kind == "sigkill-during-save":
-        # The save the rank died in never became a checkpoint; the resumed one is intact.
         verify_checkpoint(Path(summary["checkpoint"]), verify_hashes=True)
     assert_nothing_left(run_mark)
 
@@ -121,6 +134,23 @@ def test_several_faults_of_different_kinds_in_one_run(dataset_dir, tmp_path, fau
         ("sigkill", "launcher"),
     ]
     assert [r["fault_step"] for r in summary["restarts"]] == [4, 7, 11, 14]
+    assert_nothing_left(run_mark)
+
+
+def test_a_rank_killed_while_its_writer_starts_leaves_no_process(tmp_path, run_mark):
+    """A restart's writer process starts in the background (seconds: a fresh interpreter
+    imports torch). A rank killed meanwhile must not leave it waiting for saves forever,
+    with multiprocessing's resource tracker: the several-faults run left both (its sigkill
+    came three steps after an in-process restart)."""
+    rank = subprocess.run(
+        [sys.executable, "-m", "tests.distributed.rank_killed_while_writer_starts", str(tmp_path / "ckpt")],
+        cwd=PROJECT_ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,  # a pipe would wait for a leftover that holds it
+        stderr=subprocess.DEVNULL,
+        timeout=300,
+    )
+    assert rank.returncode == -9
     assert_nothing_left(run_mark)
 
 

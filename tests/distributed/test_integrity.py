@@ -94,8 +94,9 @@ def test_retention_keeps_the_last_k_and_every_mth(dataset_dir, tmp_path):
 
 
 def test_killed_run_leaves_only_verifiable_checkpoints_and_resumes(dataset_dir, tmp_path, caplog):
-    """SIGKILL the whole job while it saves every step; whatever was mid-write is ignored."""
-    command = train_local_command(dataset_dir, tmp_path, 400, 1, "--override", "checkpoint.keep_last=1000")
+    """SIGKILL the whole job while it saves every step and deletes old checkpoints (keep 3):
+    every folder named as committed verifies, whatever was mid-write or mid-delete."""
+    command = train_local_command(dataset_dir, tmp_path, 400, 1, "--override", "checkpoint.keep_last=3")
     process = subprocess.Popen(
         command,
         stdout=subprocess.DEVNULL,
@@ -105,7 +106,7 @@ def test_killed_run_leaves_only_verifiable_checkpoints_and_resumes(dataset_dir, 
     )
     try:
         deadline = time.monotonic() + 240
-        while len(committed_steps(tmp_path / "checkpoints")) < 5:
+        while (committed_steps(tmp_path / "checkpoints") or [(0, None)])[0][0] < 6:
             assert process.poll() is None, "training ended before it could be killed"
             assert time.monotonic() < deadline, "no checkpoints appeared"
             time.sleep(0.05)
@@ -113,9 +114,11 @@ def test_killed_run_leaves_only_verifiable_checkpoints_and_resumes(dataset_dir, 
         kill_tree(process.pid)  # like a pod's death: every process of the job at once
         process.wait()
     root = tmp_path / "checkpoints"
-    latest = latest_committed_checkpoint(root, verify_hashes=True)
-    assert latest is not None
-    newest_step = committed_steps(root)[0][0]
+    committed = committed_steps(root)
+    assert len(committed) >= 2
+    for _, folder in committed:  # each one, not only the newest that verifies (latest_committed_checkpoint)
+        verify_checkpoint(folder, verify_hashes=True)
+    newest_step = committed[0][0]
 
     # Corrupt the newest committed checkpoint: resume must fall back and say why.
     shard = next((root / f"step_{newest_step}").glob("*.distcp"))

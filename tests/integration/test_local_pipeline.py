@@ -87,3 +87,37 @@ def test_one_mlflow_run_goes_from_the_first_step_to_the_registered_version(local
     assert sorted(loss_steps) == [5, 10, 12]  # every run.log_every_steps (5) and the last, once each
     assert [m.step for m in client.get_metric_history(run_id, "holdout.loss")] == [12]
     assert run.data.metrics["restarts"] == 1
+
+
+def test_the_same_run_name_again_resumes_from_its_checkpoint(local_run, mlflow_server):
+    """`rtp local --run-name e2e` a second time, two steps further, resumes from the first
+    run's last checkpoint instead of starting over. Last in this module: it adds two steps to
+    the run the tests above read (and registers under another name)."""
+    workdir, _, first = local_run
+    command = [
+        sys.executable,
+        "-m",
+        "rtp_cli.main",
+        "local",
+        "--workdir",
+        str(workdir),
+        "--steps",
+        "14",
+        "--checkpoint-every",
+        "2",
+        "--mlflow-uri",
+        mlflow_server,
+        "--model-name",
+        "rtp-e2e-resumed",
+        "--max-loss",
+        "5.0",
+        "--run-name",
+        "e2e",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=800, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    trained = json.loads((workdir / "fsx/rtp/runs/e2e/train/summary.json").read_text())
+    assert trained["resumed_from"] == first["checkpoint"]  # step_12 of the first run
+    assert trained["steps"] == 14 and trained["lost_steps"] == 0
+    second = json.loads((workdir / "summary.json").read_text())
+    assert second["checkpoint"] == str(workdir / "fsx/rtp/runs/e2e/checkpoints/step_14")

@@ -59,12 +59,22 @@ def test_every_step_mounts_the_fsx_pvc_named_by_a_parameter(compiled):
     assert "pvcMount" not in _executors(platform_spec)["exec-cleanup-training-jobs"]
 
 
-def test_mount_path_is_a_compile_time_option_and_the_parameter_default(tmp_path):
+def test_mount_path_is_compiled_in_and_no_run_parameter_can_change_it(tmp_path):
+    """Every step mounts the volume at the compiled path and looks for the run's files at
+    that same path: a run parameter (issue 14) could point them somewhere else."""
     pipeline, platform_spec, _ = _compile(tmp_path, options=PlatformOptions(fsx_mount_path="/mnt/lustre"))
-    assert (
-        pipeline["root"]["inputDefinitions"]["parameters"]["fsx_mount_path"]["defaultValue"] == "/mnt/lustre"
-    )
+    assert "fsx_mount_path" not in pipeline["root"]["inputDefinitions"]["parameters"]
     assert {_executors(platform_spec)[name]["pvcMount"][0]["mountPath"] for name in STEPS} == {"/mnt/lustre"}
+    tasks = {}
+    for component in pipeline["components"].values():
+        tasks.update((component.get("dag") or {}).get("tasks") or {})
+    given = {
+        name: task["inputs"]["parameters"]["fsx_mount_path"]
+        for name, task in tasks.items()
+        if "fsx_mount_path" in task.get("inputs", {}).get("parameters", {})
+    }
+    assert set(given) >= {"stage-data", "stage-model", "train-model", "validate-checkpoint", "register-model"}
+    assert all(value == {"runtimeValue": {"constant": "/mnt/lustre"}} for value in given.values()), given
 
 
 def test_trainer_gets_shm_gpu_scheduling_and_resources(compiled):

@@ -60,8 +60,8 @@ def test_compile_flags_reach_the_compiled_pipeline(tmp_path, capsys):
     pipeline, platform_spec = [doc for doc in yaml.safe_load_all(target.read_text()) if doc]
     parameters = pipeline["root"]["inputDefinitions"]["parameters"]
     assert parameters["launcher"]["defaultValue"] == "trainjob"
-    assert parameters["fsx_mount_path"]["defaultValue"] == "/lustre"
     train = platform_spec["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-train-model"]
+    assert train["pvcMount"][0]["mountPath"] == "/lustre"
     assert [secret["secretName"] for secret in train["imagePullSecret"]] == ["regcred"]
     assert "launcher trainjob" in capsys.readouterr().out
 

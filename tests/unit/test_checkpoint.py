@@ -120,6 +120,37 @@ def test_retention_also_keeps_every_mth_step(tmp_path):
     assert sorted(int(p.name.split("_")[1]) for p in tmp_path.iterdir()) == [3, 6, 7, 8]
 
 
+class _Killed(BaseException):
+    """A process killed in the middle of a call."""
+
+
+def test_a_deletion_cut_short_leaves_no_torn_checkpoint_that_looks_committed(tmp_path, monkeypatch):
+    """Retention (and a re-save of a step) deletes whole folders; a kill halfway through
+    must not leave a `step_<N>` missing files that a reader takes for committed."""
+    model, optimizer = _trained_model()
+    for step in (1, 2, 3):
+        _save(tmp_path, step, model, optimizer)
+    real_rmtree = storage.shutil.rmtree
+
+    def killed_halfway(path, *args, **kwargs):
+        files = sorted(p for p in Path(path).rglob("*") if p.is_file())
+        if files:
+            files[0].unlink()
+            raise _Killed
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(storage.shutil, "rmtree", killed_halfway)
+    with pytest.raises(_Killed):
+        apply_retention(tmp_path, keep_last=1)
+    with pytest.raises(_Killed):
+        storage.prepare_staging(tmp_path, 3, {})  # a re-save of step 3 replaces it
+    monkeypatch.undo()
+    for _, folder in storage.committed_steps(tmp_path):
+        verify_checkpoint(folder, verify_hashes=True)
+    apply_retention(tmp_path, keep_last=1)  # and the next retention clears what was cut short
+    assert not list(tmp_path.glob("*.deleting"))
+
+
 def test_manifest_takes_shard_hashes_from_sidecars_and_drops_them(tmp_path):
     model, optimizer = _trained_model()
     staging, final = storage.prepare_staging(tmp_path, 1, {})

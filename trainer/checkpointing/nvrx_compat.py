@@ -31,11 +31,17 @@ One more point holds on CPU and GPU alike:
    empties the queue once the abandoned writer is dead.
 7. Orphans. That queue lives in a Manager process NVRx spawns on first use; a rank killed
    with SIGKILL leaves it (and multiprocessing's resource tracker) running forever. The
-   queue is created here first, by a Manager that asks to die with its rank.
+   queue is created here first, by a Manager that asks to die with its rank. The persistent
+   worker is started here too, not by NVRx, so that it asks the same as its first act: it
+   used to ask when it ran its first save, and a worker still importing torch when its
+   rank was killed (a restart's background warm-up, seconds long on a busy machine) waited
+   for requests forever, holding the resource tracker, torch_shm_manager and /dev/shm.
+   Each asks with its rank's pid, so a rank that died before the request still counts.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from functools import partial
 from pathlib import Path
@@ -70,7 +76,30 @@ class CpuSafeAsyncRequest(core.AsyncRequest):
 
 
 class CpuSafePersistentAsyncCaller(core.PersistentAsyncCaller):
-    """(1) `sync_all_async_calls` with the is-alive reduction on a CPU tensor."""
+    """(1) `sync_all_async_calls` with the is-alive reduction on a CPU tensor; (7) a worker
+    that dies with its rank from its start."""
+
+    def schedule_async_call(self, async_req: core.AsyncRequest) -> None:
+        if async_req.async_fn is not None and self.process is None:
+            self._start_worker()
+        super().schedule_async_call(async_req)
+
+    def _start_worker(self) -> None:
+        """NVRx's own start of the worker (`schedule_async_call`), with `_worker_main` first."""
+        rank = dist.get_rank()
+        self.rank = rank  # NVRx's own start sets it the same way
+        self.process = torch.multiprocessing.get_context("spawn").Process(
+            target=_worker_main,
+            args=(
+                os.getpid(),
+                rank,
+                self.queue,
+                self.preload_q,
+                self.comp_q,
+                core.logger.getEffectiveLevel(),
+            ),
+        )
+        self.process.start()
 
     def sync_all_async_calls(self, is_alive: int) -> bool:
         if not needs_cpu_adjustments():
@@ -93,7 +122,7 @@ def _results_queue_that_dies_with_the_rank() -> None:
     from trainer.lifecycle import die_with_parent
 
     manager = SyncManager(ctx=torch.multiprocessing.get_context("spawn"))  # NVRx's context
-    manager.start(initializer=die_with_parent)
+    manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
     _results_manager = manager  # keep it referenced: a collected manager shuts down
     filesystem_async._results_queue = manager.Queue()
 
@@ -111,12 +140,12 @@ def preload_fn_for_device(preload_fn: Any) -> Any:
     return None if needs_cpu_adjustments() else preload_fn
 
 
-def _in_background_writer(save_fn: Any, *args: Any) -> None:
-    """Runs in the persistent worker: set it up to die with its rank, then write."""
+def _worker_main(rank_pid: int, *loop_args: Any) -> None:
+    """(7) The persistent worker: set it up to die with its rank, then NVRx's loop."""
     from trainer.lifecycle import prepare_background_writer
 
-    prepare_background_writer()
-    save_fn(*args)
+    prepare_background_writer(parent_pid=rank_pid)
+    core.PersistentAsyncCaller.async_loop(*loop_args)
 
 
 def warm_up(calls: core.AsyncCallsQueue, scratch_dir: Path, wait: bool = True) -> None:
@@ -145,7 +174,7 @@ def warm_up(calls: core.AsyncCallsQueue, scratch_dir: Path, wait: bool = True) -
     finalize = partial(save_state_dict_async_finalize, writer, metadata, dist_wrapper)
     calls.schedule_async_request(
         CpuSafeAsyncRequest(
-            partial(_in_background_writer, save_fn) if save_fn else None,
+            save_fn,
             save_args,
             [finalize],
             preload_fn=preload_fn_for_device(preload_fn),

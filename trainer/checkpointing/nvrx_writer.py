@@ -353,6 +353,5 @@ def _write_buckets_here(writer: Any) -> Any:
 
 def _write_then_hash(save_fn: Callable[..., None], staging: str, rank: int, *args: Any) -> None:
     """The NVRx writer's job plus the shard hashes (runs in the background worker)."""
-    lifecycle.prepare_background_writer()
     save_fn(*args)
     storage.write_hash_sidecars(staging, rank)

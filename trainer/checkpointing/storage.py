@@ -19,6 +19,7 @@ manager (`manager`) when.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -215,9 +216,10 @@ def prepare_staging(root: str | Path, step: int, rank_extra: dict[str, Any]) -> 
     staging = final.with_name(final.name + ".tmp")
     if rank == 0:
         base.mkdir(parents=True, exist_ok=True)
-        for stale in (staging, final):
-            if stale.exists():
-                shutil.rmtree(stale)
+        if staging.exists():
+            shutil.rmtree(staging)
+        if final.exists():
+            remove_committed(final)
         (staging / RANK_STATE_DIR).mkdir(parents=True)
     dist.barrier()
     torch.save(_rank_state(rank_extra), staging / RANK_STATE_DIR / f"rank_{rank}.pt")
@@ -272,6 +274,19 @@ def save_checkpoint(
     return SaveResult(path=final, step=step, blocked_s=time.perf_counter() - started, bytes_total=bytes_total)
 
 
+_DELETING = ".deleting"
+
+
+def remove_committed(folder: Path) -> None:
+    """Delete a committed checkpoint: one rename takes it out of the committed set first, so
+    a process killed halfway leaves a `step_<N>.deleting` folder (removed by the next
+    retention), never a torn `step_<N>` that still looks committed."""
+    doomed = folder.with_name(folder.name + _DELETING)
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(folder, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def apply_retention(root: str | Path, keep_last: int, keep_every: int = 0) -> list[Path]:
     """Delete committed checkpoints beyond the newest `keep_last`, except every
     `keep_every`-th step (0 = none); never touches the newest one or *.tmp folders."""
@@ -279,8 +294,11 @@ def apply_retention(root: str | Path, keep_last: int, keep_every: int = 0) -> li
     for step, folder in committed_steps(root)[max(1, keep_last) :]:
         if keep_every > 0 and step % keep_every == 0:
             continue
-        shutil.rmtree(folder, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            remove_committed(folder)
         removed.append(folder)
+    for leftover in Path(root).glob(f"step_*{_DELETING}"):  # a deletion a kill interrupted
+        shutil.rmtree(leftover, ignore_errors=True)
     return removed
 
 
