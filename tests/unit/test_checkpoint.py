@@ -1,3 +1,4 @@
+import json
 import logging
 import os
 from pathlib import Path
@@ -191,7 +192,7 @@ def test_importing_checkpointing_does_not_import_nvrx():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def _manager(tmp_path, mode, model, optimizer, events=None, hooks=None):
+def _manager(tmp_path, mode, model, optimizer, events=None, hooks=None, extra=()):
     from trainer.checkpointing import CheckpointManager
     from trainer.config import build_config
     from trainer.data import StepSampler
@@ -200,7 +201,7 @@ def _manager(tmp_path, mode, model, optimizer, events=None, hooks=None):
 
     config = build_config(
         "tiny-cpu",
-        [f"run.workdir={tmp_path}", f"checkpoint.mode={mode}", "checkpoint.every_steps=3"],
+        [f"run.workdir={tmp_path}", f"checkpoint.mode={mode}", "checkpoint.every_steps=3", *extra],
     )
     config.model = model.cfg  # the checkpoint's model hash must match the model saved
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
@@ -244,7 +245,7 @@ def test_manager_saves_at_every_nth_and_final_step_and_resumes_from_the_latest(t
 
 def test_manager_in_off_mode_never_saves(tmp_path):
     model, optimizer = _trained_model()
-    manager = _manager(tmp_path, "off", model, optimizer)
+    manager = _manager(tmp_path, "off", model, optimizer, extra=["checkpoint.local_every_steps=0"])
     manager.start(background=False)
     assert manager.maybe_save(3, 1.0, final=True) is None
     manager.finish()
@@ -348,3 +349,65 @@ def test_a_checkpoint_is_verified_against_its_published_manifest_before_loading(
         verify_published(saved, published)
     with pytest.raises(CheckpointError, match="no published"):
         verify_published(saved, "")
+
+
+def _step(model, optimizer) -> None:
+    next_token_loss(model, torch.randint(0, 256, (2, 17))).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def test_a_restarted_attempt_resumes_from_the_fast_tier_newer_than_the_durable_checkpoint(tmp_path):
+    from trainer.checkpointing.local_tier import forget_run
+
+    model, optimizer = _trained_model()
+    manager = _manager(tmp_path, "sync", model, optimizer)
+    manager.start(background=False)
+    for step in range(1, 5):  # durable at 3, fast tier at every step
+        _step(model, optimizer)
+        manager.before_optimizer_step()
+        manager.maybe_save(step, 1.0, final=False)
+        manager.after_step()
+    manager.local.close()  # its file thread writes the newest copy (a restart would not wait)
+    manager.abandon()  # a fault: no final save; the copy of step 4 lives on in this process
+    try:
+        other_model, other_optimizer = _trained_model(seed=1)
+        resumed = _manager(tmp_path, "sync", other_model, other_optimizer)
+        assert resumed.load_latest() == 4
+        assert resumed.summary(loop_wall_s=1.0)["resumed_from"] == "local:4"
+        for mine, theirs in zip(model.parameters(), other_model.parameters(), strict=True):
+            assert torch.equal(mine, theirs)
+            for key, value in optimizer.state[mine].items():
+                assert torch.equal(other_optimizer.state[theirs][key], value)
+        assert other_optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
+
+        # The same copies on disk (what a restarted worker group finds), after a model change:
+        # another architecture's copy is never loaded; the durable checkpoint is refused too.
+        from trainer.checkpointing import local_tier
+
+        local_tier._memory.clear()
+        files = sorted(resumed.local.folder.glob("rank_0_step_*.pt"))
+        assert [p.name for p in files] == ["rank_0_step_3.pt", "rank_0_step_4.pt"]
+        third_model, third_optimizer = _trained_model(seed=2)
+        from_files = _manager(tmp_path, "sync", third_model, third_optimizer)
+        assert from_files.load_latest() == 4
+        for mine, theirs in zip(model.parameters(), third_model.parameters(), strict=True):
+            assert torch.equal(mine, theirs)
+    finally:
+        forget_run("", tmp_path / "checkpoints")
+
+
+def test_a_periodic_save_is_skipped_while_a_restarted_writer_starts_but_a_final_one_waits(tmp_path, monkeypatch):
+    from trainer.checkpointing.torch_writers import SyncWriter
+
+    monkeypatch.setattr(SyncWriter, "warming_up", property(lambda self: True))
+    model, optimizer = _trained_model()
+    manager = _manager(tmp_path, "sync", model, optimizer)
+    manager.start(background=True)
+    assert manager.maybe_save(3, 1.0, final=False) is None
+    assert manager.maybe_save(5, 1.0, final=True) is not None
+    manager.finish()
+    assert manager.deferred_saves == [3]
+    assert [c.name for c in (tmp_path / "checkpoints").iterdir()] == ["step_5"]
+    logged = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in logged if e["kind"] == "checkpoint_deferred"] == [3]

@@ -111,6 +111,7 @@ class LocalTier:
         self._wake = threading.Condition(self._lock)
         self._queued: int | None = None
         self._closed = False
+        self._flush = True
         self._thread: threading.Thread | None = None
         self.captures = 0
         self.skipped = 0
@@ -128,21 +129,18 @@ class LocalTier:
         `durable_step`: the newest durable checkpoint step this attempt knows of."""
         if not self.enabled or step % self.every_steps:
             return False
-        with self._lock:
+        with self._lock:  # the file thread starts no write of a buffer while it is filled
             slot = self._slot
             if self._writing == slot:  # the file thread still writes this buffer: skip one
                 self.skipped += 1
                 return False
-        snapshot = self._copy_into(self._buffers[slot], step, durable_step)
-        self._buffers[slot] = snapshot
-        _memory[self.key] = snapshot
-        self.captures += 1
-        with self._lock:
+            snapshot = self._copy_into(self._buffers[slot], step, durable_step)
+            self._buffers[slot] = snapshot
+            _memory[self.key] = snapshot
+            self.captures += 1
             self._slot = 1 - slot
-            if self._writing is None:
-                self._queued = slot
-                self._wake.notify()
-            # else: the thread is busy; this capture lives in memory only
+            self._queued = slot  # the newest capture is the next file written
+            self._wake.notify()
         self._ensure_thread()
         return True
 
@@ -195,7 +193,7 @@ class LocalTier:
             with self._lock:
                 while self._queued is None and not self._closed:
                     self._wake.wait()
-                if self._closed:
+                if self._closed and (self._queued is None or not self._flush):
                     return
                 slot, self._queued = self._queued, None
                 self._writing = slot
@@ -226,12 +224,14 @@ class LocalTier:
         for _, old in mine[:-_KEEP_FILES]:
             old.unlink(missing_ok=True)
 
-    def close(self, discard: bool = False) -> None:
-        """Stop the file thread after the write in progress (not collective). `discard`:
-        the attempt ended with a committed durable checkpoint of its last step, so this
-        rank's copies are of no further use: free the memory and /dev/shm they hold."""
+    def close(self, discard: bool = False, flush: bool = True) -> None:
+        """Stop the file thread (not collective), after writing the newest capture unless
+        `flush` is off (an in-process restart: the copy in memory is what it resumes from).
+        `discard`: the attempt ended with a committed durable checkpoint of its last step,
+        so this rank's copies are of no further use: free the memory and /dev/shm they hold."""
         with self._lock:
             self._closed = True
+            self._flush = flush and not discard
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout=30)

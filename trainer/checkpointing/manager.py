@@ -80,6 +80,7 @@ class CheckpointManager:
         self.records: list[SaveRecord] = []
         self.durable_step = 0  # the newest committed durable checkpoint this attempt knows of
         self.local_tier_s = 0.0
+        self.deferred_saves: list[int] = []
         self.local = LocalTier(
             every_steps=settings.local_every_steps,
             local_dir=settings.local_dir,
@@ -156,6 +157,14 @@ class CheckpointManager:
             return None
         if not self.writer.writes_checkpoints:
             return None
+        if not final and self.writer.warming_up:
+            # A restarted attempt's writer starts in the background (1-2 s, more on a busy
+            # machine); waiting for it here blocked the loop for that long and could trip the
+            # in-process watchdog. The fast tier covers recovery meanwhile: this periodic
+            # save is skipped and the next one is written (a final save always waits).
+            self.deferred_saves.append(step)
+            self.events.emit("checkpoint_deferred", step=step, reason="writer starting")
+            return None
         meta = {
             "config": self.config.to_dict(),
             "model_hash": self.config.model_hash(),
@@ -214,7 +223,7 @@ class CheckpointManager:
     def abandon(self) -> None:
         """Not collective: drop pending work (its process group is gone, e.g. before an
         in-process restart); the save in progress is never committed."""
-        self.local.close()
+        self.local.close(flush=False)
         self.writer.abandon()
         if self in _LIVE:
             _LIVE.remove(self)

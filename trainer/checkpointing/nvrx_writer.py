@@ -131,6 +131,10 @@ class NvrxAsyncWriter(CheckpointWriter):
         return request
 
     @property
+    def warming_up(self) -> bool:
+        return self._warming_up
+
+    @property
     def awaiting_handoff(self) -> bool:
         return self._handoff is not None
 

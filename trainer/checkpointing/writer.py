@@ -110,6 +110,12 @@ class CheckpointWriter(ABC):
         """Collective: begin writing `state` (model and optimizer) into `pending.staging`."""
 
     @property
+    def warming_up(self) -> bool:
+        """The writer started in the background (after a restart) and is not ready yet; the
+        same on every rank at the same step (it turns ready in a collective `poll()`)."""
+        return False
+
+    @property
     def awaiting_handoff(self) -> bool:
         """A save was started but is queued only by the next `wait_before_optimizer_step()`."""
         return False
