@@ -11,7 +11,11 @@ summary.json:
   reported alone: `loop_wall_s`, `final_drain_s`), and its ratio to `off` (efficiency ignores how much a background write slows training; this does
   not). One-time costs per process are reported beside it, not in it: `startup_s`
   (creating the writer and warming it up) and `teardown_s` (stopping it);
-- saves and checkpoint bytes.
+- saves and checkpoint bytes;
+- the fast checkpoint tier's cost (`checkpoint.local_every_steps`, every step by default;
+  `--local-every` to change): its copies are part of the blocked time and efficiency of
+  every mode but `off`, which runs without it and so is the baseline of `wall_vs_off`;
+  `local_tier_ms_per_copy` is one copy's mean.
 """
 
 from __future__ import annotations
@@ -29,8 +33,21 @@ from trainer.launch import run_local_training
 
 
 def run_mode(
-    mode: str, dataset_dir: Path, workdir: Path, *, nproc: int, steps: int, every: int, preset: str
+    mode: str,
+    dataset_dir: Path,
+    workdir: Path,
+    *,
+    nproc: int,
+    steps: int,
+    every: int,
+    preset: str,
+    local_every: int | None = None,
 ) -> dict[str, Any]:
+    tier = []
+    if mode == "off":
+        tier = ["checkpoint.local_every_steps=0"]  # the baseline: no checkpointing at all
+    elif local_every is not None:
+        tier = [f"checkpoint.local_every_steps={local_every}"]
     config = build_config(
         preset,
         [
@@ -42,9 +59,11 @@ def run_mode(
             "run.seed=1",
             "checkpoint.keep_last=2",
             "run.log_every_steps=1000",
+            *tier,
         ],
     )
     summary = run_local_training(nproc, config, echo=False).to_dict()
+    copies = summary.get("local_tier_captures", 0)
     saves = summary["checkpoint_saves"]
     blocked = [save["blocked_s"] for save in saves]
     return {
@@ -64,6 +83,9 @@ def run_mode(
         "startup_s": summary["checkpointer_start_s"],
         "teardown_s": summary["checkpointer_teardown_s"],
         "saves": len(blocked),
+        "local_tier_copies": copies,
+        "local_tier_s": summary.get("local_tier_s", 0.0),
+        "local_tier_ms_per_copy": 1000 * summary.get("local_tier_s", 0.0) / copies if copies else 0.0,
         "checkpoint_bytes": summary["checkpoint_saves"][-1]["bytes_total"] if blocked else 0,
         "final_loss": summary["final_loss"],
         "model_sha256": summary["model_sha256"],
@@ -71,7 +93,14 @@ def run_mode(
 
 
 def run_benchmark(
-    *, modes: list[str], nproc: int, steps: int, every: int, preset: str, workdir: Path | None = None
+    *,
+    modes: list[str],
+    nproc: int,
+    steps: int,
+    every: int,
+    preset: str,
+    local_every: int | None = None,
+    workdir: Path | None = None,
 ) -> dict[str, Any]:
     import torch
 
@@ -88,7 +117,14 @@ def run_benchmark(
         results = {}
         for mode in modes:
             results[mode] = run_mode(
-                mode, dataset, root / mode, nproc=nproc, steps=steps, every=every, preset=preset
+                mode,
+                dataset,
+                root / mode,
+                nproc=nproc,
+                steps=steps,
+                every=every,
+                preset=preset,
+                local_every=local_every,
             )
             # The next mode must not find its disk full of this one's checkpoints (gpu-1b: 12 GB each).
             shutil.rmtree(root / mode / "checkpoints", ignore_errors=True)
@@ -102,17 +138,21 @@ def run_benchmark(
         "steps": steps,
         "nproc": nproc,
         "preset": preset,
+        "local_every_steps": build_config(preset).checkpoint.local_every_steps
+        if local_every is None
+        else local_every,
     }
 
 
 def format_table(result: dict[str, Any]) -> str:
     header = (
         f"{'mode':<12} {'blocked/save med':>16} {'max':>8} {'write/save':>10} {'efficiency':>10} "
-        f"{'wall':>8} {'vs off':>7} {'saves':>5} {'ckpt MB':>8}"
+        f"{'wall':>8} {'vs off':>7} {'saves':>5} {'ckpt MB':>8} {'tier/copy':>10}"
     )
     lines = [
         f"model {result['model_params'] / 1e6:.1f}M params, {result['steps']} steps, save every "
-        f"{result['interval_steps']}, {result['nproc']} ranks",
+        f"{result['interval_steps']}, {result['nproc']} ranks, fast tier every {result['local_every_steps']} "
+        "(off: none)",
         header,
     ]
     for mode, r in result["modes"].items():
@@ -120,7 +160,7 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(
             f"{mode:<12} {r['blocked_s_per_save_median']:>15.3f}s {r['blocked_s_per_save_max']:>7.3f}s "
             f"{r['write_s_per_save_median']:>9.3f}s {r['efficiency_pct']:>9.1f}% {r['wall_s']:>7.1f}s {vs_off:>7} "
-            f"{r['saves']:>5} {r['checkpoint_bytes'] / 1e6:>8.1f}"
+            f"{r['saves']:>5} {r['checkpoint_bytes'] / 1e6:>8.1f} {r['local_tier_ms_per_copy']:>8.1f}ms"
         )
     return "\n".join(lines)
 
@@ -144,6 +184,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--every", type=int, default=4, help="checkpoint interval in steps (default: %(default)s)"
     )
     parser.add_argument("--preset", default="bench-cpu", help="model preset (default: %(default)s)")
+    parser.add_argument(
+        "--local-every",
+        type=int,
+        default=None,
+        help="fast checkpoint tier interval in steps for every mode but off, 0 = none (default: the trainer's)",
+    )
     parser.add_argument("--json", dest="json_path", help="also write the results as JSON to this file")
 
 
@@ -155,6 +201,11 @@ def main(args: argparse.Namespace) -> int:
             f"unknown checkpoint mode(s) {', '.join(unknown)}; choose from {', '.join(CHECKPOINT_MODES)}"
         )
     result = run_benchmark(
-        modes=modes, nproc=args.nproc, steps=args.steps, every=args.every, preset=args.preset
+        modes=modes,
+        nproc=args.nproc,
+        steps=args.steps,
+        every=args.every,
+        preset=args.preset,
+        local_every=args.local_every,
     )
     return report(result, args.json_path, format_table)

@@ -1,20 +1,23 @@
-"""`rtp bench recovery`: the same soft fault recovered three ways, side by side.
+"""`rtp bench recovery`: faults recovered by each mechanism, side by side, with default settings.
 
-One fault-free run, then the same run with the same injected faults (`exception` on rank 1
-at fixed steps) recovered by:
+One fault-free run, then the same run with injected faults on rank 1 (rank 0 with one
+rank) at fixed steps, once per mechanism:
 
-- `inprocess`: NVRx in-process restart (the processes stay; training is called again);
-- `launcher`: in-process restart off, so ft_launcher restarts the worker group;
-- `cold`: both off: the launcher exits with the failure and the benchmark starts a new
-  launcher for the same run — what a pod restart does, minus scheduling the pod.
+- `inprocess`: an `exception`, NVRx in-process restart (the processes stay);
+- `hang`: a `hang` (the rank stops making progress), caught by the in-process watchdog
+  after `resilience.soft_timeout_s`, then an in-process restart;
+- `sigkill`: the rank is killed; ft_launcher restarts the worker group;
+- `launcher`: an `exception` with in-process restart off, so ft_launcher restarts the group;
+- `cold`: an `exception` with both off: the launcher exits with the failure and the
+  benchmark starts a new launcher for the same run — what a pod restart does, minus
+  scheduling the pod.
 
 Per mechanism, from the run's own restart records (trainer/goodput.py): fault→resumed
 seconds (median over the faults), split into shutdown (fault → new attempt started) and
-startup (→ its first step), and `exact`: the final `model_sha256` equals the fault-free
-run's. With 2+ ranks the fault hits rank 1 while rank 0 waits on it; with 1 rank (one GPU) it
-hits rank 0. On CPU the in-process time is bounded below by the gloo collective timeout
-(`resilience.collective_timeout_s`, set here with `--collective-timeout`): a rank waiting
-on the failed peer cannot be interrupted sooner (pytorch issue 130345).
+startup (→ its first step), the steps redone, and `exact`: the final `model_sha256` equals
+the fault-free run's. Every setting is the default (the fast checkpoint tier every step,
+the 15 s collective timeout, which fast peer abort makes a safety net only), unless
+`--collective-timeout` or `--local-every` say otherwise.
 """
 
 from __future__ import annotations
@@ -29,7 +32,14 @@ from benchmarks import report
 from trainer.config import TrainConfig, build_config
 from trainer.launch import LauncherSettings, TrainingFailed, run_local_training
 
-MECHANISMS = ("inprocess", "launcher", "cold")
+MECHANISMS = ("inprocess", "hang", "sigkill", "launcher", "cold")
+FAULT_KIND = {
+    "inprocess": "exception",
+    "hang": "hang",
+    "sigkill": "sigkill",
+    "launcher": "exception",
+    "cold": "exception",
+}
 
 
 def _config(
@@ -58,11 +68,12 @@ def run_mechanism(
     nproc: int,
     steps: int,
     every: int,
-    faults: list[str],
-    collective_timeout_s: float,
+    fault_steps: list[int],
+    extra: list[str],
 ) -> dict[str, Any]:
-    timeouts = [f"resilience.collective_timeout_s={collective_timeout_s:g}"]
-    if mechanism == "inprocess":
+    faults = [f"{FAULT_KIND[mechanism]}@{step}:{min(1, nproc - 1)}" for step in fault_steps]
+    timeouts = list(extra)
+    if mechanism in ("inprocess", "hang", "sigkill"):
         config = _config(dataset, workdir, steps, every, faults, timeouts)
         summary = run_local_training(nproc, config, echo=False, settings=LauncherSettings(max_restarts=3))
     elif mechanism == "launcher":
@@ -110,12 +121,19 @@ def run_benchmark(
     steps: int,
     every: int,
     fault_steps: list[int],
-    collective_timeout_s: float,
+    collective_timeout_s: float | None = None,
+    local_every: int | None = None,
     workdir: Path | None = None,
 ) -> dict[str, Any]:
     from rtp_cli.demo_data import write_local_dataset
+    from trainer.config import TrainConfig
 
-    faults = [f"exception@{step}:{min(1, nproc - 1)}" for step in fault_steps]
+    extra = []
+    if collective_timeout_s is not None:
+        extra.append(f"resilience.collective_timeout_s={collective_timeout_s:g}")
+    if local_every is not None:
+        extra.append(f"checkpoint.local_every_steps={local_every}")
+    defaults = TrainConfig()
     with tempfile.TemporaryDirectory(prefix="rtp-bench-recovery-") as tmp:
         root = workdir or Path(tmp)
         dataset = write_local_dataset(root / "dataset", budget_bytes=300_000)
@@ -130,8 +148,8 @@ def run_benchmark(
                 nproc=nproc,
                 steps=steps,
                 every=every,
-                faults=faults,
-                collective_timeout_s=collective_timeout_s,
+                fault_steps=fault_steps,
+                extra=extra,
             )
             result["exact"] = result.pop("model_sha256") == baseline.model_sha256
             results[mechanism] = result
@@ -141,8 +159,13 @@ def run_benchmark(
             "nproc": nproc,
             "steps": steps,
             "checkpoint.every_steps": every,
-            "faults": faults,
-            "collective_timeout_s": collective_timeout_s,
+            "fault_steps": fault_steps,
+            "fault_rank": min(1, nproc - 1),
+            "collective_timeout_s": collective_timeout_s or defaults.resilience.collective_timeout_s,
+            "soft_timeout_s": defaults.resilience.soft_timeout_s,
+            "local_every_steps": defaults.checkpoint.local_every_steps
+            if local_every is None
+            else local_every,
             "fault_free_model_sha256": baseline.model_sha256,
         },
     }
@@ -151,8 +174,9 @@ def run_benchmark(
 def format_table(result: dict[str, Any]) -> str:
     s = result["settings"]
     lines = [
-        f"{s['nproc']} ranks, {s['steps']} steps, checkpoint every {s['checkpoint.every_steps']}, faults {', '.join(s['faults'])}, "
-        f"gloo timeout {s['collective_timeout_s']:g}s",
+        f"{s['nproc']} ranks, {s['steps']} steps, checkpoint every {s['checkpoint.every_steps']}, fast tier every "
+        f"{s['local_every_steps']}, faults at steps {', '.join(map(str, s['fault_steps']))} on rank {s['fault_rank']}, "
+        f"collective timeout {s['collective_timeout_s']:g}s, soft timeout {s['soft_timeout_s']:g}s",
         f"{'mechanism':<10} {'fault->resumed':>14} {'shutdown':>9} {'startup':>8} {'faults':>6} {'redone':>6} {'exact':>6}",
     ]
     for name in MECHANISMS:
@@ -177,13 +201,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--every", type=int, default=4, help="checkpoint interval in steps (default: %(default)s)"
     )
     parser.add_argument(
-        "--fault-steps", default="9,17,25", help="steps at which rank 1 raises (default: %(default)s)"
+        "--fault-steps", default="9,17,25", help="steps at which rank 1 faults (default: %(default)s)"
     )
     parser.add_argument(
         "--collective-timeout",
         type=float,
-        default=2.0,
-        help="gloo collective timeout in seconds, the floor of in-process recovery on CPU (default: %(default)s)",
+        default=None,
+        help="collective timeout in seconds (default: the trainer's, resilience.collective_timeout_s)",
+    )
+    parser.add_argument(
+        "--local-every",
+        type=int,
+        default=None,
+        help="fast checkpoint tier interval in steps, 0 = off (default: the trainer's, checkpoint.local_every_steps)",
     )
     parser.add_argument("--json", dest="json_path", help="also write the results as JSON to this file")
 
@@ -203,5 +233,6 @@ def main(args: argparse.Namespace) -> int:
         every=args.every,
         fault_steps=fault_steps,
         collective_timeout_s=args.collective_timeout,
+        local_every=args.local_every,
     )
     return report(result, args.json_path, format_table)

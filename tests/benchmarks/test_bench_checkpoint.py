@@ -25,6 +25,9 @@ def test_bench_checkpoint_reports_every_mode(tmp_path):
     for mode, row in data["modes"].items():
         assert keys <= set(row), mode
         assert row["saves"] == (0 if mode == "off" else 2)
+        # The fast tier copies every step in every mode but the baseline.
+        assert row["local_tier_copies"] == (0 if mode == "off" else 4), mode
+        assert (row["local_tier_ms_per_copy"] > 0) == (mode != "off"), mode
     assert data["modes"]["off"]["efficiency_pct"] == 100.0
     # every mode trains the same run: the weights agree
     assert len({row["model_sha256"] for row in data["modes"].values()}) == 1

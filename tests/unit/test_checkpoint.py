@@ -400,14 +400,18 @@ def test_a_restarted_attempt_resumes_from_the_fast_tier_newer_than_the_durable_c
 def test_a_periodic_save_is_skipped_while_a_restarted_writer_starts_but_a_final_one_waits(tmp_path, monkeypatch):
     from trainer.checkpointing.torch_writers import SyncWriter
 
-    monkeypatch.setattr(SyncWriter, "warming_up", property(lambda self: True))
+    starting = {"now": False}
+    monkeypatch.setattr(SyncWriter, "warming_up", property(lambda self: starting["now"]))
     model, optimizer = _trained_model()
     manager = _manager(tmp_path, "sync", model, optimizer)
     manager.start(background=True)
-    assert manager.maybe_save(3, 1.0, final=False) is None
-    assert manager.maybe_save(5, 1.0, final=True) is not None
+    starting["now"] = True
+    assert manager.maybe_save(3, 1.0, final=False) is not None  # no durable checkpoint yet: never skipped
+    assert manager.maybe_save(6, 1.0, final=False) is None  # skipped: the writer is starting
+    assert manager.maybe_save(9, 1.0, final=False) is not None  # never two in a row
+    assert manager.maybe_save(10, 1.0, final=True) is not None  # a final save always waits
     manager.finish()
-    assert manager.deferred_saves == [3]
-    assert [c.name for c in (tmp_path / "checkpoints").iterdir()] == ["step_5"]
+    assert manager.deferred_saves == [6]
+    assert sorted(c.name for c in (tmp_path / "checkpoints").iterdir()) == ["step_10", "step_3", "step_9"]
     logged = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in logged if e["kind"] == "checkpoint_deferred"] == [3]
+    assert [e["step"] for e in logged if e["kind"] == "checkpoint_deferred"] == [6]

@@ -112,6 +112,8 @@ class LocalTier:
         self._queued: int | None = None
         self._closed = False
         self._flush = True
+        self._stream: Any = None
+        self._copied: Any = None  # CUDA: the event after the newest capture's copies
         self._thread: threading.Thread | None = None
         self.captures = 0
         self.skipped = 0
@@ -145,31 +147,37 @@ class LocalTier:
         return True
 
     def _copy_into(self, buffer: dict[str, Any] | None, step: int, durable_step: int) -> dict[str, Any]:
-        with torch.no_grad():
-            if buffer is None:
-                params = [_local(p).detach().clone() for p in self.params]
-                optim = [
-                    {k: (_local(v).detach().clone() if torch.is_tensor(v) else v) for k, v in self.optimizer.state.get(p, {}).items()}
-                    for p in self.params
-                ]
-            else:
-                params = buffer["params"]
-                for target, p in zip(params, self.params, strict=True):
-                    target.copy_(_local(p))
-                optim = []
-                for old, p in zip(buffer["optim"], self.params, strict=True):
-                    state = self.optimizer.state.get(p, {})
-                    if old.keys() != state.keys():
-                        old = {k: (_local(v).detach().clone() if torch.is_tensor(v) else v) for k, v in state.items()}
-                    else:
-                        for k, v in state.items():
-                            if torch.is_tensor(v):
-                                old[k].copy_(_local(v))
-                            else:
-                                old[k] = v
-                    optim.append(old)
+        """Copy the shards into `buffer` (host memory; allocated on first use). On CUDA the
+        copies are queued on a side stream into pinned memory and overlap the next step's
+        forward and backward; `before_optimizer_step()` orders the optimizer after them and
+        the file thread waits for them."""
+        cuda = self._cuda_stream()
+        with torch.no_grad(), torch.cuda.stream(cuda) if cuda is not None else contextlib.nullcontext():
+            if cuda is not None:
+                cuda.wait_stream(torch.cuda.current_stream())
+            params = self._copy_list(
+                None if buffer is None else buffer["params"], [_local(p) for p in self.params]
+            )
+            optim = []
+            old_states = [None] * len(self.params) if buffer is None else buffer["optim"]
+            for old, p in zip(old_states, self.params, strict=True):
+                state = self.optimizer.state.get(p, {})
+                if old is None or old.keys() != state.keys():
+                    old = {
+                        k: (self._host_copy(_local(v)) if torch.is_tensor(v) else v) for k, v in state.items()
+                    }
+                else:
+                    for k, v in state.items():
+                        if torch.is_tensor(v):
+                            old[k].copy_(_local(v), non_blocking=cuda is not None)
+                        else:
+                            old[k] = v
+                optim.append(old)
+            if cuda is not None:
+                self._copied = torch.cuda.Event()
+                self._copied.record(cuda)
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        return {
+        snapshot = {
             "step": step,
             "durable_step": durable_step,
             "identity": dict(self.identity),
@@ -179,6 +187,43 @@ class LocalTier:
             "scheduler": self.scheduler.state_dict(),
             "torch_rng": torch.get_rng_state(),
         }
+        if cuda is not None:
+            snapshot["cuda_rng"] = torch.cuda.get_rng_state()
+        return snapshot
+
+    def _cuda_stream(self) -> Any:
+        if not (self.params and self.params[0].is_cuda):
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
+
+    def _host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_cuda:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+            host.copy_(tensor.detach(), non_blocking=True)
+            return host
+        return tensor.detach().clone()
+
+    def _copy_list(
+        self, targets: list[torch.Tensor] | None, sources: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        if targets is None:
+            return [self._host_copy(t) for t in sources]
+        for target, source in zip(targets, sources, strict=True):
+            target.copy_(source, non_blocking=source.is_cuda)
+        return targets
+
+    def before_optimizer_step(self) -> None:
+        """On CUDA: the optimizer must not change the weights before the copies read them
+        (the host waits for nothing; the compute stream waits on the copy stream)."""
+        if self._copied is not None:
+            torch.cuda.current_stream().wait_event(self._copied)
+
+    def _wait_copied(self) -> None:
+        event = self._copied
+        if event is not None:
+            event.synchronize()
 
     # ---- node-local files -----------------------------------------------------------
 
@@ -212,6 +257,7 @@ class LocalTier:
     def _write_file(self, snapshot: dict[str, Any] | None) -> None:
         if snapshot is None:
             return
+        self._wait_copied()
         final = self.folder / f"rank_{self.rank}_step_{snapshot['step']}.pt"
         temporary = final.with_name(f".{final.name}.tmp")
         torch.save(snapshot, temporary)
@@ -306,6 +352,8 @@ class LocalTier:
     def _load(self, snapshot: dict[str, Any]) -> None:
         from torch.distributed.tensor import DTensor
 
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # a copy in memory may still have been in flight
         with torch.no_grad():
             for p, saved in zip(self.params, snapshot["params"], strict=True):
                 _local(p).copy_(saved)
@@ -314,7 +362,12 @@ class LocalTier:
                 for k, v in saved.items():
                     if torch.is_tensor(v) and isinstance(p, DTensor) and v.shape == _local(p).shape:
                         state[k] = DTensor.from_local(
-                            v.clone(), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                            v.to(_local(p).device, copy=True),
+                            p.device_mesh,
+                            p.placements,
+                            run_check=False,
+                            shape=p.shape,
+                            stride=p.stride(),
                         )
                     elif torch.is_tensor(v):
                         state[k] = v.clone().to(_local(p).device)
@@ -326,3 +379,5 @@ class LocalTier:
             group.update(saved_group)
         self.scheduler.load_state_dict(snapshot["scheduler"])
         torch.set_rng_state(snapshot["torch_rng"])
+        if "cuda_rng" in snapshot and torch.cuda.is_available():
+            torch.cuda.set_rng_state(snapshot["cuda_rng"])

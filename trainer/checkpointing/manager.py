@@ -79,6 +79,7 @@ class CheckpointManager:
         )
         self.records: list[SaveRecord] = []
         self.durable_step = 0  # the newest committed durable checkpoint this attempt knows of
+        self.resumed_durable_step = 0
         self.local_tier_s = 0.0
         self.deferred_saves: list[int] = []
         self.local = LocalTier(
@@ -104,7 +105,7 @@ class CheckpointManager:
         latest committed checkpoint; returns its step (0 when there is none)."""
         latest = storage.latest_committed_checkpoint(self.root, self.settings.verify_hashes)
         durable_meta = storage.read_meta(latest) if latest is not None else {}
-        self.durable_step = int(durable_meta.get("step", 0))
+        self.durable_step = self.resumed_durable_step = int(durable_meta.get("step", 0))
         local_step = self.local.restore(self.durable_step)
         if local_step is not None:
             # The launcher's learned timeouts travel with the durable checkpoint only.
@@ -112,7 +113,11 @@ class CheckpointManager:
             self.resumed_from = f"local:{local_step}"
             self.events.emit("resume", step=local_step, checkpoint=self.resumed_from, tier="local")
             if self.rank == 0:
-                log.info("resumed from the fast tier at step %d (durable checkpoint: step %d)", local_step, self.durable_step)
+                log.info(
+                    "resumed from the fast tier at step %d (durable checkpoint: step %d)",
+                    local_step,
+                    self.durable_step,
+                )
             return local_step
         if latest is None:
             return 0
@@ -144,6 +149,7 @@ class CheckpointManager:
         """Collective; call right before every `optimizer.step()`. Returns the record of a save
         queued now (an async save's snapshot copy ran beside forward and backward and must be
         complete before the optimizer changes the weights in place), else None."""
+        self.local.before_optimizer_step()
         return self.writer.wait_before_optimizer_step()
 
     def maybe_save(self, step: int, loss_value: float, final: bool) -> SaveRecord | None:
@@ -157,11 +163,14 @@ class CheckpointManager:
             return None
         if not self.writer.writes_checkpoints:
             return None
-        if not final and self.writer.warming_up:
+        if not final and self.writer.warming_up and self._may_defer(step):
             # A restarted attempt's writer starts in the background (1-2 s, more on a busy
             # machine); waiting for it here blocked the loop for that long and could trip the
             # in-process watchdog. The fast tier covers recovery meanwhile: this periodic
-            # save is skipped and the next one is written (a final save always waits).
+            # save is skipped and the next one is written. Never two in a row, never before
+            # the run's first durable checkpoint, and a final save always waits. Every rank
+            # decides alike: the warm-up ends in a collective, and the steps compared are
+            # the ones every rank resumed from or queued.
             self.deferred_saves.append(step)
             self.events.emit("checkpoint_deferred", step=step, reason="writer starting")
             return None
@@ -179,6 +188,11 @@ class CheckpointManager:
             "checkpoint_queued", step=step, mode=record.mode, blocked_s=record.blocked_s, **fields
         )
         return None if self.writer.awaiting_handoff else record
+
+    def _may_defer(self, step: int) -> bool:
+        """Only right after a durable save this attempt resumed from or queued: one interval."""
+        last = max(self.resumed_durable_step, self.records[-1].step if self.records else 0)
+        return last > 0 and step - last <= self.settings.every_steps
 
     def _save(self, step: int, meta: dict[str, Any], rank_extra: dict[str, Any], last: bool) -> SaveRecord:
         started = time.perf_counter()
