@@ -80,11 +80,12 @@ PLAIN_OVERRIDES = (
 @pytest.fixture(scope="session")
 def plain_two_rank_run(dataset_dir, tmp_path_factory) -> dict:
     """One fault-free run shared by the modules that compare against it: 2 ranks, seed 7,
-    PLAIN_STEPS steps, asynchronous checkpoints (the default) every PLAIN_EVERY, low restart
-    timeouts and metrics every step (neither changes a weight), no MLflow. Its summary.
+    PLAIN_STEPS steps, synchronous checkpoints every PLAIN_EVERY (cheaper to start than
+    NVRx's asynchronous writer), low restart timeouts and metrics every step, no MLflow.
+    None of these settings changes a weight. Its summary.
 
-    test_live_metrics compares runs with MLflow and faults against it, test_training_modes
-    runs with activation checkpointing and bf16 compute."""
+    test_live_metrics compares runs with MLflow and faults (asynchronous saves) against it,
+    test_training_modes runs with activation checkpointing and bf16 compute."""
     with pytest.MonkeyPatch.context() as patch:
         patch.delenv("MLFLOW_TRACKING_URI", raising=False)  # "no MLflow", whatever ran before
         return train(
@@ -93,4 +94,5 @@ def plain_two_rank_run(dataset_dir, tmp_path_factory) -> dict:
             steps=PLAIN_STEPS,
             every=PLAIN_EVERY,
             overrides=PLAIN_OVERRIDES,
+            checkpoint_mode="sync",
         )

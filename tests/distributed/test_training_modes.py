@@ -39,7 +39,7 @@ def test_activation_checkpointing_resumes_exactly(dataset_dir, tmp_path, plain_t
     assert resumed["model_sha256"] == uninterrupted["model_sha256"]
     assert resumed["final_loss"] == uninterrupted["final_loss"]
     # Recomputing activations changes no number: the same weights as without checkpointing
-    # (the shared plain run, whose async saves and restart timeouts change no weight either).
+    # (the shared plain run, whose restart timeouts and metrics interval change no weight either).
     plain = plain_two_rank_run
     assert plain["steps"] == STEPS and plain["world_size"] == 2
     assert plain["model_sha256"] == uninterrupted["model_sha256"]
