@@ -2,8 +2,10 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from trainer.config import TrainConfig, resolve_config
-from trainer.launch import run_local_training
+from trainer.launch import LauncherSettings, run_local_training
 
 
 def run_config(dataset_dir, workdir, steps: int = 12, every: int = 4, overrides=(), **named) -> TrainConfig:
@@ -26,11 +28,19 @@ def run_config(dataset_dir, workdir, steps: int = 12, every: int = 4, overrides=
 
 
 def train(
-    dataset_dir, workdir, nproc: int = 2, steps: int = 12, every: int = 4, overrides=(), **named
+    dataset_dir,
+    workdir,
+    nproc: int = 2,
+    steps: int = 12,
+    every: int = 4,
+    overrides=(),
+    launcher: LauncherSettings | None = None,
+    **named,
 ) -> dict:
-    """A real multi-process run through the launcher; returns its summary.json as a dict."""
+    """A real multi-process run through the launcher (`launcher`: its settings, default
+    ft_launcher's defaults); returns its summary.json as a dict."""
     config = run_config(dataset_dir, workdir, steps, every, overrides, **named)
-    return run_local_training(nproc, config, echo=False).to_dict()
+    return run_local_training(nproc, config, echo=False, settings=launcher).to_dict()
 
 
 def train_local_command(dataset_dir, workdir, steps: int, every: int, *extra: str) -> list[str]:
@@ -60,3 +70,33 @@ def train_local_command(dataset_dir, workdir, steps: int, every: int, *extra: st
 
 def events(workdir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(workdir) / "events.jsonl").read_text().splitlines()]
+
+
+PLAIN_STEPS, PLAIN_EVERY = 16, 4
+PLAIN_OVERRIDES = (
+    "resilience.collective_timeout_s=5",
+    "resilience.soft_timeout_s=8",
+    "resilience.hard_timeout_s=30",
+    "run.log_every_steps=1",
+)
+
+
+@pytest.fixture(scope="session")
+def plain_two_rank_run(dataset_dir, tmp_path_factory) -> dict:
+    """One fault-free run shared by the modules that compare against it: 2 ranks, seed 7,
+    PLAIN_STEPS steps, synchronous checkpoints every PLAIN_EVERY (cheaper to start than
+    NVRx's asynchronous writer), low restart timeouts and metrics every step, no MLflow.
+    None of these settings changes a weight. Its summary.
+
+    test_live_metrics compares runs with MLflow and faults (asynchronous saves) against it,
+    test_training_modes runs with activation checkpointing and bf16 compute."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("MLFLOW_TRACKING_URI", raising=False)  # "no MLflow", whatever ran before
+        return train(
+            dataset_dir,
+            tmp_path_factory.mktemp("plain-two-rank"),
+            steps=PLAIN_STEPS,
+            every=PLAIN_EVERY,
+            overrides=PLAIN_OVERRIDES,
+            checkpoint_mode="sync",
+        )

@@ -17,16 +17,30 @@ from rtp_cli.embedded_s3 import free_port
 from tests.hf_tiny import write_tiny_model
 from trainer.checkpointing import state_dict_sha256
 from trainer.config import ModelConfig
+from trainer.launch import LauncherSettings
 from trainer.models import model_spec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 # Low timeouts, as in test_faults.py: a recovery takes seconds on 2 CPU cores.
 FAST = ["resilience.collective_timeout_s=5", "resilience.soft_timeout_s=8", "resilience.hard_timeout_s=30"]
+# For the runs that must fail on bad input: the error is recorded as fatal at the first
+# attempt and its message comes from that record; the launcher's worker-group restarts
+# would each start the ranks again only to stop on the record (test_faults.py covers that).
+NO_RESTARTS = LauncherSettings(max_restarts=0)
 
 
-def _shard_and_init(rank: int, world: int, port: int, config: ModelConfig, out: str) -> None:
-    """One rank: build on meta, shard the spec's units, fill the shards, report full weights."""
+SHARDED_INIT_CASES = [
+    ("llama", "pretrained", False),
+    ("qwen2", "random", True),
+    ("gpt_neox", "pretrained", False),
+]
+
+
+def _shard_and_init(rank: int, world: int, port: int, cases: list[tuple[ModelConfig, str]]) -> None:
+    """One rank, for each (config, out) case: build on meta, shard the spec's units, fill the
+    shards, report full weights. One process group serves every case (a spawn per case
+    would pay the interpreter and torch start-up again)."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -38,42 +52,60 @@ def _shard_and_init(rank: int, world: int, port: int, config: ModelConfig, out: 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
-        spec = model_spec(config.kind)
-        model = spec.build_for_training(config, torch.device("cpu"), seed=5)
-        assert all(p.device.type == "meta" for p in model.parameters())  # nothing materialized yet
-        units = spec.fsdp_units(model)
-        apply_fsdp(model, mesh, units)
-        spec.init_weights(model, config, torch.device("cpu"), 5)
-        local_numel = sum(p.to_local().numel() for p in model.parameters())
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
-        loss = spec.loss(model, torch.arange(34).reshape(2, 17) % 256).item()
-        if rank == 0:
-            result = {
-                "sha256": state_dict_sha256({k: v for k, v in full.items() if isinstance(v, torch.Tensor)}),
-                "sharded_units": sum(isinstance(m, FSDPModule) for m in model.modules()),
-                "units": len(units),
-                "local_numel": local_numel,
-                "total_numel": sum(v.numel() for v in full.values()),
-                "loss": loss,
-                "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight,
-            }
-            Path(out).write_text(json.dumps(result))
+        for config, out in cases:
+            spec = model_spec(config.kind)
+            model = spec.build_for_training(config, torch.device("cpu"), seed=5)
+            assert all(p.device.type == "meta" for p in model.parameters())  # nothing materialized yet
+            units = spec.fsdp_units(model)
+            apply_fsdp(model, mesh, units)
+            spec.init_weights(model, config, torch.device("cpu"), 5)
+            local_numel = sum(p.to_local().numel() for p in model.parameters())
+            full = get_model_state_dict(
+                model, options=StateDictOptions(full_state_dict=True, cpu_offload=False)
+            )
+            loss = spec.loss(model, torch.arange(34).reshape(2, 17) % 256).item()
+            if rank == 0:
+                result = {
+                    "sha256": state_dict_sha256(
+                        {k: v for k, v in full.items() if isinstance(v, torch.Tensor)}
+                    ),
+                    "sharded_units": sum(isinstance(m, FSDPModule) for m in model.modules()),
+                    "units": len(units),
+                    "local_numel": local_numel,
+                    "total_numel": sum(v.numel() for v in full.values()),
+                    "loss": loss,
+                    "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight,
+                }
+                Path(out).write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(
-    ("architecture", "init", "tie"),
-    [("llama", "pretrained", False), ("qwen2", "random", True), ("gpt_neox", "pretrained", False)],
-)
-def test_two_rank_sharded_init_equals_one_process_build(architecture, init, tie, tmp_path):
-    folder = write_tiny_model(tmp_path / "model", architecture, tie=tie)
-    config = ModelConfig(kind="hf", model_dir=str(folder), init=init)
-    out = tmp_path / "rank0.json"
+@pytest.fixture(scope="module")
+def sharded_inits(tmp_path_factory) -> dict[tuple[str, str, bool], tuple[ModelConfig, dict]]:
+    """Every case of SHARDED_INIT_CASES sharded over one 2-rank group: (config, rank 0's report)."""
+    root = tmp_path_factory.mktemp("sharded-init")
+    cases = {}
+    for architecture, init, tie in SHARDED_INIT_CASES:
+        name = f"{architecture}-{init}-{tie}"
+        folder = write_tiny_model(root / name / "model", architecture, tie=tie)
+        cases[(architecture, init, tie)] = (
+            ModelConfig(kind="hf", model_dir=str(folder), init=init),
+            root / name / "rank0.json",
+        )
     mp.start_processes(
-        _shard_and_init, args=(2, free_port(), config, str(out)), nprocs=2, join=True, start_method="spawn"
+        _shard_and_init,
+        args=(2, free_port(), [(config, str(out)) for config, out in cases.values()]),
+        nprocs=2,
+        join=True,
+        start_method="spawn",
     )
-    result = json.loads(out.read_text())
+    return {key: (config, json.loads(out.read_text())) for key, (config, out) in cases.items()}
+
+
+@pytest.mark.parametrize(("architecture", "init", "tie"), SHARDED_INIT_CASES)
+def test_two_rank_sharded_init_equals_one_process_build(architecture, init, tie, sharded_inits):
+    config, result = sharded_inits[(architecture, init, tie)]
 
     spec = model_spec("hf")
     torch.manual_seed(5)
@@ -101,14 +133,18 @@ def hf_run_inputs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hf_uninterrupted(hf_run_inputs, tmp_path_factory) -> dict:
+def hf_full_workdir(tmp_path_factory) -> Path:
+    """The workdir of `hf_uninterrupted`: a test that resumes from its checkpoints copies it."""
+    return tmp_path_factory.mktemp("hf-full")
+
+
+@pytest.fixture(scope="module")
+def hf_uninterrupted(hf_run_inputs, hf_full_workdir) -> dict:
     """6 steps of the pretrained Llama on 2 ranks, async checkpoints (the default) every 3."""
     from tests.distributed.conftest import train
 
     _, snapshot, overrides, named = hf_run_inputs
-    return train(
-        snapshot, tmp_path_factory.mktemp("hf-full"), steps=6, every=3, overrides=[*overrides, *FAST], **named
-    )
+    return train(snapshot, hf_full_workdir, steps=6, every=3, overrides=[*overrides, *FAST], **named)
 
 
 def test_hf_model_trains_resumes_exactly_and_exports(hf_run_inputs, hf_uninterrupted, tmp_path):
@@ -168,7 +204,7 @@ def test_training_refuses_data_made_with_another_tokenizer(hf_run_inputs, datase
 
     _, _, overrides, named = hf_run_inputs
     with pytest.raises(TrainingFailed) as failure:
-        train(dataset_dir, tmp_path, steps=2, every=2, overrides=overrides, **named)
+        train(dataset_dir, tmp_path, steps=2, every=2, overrides=overrides, launcher=NO_RESTARTS, **named)
     assert "tokenized as bytes but the model uses tokenizer" in str(failure.value)
 
 
@@ -203,19 +239,34 @@ def test_a_folder_without_config_json_stops_training_in_one_line(hf_run_inputs, 
     empty = tmp_path / "not-a-model"
     empty.mkdir()
     with pytest.raises(TrainingFailed) as failure:
-        train(snapshot, tmp_path / "work", steps=2, every=2, model_dir=str(empty), model_init="pretrained")
+        train(
+            snapshot,
+            tmp_path / "work",
+            steps=2,
+            every=2,
+            launcher=NO_RESTARTS,
+            model_dir=str(empty),
+            model_init="pretrained",
+        )
     first_line = str(failure.value).splitlines()[0]
     assert f"ModelError: {empty} has no config.json" in first_line
     assert "not retried" in first_line
 
 
-def test_hf_checkpoint_reshards_from_two_ranks_to_one(hf_run_inputs, tmp_path):
+def test_hf_checkpoint_reshards_from_two_ranks_to_one(
+    hf_run_inputs, hf_uninterrupted, hf_full_workdir, tmp_path
+):
+    """The 2-rank run's last (async) checkpoint, in a copy of its workdir, resumed by one rank."""
+    import shutil
+
     from tests.distributed.conftest import train
 
     _, snapshot, overrides, named = hf_run_inputs
-    saved = train(snapshot, tmp_path, steps=6, every=3, overrides=[*overrides, *FAST], stop_after=3, **named)
+    saved = hf_uninterrupted
+    assert saved["world_size"] == 2 and saved["checkpoint"].endswith("step_6")
+    shutil.copytree(hf_full_workdir, tmp_path, dirs_exist_ok=True)
     # Resuming at the target step runs no step: the weights are exactly what was loaded.
-    loaded = train(snapshot, tmp_path, nproc=1, steps=3, every=3, overrides=[*overrides, *FAST], **named)
+    loaded = train(snapshot, tmp_path, nproc=1, steps=6, every=3, overrides=[*overrides, *FAST], **named)
     assert loaded["world_size"] == 1 and loaded["steps_run"] == 0
-    assert loaded["resumed_from"].endswith("step_3")
+    assert loaded["resumed_from"].endswith("step_6")
     assert loaded["model_sha256"] == saved["model_sha256"]

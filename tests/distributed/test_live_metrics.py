@@ -13,7 +13,7 @@ import collections
 import pytest
 
 from tests.components.mlflow_server import FlakyProxy
-from tests.distributed.conftest import train
+from tests.distributed.conftest import PLAIN_EVERY, PLAIN_OVERRIDES, PLAIN_STEPS, train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -28,9 +28,11 @@ STEP_METRICS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s")
 
 
 @pytest.fixture(scope="module")
-def reference(dataset_dir, tmp_path_factory) -> dict:
-    """The same run without MLflow and without faults."""
-    return train(dataset_dir, tmp_path_factory.mktemp("no-mlflow"), steps=STEPS, every=EVERY, overrides=FAST)
+def reference(plain_two_rank_run) -> dict:
+    """The same run without MLflow and without faults (shared with test_training_modes; its
+    saves are synchronous, which changes no weight)."""
+    assert (STEPS, EVERY, tuple(FAST)) == (PLAIN_STEPS, PLAIN_EVERY, PLAIN_OVERRIDES)
+    return plain_two_rank_run
 
 
 def _histories(uri: str, run_id: str, keys) -> dict[str, list[int]]:

@@ -1,44 +1,62 @@
 """The `training` section in real runs through the launcher (gloo, CPU): activation
 checkpointing keeps stop-and-resume bit-exact, and under bf16 compute the checkpoint still
-holds fp32 weights and AdamW state."""
+holds fp32 weights and AdamW state.
+
+Both compare against the session's plain 2-rank run (tests/distributed/conftest.py:
+`plain_two_rank_run`, also test_live_metrics' reference), so they use its steps and
+checkpoint interval."""
 
 import pytest
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from tests.distributed.conftest import train
+from tests.distributed.conftest import PLAIN_EVERY, PLAIN_OVERRIDES, PLAIN_STEPS, train
 from trainer.checkpointing import latest_committed_checkpoint
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
-STEPS = 12
+STEPS, EVERY = PLAIN_STEPS, PLAIN_EVERY
 CHECKPOINTED = ("training.activation_checkpointing=every_n", "training.activation_checkpointing_every=1")
 
 
-def test_activation_checkpointing_resumes_exactly(dataset_dir, tmp_path):
-    uninterrupted = train(dataset_dir, tmp_path / "whole", overrides=CHECKPOINTED, checkpoint_mode="sync")
-    first = train(
-        dataset_dir, tmp_path / "split", overrides=CHECKPOINTED, checkpoint_mode="sync", stop_after=6
-    )
+def test_activation_checkpointing_resumes_exactly(dataset_dir, tmp_path, plain_two_rank_run):
+    def run(folder: str, **named) -> dict:
+        return train(
+            dataset_dir,
+            tmp_path / folder,
+            steps=STEPS,
+            every=EVERY,
+            overrides=CHECKPOINTED,
+            checkpoint_mode="sync",
+            **named,
+        )
+
+    uninterrupted = run("whole")
+    first = run("split", stop_after=6)
     assert first["steps"] == 6 and first["model_sha256"] != uninterrupted["model_sha256"]
-    resumed = train(dataset_dir, tmp_path / "split", overrides=CHECKPOINTED, checkpoint_mode="sync")
+    resumed = run("split")
     assert resumed["resumed_from"].endswith("step_6") and resumed["steps_run"] == STEPS - 6
     assert resumed["model_sha256"] == uninterrupted["model_sha256"]
     assert resumed["final_loss"] == uninterrupted["final_loss"]
-    # Recomputing activations changes no number: the same weights as without checkpointing.
-    plain = train(dataset_dir, tmp_path / "plain", checkpoint_mode="sync")
+    # Recomputing activations changes no number: the same weights as without checkpointing
+    # (the shared plain run, whose restart timeouts and metrics interval change no weight either).
+    plain = plain_two_rank_run
+    assert plain["steps"] == STEPS and plain["world_size"] == 2
     assert plain["model_sha256"] == uninterrupted["model_sha256"]
 
 
-def test_bf16_compute_keeps_fp32_weights_and_optimizer_state_in_checkpoints(dataset_dir, tmp_path):
+def test_bf16_compute_keeps_fp32_weights_and_optimizer_state_in_checkpoints(
+    dataset_dir, tmp_path, plain_two_rank_run
+):
     bf16 = train(
         dataset_dir,
         tmp_path / "bf16",
-        nproc=1,
-        overrides=("training.mixed_precision=bf16",),
+        steps=STEPS,
+        every=EVERY,
+        overrides=(*PLAIN_OVERRIDES, "training.mixed_precision=bf16"),
         checkpoint_mode="sync",
     )
-    fp32 = train(dataset_dir, tmp_path / "fp32", nproc=1, checkpoint_mode="sync")
+    fp32 = plain_two_rank_run  # the same run in fp32 compute
     assert bf16["completed"] and bf16["final_loss"] < bf16["losses"][0]["loss"]
     assert bf16["model_sha256"] != fp32["model_sha256"]  # the compute really ran in bf16
     checkpoint = latest_committed_checkpoint(tmp_path / "bf16" / "checkpoints")
