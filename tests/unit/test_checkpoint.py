@@ -397,7 +397,9 @@ def test_a_restarted_attempt_resumes_from_the_fast_tier_newer_than_the_durable_c
         forget_run("", tmp_path / "checkpoints")
 
 
-def test_a_periodic_save_is_skipped_while_a_restarted_writer_starts_but_a_final_one_waits(tmp_path, monkeypatch):
+def test_a_periodic_save_is_skipped_while_a_restarted_writer_starts_but_a_final_one_waits(
+    tmp_path, monkeypatch
+):
     from trainer.checkpointing.torch_writers import SyncWriter
 
     starting = {"now": False}
