@@ -81,30 +81,25 @@ CASES = {
     "hang": ("hang@10:1", "inprocess", "local"),
     "sigkill": ("sigkill@10:0", "launcher", "local"),
     "sigkill-during-save": ("sigkill-during-save@8:1", "launcher", "local"),
-    # The fast tier off: the durable checkpoint on the shared volume is the recovery point.
-    "exception-durable": ("exception@10:1", "inprocess", "durable"),
-    "sigkill-during-save-durable": ("sigkill-during-save@8:1", "launcher", "durable"),
 }
+# With the fast tier off (the durable checkpoint on the shared volume is the recovery
+# point), every kind is recovered exactly in test_several_faults_of_different_kinds_in_one_run.
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_each_fault_kind_is_recovered_exactly(case, dataset_dir, tmp_path, fault_free, run_mark):
     fault, mechanism, tier = CASES[case]
     kind = fault.split("@")[0]
-    overrides = FAST + (["checkpoint.local_every_steps=0"] if tier == "durable" else [])
-    summary = train(dataset_dir, tmp_path, steps=STEPS, every=EVERY, overrides=overrides, faults=[fault])
+    summary = train(dataset_dir, tmp_path, steps=STEPS, every=EVERY, overrides=FAST, faults=[fault])
     assert summary["completed"] and summary["steps"] == STEPS
     assert summary["model_sha256"] == fault_free["model_sha256"]
     [restart] = summary["restarts"]
     assert restart["kind"] == kind and restart["mechanism"] == mechanism
     resumes = [e for e in events(tmp_path) if e["kind"] == "resume"]
-    assert resumes and all(e.get("tier") == ("local" if tier == "local" else None) for e in resumes), resumes
-    if tier == "local":
-        # At most one step redone: the fault hit during the step after the newest copy.
-        assert restart["fault_step"] - 1 <= restart["resumed_step"] <= restart["fault_step"]
-        assert restart["steps_redone"] <= 1
-    else:
-        assert restart["resumed_step"] % EVERY == 0 and restart["resumed_step"] <= restart["fault_step"]
+    assert resumes and all(e.get("tier") == tier for e in resumes), resumes
+    # At most one step redone: the fault hit during the step after the newest copy.
+    assert restart["fault_step"] - 1 <= restart["resumed_step"] <= restart["fault_step"]
+    assert restart["steps_redone"] <= 1
     assert restart["downtime_s"] > 0 and restart["startup_s"] >= 0
     assert summary["lost_steps"] == restart["steps_redone"]
     assert 0 < summary["goodput_pct"] < 100
@@ -113,19 +108,22 @@ def test_each_fault_kind_is_recovered_exactly(case, dataset_dir, tmp_path, fault
     if kind == "hang":
         # Detected without anyone stepping in, within the configured timeouts.
         assert restart["detection_s"] is not None and restart["detection_s"] < 30  # the hard timeout
-    if kind == "sigkill-during-save" and tier == "durable":
-        # The save of step 8 the rank died in never became a checkpoint: the run resumed
-        # from step 4's, the one before it.
-        assert restart["resumed_step"] == 4
     if kind == "sigkill-during-save":
         verify_checkpoint(Path(summary["checkpoint"]), verify_hashes=True)
     assert_nothing_left(run_mark)
 
 
 def test_several_faults_of_different_kinds_in_one_run(dataset_dir, tmp_path, fault_free, run_mark):
+    """Four kinds in one run with the fast tier off: every recovery resumes from a durable
+    checkpoint on the shared volume, and the run still ends with the fault-free weights."""
     faults = ["sigkill-during-save@4:1", "exception@7:0", "hang@11:1", "sigkill@14:0"]
-    summary = train(dataset_dir, tmp_path, steps=STEPS, every=EVERY, overrides=FAST, faults=faults)
+    overrides = [*FAST, "checkpoint.local_every_steps=0"]
+    summary = train(dataset_dir, tmp_path, steps=STEPS, every=EVERY, overrides=overrides, faults=faults)
     assert summary["model_sha256"] == fault_free["model_sha256"]
+    resumes = [e for e in events(tmp_path) if e["kind"] == "resume"]
+    assert resumes and all(e.get("tier") is None and e["step"] % EVERY == 0 for e in resumes), resumes
+    # The save of step 4 the rank died in never became a checkpoint: it started over.
+    assert summary["restarts"][0]["resumed_step"] == 0
     kinds = [(r["kind"], r["mechanism"]) for r in summary["restarts"]]
     assert kinds == [
         ("sigkill-during-save", "launcher"),
@@ -216,31 +214,58 @@ def test_an_error_no_restart_can_fix_is_not_retried(dataset_dir, tmp_path, run_m
     assert_nothing_left(run_mark)
 
 
-@pytest.mark.parametrize("damage", ["missing", "torn"])
-def test_a_cold_restart_resumes_from_the_fast_tier_and_a_damaged_copy_falls_back(
-    damage, dataset_dir, tmp_path, fault_free, run_mark
-):
-    """A rank killed with no restart left (a pod restart follows): the relaunch resumes from
-    the node-local fast tier, at the newest step every rank still holds. Rank 1's newest
-    copy is `missing` (a lost copy) or `torn` (what a rank killed while writing it would
-    leave without the atomic rename): the ranks agree on an older step, and the run still
-    ends with the fault-free weights."""
-    from trainer.checkpointing.local_tier import local_folder
+DURABLE_EVERY = 8
 
-    durable_every = 8
-    config = run_config(
+
+def _killed_run_config(dataset_dir, workdir):
+    return run_config(
         dataset_dir,
-        tmp_path,
+        workdir,
         steps=STEPS,
-        every=durable_every,
+        every=DURABLE_EVERY,
         overrides=FAST,
         faults=["sigkill@14:1"],
         inprocess_restarts=0,
     )
-    no_restarts = LauncherSettings(max_restarts=0)
+
+
+@pytest.fixture(scope="module")
+def killed_without_restarts(dataset_dir, tmp_path_factory) -> Path:
+    """A run whose rank 1 is killed at step 14 with no restart left (a pod restart would
+    follow): its workdir, durable checkpoint of step 8 and fast tier, shared by the tests
+    that damage a copy of it and relaunch."""
+    workdir = tmp_path_factory.mktemp("killed")
     with pytest.raises(TrainingFailed):
-        run_local_training(2, config, echo=False, settings=no_restarts)
+        run_local_training(
+            2, _killed_run_config(dataset_dir, workdir), echo=False, settings=LauncherSettings(max_restarts=0)
+        )
+    return workdir
+
+
+@pytest.mark.parametrize("damage", ["missing", "torn"])
+def test_a_cold_restart_resumes_from_the_fast_tier_and_a_damaged_copy_falls_back(
+    damage, dataset_dir, tmp_path, killed_without_restarts, fault_free, run_mark
+):
+    """The relaunch of a killed run (a cold restart) resumes from the node-local fast tier,
+    at the newest step every rank still holds. Rank 1's newest copy is `missing` (a lost
+    copy) or `torn` (what a rank killed while writing it would leave without the atomic
+    rename): the ranks agree on an older step, and the run still ends with the fault-free
+    weights."""
+    import shutil
+
+    from trainer.checkpointing.local_tier import local_folder
+
+    original = _killed_run_config(dataset_dir, killed_without_restarts)
+    workdir = tmp_path / "run"
+    shutil.copytree(killed_without_restarts, workdir)
+    config = _killed_run_config(dataset_dir, workdir)
+    # The fast tier's folder is named after the run's checkpoint folder, which moved.
+    moved = local_folder(
+        original.checkpoint.local_dir.replace(str(killed_without_restarts), str(workdir)),
+        original.checkpoint_dir(),
+    )
     folder = local_folder(config.checkpoint.local_dir, config.checkpoint_dir())
+    moved.rename(folder)
     held = {
         rank: {
             int(p.name.split("_step_")[1].removesuffix(".pt")) for p in folder.glob(f"rank_{rank}_step_*.pt")
@@ -248,21 +273,22 @@ def test_a_cold_restart_resumes_from_the_fast_tier_and_a_damaged_copy_falls_back
         for rank in (0, 1)
     }
     common = held[0] & held[1]
-    assert common and max(common) > durable_every, held
+    assert common and max(common) > DURABLE_EVERY, held
     damaged = folder / f"rank_1_step_{max(common)}.pt"
     if damage == "missing":
         damaged.unlink()
     else:
         damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
-    older = [s for s in common if durable_every < s < max(common)]
+    older = [s for s in common if DURABLE_EVERY < s < max(common)]
 
+    no_restarts = LauncherSettings(max_restarts=0)
     summary = run_local_training(2, config, echo=False, settings=no_restarts, new_run=False).to_dict()
     assert summary["completed"] and summary["model_sha256"] == fault_free["model_sha256"]
-    resume = [e for e in events(tmp_path) if e["kind"] == "resume"][-1]
+    resume = [e for e in events(workdir) if e["kind"] == "resume"][-1]
     if older:
         assert (resume["step"], resume.get("tier")) == (max(older), "local"), (held, resume)
     else:  # rank 1 held only the damaged step beyond the durable checkpoint
-        assert (resume["step"], resume.get("tier")) == (durable_every, None), (held, resume)
+        assert (resume["step"], resume.get("tier")) == (DURABLE_EVERY, None), (held, resume)
     assert not folder.exists() or not list(folder.glob("rank_*")), (
         "a finished run leaves its fast tier behind"
     )

@@ -86,8 +86,8 @@ class CheckpointManager:
             every_steps=settings.local_every_steps,
             local_dir=settings.local_dir,
             checkpoint_dir=self.root,
+            # The run is the folder's name (its checkpoint folder, hashed); what must match too:
             identity={
-                "checkpoint_dir": str(self.root.resolve()),
                 "model_hash": config.model_hash(),
                 "world_size": dist.get_world_size(),
             },
