@@ -45,6 +45,8 @@ MASTER_PORT = "MASTER_PORT"
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun / ft_launcher per worker group
 FT_SOCKET = "FT_RANK_MONITOR_IPC_SOCKET"  # present when ft_launcher runs this rank
 LAST_CALL_WAIT_S = 0.2
+MONITOR_PROCESS_INTERVAL_S = 0.25
+PROGRESS_WATCHDOG_INTERVAL_S = 1.0
 
 HEARTBEAT_INTERVAL_S = 1.0
 """Least time between two heartbeats to the launcher's rank monitor. Small against what
@@ -281,6 +283,14 @@ def _run_inprocess(config: TrainConfig, store: dist.Store, launcher: _LauncherCl
         # aborts (NVRx's default: 1 s). With fast peer abort a restart on CPU takes about a
         # second, so the default would be most of it.
         last_call_wait=datetime.timedelta(seconds=LAST_CALL_WAIT_S),
+        # NVRx 0.4.1's monitor process checks the soft and hard timeouts only when no
+        # message arrived for a whole monitor interval, and the progress watchdog sends one
+        # every watchdog interval: with both at 1 s (the defaults) the checks were starved
+        # at random, a hang was noticed seconds late or only at the hard timeout, and the
+        # rank was killed and restarted by ft_launcher instead of in-process. A shorter
+        # monitor interval leaves a silent gap after every watchdog message.
+        monitor_process_interval=datetime.timedelta(seconds=MONITOR_PROCESS_INTERVAL_S),
+        progress_watchdog_interval=datetime.timedelta(seconds=PROGRESS_WATCHDOG_INTERVAL_S),
     )
     result = wrapper(wrapped)(config)
     return result if isinstance(result, TrainSummary) else None

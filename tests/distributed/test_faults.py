@@ -154,17 +154,14 @@ def test_a_rank_killed_while_its_writer_starts_leaves_no_process(tmp_path, run_m
 
 def test_a_hang_on_a_single_rank_is_recovered_without_help(dataset_dir, tmp_path, run_mark):
     """No peer waits in a collective here, so NVRx's progress watchdog must notice (soft
-    timeout 8 s). If the rank has not unwound by the hard timeout (30 s), the wrapper
-    terminates it and ft_launcher restarts it (seen on an idle 2-core machine): either way
-    the run recovers by itself, within the configured timeouts."""
+    timeout 8 s) and the rank must be restarted in-process, long before the hard timeout
+    (30 s). With NVRx's default monitor intervals the soft-timeout check was starved at
+    random and the rank was killed at the hard timeout and restarted by ft_launcher
+    (about one run in three); see resilience.MONITOR_PROCESS_INTERVAL_S."""
     summary = train(dataset_dir, tmp_path, nproc=1, steps=8, every=4, overrides=FAST, faults=["hang@6"])
     [restart] = summary["restarts"]
-    assert restart["kind"] == "hang" and restart["mechanism"] in {"inprocess", "launcher"}
-    if restart["mechanism"] == "inprocess":
-        assert 8 <= restart["detection_s"] < 30  # after the soft timeout, before the hard one
-    # The hard timeout, termination and a worker-group restart (measured up to 65 s on an
-    # idle 2-core machine): recovered without help, though slowly.
-    assert restart["downtime_s"] < 120
+    assert restart["kind"] == "hang" and restart["mechanism"] == "inprocess"
+    assert 8 <= restart["detection_s"] < 30  # after the soft timeout, before the hard one
     # The fast tier's copy of step 5, the last step before the hang (in memory for an
     # in-process restart, on disk for a restarted worker group).
     assert summary["completed"] and restart["resumed_step"] == 5
