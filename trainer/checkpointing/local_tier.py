@@ -35,6 +35,8 @@ import os
 import pickle
 import re
 import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +115,8 @@ class LocalTier:
         self._closed = False
         self._flush = True
         self._stream: Any = None
+        self._copier: ThreadPoolExecutor | None = None
+        self._copy: Future[None] | None = None
         self._copied: Any = None  # CUDA: the event after the newest capture's copies
         self._thread: threading.Thread | None = None
         self.captures = 0
@@ -131,22 +135,53 @@ class LocalTier:
         `durable_step`: the newest durable checkpoint step this attempt knows of."""
         if not self.enabled or step % self.every_steps:
             return False
-        with self._lock:  # the file thread starts no write of a buffer while it is filled
+        with self._lock:
             slot = self._slot
             if self._writing == slot:  # the file thread still writes this buffer: skip one
                 self.skipped += 1
                 return False
-            snapshot = self._copy_into(self._buffers[slot], step, durable_step)
-            self._buffers[slot] = snapshot
-            _memory[self.key] = snapshot
-            self.captures += 1
             self._slot = 1 - slot
-            self._queued = slot  # the newest capture is the next file written
-            self._wake.notify()
+        # What changes outside the optimizer step is taken now; the shards are copied
+        # beside the next step's forward and backward (they change only in its optimizer
+        # step, which `before_optimizer_step()` holds until the copy is complete).
+        meta = {
+            "step": step,
+            "durable_step": durable_step,
+            "identity": dict(self.identity),
+            "groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+            "scheduler": self.scheduler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            meta["cuda_rng"] = torch.cuda.get_rng_state()
+        if self._cuda_stream() is not None:  # the copies are only queued: no thread needed
+            self._fill(slot, meta)
+        else:
+            if self._copier is None:
+                self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rtp-local-copy")
+            self._copy = self._copier.submit(self._fill, slot, meta)
         self._ensure_thread()
         return True
 
-    def _copy_into(self, buffer: dict[str, Any] | None, step: int, durable_step: int) -> dict[str, Any]:
+    def _fill(self, slot: int, meta: dict[str, Any]) -> None:
+        with self._lock:  # the file thread starts no write of a buffer while it is filled
+            snapshot = self._copy_into(self._buffers[slot], meta)
+            self._buffers[slot] = snapshot
+            _memory[self.key] = snapshot  # complete: what an in-process restart resumes from
+            self.captures += 1
+            self._queued = slot  # the newest capture is the next file written
+            self._wake.notify()
+
+    def wait_copy(self) -> float:
+        """Wait for the copy started by the last `capture()` (CPU); returns the seconds waited."""
+        copy, self._copy = self._copy, None
+        if copy is None:
+            return 0.0
+        started = time.perf_counter()
+        copy.result()
+        return time.perf_counter() - started
+
+    def _copy_into(self, buffer: dict[str, Any] | None, meta: dict[str, Any]) -> dict[str, Any]:
         """Copy the shards into `buffer` (host memory; allocated on first use). On CUDA the
         copies are queued on a side stream into pinned memory and overlap the next step's
         forward and backward; `before_optimizer_step()` orders the optimizer after them and
@@ -176,20 +211,7 @@ class LocalTier:
             if cuda is not None:
                 self._copied = torch.cuda.Event()
                 self._copied.record(cuda)
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        snapshot = {
-            "step": step,
-            "durable_step": durable_step,
-            "identity": dict(self.identity),
-            "params": params,
-            "optim": optim,
-            "groups": groups,
-            "scheduler": self.scheduler.state_dict(),
-            "torch_rng": torch.get_rng_state(),
-        }
-        if cuda is not None:
-            snapshot["cuda_rng"] = torch.cuda.get_rng_state()
-        return snapshot
+        return {**meta, "params": params, "optim": optim}
 
     def _cuda_stream(self) -> Any:
         if not (self.params and self.params[0].is_cuda):
@@ -214,11 +236,13 @@ class LocalTier:
             target.copy_(source, non_blocking=source.is_cuda)
         return targets
 
-    def before_optimizer_step(self) -> None:
-        """On CUDA: the optimizer must not change the weights before the copies read them
-        (the host waits for nothing; the compute stream waits on the copy stream)."""
+    def before_optimizer_step(self) -> float:
+        """The optimizer must not change the weights before the copies read them: on CPU
+        wait for the copy thread, on CUDA make the compute stream wait on the copy stream
+        (the host waits for nothing). Returns the seconds the loop waited."""
         if self._copied is not None:
             torch.cuda.current_stream().wait_event(self._copied)
+        return self.wait_copy()
 
     def _wait_copied(self) -> None:
         event = self._copied
@@ -275,6 +299,11 @@ class LocalTier:
         `flush` is off (an in-process restart: the copy in memory is what it resumes from).
         `discard`: the attempt ended with a committed durable checkpoint of its last step,
         so this rank's copies are of no further use: free the memory and /dev/shm they hold."""
+        with contextlib.suppress(Exception):
+            self.wait_copy()
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+            self._copier = None
         with self._lock:
             self._closed = True
             self._flush = flush and not discard

@@ -149,7 +149,7 @@ class CheckpointManager:
         """Collective; call right before every `optimizer.step()`. Returns the record of a save
         queued now (an async save's snapshot copy ran beside forward and backward and must be
         complete before the optimizer changes the weights in place), else None."""
-        self.local.before_optimizer_step()
+        self.local_tier_s += self.local.before_optimizer_step()
         return self.writer.wait_before_optimizer_step()
 
     def maybe_save(self, step: int, loss_value: float, final: bool) -> SaveRecord | None:
