@@ -12,34 +12,33 @@ import pytest
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 
-@pytest.fixture(scope="module")
-def local_run(tmp_path_factory, mlflow_server):
-    workdir = tmp_path_factory.mktemp("rtp-local")
+def _rtp_local(workdir, mlflow_server, steps: int, every: int, model_name: str, *extra: str):
+    """`rtp local --run-name e2e` into `workdir`; asserts it succeeded."""
     command = [
-        sys.executable,
-        "-m",
-        "rtp_cli.main",
-        "local",
-        "--workdir",
-        str(workdir),
-        "--steps",
-        "12",
-        "--checkpoint-every",
-        "6",
-        "--mlflow-uri",
-        mlflow_server,
-        "--model-name",
-        "rtp-e2e",
-        "--max-loss",
-        "5.0",
-        "--run-name",
-        "e2e",
-        # a fault drill: an in-process restart redoes steps, which MLflow must hold once
-        "--fault",
-        "exception@8:1",
+        *(sys.executable, "-m", "rtp_cli.main", "local", "--workdir", str(workdir)),
+        *("--steps", str(steps), "--checkpoint-every", str(every)),
+        *(
+            "--mlflow-uri",
+            mlflow_server,
+            "--model-name",
+            model_name,
+            "--max-loss",
+            "5.0",
+            "--run-name",
+            "e2e",
+        ),
+        *extra,
     ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=800, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory, mlflow_server):
+    workdir = tmp_path_factory.mktemp("rtp-local")
+    # a fault drill: an in-process restart redoes steps, which MLflow must hold once
+    result = _rtp_local(workdir, mlflow_server, 12, 6, "rtp-e2e", "--fault", "exception@8:1")
     return workdir, result.stdout, json.loads((workdir / "summary.json").read_text())
 
 
@@ -94,28 +93,7 @@ def test_the_same_run_name_again_resumes_from_its_checkpoint(local_run, mlflow_s
     run's last checkpoint instead of starting over. Last in this module: it adds two steps to
     the run the tests above read (and registers under another name)."""
     workdir, _, first = local_run
-    command = [
-        sys.executable,
-        "-m",
-        "rtp_cli.main",
-        "local",
-        "--workdir",
-        str(workdir),
-        "--steps",
-        "14",
-        "--checkpoint-every",
-        "2",
-        "--mlflow-uri",
-        mlflow_server,
-        "--model-name",
-        "rtp-e2e-resumed",
-        "--max-loss",
-        "5.0",
-        "--run-name",
-        "e2e",
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=800, stdin=subprocess.DEVNULL)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    _rtp_local(workdir, mlflow_server, 14, 2, "rtp-e2e-resumed")
     trained = json.loads((workdir / "fsx/rtp/runs/e2e/train/summary.json").read_text())
     assert trained["resumed_from"] == first["checkpoint"]  # step_12 of the first run
     assert trained["steps"] == 14 and trained["lost_steps"] == 0

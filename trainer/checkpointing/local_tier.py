@@ -120,8 +120,6 @@ class LocalTier:
         self._copied: Any = None  # CUDA: the event after the newest capture's copies
         self._thread: threading.Thread | None = None
         self.captures = 0
-        self.skipped = 0
-        self.files_written = 0
         self.write_errors = 0
 
     @property
@@ -138,7 +136,6 @@ class LocalTier:
         with self._lock:
             slot = self._slot
             if self._writing == slot:  # the file thread still writes this buffer: skip one
-                self.skipped += 1
                 return False
             self._slot = 1 - slot
         # What changes outside the optimizer step is taken now; the shards are copied
@@ -269,7 +266,6 @@ class LocalTier:
                 snapshot = self._buffers[slot]
             try:
                 self._write_file(snapshot)
-                self.files_written += 1
             except Exception as exc:  # a full /dev/shm must not stop training
                 self.write_errors += 1
                 if self.write_errors == 1:
