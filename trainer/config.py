@@ -129,6 +129,11 @@ class CheckpointConfig:
     local_dir: str = named("checkpoint_local_dir", "", path=True)
     """Node-local folder of the fast tier's files (the rank processes' survivor, not the
     node's); empty = /dev/shm/rtp-local (a pod's memory-backed /dev/shm)."""
+    local_replicas: int = 0
+    """Peers that also hold each rank's fast-tier file (ranks on other nodes; on one node,
+    the next ranks), so a rank whose node is lost resumes from a peer's copy instead of
+    the durable checkpoint; 0 = none. Costs a network copy of the rank's state per file
+    written (trainer/checkpointing/replicas.py)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -527,6 +532,8 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError("checkpoint.keep_every_steps must be 0 (off) or a positive step count")
     if config.checkpoint.local_every_steps < 0:
         raise ConfigError("checkpoint.local_every_steps must be 0 (off) or a positive step count")
+    if config.checkpoint.local_replicas < 0:
+        raise ConfigError("checkpoint.local_replicas must be 0 (none) or a positive number of peers")
     r = config.resilience
     if r.inprocess_restarts < 0:
         raise ConfigError("resilience.inprocess_restarts must be 0 (off) or more")

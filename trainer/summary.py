@@ -39,6 +39,8 @@ class TrainSummary:
     """Of those, the fast tier's copies (checkpoint.local_every_steps)."""
     local_tier_captures: int = 0
     """Fast-tier copies taken by this attempt (rank 0's view)."""
+    local_replicas_sent: int = 0
+    """Fast-tier files rank 0 sent to its peers (checkpoint.local_replicas)."""
     efficiency_pct: float
     """Share of the loop's wall time not spent blocked on checkpoints."""
     final_drain_s: float

@@ -224,7 +224,7 @@ def _killed_run_config(dataset_dir, workdir):
         workdir,
         steps=STEPS,
         every=DURABLE_EVERY,
-        overrides=FAST,
+        overrides=[*FAST, "checkpoint.local_replicas=1"],
         faults=["sigkill@14:1"],
         inprocess_restarts=0,
     )
@@ -233,8 +233,9 @@ def _killed_run_config(dataset_dir, workdir):
 @pytest.fixture(scope="module")
 def killed_without_restarts(dataset_dir, tmp_path_factory) -> Path:
     """A run whose rank 1 is killed at step 14 with no restart left (a pod restart would
-    follow): its workdir, durable checkpoint of step 8 and fast tier, shared by the tests
-    that damage a copy of it and relaunch."""
+    follow): its workdir, durable checkpoint of step 8 (when its commit came first) and fast tier (each rank's own files
+    and the replica its peer holds), shared by the tests that damage a copy of it and
+    relaunch."""
     workdir = tmp_path_factory.mktemp("killed")
     with pytest.raises(TrainingFailed):
         run_local_training(
@@ -243,15 +244,25 @@ def killed_without_restarts(dataset_dir, tmp_path_factory) -> Path:
     return workdir
 
 
-@pytest.mark.parametrize("damage", ["missing", "torn"])
-def test_a_cold_restart_resumes_from_the_fast_tier_and_a_damaged_copy_falls_back(
+def _steps(folder: Path, pattern: str) -> dict[int, Path]:
+    return {int(p.name.split("_step_")[1].split("_")[0].removesuffix(".pt")): p for p in folder.glob(pattern)}
+
+
+@pytest.mark.parametrize("damage", ["torn", "node-lost", "node-and-replicas-lost"])
+def test_a_cold_restart_resumes_from_the_fast_tier_or_a_peers_replica_and_falls_back(
     damage, dataset_dir, tmp_path, killed_without_restarts, fault_free, run_mark
 ):
     """The relaunch of a killed run (a cold restart) resumes from the node-local fast tier,
-    at the newest step every rank still holds. Rank 1's newest copy is `missing` (a lost
-    copy) or `torn` (what a rank killed while writing it would leave without the atomic
-    rename): the ranks agree on an older step, and the run still ends with the fault-free
-    weights."""
+    at the newest step every rank's state is still held for, by the rank or by its peer
+    (`checkpoint.local_replicas=1`: rank 0 holds rank 1's copies and the reverse):
+
+    - `torn`: rank 1's newest own copy is cut in half (what a rank killed while writing it
+      would leave without the atomic rename): the peer's replica of it is used;
+    - `node-lost`: everything rank 1's node held is gone (its own copies and the replicas
+      it held of rank 0): rank 1 resumes from rank 0's replica of its state;
+    - `node-and-replicas-lost`: rank 1's copies are gone everywhere: the durable checkpoint.
+
+    Every case still ends with the fault-free weights."""
     import shutil
 
     from trainer.checkpointing.local_tier import local_folder
@@ -267,30 +278,39 @@ def test_a_cold_restart_resumes_from_the_fast_tier_and_a_damaged_copy_falls_back
     )
     folder = local_folder(config.checkpoint.local_dir, config.checkpoint_dir())
     moved.rename(folder)
-    held = {
-        rank: {
-            int(p.name.split("_step_")[1].removesuffix(".pt")) for p in folder.glob(f"rank_{rank}_step_*.pt")
-        }
-        for rank in (0, 1)
-    }
-    common = held[0] & held[1]
-    assert common and max(common) > DURABLE_EVERY, held
-    damaged = folder / f"rank_1_step_{max(common)}.pt"
-    if damage == "missing":
-        damaged.unlink()
+    own = {rank: _steps(folder, f"rank_{rank}_step_*.pt") for rank in (0, 1)}
+    replica_of_1 = _steps(folder, "replica_rank_1_step_*_on_0.pt")
+    assert own[0] and own[1] and replica_of_1, sorted(p.name for p in folder.iterdir())
+    assert max(set(own[0]) & set(own[1])) > DURABLE_EVERY, sorted(p.name for p in folder.iterdir())
+    if damage == "torn":
+        newest = own[1].pop(max(own[1]))
+        newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
     else:
-        damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
-    older = [s for s in common if DURABLE_EVERY < s < max(common)]
+        for path in [*own.pop(1).values(), *folder.glob("replica_rank_0_step_*_on_1.pt")]:
+            path.unlink()
+        own[1] = {}
+        if damage == "node-and-replicas-lost":
+            for path in replica_of_1.values():
+                path.unlink()
+            replica_of_1 = {}
+    # The newest step both ranks' states are still held for (rank 1's own copy first),
+    # beyond the durable checkpoint (step 8, unless the kill came before its commit).
+    latest = latest_committed_checkpoint(config.checkpoint_dir())
+    durable = int(latest.name.removeprefix("step_")) if latest else 0
+    held = [s for s in own[0] if s > durable and (s in own[1] or s in replica_of_1)]
+    expected = (max(held), "local") if held else (durable, None)
 
     no_restarts = LauncherSettings(max_restarts=0)
     summary = run_local_training(2, config, echo=False, settings=no_restarts, new_run=False).to_dict()
     assert summary["completed"] and summary["model_sha256"] == fault_free["model_sha256"]
-    resume = [e for e in events(workdir) if e["kind"] == "resume"][-1]
-    if older:
-        assert (resume["step"], resume.get("tier")) == (max(older), "local"), (held, resume)
-    else:  # rank 1 held only the damaged step beyond the durable checkpoint
-        assert (resume["step"], resume.get("tier")) == (DURABLE_EVERY, None), (held, resume)
-    assert not folder.exists() or not list(folder.glob("rank_*")), (
+    resumes = [e for e in events(workdir) if e["kind"] == "resume"]
+    resume = resumes[-1] if resumes else {"step": 0}  # nothing to resume from: step 0
+    assert (resume["step"], resume.get("tier")) == expected, (own, replica_of_1, resume)
+    if held and expected[0] not in own[1]:
+        assert resume["replicas"] == {"1": 0}, resume  # rank 1's state came from rank 0
+    elif held:
+        assert resume["replicas"] == {}, resume
+    assert not folder.exists() or not list(folder.glob("r*_step_*")), (
         "a finished run leaves its fast tier behind"
     )
     assert_nothing_left(run_mark)

@@ -22,8 +22,10 @@ step. Otherwise the durable checkpoint is loaded, as before. The durable checkpo
 the recovery point for losing the whole job or a node, and the only thing validate and
 register read. Files are read with `torch.load(weights_only=True)`.
 
-Not done here: replicating a rank's copy to a peer on another node (NVRx's
-LocalCheckpointManager does that on GPUs, but needs CUDA tensors in 0.4.1).
+- A rank whose **node is gone** (a pod rescheduled elsewhere, /dev/shm empty) resumes
+  from a peer's replica when `checkpoint.local_replicas` is set: every file is also sent to
+  ranks on other nodes (trainer/checkpointing/replicas.py). NVRx's LocalCheckpointManager
+  replicates too, but needs CUDA tensors in 0.4.1.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from trainer.checkpointing import replicas as peer_copies
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +100,7 @@ class LocalTier:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
+        replicas: int = 0,
     ) -> None:
         self.every_steps = every_steps
         self.key = run_key(checkpoint_dir)
@@ -121,6 +126,18 @@ class LocalTier:
         self._thread: threading.Thread | None = None
         self.captures = 0
         self.write_errors = 0
+        world = dist.get_world_size()
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        self.sends_to, self.holds_for = peer_copies.peers(
+            self.rank, world, local_world, replicas if self.enabled else 0
+        )
+        self._listen_host = peer_copies.listen_host(world, local_world) if self.holds_for else ""
+        self._receiver: peer_copies.ReplicaReceiver | None = None
+        self._holders: dict[int, tuple[str, int]] = {}  # rank -> its receiver's address
+        self._token = b""
+        self.replicas_sent = 0
+        self.replica_errors = 0
+        self.restored_from: dict[int, int] = {}  # after restore(): owner -> the peer it came from
 
     @property
     def enabled(self) -> bool:
@@ -282,6 +299,16 @@ class LocalTier:
         temporary = final.with_name(f".{final.name}.tmp")
         torch.save(snapshot, temporary)
         os.replace(temporary, final)
+        for holder in self.sends_to:
+            if holder not in self._holders:
+                continue
+            try:
+                peer_copies.send_replica(self._holders[holder], self._token, self.rank, snapshot["step"], final)
+                self.replicas_sent += 1
+            except (OSError, ValueError) as exc:  # a peer restarting must not stop training
+                self.replica_errors += 1
+                if self.replica_errors == 1:
+                    log.warning("fast checkpoint tier: cannot send a copy to rank %d: %s", holder, exc)
         mine = sorted(
             (int(m.group(2)), path)
             for path in self.folder.iterdir()
@@ -307,6 +334,9 @@ class LocalTier:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        if self._receiver is not None:
+            self._receiver.close()
+            self._receiver = None
         if discard:
             _memory.pop(self.key, None)
             self._buffers = [None, None]
@@ -314,6 +344,9 @@ class LocalTier:
                 for path in self.folder.iterdir():
                     match = _FILE.match(path.name)
                     if match and int(match.group(1)) == self.rank:
+                        path.unlink(missing_ok=True)
+                for held in peer_copies.held_replicas(self.folder, self.rank, self.holds_for).values():
+                    for path in held.values():
                         path.unlink(missing_ok=True)
                 with contextlib.suppress(OSError):
                     self.folder.rmdir()  # the last rank out removes the folder
@@ -334,29 +367,85 @@ class LocalTier:
         return found
 
     def restore(self, durable_step: int) -> int | None:
-        """Collective: if every rank holds a capture of the same step newer than
-        `durable_step`, load the newest such into model, optimizer, scheduler and RNG and
-        return its step; else None (load the durable checkpoint)."""
+        """Collective: if every rank's state after the same step newer than `durable_step` is
+        held (by the rank itself, or as a peer's replica), load the newest such into model,
+        optimizer, scheduler and RNG and return its step; else None (load the durable
+        checkpoint). Also starts this attempt's replica receiver and learns its peers'."""
+        import secrets
+
         mine = self._candidates() if self.enabled else {}
+        held = peer_copies.held_replicas(self.folder, self.rank, self.holds_for)
+        if self.holds_for and self._receiver is None:
+            self._token = secrets.token_bytes(32) if self.rank == 0 else b""
+        info = {
+            "own": sorted(mine),
+            "held": {owner: sorted(steps) for owner, steps in held.items()},
+            "token": self._token,
+            "holds": bool(self.holds_for),
+        }
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, sorted(mine))
-        common = set(gathered[0])
-        for steps in gathered[1:]:
-            common &= set(steps)
-        usable = sorted((s for s in common if s > durable_step), reverse=True)
+        dist.all_gather_object(gathered, info)
+        self._start_replication(gathered)
+        world = len(gathered)
+
+        def holders(owner: int, step: int) -> list[int]:
+            return [r for r in range(world) if step in gathered[r]["held"].get(owner, ())]
+
+        steps = {s for g in gathered for s in g["own"]}
+        steps |= {s for g in gathered for held_steps in g["held"].values() for s in held_steps}
+        usable = sorted(
+            (
+                s
+                for s in steps
+                if s > durable_step and all(s in gathered[o]["own"] or holders(o, s) for o in range(world))
+            ),
+            reverse=True,
+        )
         for step in usable:
-            snapshot, problem = self._read(mine[step])
+            snapshot, problem = self._read(mine[step]) if step in mine else (None, None)
             ok = problem is None and snapshot is not None and self._matches(snapshot, durable_step)
-            verdicts: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(verdicts, bool(ok))
-            if all(verdicts):
+            own_ok: list[Any] = [None] * world
+            dist.all_gather_object(own_ok, bool(ok))
+            # A rank whose own copy is missing or unreadable takes a peer's replica.
+            source: int | None = None
+            for owner in range(world):
+                peers = holders(owner, step)
+                if own_ok[owner] or not peers:
+                    continue
+                if self.rank == peers[0]:
+                    payload = _read_bytes(held[owner][step])
+                    dist.send_object_list([payload], dst=owner)
+                elif self.rank == owner:
+                    received: list[Any] = [None]
+                    dist.recv_object_list(received, src=peers[0])
+                    snapshot, problem = _load_bytes(received[0], f"rank {peers[0]}'s replica")
+                    ok = problem is None and snapshot is not None and self._matches(snapshot, durable_step)
+                    source = peers[0]
+            verdicts: list[Any] = [None] * world
+            dist.all_gather_object(verdicts, (bool(ok), source))
+            if all(good for good, _ in verdicts):
                 assert snapshot is not None
                 self._load(snapshot)
                 _memory[self.key] = snapshot
+                self.restored_from = {r: peer for r, (_, peer) in enumerate(verdicts) if peer is not None}
                 return step
-            if problem and self.rank == 0:
-                log.warning("fast checkpoint tier: step %d unusable: %s", step, problem)
+            if problem:
+                log.warning("fast checkpoint tier: rank %d: step %d unusable: %s", self.rank, step, problem)
         return None
+
+    def _start_replication(self, gathered: list[Any]) -> None:
+        """After the restore's all-gather: this attempt's receiver runs, the senders know
+        where their holders listen. Not collective beyond that all-gather."""
+        if not any(g["holds"] for g in gathered):  # the same on every rank
+            return
+        self._token = gathered[0]["token"]
+        if self.holds_for and self._receiver is None:
+            self._receiver = peer_copies.ReplicaReceiver(
+                self.folder, self.rank, self.holds_for, self._token, self._listen_host
+            )
+        addresses: list[Any] = [None] * len(gathered)
+        dist.all_gather_object(addresses, self._receiver.address if self._receiver else None)
+        self._holders = {r: tuple(a) for r, a in enumerate(addresses) if a is not None and r in self.sends_to}
 
     def _read(self, where: str) -> tuple[dict[str, Any] | None, str | None]:
         if where == "memory":
@@ -406,3 +495,21 @@ class LocalTier:
         torch.set_rng_state(snapshot["torch_rng"])
         if "cuda_rng" in snapshot and torch.cuda.is_available():
             torch.cuda.set_rng_state(snapshot["cuda_rng"])
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def _load_bytes(payload: bytes | None, where: str) -> tuple[dict[str, Any] | None, str | None]:
+    import io
+
+    if payload is None:
+        return None, f"{where} could not be read"
+    try:
+        return torch.load(io.BytesIO(payload), weights_only=True), None
+    except (OSError, RuntimeError, pickle.UnpicklingError, EOFError) as exc:
+        return None, f"{where}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"

@@ -94,6 +94,7 @@ class CheckpointManager:
             model=model,
             optimizer=optimizer,
             scheduler=scheduler,
+            replicas=settings.local_replicas,
         )
         self.resumed_from: str | None = None
         self.start_s = 0.0
@@ -111,7 +112,11 @@ class CheckpointManager:
             # The launcher's learned timeouts travel with the durable checkpoint only.
             self.hooks.restore_launcher_state(durable_meta.get("launcher", {}))
             self.resumed_from = f"local:{local_step}"
-            self.events.emit("resume", step=local_step, checkpoint=self.resumed_from, tier="local")
+            # Ranks whose state came from a peer's replica: {rank: the peer that held it}.
+            from_peers = {str(owner): peer for owner, peer in self.local.restored_from.items()}
+            self.events.emit(
+                "resume", step=local_step, checkpoint=self.resumed_from, tier="local", replicas=from_peers
+            )
             if self.rank == 0:
                 log.info(
                     "resumed from the fast tier at step %d (durable checkpoint: step %d)",
@@ -249,6 +254,7 @@ class CheckpointManager:
         return {
             "local_tier_s": self.local_tier_s,
             "local_tier_captures": self.local.captures,
+            "local_replicas_sent": self.local.replicas_sent,
             "checkpoint": str(latest) if latest else None,
             "checkpoint_mode": self.settings.mode,
             "resumed_from": self.resumed_from,

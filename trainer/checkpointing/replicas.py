@@ -1,0 +1,167 @@
+"""Peer replicas of the fast checkpoint tier: a rank's newest node-local copy, also held by
+other ranks, so that a rank whose node is gone (its /dev/shm with it) resumes from a peer.
+
+With `checkpoint.local_replicas: K`, each rank sends every node-local file it writes to
+the K ranks one node apart, `rank + LOCAL_WORLD_SIZE`, `rank + 2 * LOCAL_WORLD_SIZE`, …
+(modulo the world size: a rank on every other node), and holds, as files in its own
+node-local folder, the copies of the K ranks that send to it. On a single node, where
+no node can be lost alone, the peers are the next ranks instead (`rank + 1`, …): what a
+test or a drill on one machine can exercise.
+
+The transport is a plain TCP connection per copy: the holder's receiver thread listens on
+a port of its own (loopback when the job has one node; the pod's address otherwise),
+the sender streams the file with `socket.sendfile` from the file thread, after the rank's
+own file is written, so it costs the training loop nothing; while a copy is being sent,
+newer captures replace each other, so a slow link sends the newest state it can. A copy
+is written to a temporary name and renamed when complete; the holder keeps the two
+newest of each owner. Addresses and a random token (a receiver takes copies only from
+the ranks of this attempt) are exchanged in the all-gather that starts every restore.
+
+On restore, the ranks agree on the newest step every rank's state is held for, by the
+rank itself or by a peer; a rank whose own copy is missing or unreadable receives the
+peer's over the default process group (`send_object_list`). The durable checkpoint stays
+the fallback when neither holds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import socket
+import struct
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+REPLICA_FILE = re.compile(r"^replica_rank_(\d+)_step_(\d+)_on_(\d+)\.pt$")
+KEEP_PER_OWNER = 2
+_MAGIC = b"RTPR1"
+_HEADER = struct.Struct("!5s32sqqq")  # magic, token, owner, step, size
+_TIMEOUT_S = 30.0
+
+
+def replica_name(owner: int, step: int, holder: int) -> str:
+    return f"replica_rank_{owner}_step_{step}_on_{holder}.pt"
+
+
+def peers(rank: int, world: int, local_world: int, copies: int) -> tuple[list[int], list[int]]:
+    """(the ranks this rank sends its copies to, the ranks whose copies it holds).
+
+    A node's ranks are `local_world` consecutive ranks (torchrun's numbering), so a rank
+    `local_world` apart is on another node; on one node the stride is 1."""
+    if copies <= 0 or world <= 1:
+        return [], []
+    stride = local_world if 0 < local_world < world and world % local_world == 0 else 1
+    copies = min(copies, world // stride - 1)
+    sends = [(rank + k * stride) % world for k in range(1, copies + 1)]
+    holds = [(rank - k * stride) % world for k in range(1, copies + 1)]
+    return sends, holds
+
+
+def listen_host(world: int, local_world: int) -> str:
+    """Where the receiver listens: loopback for a one-node job; else the address peers
+    reach this pod at (`RTP_REPLICA_HOST`, `POD_IP`, or the host name's address)."""
+    if world <= local_world:
+        return "127.0.0.1"
+    explicit = os.environ.get("RTP_REPLICA_HOST") or os.environ.get("POD_IP")
+    return explicit or socket.gethostbyname(socket.gethostname())
+
+
+def held_replicas(folder: Path, holder: int, owners: list[int]) -> dict[int, dict[int, Path]]:
+    """owner -> step -> file, for the replicas this rank holds of `owners`."""
+    found: dict[int, dict[int, Path]] = {owner: {} for owner in owners}
+    if folder.is_dir():
+        for path in folder.iterdir():
+            match = REPLICA_FILE.match(path.name)
+            if match and int(match.group(3)) == holder and int(match.group(1)) in found:
+                found[int(match.group(1))][int(match.group(2))] = path
+    return found
+
+
+class ReplicaReceiver:
+    """A thread that takes the copies the `owners` send and writes them into `folder`."""
+
+    def __init__(self, folder: Path, holder: int, owners: list[int], token: bytes, host: str) -> None:
+        self.folder = folder
+        self.holder = holder
+        self.owners = set(owners)
+        self.token = token
+        self.received = 0
+        self.rejected = 0
+        self._listener = socket.create_server((host, 0))
+        self._listener.settimeout(0.2)  # how often the thread looks whether it must stop
+        self.address = (host, self._listener.getsockname()[1])
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="rtp-replica-receiver", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                connection, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # closed
+            with connection:
+                try:
+                    self._receive(connection)
+                except (OSError, ValueError) as exc:
+                    self.rejected += 1
+                    if self.rejected == 1:
+                        log.warning("fast checkpoint tier: a peer's copy was not received: %s", exc)
+
+    def _receive(self, connection: socket.socket) -> None:
+        connection.settimeout(_TIMEOUT_S)
+        magic, token, owner, step, size = _HEADER.unpack(_read_exactly(connection, _HEADER.size))
+        if magic != _MAGIC or token != self.token or owner not in self.owners or size < 0:
+            raise ValueError(f"refused a copy (owner {owner}, step {step}): not from this attempt's peers")
+        final = self.folder / replica_name(owner, step, self.holder)
+        temporary = final.with_name(f".{final.name}.tmp")
+        self.folder.mkdir(parents=True, exist_ok=True)
+        try:
+            with temporary.open("wb") as handle:
+                left = size
+                while left:
+                    chunk = connection.recv(min(left, 1 << 20))
+                    if not chunk:
+                        raise ValueError(f"the copy of rank {owner}'s step {step} ended early")
+                    handle.write(chunk)
+                    left -= len(chunk)
+            os.replace(temporary, final)
+        finally:
+            temporary.unlink(missing_ok=True)
+        self.received += 1
+        connection.sendall(b"\x01")
+        steps = sorted(held_replicas(self.folder, self.holder, [owner])[owner].items())
+        for _, old in steps[:-KEEP_PER_OWNER]:
+            old.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        self._thread.join(timeout=_TIMEOUT_S + 1)
+
+
+def send_replica(address: tuple[str, int], token: bytes, owner: int, step: int, path: Path) -> None:
+    """Stream one node-local file to a holder; returns once the holder has it (raises OSError)."""
+    with path.open("rb") as handle, socket.create_connection(address, timeout=_TIMEOUT_S) as connection:
+        size = os.fstat(handle.fileno()).st_size
+        connection.sendall(_HEADER.pack(_MAGIC, token, owner, step, size))
+        connection.sendfile(handle)
+        if _read_exactly(connection, 1) != b"\x01":
+            raise OSError(f"holder {address} did not confirm the copy of step {step}")
+
+
+def _read_exactly(connection: socket.socket, size: int) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        chunk = connection.recv(size - len(data))
+        if not chunk:
+            raise ValueError("the connection closed early")
+        data += chunk
+    return bytes(data)
