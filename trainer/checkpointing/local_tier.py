@@ -297,7 +297,10 @@ class LocalTier:
         self._wait_copied()
         final = self.folder / f"rank_{self.rank}_step_{snapshot['step']}.pt"
         temporary = final.with_name(f".{final.name}.tmp")
-        torch.save(snapshot, temporary)
+        # torch's legacy format: the default zip container computes a CRC-32 of every byte,
+        # 2.3x the CPU of the write itself (10 vs 4.3 ms for 10 MB), on the cores training
+        # uses, every step. A torn file still fails to load; the rename makes it whole or absent.
+        torch.save(snapshot, temporary, _use_new_zipfile_serialization=False)
         os.replace(temporary, final)
         for holder in self.sends_to:
             if holder not in self._holders:
