@@ -124,6 +124,8 @@ class LocalTier:
         self._copy: Future[None] | None = None
         self._copied: Any = None  # CUDA: the event after the newest capture's copies
         self._thread: threading.Thread | None = None
+        self._files_allowed = threading.Event()  # cleared while a durable snapshot copies
+        self._files_allowed.set()
         self.captures = 0
         self.write_errors = 0
         world = dist.get_world_size()
@@ -271,11 +273,23 @@ class LocalTier:
             self._thread = threading.Thread(target=self._write_loop, name="rtp-local-tier", daemon=True)
             self._thread.start()
 
+    def hold_files(self) -> None:
+        """A durable save's snapshot is being copied beside the step and the optimizer waits
+        for it: no new file is started until `release_files()` (both compete for the same
+        cores and memory bandwidth, and the snapshot is what the loop waits for)."""
+        self._files_allowed.clear()
+
+    def release_files(self) -> None:
+        self._files_allowed.set()
+
     def _write_loop(self) -> None:
         while True:
+            self._files_allowed.wait(timeout=30)  # never stuck: at worst a file competes
             with self._lock:
                 while self._queued is None and not self._closed:
                     self._wake.wait()
+                if not self._closed and not self._files_allowed.is_set():
+                    continue  # a durable snapshot started meanwhile: after it, the newest
                 if self._closed and (self._queued is None or not self._flush):
                     return
                 slot, self._queued = self._queued, None
@@ -330,6 +344,7 @@ class LocalTier:
         if self._copier is not None:
             self._copier.shutdown(wait=True)
             self._copier = None
+        self.release_files()
         with self._lock:
             self._closed = True
             self._flush = flush and not discard

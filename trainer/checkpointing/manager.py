@@ -155,7 +155,9 @@ class CheckpointManager:
         queued now (an async save's snapshot copy ran beside forward and backward and must be
         complete before the optimizer changes the weights in place), else None."""
         self.local_tier_s += self.local.before_optimizer_step()
-        return self.writer.wait_before_optimizer_step()
+        record = self.writer.wait_before_optimizer_step()
+        self.local.release_files()
+        return record
 
     def maybe_save(self, step: int, loss_value: float, final: bool) -> SaveRecord | None:
         """Collective, after step `step`: save if it is a checkpoint step or `final` (the
@@ -188,6 +190,8 @@ class CheckpointManager:
         }
         rank_extra = {"sampler": self.sampler.state_dict(next_step=step + 1)}
         record = self._save(step, meta, rank_extra, last=final)
+        if self.writer.awaiting_handoff:  # its snapshot copies beside the next step
+            self.local.hold_files()
         fields = {"weights_sha256": model_sha256(self.model)} if self.settings.record_weight_hashes else {}
         self.events.emit(
             "checkpoint_queued", step=step, mode=record.mode, blocked_s=record.blocked_s, **fields
