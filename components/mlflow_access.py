@@ -2,12 +2,13 @@
 
 The tracking server and its credentials come only from MLflow's standard environment
 variables (MLFLOW_TRACKING_URI, MLFLOW_TRACKING_TOKEN or MLFLOW_TRACKING_USERNAME/PASSWORD;
-on a cluster a Kubernetes secret fills them in), never from pipeline parameters, so they
-do not show up in the compiled pipeline or the KFP UI. Every call that reaches the server
-goes through `call_with_retries`: an unreachable server, a timeout or a 5xx answer is
-retried with exponential backoff, and when the attempts run out the step fails with a
-`RegistryUnavailable` that names the server and says what to check. Other errors (a
-missing alias, a bad request) are not retried: retrying cannot fix them.
+on a cluster a Kubernetes secret fills them in, `MLFLOW_SECRET_KEYS`), never from pipeline
+parameters, so they do not show up in the compiled pipeline, the KFP UI or a training
+job's manifest. Every call that reaches the server goes through `call_with_retries`: an
+unreachable server, a timeout or a 5xx answer is retried with exponential backoff, and
+when the attempts run out the step fails with a `RegistryUnavailable` that names the
+server and says what to check. Other errors (a missing alias, a bad request) are not
+retried: retrying cannot fix them.
 
 A step's calls share one overall deadline (`RetryPolicy.deadline_s`, counted from the
 step's first call inside `step_deadline`): MLflow's own HTTP retries are switched off and
@@ -35,6 +36,16 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+DEFAULT_MLFLOW_SECRET = "mlflow-credentials"
+"""The Kubernetes secret (pipeline parameter `mlflow_secret_name`) that holds the settings below."""
+MLFLOW_SECRET_KEYS = {
+    # secret key -> environment variable the MLflow client reads. One mapping for both ways
+    # the secret reaches a pod: kfp-kubernetes for the pipeline's steps (pipelines.platform)
+    # and secretKeyRef entries for a training job's pods (components.train.jobs).
+    "tracking_uri": TRACKING_URI_ENV,
+    "username": "MLFLOW_TRACKING_USERNAME",
+    "password": "MLFLOW_TRACKING_PASSWORD",
+}
 # MLflow error codes a retry can cure: the server was down, overloaded or failed inside.
 _TRANSIENT_CODES = ("INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED", "ABORTED")
 # MLflow's own HTTP retry and timeout settings (mlflow.environment_variables): retries are

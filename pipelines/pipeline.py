@@ -139,7 +139,7 @@ def build_pipeline(
             fsx_pvc_name: Name of the FSx for Lustre PersistentVolumeClaim mounted in every step.
             gpu_node_selector: Node labels the training pods must match, e.g. {"node.kubernetes.io/instance-type": "p5.48xlarge"}.
             gpu_tolerations: Tolerations of the training pods (Kubernetes toleration objects) for tainted GPU nodes.
-            mlflow_secret_name: Kubernetes secret with keys tracking_uri, username, password for the train (live metrics), validate and register steps.
+            mlflow_secret_name: Kubernetes secret with keys tracking_uri, username, password for the train (live metrics; also a training job's pods, which read it from the job's namespace), validate and register steps.
             instance_type: EC2 instance type of the training job's nodes (match gpu_node_selector); with EFA it decides whether GPUDirect RDMA is on (p4d, p4de, p5, p5e, p5en).
             job_cpu_per_node: CPU request of each training job pod; auto = a share of a p5.48xlarge (22.5 per GPU: 180 for 8 GPUs), none on CPU; empty = none.
             job_memory_per_node: Memory request of each training job pod; auto = 225Gi per GPU (1800Gi for 8), none on CPU; empty = none.
@@ -208,8 +208,10 @@ def build_pipeline(
                 job_backoff_limit=job_backoff_limit,
                 job_termination_grace_s=job_termination_grace_s,
                 job_pending_timeout_s=job_pending_timeout_s,
+                # A training job's pods read the same secret (by name: its values stay in it).
+                mlflow_secret_name=mlflow_secret_name,
             ).set_display_name("Train the model with FSDP and checkpoints")
-            # Rank 0 logs live metrics to MLflow (in the train pod; job pods need it passed on).
+            # Rank 0 logs live metrics to MLflow: in this pod with launcher inpod, else in a job pod.
             platform.use_mlflow_secret(train, mlflow_secret_name)
             platform.configure_train_pod(
                 train,

@@ -4,8 +4,9 @@ The pipeline's steps share one FSx for Lustre PVC (its name is a pipeline parame
 mount path is fixed at compile time because kfp-kubernetes 2.17.3 takes only a constant
 `mount_path`), the trainer gets a memory-backed `/dev/shm`, the train step's pod gets
 CPU/memory/GPU requests (compile time) and the GPU node selector and tolerations
-(pipeline parameters), the register step reads its MLflow
-settings from a Kubernetes secret named by a parameter. No AWS keys appear anywhere: the
+(pipeline parameters), the train, validate and register steps read their MLflow
+settings from a Kubernetes secret named by a parameter (the train step also hands that name
+to a training job, whose pods read the same secret). No AWS keys appear anywhere: the
 pods reach S3 through their service account (IRSA). These settings compile into the
 YAML's second document (the platform spec); `kfp.local` ignores them.
 """
@@ -15,15 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# One definition in components (the training job's manifest, components.train.jobs, reads
+# it too, and components do not import the pipeline); re-exported with the other defaults.
+from components.mlflow_access import DEFAULT_MLFLOW_SECRET as DEFAULT_MLFLOW_SECRET
+from components.mlflow_access import MLFLOW_SECRET_KEYS
+
 DEFAULT_FSX_MOUNT_PATH = "/fsx"
 DEFAULT_PVC_NAME = "fsx-claim"
-DEFAULT_MLFLOW_SECRET = "mlflow-credentials"
-MLFLOW_SECRET_KEYS = {
-    # secret key -> environment variable the MLflow client reads
-    "tracking_uri": "MLFLOW_TRACKING_URI",
-    "username": "MLFLOW_TRACKING_USERNAME",
-    "password": "MLFLOW_TRACKING_PASSWORD",
-}
 DEFAULT_GPU_TOLERATIONS = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
 DEFAULT_GPU_INSTANCE_TYPE = "p5.48xlarge"
 IMAGE_PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -98,6 +97,7 @@ def configure_train_pod(task: Any, *, options: PlatformOptions, node_selector: A
 
 
 def use_mlflow_secret(task: Any, secret_name: Any) -> Any:
+    """MLFLOW_TRACKING_* in `task`'s pod from the secret's keys (`MLFLOW_SECRET_KEYS`)."""
     from kfp import kubernetes
 
     return kubernetes.use_secret_as_env(task, secret_name=secret_name, secret_key_to_env=MLFLOW_SECRET_KEYS)

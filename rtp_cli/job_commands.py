@@ -14,7 +14,13 @@ from typing import Any
 
 from components.train.job_scale import AUTO, AUTO_COUNT
 from components.train.jobs import DEFAULT_TRAINING_RUNTIME, JOB_LAUNCHERS
-from pipelines.platform import DEFAULT_GPU_TOLERATIONS, DEFAULT_PVC_NAME, PlatformOptions
+from pipelines.platform import (
+    DEFAULT_GPU_TOLERATIONS,
+    DEFAULT_MLFLOW_SECRET,
+    DEFAULT_PVC_NAME,
+    MLFLOW_SECRET_KEYS,
+    PlatformOptions,
+)
 from trainer.arguments import PIPELINE_SETTINGS, add_named_arguments, add_preset_argument, named_from_args
 
 
@@ -26,7 +32,7 @@ def add_render_job_parser(sub: argparse._SubParsersAction) -> None:
         help="print the PyTorchJob or TrainJob manifest the train step would create",
         description="Print, as YAML, the training job the train step creates with launcher pytorchjob or "
         "trainjob: each pod runs ft_launcher with a c10d rendezvous, mounts the FSx PVC and a memory-backed "
-        "/dev/shm. Nothing is sent to a cluster.",
+        "/dev/shm, and reads MLflow's settings from a secret. Nothing is sent to a cluster.",
     )
     p.add_argument("--mode", required=True, choices=JOB_LAUNCHERS, help="which job to render")
     p.add_argument("-o", "--output", default="-", help="output file; - is stdout (default: %(default)s)")
@@ -81,6 +87,14 @@ def add_render_job_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--image-pull-secret", action="append", default=[], metavar="NAME", help="(repeatable)")
     p.add_argument(
+        "--mlflow-secret-name",
+        default=DEFAULT_MLFLOW_SECRET,
+        metavar="NAME",
+        help="secret in the namespace whose keys the pods read as "
+        f"{_key_to_env_help()} (by reference, optional), so rank 0 logs live metrics to MLflow; "
+        "'' = no MLflow (default: %(default)s)",
+    )
+    p.add_argument(
         "--max-restarts",
         type=int,
         default=AUTO_COUNT,
@@ -110,6 +124,12 @@ def add_render_job_parser(sub: argparse._SubParsersAction) -> None:
     add_named_arguments(p, PIPELINE_SETTINGS)
     p.add_argument("--overrides", default="", help="extra trainer config, 'section.field=value ...'")
     p.set_defaults(handler=_cmd_render_job)
+
+
+def _key_to_env_help() -> str:
+    """`tracking_uri -> MLFLOW_TRACKING_URI, ...`, from the one mapping the pods get, so the
+    help cannot drift from the manifest."""
+    return ", ".join(f"{key} -> {variable}" for key, variable in MLFLOW_SECRET_KEYS.items())
 
 
 def _json_arg(flag: str, text: str, kind: type) -> Any:
@@ -155,6 +175,7 @@ def render_job(args: argparse.Namespace) -> dict[str, Any]:
         tolerations=_json_arg("--tolerations", args.tolerations, list),
         service_account=args.service_account,
         image_pull_secrets=list(args.image_pull_secret),
+        mlflow_secret_name=args.mlflow_secret_name,
         instance_type=args.instance_type,
         max_restarts=args.max_restarts if args.max_restarts >= 0 else None,
         backoff_limit=args.backoff_limit if args.backoff_limit >= 0 else None,

@@ -41,6 +41,7 @@ def train_model(
     job_backoff_limit: int = -1,
     job_termination_grace_s: int = -1,
     job_pending_timeout_s: int = 900,
+    mlflow_secret_name: str = "mlflow-credentials",
     pipeline_version: str = "",
 ) -> None:
     """Train the language model with FSDP, in this pod or as a multi-node job; resume from the last checkpoint.
@@ -83,10 +84,13 @@ def train_model(
         job_backoff_limit: pod restarts before a PyTorchJob fails; -1 = by GPU count (10 on GPUs, 2 on CPU).
         job_termination_grace_s: seconds a job pod has for its final checkpoint after SIGTERM; -1 = by GPU count (600 on GPUs, 90 on CPU).
         job_pending_timeout_s: a job pod unschedulable, or an init container waiting, this long fails the step.
+        mlflow_secret_name: secret (keys tracking_uri, username, password) the job's pods read as MLFLOW_TRACKING_* by reference, optional; empty = none.
         pipeline_version: version of the pipeline definition (a tag of the run's MLflow run).
 
     With MLFLOW_TRACKING_URI set, rank 0 logs live metrics to one MLflow run per run folder
-    (experiment: the pipeline's name); validate and register log into the same run.
+    (experiment: the pipeline's name); validate and register log into the same run. This pod
+    gets it from the pipeline (the secret mlflow_secret_name); a job's pods, where rank 0 runs
+    then, read the same secret themselves.
     """
     import json
     import shutil
@@ -145,6 +149,7 @@ def train_model(
             backoff_limit=job_backoff_limit if job_backoff_limit >= 0 else None,
             termination_grace_s=job_termination_grace_s if job_termination_grace_s >= 0 else None,
             pending_timeout_s=job_pending_timeout_s,
+            mlflow_secret_name=mlflow_secret_name,
         )
     summary = result.summary
     from trainer.checkpointing.storage import manifest_sha256

@@ -5,9 +5,11 @@ already runs on the cluster: the Kubeflow Training Operator (`PyTorchJob`,
 `kubeflow.org/v1`) or Kubeflow Trainer v2 (`TrainJob`, `trainer.kubeflow.org/v1alpha1`,
 against a torch-distributed `ClusterTrainingRuntime`). Every pod runs `ft_launcher` with a
 c10d rendezvous on the engine's master address, mounts the FSx PVC at the same path as the
-pipeline's pods and gets a memory-backed `/dev/shm`. The builders here are pure functions
-of a `JobSettings` (no Kubernetes client, no I/O), so `rtp render-job` can print them and
-tests can validate them against the CRD schemas; `k8s_launcher` creates and watches them.
+pipeline's pods, gets a memory-backed `/dev/shm` and reads MLflow's settings from the secret
+the pipeline's steps read (rank 0, in a job pod, logs the live metrics). The builders here
+are pure functions of a `JobSettings` (no Kubernetes client, no I/O), so `rtp render-job`
+can print them and tests can validate them against the CRD schemas; `k8s_launcher` creates
+and watches them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from components.mlflow_access import DEFAULT_MLFLOW_SECRET, MLFLOW_SECRET_KEYS
 from components.train.job_scale import AUTO, JobScale, job_scale
 from trainer.launch import LauncherSettings, launcher_flags
 
@@ -50,6 +53,8 @@ EC2 user guide's EFA pages; on others (g5, g6, p3dn) libfabric would fail to reg
 SHM_VOLUME = "dshm"
 FSX_VOLUME = "fsx"
 _DNS_LABEL = re.compile(r"[^a-z0-9-]+")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+"""A Kubernetes object name such as a secret's (RFC 1123 subdomain, at most 253 characters)."""
 
 
 class JobSettingsError(ValueError):
@@ -106,6 +111,13 @@ class JobSettings:
     ttl_after_finished_s: int = 3600
     training_runtime: str = DEFAULT_TRAINING_RUNTIME
     env: dict[str, str] = field(default_factory=dict)
+    """Extra environment of every training container, as values; a name here wins over the
+    same name from training_env's NCCL/EFA settings or from the MLflow secret."""
+    mlflow_secret_name: str = DEFAULT_MLFLOW_SECRET
+    """Secret in the job's namespace whose keys (MLFLOW_SECRET_KEYS) become the pods'
+    MLFLOW_TRACKING_* variables, so rank 0 logs live metrics; referenced, never copied into
+    the manifest, and optional (a missing secret or key leaves its variable unset). Empty
+    gives the pods no MLflow settings: training then logs only to files."""
     managed_by: str = MANAGED_BY_RTP
     """The job's app.kubernetes.io/managed-by label. The train step's jobs say `rtp`, and only
     those are ever deleted by rtp; `rtp render-job` output says `rtp-render-job`, so a job a
@@ -135,6 +147,12 @@ class JobSettings:
             problems.append(
                 f"nproc_per_node ({self.nproc_per_node}) exceeds gpus_per_node ({self.gpus_per_node}): "
                 "one process per GPU"
+            )
+        secret = self.mlflow_secret_name
+        if secret and (len(secret) > 253 or not _DNS_SUBDOMAIN.fullmatch(secret)):
+            problems.append(
+                f"mlflow_secret_name {secret!r} must be a Kubernetes secret name "
+                "(a-z, 0-9, '-', '.', at most 253) or empty for none"
             )
         if not self.mount_path.startswith("/"):
             problems.append(f"mount_path {self.mount_path!r} must be an absolute path")
@@ -228,8 +246,31 @@ def efa_device_rdma(settings: JobSettings) -> bool:
     )
 
 
-def training_env(settings: JobSettings) -> list[dict[str, str]]:
-    """NCCL/EFA and Python settings for every training container, plus the caller's extras."""
+def training_env(settings: JobSettings) -> list[dict[str, Any]]:
+    """NCCL/EFA and Python settings for every training container, the caller's extras, and
+    references to the MLflow secret for any MLflow variable the extras do not set."""
+    values = _value_env(settings)
+    from_secret = [
+        item for item in mlflow_secret_env(settings.mlflow_secret_name) if item["name"] not in values
+    ]
+    return [{"name": key, "value": value} for key, value in values.items()] + from_secret
+
+
+def mlflow_secret_env(secret_name: str) -> list[dict[str, Any]]:
+    """Env entries that make the kubelet read MLflow's settings from `secret_name` when it
+    starts a pod: rank 0 of a job logs live metrics like the in-pod train step does, and the
+    credentials never enter the job object (anyone who may read jobs could read them there).
+    Optional, so a namespace without the secret still trains, logging only to files."""
+    if not secret_name:
+        return []
+    return [
+        {"name": variable, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": key, "optional": True}}}
+        for key, variable in MLFLOW_SECRET_KEYS.items()
+    ]
+
+
+def _value_env(settings: JobSettings) -> dict[str, str]:
+    """The variables given as values: NCCL/EFA/Python settings for this shape, then the extras."""
     env = {"PYTHONUNBUFFERED": "1", "NCCL_DEBUG": "WARN", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
     if settings.gpus_per_node == 0:
         # gloo on CPU: one intra-op thread per rank, or the ranks oversubscribe the cores.
@@ -250,7 +291,7 @@ def training_env(settings: JobSettings) -> list[dict[str, str]]:
         if efa_device_rdma(settings):
             env["FI_EFA_USE_DEVICE_RDMA"] = "1"
     env.update(settings.env)
-    return [{"name": key, "value": value} for key, value in env.items()]
+    return env
 
 
 def _resources(settings: JobSettings) -> dict[str, dict[str, Any]]:

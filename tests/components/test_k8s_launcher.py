@@ -193,6 +193,21 @@ def fake_summary(steps: int, checkpoint: str) -> TrainSummary:
     )  # fmt: skip
 
 
+def mlflow_env(job_spec: dict) -> dict[str, dict]:
+    """The MLflow variables of a created job's training containers, by name: the secret
+    reference each one reads (a value would put a credential into the job object)."""
+    if "pytorchReplicaSpecs" in job_spec:
+        envs = [
+            r["template"]["spec"]["containers"][0]["env"] for r in job_spec["pytorchReplicaSpecs"].values()
+        ]
+    else:
+        envs = [job_spec["trainer"]["env"]]
+    found = [{item["name"]: item for item in env if item["name"].startswith("MLFLOW_")} for env in envs]
+    assert all(entries == found[0] for entries in found)  # master and workers alike
+    assert all(set(item) == {"name", "valueFrom"} for item in found[0].values())
+    return {name: item["valueFrom"]["secretKeyRef"] for name, item in found[0].items()}
+
+
 @pytest.mark.parametrize("launcher", ["pytorchjob", "trainjob"])
 def test_train_with_job_returns_the_summary_rank0_wrote(fake, tmp_path, launcher):
     run_folder = tmp_path / "fsx" / "rtp" / "runs" / "r1"
@@ -218,10 +233,15 @@ def test_train_with_job_returns_the_summary_rank0_wrote(fake, tmp_path, launcher
     result = train_with_job(
         launcher, request, run_id=RUN_ID, namespace="team-a", image="example.com/rtp:1", nproc_per_node=2,
         timeout_s=30, poll_interval_s=0.01, api_client=api_client(fake), nnodes=2, pvc_name="fsx-claim",
-        mount_path=str(tmp_path / "fsx"),
+        mount_path=str(tmp_path / "fsx"), mlflow_secret_name="team-mlflow",
     )  # fmt: skip
     assert result.summary == written
     created = fake.jobs[next(iter(fake.jobs))].body["spec"]
+    assert mlflow_env(created) == {
+        "MLFLOW_TRACKING_URI": {"name": "team-mlflow", "key": "tracking_uri", "optional": True},
+        "MLFLOW_TRACKING_USERNAME": {"name": "team-mlflow", "key": "username", "optional": True},
+        "MLFLOW_TRACKING_PASSWORD": {"name": "team-mlflow", "key": "password", "optional": True},
+    }
     deadline = (
         created["runPolicy"]["activeDeadlineSeconds"]
         if launcher == "pytorchjob"
@@ -430,6 +450,10 @@ def test_the_train_step_reports_no_model_when_a_job_stopped_on_sigterm_early(fak
             preset="tiny-cpu", overrides="", faults="none", model_init="pretrained", model=model,
             metrics=metrics, goodput_report=SimpleNamespace(path=str(tmp_path / "report.html")),
             launcher="pytorchjob", nnodes=2, job_image="example.com/rtp:1", job_namespace="team-a",
+            mlflow_secret_name="team-mlflow",
         )  # fmt: skip
     assert model.metadata == {} and not (tmp_path / "model.json").exists() and logged == []
     assert not (run_folder / "steps" / "train.json").exists()
+    # The component hands its secret name to the job: rank 0 there logs the live metrics.
+    created = fake.jobs[next(iter(fake.jobs))].body["spec"]
+    assert {ref["name"] for ref in mlflow_env(created).values()} == {"team-mlflow"}

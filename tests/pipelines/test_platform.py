@@ -104,8 +104,13 @@ def test_trainer_gets_shm_gpu_scheduling_and_resources(compiled):
 
 def test_mlflow_credentials_come_from_a_secret_only_in_train_validate_and_register(compiled):
     """Train logs live metrics, validate scores the current champion and register writes the
-    model: the three need MLflow."""
-    _, platform_spec, _ = compiled
+    model: the three need MLflow. The train step also gets the secret's name, for a training
+    job's pods (where rank 0 runs with a job launcher) to read the same secret."""
+    pipeline, platform_spec, _ = compiled
+    train_task = pipeline["components"]["comp-exit-handler-1"]["dag"]["tasks"]["train-model"]
+    assert train_task["inputs"]["parameters"]["mlflow_secret_name"] == {
+        "componentInputParameter": "pipelinechannel--mlflow_secret_name"
+    }
     executors = _executors(platform_spec)
     for name in ("exec-register-model", "exec-train-model", "exec-validate-checkpoint"):
         (secret,) = executors[name]["secretAsEnv"]

@@ -37,6 +37,28 @@ def test_render_job_prints_the_manifest(capsys, mode, kind):
 
 
 @pytest.mark.parametrize(
+    ("extra", "secret"), [([], "mlflow-credentials"), (["--mlflow-secret-name", "team-ml"], "team-ml")]
+)
+def test_render_job_pods_read_mlflow_from_the_named_secret(capsys, extra, secret):
+    assert main(["render-job", "--mode", "pytorchjob", *extra]) == 0
+    manifest = yaml.safe_load(capsys.readouterr().out)
+    env = manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["env"]
+    refs = {item["name"]: item["valueFrom"]["secretKeyRef"] for item in env if "valueFrom" in item}
+    assert set(refs) == {"MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"}
+    assert {ref["name"] for ref in refs.values()} == {secret}
+
+
+def test_render_job_without_an_mlflow_secret_and_its_help(capsys):
+    assert main(["render-job", "--mode", "trainjob", "--mlflow-secret-name", ""]) == 0
+    manifest = yaml.safe_load(capsys.readouterr().out)
+    assert not any(item["name"].startswith("MLFLOW_") for item in manifest["spec"]["trainer"]["env"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["render-job", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--mlflow-secret-name" in help_text and "password -> MLFLOW_TRACKING_PASSWORD" in help_text
+
+
+@pytest.mark.parametrize(
     ("extra", "message"),
     [
         (["--nnodes", "0"], "nnodes must be at least 1"),
@@ -44,6 +66,7 @@ def test_render_job_prints_the_manifest(capsys, mode, kind):
         (["--node-selector", "pool=gpu"], "--node-selector is not valid JSON"),
         (["--tolerations", "{}"], "--tolerations must be a JSON list"),
         (["--overrides", "model.n_heads=3"], "divisible"),
+        (["--mlflow-secret-name", "MLflow_Creds"], "must be a Kubernetes secret name"),
     ],
 )
 def test_render_job_bad_input_is_one_line_and_exit_2(capsys, extra, message):

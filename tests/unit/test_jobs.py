@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import yaml
 
 from components.train.job_scale import AUTO, CPU_SCALE, GPU_SCALE, job_scale, trainer_overrides
 from components.train.jobs import (
@@ -26,6 +27,7 @@ from components.train.jobs import (
     run_id_label_value,
     trainjob_manifest,
 )
+from pipelines.platform import DEFAULT_MLFLOW_SECRET, MLFLOW_SECRET_KEYS
 from tests.fakes.crd_schema import load_custom_resources
 from trainer.config import ConfigError, ResilienceConfig, build_config
 
@@ -103,7 +105,7 @@ def test_pytorchjob_has_one_master_and_n_minus_1_workers_with_gpus_efa_and_volum
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "256Gi"}} in pod["volumes"]
     assert {"name": "fsx", "persistentVolumeClaim": {"claimName": "fsx-claim"}} in pod["volumes"]
     assert {"name": "fsx", "mountPath": "/fsx"} in container["volumeMounts"]
-    env = {item["name"]: item["value"] for item in container["env"]}
+    env = env_values(container["env"])
     assert env["FI_PROVIDER"] == "efa" and "OMP_NUM_THREADS" not in env
     assert manifest["spec"]["runPolicy"]["activeDeadlineSeconds"] == 86400
     assert manifest["spec"]["runPolicy"]["backoffLimit"] == GPU_SCALE.backoff_limit
@@ -207,11 +209,21 @@ def pod_templates(manifest: dict) -> list[dict]:
     return [job["template"]["spec"]["template"] for job in patch["replicatedJobs"]]
 
 
-def env_of(manifest: dict) -> dict[str, str]:
+def env_lists(manifest: dict) -> list[list[dict]]:
+    """The env list of every training container a job manifest declares (one per replica type)."""
     if manifest["kind"] == "PyTorchJob":
-        container = manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
-        return {item["name"]: item["value"] for item in container["env"]}
-    return {item["name"]: item["value"] for item in manifest["spec"]["trainer"]["env"]}
+        replicas = manifest["spec"]["pytorchReplicaSpecs"].values()
+        return [replica["template"]["spec"]["containers"][0]["env"] for replica in replicas]
+    return [manifest["spec"]["trainer"]["env"]]
+
+
+def env_values(env: list[dict]) -> dict[str, str]:
+    """The variables given as values; entries read from a secret (valueFrom) are left out."""
+    return {item["name"]: item["value"] for item in env if "valueFrom" not in item}
+
+
+def env_of(manifest: dict) -> dict[str, str]:
+    return env_values(env_lists(manifest)[0])
 
 
 @pytest.mark.parametrize("launcher", ["pytorchjob", "trainjob"])
@@ -305,3 +317,65 @@ def test_efa_env_sets_device_rdma_only_on_instance_types_that_support_it(launche
     assert "FI_EFA_USE_DEVICE_RDMA" not in unknown
     tcp = env_of(job_manifest(launcher, settings(nnodes=2, instance_type="p5.48xlarge")))
     assert not any(name.startswith("FI_") for name in tcp) and tcp["NCCL_DEBUG"] == "WARN"
+
+
+@pytest.mark.parametrize("launcher", ["pytorchjob", "trainjob"])
+def test_job_pods_read_mlflow_settings_from_the_secret_by_reference(crds, launcher, monkeypatch):
+    """Rank 0 runs in a job pod: without MLFLOW_TRACKING_URI there it logs no live metrics.
+    The pods name the pipeline's secret and the kubelet reads it; no value enters the job."""
+    # Credentials on the rendering machine must not leak into the manifest either.
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "canary-password-7f3a")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://canary-host.example:5000")
+    manifest = job_manifest(launcher, settings(nnodes=3, mlflow_secret_name="team-mlflow"))
+    assert crds[f"{manifest['apiVersion']}/{manifest['kind']}"].errors(manifest) == []
+    expected = [
+        {
+            "name": variable,
+            "valueFrom": {"secretKeyRef": {"name": "team-mlflow", "key": key, "optional": True}},
+        }
+        for key, variable in MLFLOW_SECRET_KEYS.items()
+    ]
+    assert {"MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"} == {
+        item["name"] for item in expected
+    }
+    for env in env_lists(manifest):
+        assert [item for item in env if item["name"].startswith("MLFLOW_")] == expected
+        assert all("value" not in item for item in env if "valueFrom" in item)
+        assert len({item["name"] for item in env}) == len(env)  # no variable twice
+    text = yaml.safe_dump(manifest)
+    assert "canary" not in text
+
+
+def test_the_pipelines_secret_is_the_default_and_one_mapping_serves_steps_and_jobs():
+    from components import mlflow_access
+
+    assert mlflow_access.MLFLOW_SECRET_KEYS is MLFLOW_SECRET_KEYS  # one definition, not a copy
+    assert settings().mlflow_secret_name == DEFAULT_MLFLOW_SECRET
+    refs = [item["valueFrom"]["secretKeyRef"] for item in env_lists(pytorchjob_manifest(settings()))[0]
+            if "valueFrom" in item]  # fmt: skip
+    assert {ref["name"] for ref in refs} == {DEFAULT_MLFLOW_SECRET}
+
+
+@pytest.mark.parametrize("launcher", ["pytorchjob", "trainjob"])
+def test_no_mlflow_secret_gives_the_pods_no_mlflow_settings(crds, launcher):
+    manifest = job_manifest(launcher, settings(nnodes=2, mlflow_secret_name=""))
+    assert crds[f"{manifest['apiVersion']}/{manifest['kind']}"].errors(manifest) == []
+    for env in env_lists(manifest):
+        assert not any(item["name"].startswith("MLFLOW_") or "valueFrom" in item for item in env)
+
+
+def test_an_explicit_mlflow_value_wins_over_the_secret_without_a_duplicate():
+    manifest = pytorchjob_manifest(settings(env={"MLFLOW_TRACKING_URI": "http://mlflow.team-a:5000"}))
+    (env,) = env_lists(manifest)
+    assert [item for item in env if item["name"] == "MLFLOW_TRACKING_URI"] == [
+        {"name": "MLFLOW_TRACKING_URI", "value": "http://mlflow.team-a:5000"}
+    ]
+    from_secret = {item["name"] for item in env if "valueFrom" in item}
+    assert from_secret == {"MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"}
+
+
+@pytest.mark.parametrize("name", ["Bad_Name", "-lead", "trail.", "a..b", "x" * 254])
+def test_a_bad_mlflow_secret_name_is_refused_before_any_pod_would_fail(name):
+    with pytest.raises(JobSettingsError, match=r"mlflow_secret_name .* must be a Kubernetes secret name"):
+        pytorchjob_manifest(settings(mlflow_secret_name=name))
+    assert pytorchjob_manifest(settings(mlflow_secret_name="mlflow.credentials-2"))
