@@ -388,7 +388,9 @@ def test_a_restarted_attempt_resumes_from_the_fast_tier_newer_than_the_durable_c
         local_tier._memory.clear()
         # Two files kept; the newest is step 4's (an older capture may have been skipped
         # while the thread was writing, so the other one is step 2's or 3's).
-        files = sorted(resumed.local.folder.glob("rank_0_step_*.pt"), key=lambda p: int(p.stem.split("_")[-1]))
+        files = sorted(
+            resumed.local.folder.glob("rank_0_step_*.pt"), key=lambda p: int(p.stem.split("_")[-1])
+        )
         assert len(files) == 2 and files[-1].name == "rank_0_step_4.pt"
         third_model, third_optimizer = _trained_model(seed=2)
         from_files = _manager(tmp_path, "sync", third_model, third_optimizer)

@@ -293,6 +293,7 @@ class LocalTier:
                 if self._closed and (self._queued is None or not self._flush):
                     return
                 slot, self._queued = self._queued, None
+                assert slot is not None  # closed with nothing queued returned above
                 self._writing = slot
                 snapshot = self._buffers[slot]
             try:
@@ -320,7 +321,9 @@ class LocalTier:
             if holder not in self._holders:
                 continue
             try:
-                peer_copies.send_replica(self._holders[holder], self._token, self.rank, snapshot["step"], final)
+                peer_copies.send_replica(
+                    self._holders[holder], self._token, self.rank, snapshot["step"], final
+                )
                 self.replicas_sent += 1
             except (OSError, ValueError) as exc:  # a peer restarting must not stop training
                 self.replica_errors += 1
@@ -490,7 +493,7 @@ class LocalTier:
             for p, saved in zip(self.params, snapshot["params"], strict=True):
                 _local(p).copy_(saved)
             for p, saved in zip(self.params, snapshot["optim"], strict=True):
-                state = {}
+                state: dict[str, Any] = {}
                 for k, v in saved.items():
                     if torch.is_tensor(v) and isinstance(p, DTensor) and v.shape == _local(p).shape:
                         state[k] = DTensor.from_local(

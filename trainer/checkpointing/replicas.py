@@ -135,10 +135,10 @@ class ReplicaReceiver:
         finally:
             temporary.unlink(missing_ok=True)
         self.received += 1
-        connection.sendall(b"\x01")
         steps = sorted(held_replicas(self.folder, self.holder, [owner])[owner].items())
         for _, old in steps[:-KEEP_PER_OWNER]:
             old.unlink(missing_ok=True)
+        connection.sendall(b"\x01")  # the sender returns: what it sees is what is held
 
     def close(self) -> None:
         self._stop.set()
