@@ -274,9 +274,10 @@ class LocalTier:
             self._thread.start()
 
     def hold_files(self) -> None:
-        """A durable save's snapshot is being copied beside the step and the optimizer waits
-        for it: no new file is started until `release_files()` (both compete for the same
-        cores and memory bandwidth, and the snapshot is what the loop waits for)."""
+        """A durable save is copying the state (an async save's snapshot, beside the next
+        step's forward and backward, which the optimizer waits for): no new file is started
+        until `release_files()` — when the copy is complete, at the latest before the next
+        optimizer step. Both compete for the same cores and memory bandwidth."""
         self._files_allowed.clear()
 
     def release_files(self) -> None:

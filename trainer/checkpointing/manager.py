@@ -190,8 +190,6 @@ class CheckpointManager:
         }
         rank_extra = {"sampler": self.sampler.state_dict(next_step=step + 1)}
         record = self._save(step, meta, rank_extra, last=final)
-        if self.writer.awaiting_handoff:  # its snapshot copies beside the next step
-            self.local.hold_files()
         fields = {"weights_sha256": model_sha256(self.model)} if self.settings.record_weight_hashes else {}
         self.events.emit(
             "checkpoint_queued", step=step, mode=record.mode, blocked_s=record.blocked_s, **fields
@@ -217,6 +215,10 @@ class CheckpointManager:
             path=str(final),
         )
         pending = PendingSave(record, staging, final, meta, started_at=started, queued_at=started, last=last)
+        # The fast tier's next file waits while the save copies the state: both compete for
+        # the same cores and memory bandwidth, and the loop waits for the save's copy.
+        self.local.hold_files()
+        pending.on_copied = self.local.release_files
         self.writer.start_save({"model": model_state, "optim": optim_state}, pending)
         self.records.append(record)
         return record

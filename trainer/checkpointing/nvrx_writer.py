@@ -113,6 +113,8 @@ class NvrxAsyncWriter(CheckpointWriter):
 
         from trainer.checkpointing import nvrx_compat
 
+        if pending.on_copied is not None:
+            pending.on_copied()  # called after the copy: the live state is free again
         writer, metadata, dist_wrapper = save_state_dict_async_plan(
             snapshot, writer, process_group=self._group, enable_cache=True, metadata_cache=self._plan_cache
         )
