@@ -421,3 +421,28 @@ def test_a_periodic_save_is_skipped_while_a_restarted_writer_starts_but_a_final_
     assert sorted(c.name for c in (tmp_path / "checkpoints").iterdir()) == ["step_10", "step_3", "step_9"]
     logged = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [e["step"] for e in logged if e["kind"] == "checkpoint_deferred"] == [6]
+
+
+def test_a_finished_rank_deletes_only_its_own_copies_even_when_the_folder_is_gone(tmp_path):
+    """At the end of a run every rank deletes its fast-tier files at the same time and the
+    last one out removes the folder: a rank that finds the folder gone must not fail (that
+    turned a finished run into an in-process restart once)."""
+    from trainer.checkpointing.local_tier import forget_run
+    from trainer.checkpointing.replicas import replica_name
+
+    model, optimizer = _trained_model()
+    manager = _manager(tmp_path, "off", model, optimizer)
+    folder = manager.local.folder
+    folder.mkdir(parents=True)
+    try:
+        others = [folder / "rank_1_step_3.pt", folder / replica_name(0, 3, 1)]
+        mine = [folder / "rank_0_step_3.pt", folder / replica_name(1, 3, 0)]
+        for path in [*others, *mine]:
+            path.write_bytes(b"x")
+        manager.local.close(discard=True)
+        assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in others)
+        forget_run("", tmp_path / "checkpoints")  # what the other rank's exit leaves: no folder
+        manager.local.close(discard=True)
+        assert not folder.exists()
+    finally:
+        forget_run("", tmp_path / "checkpoints")

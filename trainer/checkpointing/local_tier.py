@@ -362,16 +362,23 @@ class LocalTier:
         if discard:
             _memory.pop(self.key, None)
             self._buffers = [None, None]
-            if self.folder.is_dir():
-                for path in self.folder.iterdir():
-                    match = _FILE.match(path.name)
-                    if match and int(match.group(1)) == self.rank:
-                        path.unlink(missing_ok=True)
-                for held in peer_copies.held_replicas(self.folder, self.rank, self.holds_for).values():
-                    for path in held.values():
-                        path.unlink(missing_ok=True)
-                with contextlib.suppress(OSError):
-                    self.folder.rmdir()  # the last rank out removes the folder
+            self._delete_files()
+
+    def _delete_files(self) -> None:
+        """This rank's files and the replicas it holds; the last rank out removes the folder.
+        One listing: the other ranks delete theirs at the same time, and the folder may be
+        gone by the time this rank looks again."""
+        try:
+            names = [entry.name for entry in os.scandir(self.folder)]
+        except FileNotFoundError:
+            return
+        for name in names:
+            own = _FILE.match(name)
+            held = peer_copies.REPLICA_FILE.match(name)
+            if (own and int(own.group(1)) == self.rank) or (held and int(held.group(3)) == self.rank):
+                (self.folder / name).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self.folder.rmdir()
 
     # ---- restore -------------------------------------------------------------------
 

@@ -73,11 +73,14 @@ def listen_host(world: int, local_world: int) -> str:
 def held_replicas(folder: Path, holder: int, owners: list[int]) -> dict[int, dict[int, Path]]:
     """owner -> step -> file, for the replicas this rank holds of `owners`."""
     found: dict[int, dict[int, Path]] = {owner: {} for owner in owners}
-    if folder.is_dir():
-        for path in folder.iterdir():
-            match = REPLICA_FILE.match(path.name)
-            if match and int(match.group(3)) == holder and int(match.group(1)) in found:
-                found[int(match.group(1))][int(match.group(2))] = path
+    try:
+        names = [entry.name for entry in os.scandir(folder)]
+    except FileNotFoundError:
+        return found
+    for name in names:
+        match = REPLICA_FILE.match(name)
+        if match and int(match.group(3)) == holder and int(match.group(1)) in found:
+            found[int(match.group(1))][int(match.group(2))] = folder / name
     return found
 
 
