@@ -446,3 +446,32 @@ def test_a_finished_rank_deletes_only_its_own_copies_even_when_the_folder_is_gon
         assert not folder.exists()
     finally:
         forget_run("", tmp_path / "checkpoints")
+
+
+def test_no_fast_tier_file_is_written_while_a_durable_save_copies_the_state(tmp_path):
+    """The tier's file thread waits from a durable save's start until the save no longer
+    reads the live state (a sync save: the next optimizer step), then writes the newest copy."""
+    import time
+
+    from trainer.checkpointing.local_tier import forget_run
+
+    model, optimizer = _trained_model()
+    manager = _manager(tmp_path, "sync", model, optimizer)
+    manager.start(background=False)
+    newest = manager.local.folder / "rank_0_step_3.pt"
+    try:
+        for step in (1, 2, 3):  # the durable save is at step 3
+            _step(model, optimizer)
+            manager.before_optimizer_step()
+            manager.maybe_save(step, 1.0, final=False)
+            manager.after_step()
+        time.sleep(1.0)  # ample time for the thread to write step 3's copy if it could
+        assert not newest.exists()
+        manager.before_optimizer_step()  # the step after the save: its file may go now
+        deadline = time.monotonic() + 10
+        while not newest.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert newest.exists()
+        manager.close()
+    finally:
+        forget_run("", tmp_path / "checkpoints")

@@ -164,13 +164,18 @@ class CheckpointManager:
         attempt's last step, or a stop was requested). Returns the save's record if it is
         queued with the writer now; an async save is queued by `before_optimizer_step()`."""
         started = time.perf_counter()
+        due = (final or step % self.settings.every_steps == 0) and self.writer.writes_checkpoints
+        if due:
+            # The save copies the state beside the next step, and the loop waits for that
+            # copy: the fast tier's file of this step (same cores, same memory bandwidth)
+            # waits until the save's `on_copied`, at the latest the next optimizer step.
+            self.local.hold_files()
         if self.local.capture(step, self.durable_step):
             self.local_tier_s += time.perf_counter() - started
-        if not (final or step % self.settings.every_steps == 0):
-            return None
-        if not self.writer.writes_checkpoints:
+        if not due:
             return None
         if not final and self.writer.warming_up and self._may_defer(step):
+            self.local.release_files()
             # A restarted attempt's writer starts in the background (1-2 s, more on a busy
             # machine); waiting for it here blocked the loop for that long and could trip the
             # in-process watchdog. The fast tier covers recovery meanwhile: this periodic
@@ -215,10 +220,7 @@ class CheckpointManager:
             path=str(final),
         )
         pending = PendingSave(record, staging, final, meta, started_at=started, queued_at=started, last=last)
-        # The fast tier's next file waits while the save copies the state: both compete for
-        # the same cores and memory bandwidth, and the loop waits for the save's copy.
-        self.local.hold_files()
-        pending.on_copied = self.local.release_files
+        pending.on_copied = self.local.release_files  # the fast tier's files were held (maybe_save)
         self.writer.start_save({"model": model_state, "optim": optim_state}, pending)
         self.records.append(record)
         return record
