@@ -109,8 +109,15 @@ def record_fatal_error(workdir: str | Path, error: BaseException) -> str:
     message = f"{type(error).__name__}: {error}"
     path = fatal_error_path(workdir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"error": message, "time": time.time(), "pid": os.getpid()}))
+    # Every rank that hits the error records it at once: each writes its own temporary
+    # file (a shared name let one rank truncate the file another had just renamed into
+    # place, and a rank killed right then left an empty record: the restarted group did not
+    # see it and trained again).
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with tmp.open("w") as handle:
+        handle.write(json.dumps({"error": message, "time": time.time(), "pid": os.getpid()}))
+        handle.flush()
+        os.fsync(handle.fileno())
     os.replace(tmp, path)
     return message
 

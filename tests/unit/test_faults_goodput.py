@@ -4,6 +4,7 @@ the goodput report and the launcher's one-line failure reason."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 
 import pytest
 
@@ -66,6 +67,30 @@ def test_a_fatal_error_is_remembered_until_a_new_run(tmp_path):
     assert recorded_fatal_error(tmp_path) == "FloatingPointError: loss became nan"
     mark_new_run(tmp_path)
     assert recorded_fatal_error(tmp_path) is None
+
+
+def _record_many(workdir: str, count: int) -> None:
+    for i in range(count):
+        record_fatal_error(workdir, FloatingPointError(f"loss became nan at step {i}"))
+
+
+def test_ranks_recording_the_same_fatal_error_at_once_leave_a_whole_record(tmp_path):
+    """Every rank records a diverged loss at the same moment: none fails doing so, and a
+    reader (a restarted rank) never finds the record missing or cut short."""
+    context = multiprocessing.get_context("fork")
+    writers = [context.Process(target=_record_many, args=(str(tmp_path), 300)) for _ in range(3)]
+    record_fatal_error(tmp_path, FloatingPointError("loss became nan"))
+    for writer in writers:
+        writer.start()
+    seen = 0
+    while any(writer.is_alive() for writer in writers):
+        assert (recorded_fatal_error(tmp_path) or "").startswith("FloatingPointError: loss became nan")
+        seen += 1
+    for writer in writers:
+        writer.join()
+    assert [writer.exitcode for writer in writers] == [0, 0, 0]
+    assert seen > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fatal_error.json"]
 
 
 def _steps(first: int, last: int, t0: float, duration: float = 0.5) -> list[dict]:

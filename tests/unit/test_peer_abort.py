@@ -30,15 +30,8 @@ from trainer import peer_abort
 TIMEOUT_S = 30.0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _rank(rank: int, port: int, results: dict, mode: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    store = dist.TCPStore("127.0.0.1", port + 1, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
     with peer_abort.tracking():
         dist.init_process_group(
             "gloo",
@@ -79,10 +72,12 @@ def _rank(rank: int, port: int, results: dict, mode: str) -> None:
 
 
 def _run_pair(mode: str) -> dict:
-    port = _free_port()
+    # The store's server lives here, on a port the system picked while listening (a port
+    # probed free and then bound by a rank was taken in between once, in CI).
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_rank, args=(port, results, mode), nprocs=2, join=True)
+        mp.spawn(_rank, args=(server.port, results, mode), nprocs=2, join=True)
         return dict(results)
 
 
