@@ -6,7 +6,10 @@ rank) at fixed steps, once per mechanism:
 - `inprocess`: an `exception`, NVRx in-process restart (the processes stay);
 - `hang`: a `hang` (the rank stops making progress), caught by the in-process watchdog
   after `resilience.soft_timeout_s`, then an in-process restart;
-- `sigkill`: the rank is killed; ft_launcher restarts the worker group;
+- `sigkill`: the rank is killed; ft_launcher restarts the worker group, whose ranks are
+  forked from the node's pre-imported process once it is ready (trainer/prefork.py);
+- `sigkill-fresh`: the same with `resilience.prefork_workers=false`: every restarted rank
+  is a new interpreter that imports torch and the trainer again;
 - `launcher`: an `exception` with in-process restart off, so ft_launcher restarts the group;
 - `cold`: an `exception` with both off: the launcher exits with the failure and the
   benchmark starts a new launcher for the same run — what a pod restart does, minus
@@ -32,11 +35,12 @@ from benchmarks import report
 from trainer.config import TrainConfig, build_config
 from trainer.launch import LauncherSettings, TrainingFailed, run_local_training
 
-MECHANISMS = ("inprocess", "hang", "sigkill", "launcher", "cold")
+MECHANISMS = ("inprocess", "hang", "sigkill", "sigkill-fresh", "launcher", "cold")
 FAULT_KIND = {
     "inprocess": "exception",
     "hang": "hang",
     "sigkill": "sigkill",
+    "sigkill-fresh": "sigkill",
     "launcher": "exception",
     "cold": "exception",
 }
@@ -73,8 +77,9 @@ def run_mechanism(
 ) -> dict[str, Any]:
     faults = [f"{FAULT_KIND[mechanism]}@{step}:{min(1, nproc - 1)}" for step in fault_steps]
     timeouts = list(extra)
-    if mechanism in ("inprocess", "hang", "sigkill"):
-        config = _config(dataset, workdir, steps, every, faults, timeouts)
+    if mechanism in ("inprocess", "hang", "sigkill", "sigkill-fresh"):
+        fresh = ["resilience.prefork_workers=false"] if mechanism == "sigkill-fresh" else []
+        config = _config(dataset, workdir, steps, every, faults, [*timeouts, *fresh])
         summary = run_local_training(nproc, config, echo=False, settings=LauncherSettings(max_restarts=3))
     elif mechanism == "launcher":
         config = _config(
@@ -107,6 +112,7 @@ def run_mechanism(
         "shutdown_s_median": median("shutdown_s"),
         "startup_s_median": median("startup_s"),
         "faults": len(restarts),
+        "preforked": sum(1 for r in restarts if r.get("preforked")),
         "mechanisms_seen": sorted({r["mechanism"] for r in summary.restarts}),
         "steps_redone": summary.lost_steps,
         "goodput_pct": summary.goodput_pct,
@@ -177,7 +183,8 @@ def format_table(result: dict[str, Any]) -> str:
         f"{s['nproc']} ranks, {s['steps']} steps, checkpoint every {s['checkpoint.every_steps']}, fast tier every "
         f"{s['local_every_steps']}, faults at steps {', '.join(map(str, s['fault_steps']))} on rank {s['fault_rank']}, "
         f"collective timeout {s['collective_timeout_s']:g}s, soft timeout {s['soft_timeout_s']:g}s",
-        f"{'mechanism':<10} {'fault->resumed':>14} {'shutdown':>9} {'startup':>8} {'faults':>6} {'redone':>6} {'exact':>6}",
+        f"{'mechanism':<13} {'fault->resumed':>14} {'shutdown':>9} {'startup':>8} {'faults':>6} {'forked':>6} "
+        f"{'redone':>6} {'exact':>6}",
     ]
     for name in MECHANISMS:
         if name not in result:
@@ -185,8 +192,9 @@ def format_table(result: dict[str, Any]) -> str:
         r = result[name]
         cell = lambda v: f"{v:.2f}s" if v is not None else "-"  # noqa: E731
         lines.append(
-            f"{name:<10} {cell(r['fault_to_resumed_s_median']):>14} {cell(r['shutdown_s_median']):>9} "
-            f"{cell(r['startup_s_median']):>8} {r['faults']:>6} {r['steps_redone']:>6} {r['exact']!s:>6}"
+            f"{name:<13} {cell(r['fault_to_resumed_s_median']):>14} {cell(r['shutdown_s_median']):>9} "
+            f"{cell(r['startup_s_median']):>8} {r['faults']:>6} {r.get('preforked', 0):>6} {r['steps_redone']:>6} "
+            f"{r['exact']!s:>6}"
         )
     return "\n".join(lines)
 

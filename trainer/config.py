@@ -187,6 +187,11 @@ class ResilienceConfig:
     heartbeat_floor_s: float = 15.0
     """ft_launcher learns heartbeat timeouts from observed step times; learned values are
     never set below this floor (a busy shared CPU makes step times jumpy)."""
+    prefork_workers: bool = True
+    """Ranks the launcher starts again after a hard fault are forked from a process per
+    node that has imported torch and the trainer already (trainer/prefork.py), instead of
+    importing everything anew: a killed rank's worker group is back seconds sooner. The
+    first worker group starts the usual way."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -98,6 +98,7 @@ def analyze(events: list[dict[str, Any]], faults: list[dict[str, Any]], end_time
             "startup_phases": resumed.get("phases", {}) if resumed else {},
             "downtime_s": None,
             "steps_redone": max(0, last_done - resumed_step) if resumed_step is not None else None,
+            "preforked": bool(attempt.get("preforked", False)),
         }
         detected_at = attempt.get("fault_detected_at")
         if fault_at is not None:

@@ -1,0 +1,426 @@
+"""Pre-imported ranks: a rank the launcher starts again is forked, not imported from scratch.
+
+A hard fault (a rank killed, OOM-killed, or exited) makes ft_launcher stop the worker group
+and start `python -m trainer` again for every local rank. Half of such a start is importing
+torch, NVRx and the trainer (2.3 s of 4.3 s on the development machine), the same work
+every time. So the first worker group's local rank 0 starts one *zygote* per node beside
+itself: a process that imports all of it once, then waits on a Unix socket. A rank started
+later first asks it; when it answers, the new process (it has imported only the standard
+library) stays a thin stand-in, and the rank proper is forked from the zygote with the
+stand-in's arguments, environment, working directory and standard streams:
+
+    launcher ── python -m trainer (stand-in) ··· socket ··· zygote ── waiter ── rank
+
+- the stand-in forwards the signals the launcher sends it to the rank's process group and
+  exits as the rank did (the same code, or killed by the same signal): the launcher, the
+  rank monitors (they signal the rank's own pid, which it reports itself) and the event log
+  see a rank like any other;
+- the waiter, forked for each rank, waits for the rank and reports how it ended; when the
+  stand-in dies (the launcher SIGKILLs it), the waiter SIGKILLs the rank's process group;
+- the rank runs in a session of its own, as launchers start ranks; it dies with the
+  waiter, the waiter with the zygote, and the zygote ends when the launcher does.
+
+Where no zygote answers (the first worker group, a zygote still importing, none started),
+a rank starts the usual way, so this only ever saves time. Off with
+`resilience.prefork_workers: false`.
+
+Fork safety: the zygote runs no torch operation, initializes no CUDA and starts no Python
+thread (it checks, and does not serve if it finds one), as DataLoader workers are forked
+from a process that has imported torch. It imports at the lowest CPU priority when the
+forked ranks may return to their launcher-given priority (root, or RLIMIT_NICE allows),
+so on a small machine it does not slow the ranks starting beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import importlib
+import io
+import json
+import os
+import resource
+import runpy
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+PREFORKED_ENV = "RTP_PREFORKED"
+"""Set in a rank forked from the zygote (to the launcher's pid); such a rank starts none."""
+
+WARM_MODULES = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "nvidia_resiliency_ext.inprocess",
+    "nvidia_resiliency_ext.fault_tolerance",
+    "nvidia_resiliency_ext.checkpointing.async_ckpt.core",
+    "trainer.resilience",
+    "trainer.loop",
+    "trainer.checkpointing",
+    "trainer.checkpointing.local_tier",
+    "trainer.checkpointing.replicas",
+    "trainer.models",
+)
+"""What a rank imports on its way to the first step (the modules that cost; their imports
+bring the rest). Hugging Face models add `transformers` (see `_modules_for`)."""
+
+FORWARDED_SIGNALS = (
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
+_HEADER = struct.Struct("!I")
+
+
+def socket_path(launcher_pid: int) -> str:
+    """The zygote's address for the ranks of one launcher (its pid) on this machine."""
+    return os.path.join(tempfile.gettempdir(), f"rtp-prefork-{os.getuid()}-{launcher_pid}.sock")
+
+
+def _under_launcher() -> bool:
+    """Started by a torch elastic agent (torchrun, ft_launcher): our parent is the launcher."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and PREFORKED_ENV not in os.environ
+
+
+# --- in a new `python -m trainer` process ------------------------------------------------
+
+
+def run_forked(argv: list[str], module: str = "trainer", launcher_pid: int | None = None) -> int | None:
+    """Have the zygote fork this rank (`python -m <module> <argv[1:]>`) and stand in for it
+    until it ends; returns the exit code to leave with (a rank killed by a signal: this
+    process is killed by the same one). None when no zygote answers: the caller starts the
+    rank itself. `launcher_pid`: whose zygote (default: the parent, the launcher)."""
+    if not _under_launcher():
+        return None
+    launcher = os.getppid() if launcher_pid is None else launcher_pid
+    path = socket_path(launcher)
+    if not os.path.exists(path):
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+        request = json.dumps(
+            {
+                "module": module,
+                "argv": argv,
+                "env": dict(os.environ),
+                "cwd": os.getcwd(),
+                "launcher_pid": launcher,
+            }
+        ).encode()
+        socket.send_fds(sock, [b"R"], [0, 1, 2])
+        sock.sendall(_HEADER.pack(len(request)) + request)
+        replies = sock.makefile("rb")
+        first = replies.readline().split()
+    except OSError:
+        sock.close()
+        return None
+    if first[:1] != [b"pid"]:  # the zygote could not fork: start the usual way
+        sock.close()
+        return None
+
+    def forward(signum: int, frame: object) -> None:
+        with contextlib.suppress(OSError):
+            sock.sendall(f"signal {signum}\n".encode())
+
+    for signum in FORWARDED_SIGNALS:
+        signal.signal(signum, forward)
+    status = None
+    for line in replies:
+        kind, _, value = line.partition(b" ")
+        if kind == b"exit":
+            status = int(value)
+            break
+    if status is None:
+        print("trainer: error: the pre-imported process ended before the rank did", file=sys.stderr)
+        return 1
+    code = os.waitstatus_to_exitcode(status)
+    if code >= 0:
+        return code
+    for signum in FORWARDED_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)  # end as the rank ended: killed by the same signal
+    return 128 - code  # that signal is ignored here
+
+
+_zygote: subprocess.Popen[bytes] | None = None
+
+
+def start_zygote(
+    config_json: str, log_path: Path, launcher_pid: int | None = None
+) -> subprocess.Popen[bytes] | None:
+    """From local rank 0 of a worker group that found no zygote: start this node's in the
+    background (a session of its own: the launcher's SIGTERM to the rank must not reach
+    it). A lock the zygote holds for its life keeps a second one from starting beside one
+    that is still importing. `launcher_pid`: whose ranks it serves (default: the parent)."""
+    global _zygote
+    if not _under_launcher() or os.environ.get("LOCAL_RANK", "0") != "0":
+        return None
+    launcher_pid = os.getppid() if launcher_pid is None else launcher_pid
+    lock = os.open(socket_path(launcher_pid) + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None  # a zygote lives (importing, or serving ranks that found it busy)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with log_path.open("ab") as log:
+            _zygote = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "trainer.prefork",
+                    f"--launcher-pid={launcher_pid}",
+                    f"--lock-fd={lock}",
+                    f"--config={config_json}",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+                pass_fds=(lock,),
+            )
+        return _zygote
+    finally:
+        os.close(lock)  # the zygote's copy keeps the lock
+
+
+# --- the zygote ----------------------------------------------------------------------------
+
+
+def _log(message: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} prefork[{os.getpid()}]: {message}", flush=True)
+
+
+def _may_restore_priority(original: int) -> bool:
+    """Whether a process at nice 19 may go back to `original` (CAP_SYS_NICE in practice)."""
+    if os.geteuid() == 0:
+        return True
+    soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+    return soft == resource.RLIM_INFINITY or soft >= 20 - original
+
+
+def _modules_for(config_json: str) -> list[str]:
+    modules = list(WARM_MODULES)
+    with contextlib.suppress(ValueError, AttributeError):
+        model = json.loads(config_json).get("model", {})
+        if model.get("kind") == "hf" or model.get("model_dir"):
+            modules += ["transformers", "trainer.models.hf_causal_lm"]
+    return modules
+
+
+def _warm_up(modules: list[str]) -> None:
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # a module a rank would not need here: it imports it itself
+            _log(f"not pre-imported: {name} ({type(exc).__name__}: {exc})")
+
+
+def _fork_hazard() -> str | None:
+    """What would make forking ranks from this process unsafe, if anything."""
+    if threading.active_count() != 1:
+        return f"importing started threads {threading.enumerate()} (a fork keeps only the calling one)"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "importing initialized CUDA (a forked process cannot use it)"
+    return None
+
+
+def serve(launcher_pid: int, config_json: str, lock_fd: int | None = None) -> int:
+    """Import, then fork a rank for every stand-in that asks, until the launcher ends.
+
+    In a forked rank this call does not return: the rank's own end (its SystemExit, or an
+    error) unwinds through here to the interpreter's exit, as in any `python -m` process."""
+    path = socket_path(launcher_pid)
+    zygote = os.getpid()
+    original_nice = os.getpriority(os.PRIO_PROCESS, 0)
+    restore = original_nice if _may_restore_priority(original_nice) else None
+    if restore is not None:
+        os.setpriority(os.PRIO_PROCESS, 0, 19)
+    started = time.monotonic()
+    try:
+        try:
+            launcher = os.pidfd_open(launcher_pid)
+        except ProcessLookupError:
+            return 0
+        _warm_up(_modules_for(config_json))
+        unsafe = _fork_hazard()
+        if unsafe:
+            _log(f"not serving: {unsafe}")
+            return 1
+        staging = f"{path}.{zygote}"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(staging)
+        listener.listen(64)
+        os.replace(staging, path)  # ranks see the socket only once it listens
+        address = os.stat(path).st_ino
+        _log(f"serving {path}: imports took {time.monotonic() - started:.2f} s (launcher {launcher_pid})")
+        try:
+            served = _fork_on_request(listener, launcher, lock_fd, restore)
+        finally:
+            if os.getpid() == zygote:
+                with contextlib.suppress(OSError):  # unless a newer zygote took the address over
+                    if os.stat(path).st_ino == address:
+                        os.unlink(path)
+        _log(f"launcher {launcher_pid} ended; forked {served} ranks")
+        return 0
+    finally:
+        if lock_fd is not None and os.getpid() == zygote:
+            with contextlib.suppress(OSError):
+                os.unlink(path + ".lock")
+
+
+def _fork_on_request(listener: socket.socket, launcher: int, lock_fd: int | None, nice: int | None) -> int:
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the waiters
+    served = 0
+    while True:
+        ready, _, _ = select.select([listener.fileno(), launcher], [], [])
+        if launcher in ready:
+            return served
+        conn, _ = listener.accept()
+        try:
+            request, fds = _receive(conn)
+        except (OSError, ValueError) as exc:
+            _log(f"ignored a request: {exc}")
+            conn.close()
+            continue
+        if os.fork() == 0:
+            listener.close()
+            os.close(launcher)
+            if lock_fd is not None:
+                os.close(lock_fd)
+            _wait_for_rank(conn, fds, request, nice)  # returns in the rank only, by raising
+        served += 1
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+
+
+def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    conn.settimeout(10)
+    _, fds, _, _ = socket.recv_fds(conn, 1, 3)
+    if len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError(f"expected 3 file descriptors, got {len(fds)}")
+    reader = conn.makefile("rb")
+    (size,) = _HEADER.unpack(reader.read(_HEADER.size))
+    request = json.loads(reader.read(size))
+    conn.settimeout(None)
+    return request, fds
+
+
+def _signal_group(pid: int, signum: int) -> None:
+    try:
+        os.killpg(pid, signum)  # the rank's session, as a launcher signals it
+    except ProcessLookupError:  # not yet its own group leader
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+def _wait_for_rank(conn: socket.socket, fds: list[int], request: dict[str, Any], nice: int | None) -> None:
+    """In the waiter: fork the rank, relay the stand-in's signals to it, report its end."""
+    from trainer.lifecycle import die_with_parent
+
+    die_with_parent(os.getppid())
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    rank = os.fork()
+    if rank == 0:
+        _become_rank(conn, fds, request, nice)
+        raise SystemExit(0)
+    try:
+        for fd in fds:
+            os.close(fd)
+        _relay(conn, rank)
+    finally:
+        os._exit(0)
+
+
+def _relay(conn: socket.socket, rank: int) -> None:
+    rank_fd = os.pidfd_open(rank)
+    conn.sendall(f"pid {rank}\n".encode())
+    pending = b""
+    while True:
+        ready, _, _ = select.select([conn.fileno(), rank_fd], [], [])
+        if rank_fd in ready:
+            _, status = os.waitpid(rank, 0)
+            with contextlib.suppress(OSError):
+                conn.sendall(f"exit {status}\n".encode())
+            return
+        data = conn.recv(4096)
+        if not data:  # the stand-in is gone (SIGKILLed): so is the rank
+            _signal_group(rank, signal.SIGKILL)
+            os.waitpid(rank, 0)
+            return
+        pending += data
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            kind, _, value = line.partition(b" ")
+            if kind == b"signal":
+                _signal_group(rank, int(value))
+
+
+def _become_rank(conn: socket.socket, fds: list[int], request: dict[str, Any], nice: int | None) -> None:
+    """In the rank: take over the stand-in's streams, environment and arguments, and run."""
+    os.setsid()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    conn.close()
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.environ[PREFORKED_ENV] = str(request["launcher_pid"])
+    for signum in (*FORWARDED_SIGNALS, signal.SIGCHLD, signal.SIGPIPE):
+        signal.signal(signum, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if nice is not None:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True, write_through=unbuffered)
+    import torch
+
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads and threads.isdigit():
+        torch.set_num_threads(int(threads))  # the OpenMP runtime read the zygote's at import
+    sys.argv = list(request["argv"])
+    # As `python -m <module>` runs it (sys.argv[0] and __main__ included: multiprocessing's
+    # spawn re-imports __main__ in its children).
+    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.prefork",
+        description="This node's pre-imported process for restarted ranks (started by local "
+        "rank 0 of the first worker group; see trainer/prefork.py).",
+    )
+    parser.add_argument(
+        "--launcher-pid", type=int, required=True, help="serve this launcher's ranks; end with it"
+    )
+    parser.add_argument("--lock-fd", type=int, help="an open file whose lock says this zygote lives")
+    parser.add_argument("--config", default="{}", help="the run's config as JSON: what to pre-import")
+    args = parser.parse_args(argv)
+    return serve(args.launcher_pid, args.config, args.lock_fd)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
