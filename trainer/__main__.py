@@ -18,6 +18,7 @@ from pathlib import Path
 
 from trainer.arguments import add_training_arguments, config_from_args
 from trainer.config import ConfigError
+from trainer.faults import recorded_fatal_error
 from trainer.lifecycle import die_with_parent
 
 EXIT_STOPPED_BY_SIGNAL = 143
@@ -40,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
     except ConfigError as exc:
         parser.error(str(exc))
+    earlier = recorded_fatal_error(config.run.workdir)
+    if earlier:  # a restarted rank of a run that hit an error no restart can fix
+        print(f"trainer: error: {earlier} (not retried: a restart would fail the same way)", file=sys.stderr)
+        return 2
     if config.resilience.prefork_workers:
         from trainer import prefork
 
@@ -49,11 +54,11 @@ def main(argv: list[str] | None = None) -> int:
         prefork.start_zygote(config.to_compact_json(), Path(config.run.workdir) / "logs" / "prefork.log")
     from trainer.data import DataError  # torch imports only once arguments are valid
     from trainer.parallelize import shutdown_distributed
-    from trainer.resilience import FatalTrainingError, run_training
+    from trainer.resilience import run_training
 
     try:
         summary = run_training(config, process_started_at)
-    except (DataError, ConfigError, FatalTrainingError) as exc:
+    except (DataError, ConfigError) as exc:
         print(f"trainer: error: {exc}", file=sys.stderr)
         return 2
     except BaseException as exc:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import gc
 import importlib
 import io
 import json
@@ -264,6 +265,10 @@ def serve(launcher_pid: int, config_json: str, lock_fd: int | None = None) -> in
         if unsafe:
             _log(f"not serving: {unsafe}")
             return 1
+        # Everything imported stays for good: out of the forked ranks' garbage-collector
+        # passes, which would otherwise write to (and so copy) every page of it.
+        gc.collect()
+        gc.freeze()
         staging = f"{path}.{zygote}"
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(staging)
