@@ -14,7 +14,6 @@ import argparse
 import logging
 import sys
 import time
-from pathlib import Path
 
 from trainer.arguments import add_training_arguments, config_from_args
 from trainer.config import ConfigError
@@ -51,7 +50,6 @@ def main(argv: list[str] | None = None) -> int:
         forked = prefork.run_forked([sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
         if forked is not None:  # this process stood in for a rank forked pre-imported
             return forked
-        prefork.start_zygote(config.to_compact_json(), Path(config.run.workdir) / "logs" / "prefork.log")
     from trainer.data import DataError  # torch imports only once arguments are valid
     from trainer.parallelize import shutdown_distributed
     from trainer.resilience import run_training

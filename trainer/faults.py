@@ -129,16 +129,29 @@ def recorded_fatal_error(workdir: str | Path) -> str | None:
         return None
 
 
+HARD_FAULTS = ("sigkill", "sigkill-during-save")
+"""Faults the launcher recovers from by starting the worker group again."""
+
+
 class FaultInjector:
     """Fires this rank's faults at their steps, each once per run."""
 
-    def __init__(self, specs: list[FaultSpec], workdir: str | Path, rank: int, world_size: int) -> None:
+    def __init__(
+        self,
+        specs: list[FaultSpec],
+        workdir: str | Path,
+        rank: int,
+        world_size: int,
+        wait_for_prefork: bool = False,
+    ) -> None:
         for spec in specs:
             if spec.rank >= world_size:
                 raise FaultSpecError(
                     f"fault {spec} names rank {spec.rank}, but the run has {world_size} ranks"
                 )
+        self.all_specs = list(specs)
         self.specs = [spec for spec in specs if spec.rank == rank]
+        self.wait_for_prefork = wait_for_prefork
         self.folder = faults_dir(workdir)
         self.rank = rank
 
@@ -168,6 +181,16 @@ class FaultInjector:
 
     def at_step(self, step: int) -> None:
         """Called at the start of `step`, before any collective of that step."""
+        if self.wait_for_prefork and any(
+            spec.step == step and spec.kind in HARD_FAULTS and not self._record_path(spec).exists()
+            for spec in self.all_specs
+        ):
+            # Every rank waits, at the same step, until the node's pre-imported process
+            # serves (trainer/prefork.py): the drill then measures the restart a fault meets
+            # once training runs. It waits only while that process is starting.
+            from trainer.prefork import wait_until_serving
+
+            wait_until_serving()
         for spec in self.specs:
             if spec.step == step and spec.kind != "sigkill-during-save" and self._claim(spec):
                 self._fire(spec)

@@ -135,7 +135,13 @@ def train(
     progress = Progress(config, rank, world)
     events = EventLog(workdir, enabled=rank == 0, listener=progress.on_event)
     events.emit("attempt_start", at=attempt_started_at, world_size=world, **attempt)
-    injector = FaultInjector(parse_faults(config.run.faults), workdir, rank, world)
+    injector = FaultInjector(
+        parse_faults(config.run.faults),
+        workdir,
+        rank,
+        world,
+        wait_for_prefork=config.resilience.prefork_workers,
+    )
 
     mark = time.perf_counter()
     spec = model_spec(config.model.kind)

@@ -173,6 +173,7 @@ def start_zygote(
     if not _under_launcher() or os.environ.get("LOCAL_RANK", "0") != "0":
         return None
     launcher_pid = os.getppid() if launcher_pid is None else launcher_pid
+    _remove_stale_addresses()
     lock = os.open(socket_path(launcher_pid) + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         try:
@@ -201,6 +202,64 @@ def start_zygote(
         os.close(lock)  # the zygote's copy keeps the lock
 
 
+def _remove_stale_addresses() -> None:
+    """A zygote killed outright (SIGKILL) leaves its socket and lock file behind: remove
+    those of launchers that are gone."""
+    prefix = f"rtp-prefork-{os.getuid()}-"
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(tempfile.gettempdir()):
+            if not entry.name.startswith(prefix):
+                continue
+            pid = entry.name[len(prefix) :].split(".")[0]
+            if not pid.isdigit() or _process_exists(int(pid)):
+                continue
+            if entry.name.endswith(".lock") and _zygote_alive(entry.path):
+                continue
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def wait_until_serving(timeout_s: float = 120.0) -> bool:
+    """Wait until this node's zygote serves, while one is starting (it holds its lock);
+    returns whether it serves. For fault drills: a drilled hard fault waits for it, so the
+    drill exercises the recovery path a fault meets once training runs, not the first
+    seconds' (when restarted ranks still start the usual way)."""
+    launcher = os.environ.get(PREFORKED_ENV) or (str(os.getppid()) if _under_launcher() else None)
+    if launcher is None:
+        return False
+    path = socket_path(int(launcher))
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline or not _zygote_alive(path + ".lock"):
+            return os.path.exists(path)
+        time.sleep(0.05)
+    return True
+
+
+def _zygote_alive(lock_path: str) -> bool:
+    try:
+        lock = os.open(lock_path, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(lock)  # also drops the lock if this probe took it
+    return False
+
+
 # --- the zygote ----------------------------------------------------------------------------
 
 
@@ -214,6 +273,16 @@ def _may_restore_priority(original: int) -> bool:
         return True
     soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
     return soft == resource.RLIM_INFINITY or soft >= 20 - original
+
+
+def _lower_session_priority() -> None:
+    """With the kernel's autogroup scheduling (common on desktops and VMs) CPU time is shared
+    between sessions first, and a process's nice only ranks it within its session: the
+    zygote, alone in its session, would get a rank's share however nice it is. Its session's
+    own priority is lowered instead (any process may lower its own); a rank forked from it
+    starts a session of its own, at normal priority."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/autogroup").write_text("19")
 
 
 def _modules_for(config_json: str) -> list[str]:
@@ -254,6 +323,7 @@ def serve(launcher_pid: int, config_json: str, lock_fd: int | None = None) -> in
     restore = original_nice if _may_restore_priority(original_nice) else None
     if restore is not None:
         os.setpriority(os.PRIO_PROCESS, 0, 19)
+    _lower_session_priority()
     started = time.monotonic()
     try:
         try:

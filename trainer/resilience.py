@@ -13,7 +13,7 @@ loop sends a heartbeat after a step, at most one per `HEARTBEAT_INTERVAL_S` (eac
 round trip to the rank monitor process: on a busy machine a wait for it to get a CPU,
 every step); the timeouts ft_launcher learns from them are stored in every checkpoint
 (never below `resilience.heartbeat_floor_s`) so a restarted group keeps them. The
-in-process watchdog is pinged after every step.
+in-process watchdog is pinged after a step, at most once per `PING_INTERVAL_S`.
 
 Ports: the launcher's store listens on MASTER_PORT, the training store on MASTER_PORT+1
 and the wrapper's own store on MASTER_PORT+2 — the layout NVRx's examples use.
@@ -28,11 +28,12 @@ import math
 import os
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from trainer import peer_abort
+from trainer import peer_abort, prefork
 from trainer.checkpointing import abandon_all
 from trainer.config import TrainConfig
 from trainer.faults import record_fatal_error
@@ -55,6 +56,11 @@ HEARTBEAT_INTERVAL_S = 1.0
 they are checked with: the learned timeouts are at least `resilience.heartbeat_floor_s`,
 the launcher's defaults 60-120 s, and the launcher checks every 0.5 s. Slow steps send one
 after every step."""
+PING_INTERVAL_S = 0.5
+"""Least time between two progress pings to the in-process wrapper's watchdog (each puts a
+message on the monitor process's queue, whose feeder thread and the monitor process then
+want the CPU the loop uses). Small against `resilience.soft_timeout_s`: a hang is noticed
+at most this much earlier, never later."""
 LEARN_AFTER_STEPS = 8
 """The step (of this process) after which ft_launcher's timeouts are learned: a collective,
 so every rank does it at the same step."""
@@ -133,12 +139,20 @@ class _LauncherClient:
 
 class _Hooks(TrainHooks):
     def __init__(
-        self, launcher: _LauncherClient, call_wrapper: Any, attempt: int, detected_at: float | None
+        self,
+        config: TrainConfig,
+        launcher: _LauncherClient,
+        call_wrapper: Any,
+        attempt: int,
+        detected_at: float | None,
     ) -> None:
+        self.config = config
         self.launcher = launcher
         self.call_wrapper = call_wrapper
         self.attempt = attempt
         self.detected_at = detected_at
+        self.pinged_at: float | None = None
+        self.zygote_asked = False
 
     def attempt_info(self) -> dict[str, Any]:
         return {
@@ -152,8 +166,19 @@ class _Hooks(TrainHooks):
         }
 
     def step_done(self, step: int) -> None:
+        if not self.zygote_asked and self.config.resilience.prefork_workers:
+            self.zygote_asked = True
+            # Once training runs, this node's pre-imported process for restarted ranks is
+            # started (first worker group, local rank 0; a no-op elsewhere). Not earlier:
+            # its imports would compete with the ranks' own start-up.
+            prefork.start_zygote(
+                self.config.to_compact_json(), Path(self.config.run.workdir) / "logs" / "prefork.log"
+            )
         if self.call_wrapper is not None:
-            self.call_wrapper.ping()
+            now = time.monotonic()
+            if self.pinged_at is None or now - self.pinged_at >= PING_INTERVAL_S:
+                self.call_wrapper.ping()
+                self.pinged_at = now
         self.launcher.heartbeat()
 
     def launcher_state(self) -> dict[str, Any]:
@@ -232,7 +257,7 @@ def _attempt(
     detected_at: float | None,
 ) -> TrainSummary:
     attempt = call_wrapper.iteration if call_wrapper is not None else 0
-    hooks = _Hooks(launcher, call_wrapper, attempt, detected_at)
+    hooks = _Hooks(config, launcher, call_wrapper, attempt, detected_at)
     try:
         return train(config, store=dist.PrefixStore(f"attempt{attempt}", store), hooks=hooks)
     except _fatal_errors() as exc:

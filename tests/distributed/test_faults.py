@@ -112,6 +112,9 @@ def test_each_fault_kind_is_recovered_exactly(case, dataset_dir, tmp_path, fault
         assert oldest <= restart["resumed_step"] <= restart["fault_step"], restart
         assert restart["steps_redone"] <= 1, restart
         assert restart["downtime_s"] > 0 and restart["startup_s"] >= 0
+        # A drilled hard fault waits for the node's pre-imported process: the restarted
+        # ranks are forked from it (trainer/prefork.py), and still resume exactly.
+        assert restart["preforked"] == (restart["mechanism"] == "launcher"), restart
     assert summary["lost_steps"] == sum(r["steps_redone"] for r in summary["restarts"])
     assert 0 < summary["goodput_pct"] < 100
     report = Path(summary["goodput_report"]).read_text()
@@ -144,6 +147,9 @@ def test_several_faults_of_different_kinds_in_one_run(dataset_dir, tmp_path, fau
         ("sigkill", "launcher"),
     ]
     assert [r["fault_step"] for r in summary["restarts"]] == [4, 7, 11, 14]
+    # Forked from the pre-imported process: both launcher restarts' ranks (and so the
+    # in-process restarts, which happen in those ranks).
+    assert all(r["preforked"] for r in summary["restarts"]), summary["restarts"]
     assert_nothing_left(run_mark)
 
 

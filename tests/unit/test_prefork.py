@@ -207,3 +207,33 @@ def test_a_zygote_whose_imports_started_a_thread_does_not_serve():
     finally:
         stop.set()
         thread.join()
+
+
+def test_a_drill_waits_for_a_serving_zygote_and_not_for_a_missing_one(zygote, monkeypatch):
+    monkeypatch.setenv(prefork.PREFORKED_ENV, str(zygote["launcher"].pid))
+    assert prefork.wait_until_serving(timeout_s=5)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    monkeypatch.setenv(prefork.PREFORKED_ENV, str(gone.pid))
+    started = time.monotonic()
+    assert not prefork.wait_until_serving(timeout_s=30)  # no zygote starting: no wait
+    assert time.monotonic() - started < 5
+
+
+def test_addresses_left_by_a_killed_zygote_are_removed_once_their_launcher_is_gone():
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    live = os.getpid()
+    paths = [
+        prefork.socket_path(gone.pid),
+        prefork.socket_path(gone.pid) + ".lock",
+        prefork.socket_path(live),
+    ]
+    for path in paths:
+        Path(path).touch()
+    try:
+        prefork._remove_stale_addresses()
+        assert [os.path.exists(p) for p in paths] == [False, False, True]
+    finally:
+        for path in paths:
+            Path(path).unlink(missing_ok=True)
