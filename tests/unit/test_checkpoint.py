@@ -475,3 +475,49 @@ def test_no_fast_tier_file_is_written_while_a_durable_save_copies_the_state(tmp_
         manager.close()
     finally:
         forget_run("", tmp_path / "checkpoints")
+
+
+def test_a_fast_tier_file_holds_its_snapshot_exactly_and_a_torn_or_foreign_one_is_refused(
+    tmp_path, monkeypatch
+):
+    from trainer.checkpointing.local_tier import _load_bytes, _read_bytes, write_snapshot_file
+
+    snapshot = {
+        "step": 3,
+        "identity": {"model": "m", "world": 2},
+        "groups": [{"lr": 0.1, "betas": (0.9, 0.95), "weight_decay": 0.0}],
+        "scheduler": {"last_epoch": 3, "lr_lambdas": [None]},
+        "torch_rng": torch.get_rng_state(),
+        "params": [torch.randn(3, 5), torch.randn(7).to(torch.bfloat16), torch.zeros(0)],
+        "optim": [{"step": torch.tensor(3.0), "exp_avg": torch.randn(3, 5)}, {}, {"step": 2}],
+    }
+    path = tmp_path / "rank_0_step_3.pt"
+    write_snapshot_file(path, snapshot)
+    loaded, problem = _load_bytes(_read_bytes(path), str(path))
+    assert problem is None and loaded is not None
+    assert loaded["groups"][0]["betas"] == (0.9, 0.95) and loaded["scheduler"] == snapshot["scheduler"]
+    for saved, back in zip(
+        [
+            snapshot["torch_rng"],
+            *snapshot["params"],
+            snapshot["optim"][0]["step"],
+            snapshot["optim"][0]["exp_avg"],
+        ],
+        [loaded["torch_rng"], *loaded["params"], loaded["optim"][0]["step"], loaded["optim"][0]["exp_avg"]],
+        strict=True,
+    ):
+        assert back.dtype == saved.dtype and back.shape == saved.shape and torch.equal(back, saved)
+    assert loaded["optim"][1:] == [{}, {"step": 2}]
+
+    payload = path.read_bytes()
+    torn, problem = _load_bytes(payload[:-1], "torn")
+    assert torn is None and "torn" in problem
+    foreign, problem = _load_bytes(b"not a snapshot at all", "foreign")
+    assert foreign is None and "not a fast-tier file" in problem
+    # The header is read with weights_only: a file that would run code when loaded is refused.
+    marker = tmp_path / "pwned"
+    monkeypatch.setenv("RTP_TEST_PWNED", str(marker))
+    evil = tmp_path / "evil.pt"
+    write_snapshot_file(evil, {"x": _RunsCodeWhenUnpickled()})
+    refused, problem = _load_bytes(_read_bytes(evil), "evil")
+    assert refused is None and problem and not marker.exists()

@@ -20,7 +20,8 @@ only when it is newer than the latest committed durable checkpoint, belongs to t
 run (same checkpoint folder, model and world size) and was taken after that checkpoint's
 step. Otherwise the durable checkpoint is loaded, as before. The durable checkpoint stays
 the recovery point for losing the whole job or a node, and the only thing validate and
-register read. Files are read with `torch.load(weights_only=True)`.
+register read. Files hold raw tensor bytes after a header read with
+`torch.load(weights_only=True)` (`write_snapshot_file`).
 
 - A rank whose **node is gone** (a pod rescheduled elsewhere, /dev/shm empty) resumes
   from a peer's replica when `checkpoint.local_replicas` is set: every file is also sent to
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import logging
 import os
 import pickle
@@ -313,10 +315,7 @@ class LocalTier:
         self._wait_copied()
         final = self.folder / f"rank_{self.rank}_step_{snapshot['step']}.pt"
         temporary = final.with_name(f".{final.name}.tmp")
-        # torch's legacy format: the default zip container computes a CRC-32 of every byte,
-        # 2.3x the CPU of the write itself (10 vs 4.3 ms for 10 MB), on the cores training
-        # uses, every step. A torn file still fails to load; the rename makes it whole or absent.
-        torch.save(snapshot, temporary, _use_new_zipfile_serialization=False)
+        write_snapshot_file(temporary, snapshot)
         os.replace(temporary, final)
         for holder in self.sends_to:
             if holder not in self._holders:
@@ -479,10 +478,7 @@ class LocalTier:
     def _read(self, where: str) -> tuple[dict[str, Any] | None, str | None]:
         if where == "memory":
             return _memory.get(self.key), None
-        try:
-            return torch.load(where, weights_only=True), None
-        except (OSError, RuntimeError, pickle.UnpicklingError, EOFError) as exc:
-            return None, f"{where}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        return _load_bytes(_read_bytes(Path(where)), where)
 
     def _matches(self, snapshot: dict[str, Any], durable_step: int) -> bool:
         if snapshot.get("identity") != self.identity:
@@ -526,19 +522,112 @@ class LocalTier:
             torch.cuda.set_rng_state(snapshot["cuda_rng"])
 
 
-def _read_bytes(path: Path) -> bytes | None:
+def _read_bytes(path: Path) -> bytearray | None:
     try:
-        return path.read_bytes()
+        with path.open("rb", buffering=0) as handle:
+            data = bytearray(os.fstat(handle.fileno()).st_size)
+            handle.readinto(data)
+            return data
     except OSError:
         return None
 
 
-def _load_bytes(payload: bytes | None, where: str) -> tuple[dict[str, Any] | None, str | None]:
-    import io
-
+def _load_bytes(payload: bytes | bytearray | None, where: str) -> tuple[dict[str, Any] | None, str | None]:
     if payload is None:
         return None, f"{where} could not be read"
     try:
-        return torch.load(io.BytesIO(payload), weights_only=True), None
-    except (OSError, RuntimeError, pickle.UnpicklingError, EOFError) as exc:
+        return read_snapshot_bytes(payload), None
+    except (OSError, RuntimeError, ValueError, pickle.UnpicklingError, EOFError) as exc:
         return None, f"{where}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+
+
+# ---- the file format ------------------------------------------------------------------
+#
+# A fast-tier file is written every step beside training, so its writer must leave the
+# interpreter to the loop. torch.save holds the GIL while it writes the tensors' bytes: a
+# thread saving 300 MB in a loop cut a pure-Python loop beside it to 41% of its speed, with
+# stalls of 57 ms (raw writes: no slowdown, stalls under 3 ms). So the tensors' bytes are
+# written with plain file writes, which release the GIL, after a small header that holds
+# everything else (saved with torch.save, read back with `weights_only=True`):
+#
+#   MAGIC | header length (8 bytes) | header | tensor bytes, each at a 64-byte boundary
+#
+# The header records each tensor's dtype, shape and place; a file of another length (torn,
+# or not ours) is refused.
+
+_MAGIC = b"RTPTIER1"
+_TENSOR_KEY = "__rtp_tensor__"
+_ALIGN = 64
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def write_snapshot_file(path: Path, snapshot: dict[str, Any]) -> None:
+    tensors: list[torch.Tensor] = []
+
+    def strip(value: Any) -> Any:
+        if torch.is_tensor(value):
+            tensors.append(value.detach().contiguous())
+            return {_TENSOR_KEY: len(tensors) - 1}
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(strip(v) for v in value)
+        return value
+
+    skeleton = strip(snapshot)
+    layout: list[tuple[str, list[int], int, int]] = []
+    offset = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        layout.append((str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, nbytes))
+        offset = _aligned(offset + nbytes)
+    buffer = io.BytesIO()
+    torch.save({"skeleton": skeleton, "tensors": layout, "size": offset}, buffer)
+    header = buffer.getvalue()
+    start = _aligned(len(_MAGIC) + 8 + len(header))
+    with path.open("wb", buffering=0) as handle:
+        handle.write(_MAGIC + len(header).to_bytes(8, "little") + header)
+        handle.write(bytes(start - handle.tell()))
+        for tensor, (_, _, place, nbytes) in zip(tensors, layout, strict=True):
+            if nbytes:
+                handle.seek(start + place)
+                handle.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+        handle.truncate(start + offset)
+
+
+def read_snapshot_bytes(payload: bytes | bytearray) -> dict[str, Any]:
+    if payload[: len(_MAGIC)] != _MAGIC:
+        raise ValueError("not a fast-tier file")
+    length = int.from_bytes(payload[len(_MAGIC) : len(_MAGIC) + 8], "little")
+    header = torch.load(io.BytesIO(payload[len(_MAGIC) + 8 : len(_MAGIC) + 8 + length]), weights_only=True)
+    start = _aligned(len(_MAGIC) + 8 + length)
+    if len(payload) != start + int(header["size"]):
+        raise ValueError(f"{len(payload)} bytes where the header says {start + int(header['size'])}: torn")
+    data = payload if isinstance(payload, bytearray) else bytearray(payload)  # the tensors share it
+    tensors = []
+    for dtype, shape, place, nbytes in header["tensors"]:
+        kind = getattr(torch, dtype)
+        count = nbytes // torch.empty((), dtype=kind).element_size()
+        flat = (
+            torch.frombuffer(data, dtype=kind, count=count, offset=start + place)
+            if count
+            else torch.empty(0, dtype=kind)
+        )
+        tensors.append(flat.reshape(shape))
+
+    def fill(value: Any) -> Any:
+        if isinstance(value, dict):
+            if len(value) == 1 and _TENSOR_KEY in value:
+                return tensors[value[_TENSOR_KEY]]
+            return {k: fill(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(fill(v) for v in value)
+        return value
+
+    snapshot = fill(header["skeleton"])
+    if not isinstance(snapshot, dict):
+        raise ValueError("not a fast-tier snapshot")
+    return snapshot
