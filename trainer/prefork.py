@@ -112,6 +112,9 @@ def run_forked(argv: list[str], module: str = "trainer", launcher_pid: int | Non
     path = socket_path(launcher)
     if not os.path.exists(path):
         return None
+    # A signal from the launcher before the forwarding handlers are in place would end this
+    # stand-in alone (and with it, by the waiter, its rank with SIGKILL): held until then.
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(path)
@@ -129,10 +132,10 @@ def run_forked(argv: list[str], module: str = "trainer", launcher_pid: int | Non
         replies = sock.makefile("rb")
         first = replies.readline().split()
     except OSError:
+        first = []
+    if first[:1] != [b"pid"]:  # no zygote answered: start the usual way
         sock.close()
-        return None
-    if first[:1] != [b"pid"]:  # the zygote could not fork: start the usual way
-        sock.close()
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # what came meanwhile acts as usual
         return None
 
     def forward(signum: int, frame: object) -> None:
@@ -141,6 +144,7 @@ def run_forked(argv: list[str], module: str = "trainer", launcher_pid: int | Non
 
     for signum in FORWARDED_SIGNALS:
         signal.signal(signum, forward)
+    signal.pthread_sigmask(signal.SIG_SETMASK, held)  # what came meanwhile is forwarded now
     status = None
     for line in replies:
         kind, _, value = line.partition(b" ")
