@@ -3,8 +3,9 @@
 A hard fault (a rank killed, OOM-killed, or exited) makes ft_launcher stop the worker group
 and start `python -m trainer` again for every local rank. Half of such a start is importing
 torch, NVRx and the trainer (2.3 s of 4.3 s on the development machine), the same work
-every time. So the first worker group's local rank 0 starts one *zygote* per node beside
-itself: a process that imports all of it once, then waits on a Unix socket. A rank started
+every time. So once training runs (after its first step), the first worker group's local
+rank 0 starts one *zygote* per node: a process that imports all of it once, freezes it out
+of the garbage collector's passes, then waits on a Unix socket. A rank started
 later first asks it; when it answers, the new process (it has imported only the standard
 library) stays a thin stand-in, and the rank proper is forked from the zygote with the
 stand-in's arguments, environment, working directory and standard streams:
@@ -26,9 +27,11 @@ a rank starts the usual way, so this only ever saves time. Off with
 
 Fork safety: the zygote runs no torch operation, initializes no CUDA and starts no Python
 thread (it checks, and does not serve if it finds one), as DataLoader workers are forked
-from a process that has imported torch. It imports at the lowest CPU priority when the
-forked ranks may return to their launcher-given priority (root, or RLIMIT_NICE allows),
-so on a small machine it does not slow the ranks starting beside it.
+from a process that has imported torch. It imports at the lowest CPU priority of its own
+session (autogroup scheduling), and of its own process when the forked ranks may return
+to their launcher-given priority (root, or RLIMIT_NICE allows), so on a small machine it
+takes what training leaves. A drilled hard fault waits until it serves
+(`wait_until_serving`, from trainer/faults.py).
 """
 
 from __future__ import annotations
