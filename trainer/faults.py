@@ -109,17 +109,21 @@ def record_fatal_error(workdir: str | Path, error: BaseException) -> str:
     message = f"{type(error).__name__}: {error}"
     path = fatal_error_path(workdir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # Every rank that hits the error records it at once: each writes its own temporary
-    # file (a shared name let one rank truncate the file another had just renamed into
-    # place, and a rank killed right then left an empty record: the restarted group did not
-    # see it and trained again).
+    _write_record(path, {"error": message, "time": time.time(), "pid": os.getpid()})
+    return message
+
+
+def _write_record(path: Path, record: dict[str, Any]) -> None:
+    """Write a JSON record whole or not at all. Several ranks may write the same record at
+    once (a diverged loss): each uses its own temporary file (a shared name let one rank
+    truncate the file another had just renamed into place, and a rank killed right then
+    left an empty record: the restarted group did not see it and trained again)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with tmp.open("w") as handle:
-        handle.write(json.dumps({"error": message, "time": time.time(), "pid": os.getpid()}))
+        json.dump(record, handle)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
-    return message
 
 
 def recorded_fatal_error(workdir: str | Path) -> str | None:
@@ -171,12 +175,7 @@ class FaultInjector:
             "time": time.time(),
             "pid": os.getpid(),
         }
-        tmp = path.with_suffix(".tmp")
-        with tmp.open("w") as handle:
-            json.dump(record, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        _write_record(path, record)
         return True
 
     def at_step(self, step: int) -> None:

@@ -38,7 +38,6 @@ from trainer.checkpointing import abandon_all
 from trainer.config import TrainConfig
 from trainer.faults import record_fatal_error
 from trainer.loop import TrainHooks, train
-from trainer.prefork import PREFORKED_ENV
 from trainer.summary import TrainSummary
 
 log = logging.getLogger(__name__)
@@ -162,7 +161,7 @@ class _Hooks(TrainHooks):
             "launcher": "ft_launcher" if self.launcher.client is not None else "other",
             "fault_detected_at": self.detected_at,
             "process_started_at": self.launcher.process_started_at,
-            "preforked": PREFORKED_ENV in os.environ,  # forked from the node's zygote
+            "preforked": prefork.PREFORKED_ENV in os.environ,  # forked from the node's zygote
         }
 
     def step_done(self, step: int) -> None:
