@@ -271,9 +271,8 @@ def test_a_cold_restart_resumes_from_the_fast_tier_or_a_peers_replica_and_falls_
     (`checkpoint.local_replicas=1`: rank 0 holds rank 1's copies and the reverse):
 
     - `node-lost`: what rank 1's node held is gone (its older copies and the replicas it
-      held of rank 0) but for its newest copy, cut in half (what a rank killed while
-      writing it would leave without the atomic rename): rank 1 resumes from rank 0's
-      replica of its state;
+      held of rank 0) but for its newest capture, whose slot file is cut in half (a slot
+      that no longer matches its header): rank 1 resumes from rank 0's replica of its state;
     - `all-copies-lost`: rank 1's copies are gone everywhere: the durable checkpoint.
 
     Every case still ends with the fault-free weights."""
@@ -292,12 +291,13 @@ def test_a_cold_restart_resumes_from_the_fast_tier_or_a_peers_replica_and_falls_
     )
     folder = local_folder(config.checkpoint.local_dir, config.checkpoint_dir())
     moved.rename(folder)
-    own = {rank: _steps(folder, f"rank_{rank}_step_*.pt") for rank in (0, 1)}
+    own = {rank: _steps(folder, f"rank_{rank}_step_*.head") for rank in (0, 1)}
     replica_of_1 = _steps(folder, "replica_rank_1_step_*_on_0.pt")
     assert own[0] and own[1] and replica_of_1, sorted(p.name for p in folder.iterdir())
     assert max(set(own[0]) & set(own[1])) > DURABLE_EVERY, sorted(p.name for p in folder.iterdir())
     newest = own[1].pop(max(own[1]))
-    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    newest_slot = folder / f"rank_1_slot_{newest.name.split('_slot_')[1].removesuffix('.head')}.data"
+    newest_slot.write_bytes(newest_slot.read_bytes()[: newest_slot.stat().st_size // 2])
     for path in [*own[1].values(), *folder.glob("replica_rank_0_step_*_on_1.pt")]:
         path.unlink()
     own[1] = {}
@@ -321,7 +321,5 @@ def test_a_cold_restart_resumes_from_the_fast_tier_or_a_peers_replica_and_falls_
     assert (resume["step"], resume.get("tier")) == expected, (own, replica_of_1, resume)
     if held:
         assert resume["replicas"] == {"1": 0}, resume  # rank 1's state came from rank 0
-    assert not folder.exists() or not list(folder.glob("r*_step_*")), (
-        "a finished run leaves its fast tier behind"
-    )
+    assert not folder.exists() or not list(folder.glob("r*")), "a finished run leaves its fast tier behind"
     assert_nothing_left(run_mark)

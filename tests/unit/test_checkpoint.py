@@ -368,7 +368,7 @@ def test_a_restarted_attempt_resumes_from_the_fast_tier_newer_than_the_durable_c
         manager.before_optimizer_step()
         manager.maybe_save(step, 1.0, final=False)
         manager.after_step()
-    manager.local.close()  # its file thread writes the newest copy (a restart would not wait)
+    manager.local.close()  # the newest capture's header is written
     manager.abandon()  # a fault: no final save; the copy of step 4 lives on in this process
     try:
         other_model, other_optimizer = _trained_model(seed=1)
@@ -386,12 +386,10 @@ def test_a_restarted_attempt_resumes_from_the_fast_tier_newer_than_the_durable_c
         from trainer.checkpointing import local_tier
 
         local_tier._memory.clear()
-        # Two files kept; the newest is step 4's (an older capture may have been skipped
-        # while the thread was writing, so the other one is step 2's or 3's).
-        files = sorted(
-            resumed.local.folder.glob("rank_0_step_*.pt"), key=lambda p: int(p.stem.split("_")[-1])
-        )
-        assert len(files) == 2 and files[-1].name == "rank_0_step_4.pt"
+        # Two slots, each with the header of the capture it holds: steps 3 and 4.
+        heads = sorted(p.name for p in resumed.local.folder.glob("rank_0_step_*.head"))
+        assert heads == ["rank_0_step_3_slot_0.head", "rank_0_step_4_slot_1.head"], heads
+        assert len(list(resumed.local.folder.glob("rank_0_slot_*.data"))) == 2
         third_model, third_optimizer = _trained_model(seed=2)
         from_files = _manager(tmp_path, "sync", third_model, third_optimizer)
         assert from_files.load_latest() == 4
@@ -435,8 +433,16 @@ def test_a_finished_rank_deletes_only_its_own_copies_even_when_the_folder_is_gon
     folder = manager.local.folder
     folder.mkdir(parents=True)
     try:
-        others = [folder / "rank_1_step_3.pt", folder / replica_name(0, 3, 1)]
-        mine = [folder / "rank_0_step_3.pt", folder / replica_name(1, 3, 0)]
+        others = [
+            folder / "rank_1_step_3_slot_0.head",
+            folder / "rank_1_slot_0.data",
+            folder / replica_name(0, 3, 1),
+        ]
+        mine = [
+            folder / "rank_0_step_3_slot_1.head",
+            folder / "rank_0_slot_1.data",
+            folder / replica_name(1, 3, 0),
+        ]
         for path in [*others, *mine]:
             path.write_bytes(b"x")
         manager.local.close(discard=True)
@@ -448,31 +454,59 @@ def test_a_finished_rank_deletes_only_its_own_copies_even_when_the_folder_is_gon
         forget_run("", tmp_path / "checkpoints")
 
 
-def test_no_fast_tier_file_is_written_while_a_durable_save_copies_the_state(tmp_path):
-    """The tier's file thread waits from a durable save's start until the save no longer
-    reads the live state (a sync save: the next optimizer step), then writes the newest copy."""
-    import time
-
-    from trainer.checkpointing.local_tier import forget_run
+def test_a_rank_killed_while_capturing_still_has_the_previous_capture(tmp_path, monkeypatch):
+    """A capture copies into the older of two slot files: that slot's header is gone before
+    the first byte is overwritten, so what a rank killed mid-copy leaves is the other slot's
+    capture with its header; a slot file of another size than its header says is refused."""
+    from trainer.checkpointing import local_tier
+    from trainer.checkpointing.local_tier import LocalTier, forget_run
 
     model, optimizer = _trained_model()
-    manager = _manager(tmp_path, "sync", model, optimizer)
-    manager.start(background=False)
-    newest = manager.local.folder / "rank_0_step_3.pt"
+    manager = _manager(tmp_path, "off", model, optimizer)
+    folder = manager.local.folder
     try:
-        for step in (1, 2, 3):  # the durable save is at step 3
+        for step in (1, 2, 3):
             _step(model, optimizer)
             manager.before_optimizer_step()
             manager.maybe_save(step, 1.0, final=False)
-            manager.after_step()
-        time.sleep(1.0)  # ample time for the thread to write step 3's copy if it could
-        assert not newest.exists()
-        manager.before_optimizer_step()  # the step after the save: its file may go now
-        deadline = time.monotonic() + 10
-        while not newest.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert newest.exists()
-        manager.close()
+        manager.local.wait_copy()
+        assert sorted(p.name for p in folder.glob("*.head")) == [
+            "rank_0_step_2_slot_1.head",
+            "rank_0_step_3_slot_0.head",
+        ]
+        expected = [p.detach().clone() for p in model.parameters()]
+        heads_while_copying: list[list[str]] = []
+
+        def killed_mid_copy(self, target, sources, step_done):
+            heads_while_copying.append(sorted(p.name for p in folder.glob("*.head")))
+            target.tensors[0].fill_(7.0)  # half a copy
+            raise RuntimeError("killed")
+
+        monkeypatch.setattr(LocalTier, "_copy_into", killed_mid_copy)
+        _step(model, optimizer)
+        manager.before_optimizer_step()
+        manager.maybe_save(4, 1.0, final=False)
+        with pytest.raises(RuntimeError, match="killed"):
+            manager.local.wait_copy()
+        assert heads_while_copying == [["rank_0_step_3_slot_0.head"]]
+        manager.abandon()
+        monkeypatch.undo()
+
+        local_tier._memory.clear()  # a new process: only the files
+        local_tier._newest_slot.clear()
+        other_model, other_optimizer = _trained_model(seed=1)
+        resumed = _manager(tmp_path, "off", other_model, other_optimizer)
+        assert resumed.load_latest() == 3
+        for saved, restored in zip(expected, other_model.parameters(), strict=True):
+            assert torch.equal(saved, restored)
+        resumed.abandon()
+
+        with (folder / "rank_0_slot_0.data").open("ab") as handle:
+            handle.write(b"\0" * 64)  # not what the header describes
+        local_tier._memory.clear()
+        third = _manager(tmp_path, "off", *_trained_model(seed=2))
+        assert third.load_latest() == 0  # nothing usable, no durable checkpoint
+        third.abandon()
     finally:
         forget_run("", tmp_path / "checkpoints")
 

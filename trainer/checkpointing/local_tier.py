@@ -10,21 +10,30 @@ of the shards each rank already holds (no collective, no planning), so it costs 
 copy per step.
 
 - An **in-process restart** (the process lives on) resumes from the copy in memory.
-- A **worker-group restart** (ft_launcher, after a rank was killed) resumes from the copy
-  a background thread wrote to `checkpoint.local_dir` (node-local: /dev/shm by default,
-  which survives the processes but not the node). Each rank keeps its two newest files,
-  so a rank killed while writing one still has the previous step.
+- A **worker-group restart** (ft_launcher, after a rank was killed) resumes from the same
+  copy on file: the copy *is* a file. Each rank has two slot files in `checkpoint.local_dir`
+  (node-local: /dev/shm by default, which survives the processes but not the node), mapped
+  into its memory; a capture copies the shards straight into the older slot and then writes
+  a small header file that names the slot and describes the capture. The header of a slot
+  is removed before the slot is overwritten, so a rank killed while copying leaves the
+  other slot's capture, which still has its header.
+
+A copy and then a file of the whole state every step (the first version) moved twice the
+bytes and spent a core on the file beside the loop and the durable saves' writer; on a
+2-core machine that made async saves wait for their previous write and cost about 1% of
+checkpoint efficiency (docs/fault-tolerance.md).
 
 On resume the ranks agree (one all-gather) on the newest step every rank holds; it is used
 only when it is newer than the latest committed durable checkpoint, belongs to the same
 run (same checkpoint folder, model and world size) and was taken after that checkpoint's
 step. Otherwise the durable checkpoint is loaded, as before. The durable checkpoint stays
 the recovery point for losing the whole job or a node, and the only thing validate and
-register read. Files hold raw tensor bytes after a header read with
-`torch.load(weights_only=True)` (`write_snapshot_file`).
+register read. A header file followed by its slot's bytes is the single-file format of
+`write_snapshot_file` (raw tensor bytes after a header read with
+`torch.load(weights_only=True)`): what replicas are sent as and what `read_snapshot_bytes` reads.
 
 - A rank whose **node is gone** (a pod rescheduled elsewhere, /dev/shm empty) resumes
-  from a peer's replica when `checkpoint.local_replicas` is set: every file is also sent to
+  from a peer's replica when `checkpoint.local_replicas` is set: every capture is also sent to
   ranks on other nodes (trainer/checkpointing/replicas.py). NVRx's LocalCheckpointManager
   replicates too, but needs CUDA tensors in 0.4.1.
 """
@@ -35,6 +44,7 @@ import contextlib
 import hashlib
 import io
 import logging
+import mmap
 import os
 import pickle
 import re
@@ -52,10 +62,21 @@ from trainer.checkpointing import replicas as peer_copies
 
 log = logging.getLogger(__name__)
 
-_FILE = re.compile(r"^rank_(\d+)_step_(\d+)\.pt$")
-_KEEP_FILES = 2
+_HEAD = re.compile(r"^rank_(\d+)_step_(\d+)_slot_([01])\.head$")
+"""A capture's header: its rank, step and slot."""
+_SLOT = re.compile(r"^rank_(\d+)_slot_[01]\.data$")
 _memory: dict[str, dict[str, Any]] = {}
 """Per run key: this process's newest capture (survives an in-process restart)."""
+_newest_slot: dict[str, int] = {}
+"""Per run key: the slot `_memory`'s capture lives in (the next attempt fills the other)."""
+
+
+def head_name(rank: int, step: int, slot: int) -> str:
+    return f"rank_{rank}_step_{step}_slot_{slot}.head"
+
+
+def slot_name(rank: int, slot: int) -> str:
+    return f"rank_{rank}_slot_{slot}.data"
 
 
 def default_local_root() -> Path:
@@ -83,10 +104,53 @@ def forget_run(local_dir: str, checkpoint_dir: str | Path) -> None:
 
     shutil.rmtree(local_folder(local_dir, checkpoint_dir), ignore_errors=True)
     _memory.pop(run_key(checkpoint_dir), None)
+    _newest_slot.pop(run_key(checkpoint_dir), None)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+class _Slot:
+    """One slot: the capture's tensors, views into a mapped slot file (or, when the file
+    cannot be made, into process memory: in-process restarts still work)."""
+
+    def __init__(self, path: Path | None, layout: list[tuple[str, list[int], int, int]], size: int) -> None:
+        self.path = path
+        self.layout = layout
+        self.size = size
+        self.head: Path | None = None  # the header of the capture it holds, if written
+        self.step: int | None = None
+        data: Any
+        if path is None:
+            data = bytearray(max(size, 1))
+        else:
+            with path.open("a+b") as handle:
+                handle.truncate(size)
+                if size:
+                    # Reserve the pages now: a full tmpfs makes this fail with ENOSPC here,
+                    # instead of a SIGBUS at the first write into the mapping.
+                    os.posix_fallocate(handle.fileno(), 0, size)
+                data = mmap.mmap(handle.fileno(), max(size, 1), mmap.MAP_SHARED) if size else bytearray(1)
+        self.data = data
+        self.tensors = [_view(data, dtype, shape, place, nbytes) for dtype, shape, place, nbytes in layout]
+
+    def pin(self) -> None:
+        """Page-lock the mapping, so that device-to-host copies into it are asynchronous."""
+        import ctypes
+
+        from trainer.checkpointing.snapshot import pin_host_range
+
+        if self.size:
+            pin_host_range(self, ctypes.addressof(ctypes.c_char.from_buffer(self.data)), self.size)
+
+
+def _view(data: Any, dtype: str, shape: list[int], place: int, nbytes: int) -> torch.Tensor:
+    kind = getattr(torch, dtype)
+    if not nbytes:
+        return torch.empty(shape, dtype=kind)
+    count = nbytes // torch.empty((), dtype=kind).element_size()
+    return torch.frombuffer(data, dtype=kind, count=count, offset=place).reshape(shape)
 
 
 class LocalTier:
@@ -113,21 +177,20 @@ class LocalTier:
         self.scheduler = scheduler
         self.rank = dist.get_rank()
         self.params = list(model.parameters())
-        self._buffers: list[dict[str, Any] | None] = [None, None]
-        self._slot = 0
-        self._writing: int | None = None  # the slot the file thread is writing
+        self._slots: list[_Slot | None] = [None, None]
+        self._slot = 1 - _newest_slot.get(self.key, 1)  # the next capture's: not the newest one's
+        self._sending: int | None = None  # the slot the sender thread reads
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._queued: int | None = None
+        self._queued: int | None = None  # the newest capture not yet sent to the peers
         self._closed = False
         self._flush = True
         self._stream: Any = None
         self._copier: ThreadPoolExecutor | None = None
         self._copy: Future[None] | None = None
-        self._copied: Any = None  # CUDA: the event after the newest capture's copies
-        self._thread: threading.Thread | None = None
-        self._files_allowed = threading.Event()  # cleared while a durable snapshot copies
-        self._files_allowed.set()
+        self._copied = threading.Event()  # the loop may change the weights again
+        self._cuda_copied: Any = None  # CUDA: the event after the newest capture's copies
+        self._sender: threading.Thread | None = None
         self.captures = 0
         self.write_errors = 0
         world = dist.get_world_size()
@@ -156,7 +219,7 @@ class LocalTier:
             return False
         with self._lock:
             slot = self._slot
-            if self._writing == slot:  # the file thread still writes this buffer: skip one
+            if self._sending == slot:  # the sender still reads this slot: skip one
                 return False
             self._slot = 1 - slot
         # What changes outside the optimizer step is taken now; the shards are copied
@@ -172,26 +235,131 @@ class LocalTier:
         }
         if torch.cuda.is_available():
             meta["cuda_rng"] = torch.cuda.get_rng_state()
-        if self._cuda_stream() is not None:  # the copies are only queued: no thread needed
-            self._fill(slot, meta)
-        else:
-            if self._copier is None:
-                self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rtp-local-copy")
-            self._copy = self._copier.submit(self._fill, slot, meta)
-        self._ensure_thread()
+        step_done = None
+        if self.params and self.params[0].is_cuda:
+            step_done = torch.cuda.Event()  # the copies must see the finished step
+            step_done.record()
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rtp-local-copy")
+        self.wait_copy()  # the previous capture's header is written (it runs in the same thread)
+        self._copied.clear()
+        self._copy = self._copier.submit(self._capture_into, slot, meta, step_done)
         return True
 
-    def _fill(self, slot: int, meta: dict[str, Any]) -> None:
-        with self._lock:  # the file thread starts no write of a buffer while it is filled
-            snapshot = self._copy_into(self._buffers[slot], meta)
-            self._buffers[slot] = snapshot
-            _memory[self.key] = snapshot  # complete: what an in-process restart resumes from
+    def _capture_into(self, slot: int, meta: dict[str, Any], step_done: Any) -> None:
+        """The copy thread: copy the state into `slot`, then write its header."""
+        try:
+            with self._lock:
+                if _newest_slot.get(self.key) == slot:  # only after a failed capture
+                    _memory.pop(self.key, None)  # about to be overwritten: not a copy any more
+                    _newest_slot.pop(self.key, None)
+            snapshot, sources = self._flatten(meta)
+            target = self._slot_for(slot, sources)
+            if target.head is not None:  # the slot's capture is overwritten from here on
+                target.head.unlink(missing_ok=True)
+                target.head = target.step = None
+            self._copy_into(target, sources, step_done)
+        finally:
+            self._copied.set()  # also on failure: the loop must never wait forever
+        if self._cuda_copied is not None:
+            self._cuda_copied.synchronize()
+        captured = _fill(snapshot, target.tensors)
+        if target.path is not None:
+            try:
+                target.head = self._write_head(slot, target, snapshot)
+                target.step = int(meta["step"])
+            except OSError as exc:  # a full /dev/shm must not stop training
+                self._write_failed(exc)
+        with self._lock:
+            _memory[self.key] = captured  # complete: what an in-process restart resumes from
+            _newest_slot[self.key] = slot
             self.captures += 1
-            self._queued = slot  # the newest capture is the next file written
-            self._wake.notify()
+            if target.head is not None and self.sends_to:
+                self._queued = slot
+                self._wake.notify()
+        if self.sends_to:
+            self._ensure_sender()
+
+    def _flatten(self, meta: dict[str, Any]) -> tuple[Any, list[torch.Tensor]]:
+        """The capture's skeleton (tensors replaced by their index) and the tensors to copy."""
+        sources: list[torch.Tensor] = []
+
+        def index(tensor: torch.Tensor) -> dict[str, int]:
+            sources.append(tensor.detach())
+            return {_TENSOR_KEY: len(sources) - 1}
+
+        skeleton = {k: index(v) if torch.is_tensor(v) else v for k, v in meta.items()}
+        skeleton["params"] = [index(_local(p)) for p in self.params]
+        skeleton["optim"] = [
+            {
+                k: index(_local(v)) if torch.is_tensor(v) else v
+                for k, v in self.optimizer.state.get(p, {}).items()
+            }
+            for p in self.params
+        ]
+        return skeleton, sources
+
+    def _slot_for(self, slot: int, sources: list[torch.Tensor]) -> _Slot:
+        """The slot's mapping, made (again) when the state's layout is new."""
+        layout = _layout(sources)
+        current = self._slots[slot]
+        if current is not None and current.layout == layout:
+            return current
+        size = _aligned(layout[-1][2] + layout[-1][3]) if layout else 0
+        path: Path | None = self.folder / slot_name(self.rank, slot)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            # The capture a header names must be what the slot holds: any header of this
+            # slot (an earlier attempt's too) goes before the file is touched.
+            for name in os.listdir(self.folder):
+                match = _HEAD.match(name)
+                if match and int(match.group(1)) == self.rank and int(match.group(3)) == slot:
+                    (self.folder / name).unlink(missing_ok=True)
+            made = _Slot(path, layout, size)
+        except OSError as exc:  # no room for the file: keep the copy in memory only
+            self._write_failed(exc)
+            if path is not None:
+                path.unlink(missing_ok=True)
+            made = _Slot(None, layout, size)
+        if self.params and self.params[0].is_cuda:
+            made.pin()
+        self._slots[slot] = made
+        return made
+
+    def _copy_into(self, target: _Slot, sources: list[torch.Tensor], step_done: Any) -> None:
+        """CPU: copy here. CUDA: queue the copies on a side stream after `step_done` (into
+        page-locked memory they do not block this thread); the optimizer step waits for
+        them on the GPU, the header waits for them here."""
+        with torch.no_grad():
+            if step_done is None:
+                for source, dest in zip(sources, target.tensors, strict=True):
+                    dest.copy_(source)
+                return
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device=self.params[0].device)
+            with torch.cuda.device(self.params[0].device), torch.cuda.stream(self._stream):
+                self._stream.wait_event(step_done)
+                for source, dest in zip(sources, target.tensors, strict=True):
+                    dest.copy_(source, non_blocking=source.is_cuda)
+                copied = torch.cuda.Event()
+                copied.record(self._stream)
+                self._cuda_copied = copied
+
+    def _write_head(self, slot: int, target: _Slot, skeleton: Any) -> Path:
+        final = self.folder / head_name(self.rank, int(skeleton["step"]), slot)
+        temporary = final.with_name(f".{final.name}.tmp")
+        temporary.write_bytes(_header_bytes(skeleton, target.layout, target.size))
+        os.replace(temporary, final)
+        return final
+
+    def _write_failed(self, exc: BaseException) -> None:
+        self.write_errors += 1
+        if self.write_errors == 1:
+            log.warning("fast checkpoint tier: cannot write to %s: %s", self.folder, exc)
 
     def wait_copy(self) -> float:
-        """Wait for the copy started by the last `capture()` (CPU); returns the seconds waited."""
+        """Wait for the last `capture()`'s thread to finish (its header written); returns
+        the seconds waited."""
         copy, self._copy = self._copy, None
         if copy is None:
             return 0.0
@@ -199,168 +367,86 @@ class LocalTier:
         copy.result()
         return time.perf_counter() - started
 
-    def _copy_into(self, buffer: dict[str, Any] | None, meta: dict[str, Any]) -> dict[str, Any]:
-        """Copy the shards into `buffer` (host memory; allocated on first use). On CUDA the
-        copies are queued on a side stream into pinned memory and overlap the next step's
-        forward and backward; `before_optimizer_step()` orders the optimizer after them and
-        the file thread waits for them."""
-        cuda = self._cuda_stream()
-        with torch.no_grad(), torch.cuda.stream(cuda) if cuda is not None else contextlib.nullcontext():
-            if cuda is not None:
-                cuda.wait_stream(torch.cuda.current_stream())
-            params = self._copy_list(
-                None if buffer is None else buffer["params"], [_local(p) for p in self.params]
-            )
-            optim = []
-            old_states = [None] * len(self.params) if buffer is None else buffer["optim"]
-            for old, p in zip(old_states, self.params, strict=True):
-                state = self.optimizer.state.get(p, {})
-                if old is None or old.keys() != state.keys():
-                    old = {
-                        k: (self._host_copy(_local(v)) if torch.is_tensor(v) else v) for k, v in state.items()
-                    }
-                else:
-                    for k, v in state.items():
-                        if torch.is_tensor(v):
-                            old[k].copy_(_local(v), non_blocking=cuda is not None)
-                        else:
-                            old[k] = v
-                optim.append(old)
-            if cuda is not None:
-                self._copied = torch.cuda.Event()
-                self._copied.record(cuda)
-        return {**meta, "params": params, "optim": optim}
-
-    def _cuda_stream(self) -> Any:
-        if not (self.params and self.params[0].is_cuda):
-            return None
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        return self._stream
-
-    def _host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.is_cuda:
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
-            host.copy_(tensor.detach(), non_blocking=True)
-            return host
-        return tensor.detach().clone()
-
-    def _copy_list(
-        self, targets: list[torch.Tensor] | None, sources: list[torch.Tensor]
-    ) -> list[torch.Tensor]:
-        if targets is None:
-            return [self._host_copy(t) for t in sources]
-        for target, source in zip(targets, sources, strict=True):
-            target.copy_(source, non_blocking=source.is_cuda)
-        return targets
-
     def before_optimizer_step(self) -> float:
         """The optimizer must not change the weights before the copies read them: on CPU
-        wait for the copy thread, on CUDA make the compute stream wait on the copy stream
-        (the host waits for nothing). Returns the seconds the loop waited."""
-        if self._copied is not None:
-            torch.cuda.current_stream().wait_event(self._copied)
-        return self.wait_copy()
+        wait for the copy, on CUDA make the compute stream wait on the copy stream (the host
+        waits only for the copies to be queued). Returns the seconds the loop waited."""
+        if self._copy is None:
+            return 0.0
+        started = time.perf_counter()
+        self._copied.wait()
+        if self._cuda_copied is not None:
+            torch.cuda.current_stream().wait_event(self._cuda_copied)
+        if self._copy.done():
+            self.wait_copy()  # raises what failed in the thread
+        return time.perf_counter() - started
 
-    def _wait_copied(self) -> None:
-        event = self._copied
-        if event is not None:
-            event.synchronize()
+    # ---- peer replicas ---------------------------------------------------------------
 
-    # ---- node-local files -----------------------------------------------------------
+    def _ensure_sender(self) -> None:
+        if self._sender is None:
+            self._sender = threading.Thread(target=self._send_loop, name="rtp-local-tier-send", daemon=True)
+            self._sender.start()
 
-    def _ensure_thread(self) -> None:
-        if self._thread is None:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            self._thread = threading.Thread(target=self._write_loop, name="rtp-local-tier", daemon=True)
-            self._thread.start()
-
-    def hold_files(self) -> None:
-        """A durable save is copying the state (an async save's snapshot, beside the next
-        step's forward and backward, which the optimizer waits for): no new file is started
-        until `release_files()` — when the copy is complete, at the latest before the next
-        optimizer step. Both compete for the same cores and memory bandwidth."""
-        self._files_allowed.clear()
-
-    def release_files(self) -> None:
-        self._files_allowed.set()
-
-    def _write_loop(self) -> None:
+    def _send_loop(self) -> None:
         while True:
-            self._files_allowed.wait(timeout=30)  # never stuck: at worst a file competes
             with self._lock:
                 while self._queued is None and not self._closed:
                     self._wake.wait()
-                if not self._closed and not self._files_allowed.is_set():
-                    continue  # a durable snapshot started meanwhile: after it, the newest
                 if self._closed and (self._queued is None or not self._flush):
                     return
                 slot, self._queued = self._queued, None
-                assert slot is not None  # closed with nothing queued returned above
-                self._writing = slot
-                snapshot = self._buffers[slot]
+                assert slot is not None
+                self._sending = slot
+                target = self._slots[slot]
             try:
-                self._write_file(snapshot)
-            except Exception as exc:  # a full /dev/shm must not stop training
-                self.write_errors += 1
-                if self.write_errors == 1:
-                    log.warning("fast checkpoint tier: cannot write to %s: %s", self.folder, exc)
+                if target is not None and target.head is not None and target.path is not None:
+                    self._send(target)
             finally:
                 with self._lock:
-                    self._writing = None
+                    self._sending = None
 
-    def _write_file(self, snapshot: dict[str, Any] | None) -> None:
-        if snapshot is None:
-            return
-        self._wait_copied()
-        final = self.folder / f"rank_{self.rank}_step_{snapshot['step']}.pt"
-        temporary = final.with_name(f".{final.name}.tmp")
-        write_snapshot_file(temporary, snapshot)
-        os.replace(temporary, final)
+    def _send(self, target: _Slot) -> None:
+        """The slot's capture, as one file (header, then the slot's bytes), to every holder."""
+        assert target.head is not None and target.path is not None and target.step is not None
         for holder in self.sends_to:
             if holder not in self._holders:
                 continue
             try:
                 peer_copies.send_replica(
-                    self._holders[holder], self._token, self.rank, snapshot["step"], final
+                    self._holders[holder], self._token, self.rank, target.step, [target.head, target.path]
                 )
                 self.replicas_sent += 1
             except (OSError, ValueError) as exc:  # a peer restarting must not stop training
                 self.replica_errors += 1
                 if self.replica_errors == 1:
                     log.warning("fast checkpoint tier: cannot send a copy to rank %d: %s", holder, exc)
-        mine = sorted(
-            (int(m.group(2)), path)
-            for path in self.folder.iterdir()
-            if (m := _FILE.match(path.name)) and int(m.group(1)) == self.rank
-        )
-        for _, old in mine[:-_KEEP_FILES]:
-            old.unlink(missing_ok=True)
 
     def close(self, discard: bool = False, flush: bool = True) -> None:
-        """Stop the file thread (not collective), after writing the newest capture unless
-        `flush` is off (an in-process restart: the copy in memory is what it resumes from).
-        `discard`: the attempt ended with a committed durable checkpoint of its last step,
-        so this rank's copies are of no further use: free the memory and /dev/shm they hold."""
+        """Stop the threads (not collective); the newest capture's header is written either
+        way, and its copy is sent to the peers unless `flush` is off (an in-process restart:
+        the copy in memory is what it resumes from). `discard`: the attempt ended with a
+        committed durable checkpoint of its last step, so this rank's copies are of no
+        further use: free the memory and /dev/shm they hold."""
         with contextlib.suppress(Exception):
             self.wait_copy()
         if self._copier is not None:
             self._copier.shutdown(wait=True)
             self._copier = None
-        self.release_files()
         with self._lock:
             self._closed = True
             self._flush = flush and not discard
             self._wake.notify()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-            self._thread = None
+        if self._sender is not None:
+            self._sender.join(timeout=30)
+            self._sender = None
         if self._receiver is not None:
             self._receiver.close()
             self._receiver = None
         if discard:
             _memory.pop(self.key, None)
-            self._buffers = [None, None]
+            _newest_slot.pop(self.key, None)
+            self._slots = [None, None]
             self._delete_files()
 
     def _delete_files(self) -> None:
@@ -372,7 +458,7 @@ class LocalTier:
         except FileNotFoundError:
             return
         for name in names:
-            own = _FILE.match(name)
+            own = _HEAD.match(name) or _SLOT.match(name)
             held = peer_copies.REPLICA_FILE.match(name)
             if (own and int(own.group(1)) == self.rank) or (held and int(held.group(3)) == self.rank):
                 (self.folder / name).unlink(missing_ok=True)
@@ -382,11 +468,11 @@ class LocalTier:
     # ---- restore -------------------------------------------------------------------
 
     def _candidates(self) -> dict[int, str]:
-        """step -> where this rank holds it ("memory" or a file path), matching this run."""
+        """step -> where this rank holds it ("memory" or a header path), matching this run."""
         found: dict[int, str] = {}
         if self.folder.is_dir():
             for path in self.folder.iterdir():
-                match = _FILE.match(path.name)
+                match = _HEAD.match(path.name)
                 if match and int(match.group(1)) == self.rank:
                     found[int(match.group(2))] = str(path)
         memory = _memory.get(self.key)
@@ -455,6 +541,8 @@ class LocalTier:
                 assert snapshot is not None
                 self._load(snapshot)
                 _memory[self.key] = snapshot
+                if source is None and (match := _HEAD.match(Path(mine[step]).name)):
+                    self._slot = 1 - int(match.group(3))  # the first capture keeps this one
                 self.restored_from = {r: peer for r, (_, peer) in enumerate(verdicts) if peer is not None}
                 return step
             if problem:
@@ -478,7 +566,11 @@ class LocalTier:
     def _read(self, where: str) -> tuple[dict[str, Any] | None, str | None]:
         if where == "memory":
             return _memory.get(self.key), None
-        return _load_bytes(_read_bytes(Path(where)), where)
+        head = Path(where)
+        match = _HEAD.match(head.name)
+        assert match is not None
+        data = _read_bytes(head, head.with_name(slot_name(self.rank, int(match.group(3)))))
+        return _load_bytes(data, where)
 
     def _matches(self, snapshot: dict[str, Any], durable_step: int) -> bool:
         if snapshot.get("identity") != self.identity:
@@ -522,12 +614,20 @@ class LocalTier:
             torch.cuda.set_rng_state(snapshot["cuda_rng"])
 
 
-def _read_bytes(path: Path) -> bytearray | None:
+def _read_bytes(*paths: Path) -> bytearray | None:
+    """The files' bytes, one after the other (None if one cannot be read)."""
     try:
-        with path.open("rb", buffering=0) as handle:
-            data = bytearray(os.fstat(handle.fileno()).st_size)
-            handle.readinto(data)
-            return data
+        sizes = [path.stat().st_size for path in paths]
+        data = bytearray(sum(sizes))
+        view = memoryview(data)
+        offset = 0
+        for path, size in zip(paths, sizes, strict=True):
+            with path.open("rb", buffering=0) as handle:
+                got = handle.readinto(view[offset : offset + size])
+            if got != size:
+                return None  # changed while read
+            offset += size
+        return data
     except OSError:
         return None
 
@@ -564,6 +664,37 @@ def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+def _layout(tensors: list[torch.Tensor]) -> list[tuple[str, list[int], int, int]]:
+    """(dtype, shape, place, bytes) of each tensor, each place at a 64-byte boundary."""
+    layout = []
+    offset = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        layout.append((str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, nbytes))
+        offset = _aligned(offset + nbytes)
+    return layout
+
+
+def _header_bytes(skeleton: Any, layout: list[tuple[str, list[int], int, int]], size: int) -> bytes:
+    """Everything of a file before its tensor bytes (which start at a 64-byte boundary)."""
+    buffer = io.BytesIO()
+    torch.save({"skeleton": skeleton, "tensors": layout, "size": size}, buffer)
+    header = buffer.getvalue()
+    prefix = _MAGIC + len(header).to_bytes(8, "little") + header
+    return prefix + bytes(_aligned(len(prefix)) - len(prefix))
+
+
+def _fill(value: Any, tensors: list[torch.Tensor]) -> Any:
+    """The skeleton with each tensor index replaced by its tensor."""
+    if isinstance(value, dict):
+        if len(value) == 1 and _TENSOR_KEY in value:
+            return tensors[value[_TENSOR_KEY]]
+        return {k: _fill(v, tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_fill(v, tensors) for v in value)
+    return value
+
+
 def write_snapshot_file(path: Path, snapshot: dict[str, Any]) -> None:
     tensors: list[torch.Tensor] = []
 
@@ -578,24 +709,16 @@ def write_snapshot_file(path: Path, snapshot: dict[str, Any]) -> None:
         return value
 
     skeleton = strip(snapshot)
-    layout: list[tuple[str, list[int], int, int]] = []
-    offset = 0
-    for tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        layout.append((str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, nbytes))
-        offset = _aligned(offset + nbytes)
-    buffer = io.BytesIO()
-    torch.save({"skeleton": skeleton, "tensors": layout, "size": offset}, buffer)
-    header = buffer.getvalue()
-    start = _aligned(len(_MAGIC) + 8 + len(header))
+    layout = _layout(tensors)
+    size = _aligned(layout[-1][2] + layout[-1][3]) if layout else 0
+    header = _header_bytes(skeleton, layout, size)
     with path.open("wb", buffering=0) as handle:
-        handle.write(_MAGIC + len(header).to_bytes(8, "little") + header)
-        handle.write(bytes(start - handle.tell()))
+        handle.write(header)
         for tensor, (_, _, place, nbytes) in zip(tensors, layout, strict=True):
             if nbytes:
-                handle.seek(start + place)
+                handle.seek(len(header) + place)
                 handle.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
-        handle.truncate(start + offset)
+        handle.truncate(len(header) + size)
 
 
 def read_snapshot_bytes(payload: bytes | bytearray) -> dict[str, Any]:
@@ -607,27 +730,10 @@ def read_snapshot_bytes(payload: bytes | bytearray) -> dict[str, Any]:
     if len(payload) != start + int(header["size"]):
         raise ValueError(f"{len(payload)} bytes where the header says {start + int(header['size'])}: torn")
     data = payload if isinstance(payload, bytearray) else bytearray(payload)  # the tensors share it
-    tensors = []
-    for dtype, shape, place, nbytes in header["tensors"]:
-        kind = getattr(torch, dtype)
-        count = nbytes // torch.empty((), dtype=kind).element_size()
-        flat = (
-            torch.frombuffer(data, dtype=kind, count=count, offset=start + place)
-            if count
-            else torch.empty(0, dtype=kind)
-        )
-        tensors.append(flat.reshape(shape))
-
-    def fill(value: Any) -> Any:
-        if isinstance(value, dict):
-            if len(value) == 1 and _TENSOR_KEY in value:
-                return tensors[value[_TENSOR_KEY]]
-            return {k: fill(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(fill(v) for v in value)
-        return value
-
-    snapshot = fill(header["skeleton"])
+    tensors = [
+        _view(data, dtype, shape, start + place, nbytes) for dtype, shape, place, nbytes in header["tensors"]
+    ]
+    snapshot = _fill(header["skeleton"], tensors)
     if not isinstance(snapshot, dict):
         raise ValueError("not a fast-tier snapshot")
     return snapshot

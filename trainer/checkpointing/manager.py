@@ -155,9 +155,7 @@ class CheckpointManager:
         queued now (an async save's snapshot copy ran beside forward and backward and must be
         complete before the optimizer changes the weights in place), else None."""
         self.local_tier_s += self.local.before_optimizer_step()
-        record = self.writer.wait_before_optimizer_step()
-        self.local.release_files()
-        return record
+        return self.writer.wait_before_optimizer_step()
 
     def maybe_save(self, step: int, loss_value: float, final: bool) -> SaveRecord | None:
         """Collective, after step `step`: save if it is a checkpoint step or `final` (the
@@ -165,17 +163,11 @@ class CheckpointManager:
         queued with the writer now; an async save is queued by `before_optimizer_step()`."""
         started = time.perf_counter()
         due = (final or step % self.settings.every_steps == 0) and self.writer.writes_checkpoints
-        if due:
-            # The save copies the state beside the next step, and the loop waits for that
-            # copy: the fast tier's file of this step (same cores, same memory bandwidth)
-            # waits until the save's `on_copied`, at the latest the next optimizer step.
-            self.local.hold_files()
         if self.local.capture(step, self.durable_step):
             self.local_tier_s += time.perf_counter() - started
         if not due:
             return None
         if not final and self.writer.warming_up and self._may_defer(step):
-            self.local.release_files()
             # A restarted attempt's writer starts in the background (1-2 s, more on a busy
             # machine); waiting for it here blocked the loop for that long and could trip the
             # in-process watchdog. The fast tier covers recovery meanwhile: this periodic
@@ -220,7 +212,6 @@ class CheckpointManager:
             path=str(final),
         )
         pending = PendingSave(record, staging, final, meta, started_at=started, queued_at=started, last=last)
-        pending.on_copied = self.local.release_files  # the fast tier's files were held (maybe_save)
         self.writer.start_save({"model": model_state, "optim": optim_state}, pending)
         self.records.append(record)
         return record

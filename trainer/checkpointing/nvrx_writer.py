@@ -1,13 +1,20 @@
 """The `async` checkpoint mode: NVRx's persistent writer process, one per rank.
 
-NVRx 0.4.1's `AsyncCallsQueue` with the DCP plan / background write / finalize split of
-`FileSystemWriterAsync`. The state is copied to host buffers (`snapshot`), planned and sent
-to the worker by a background thread while the next step's forward and backward run; the
-loop's `wait_before_optimizer_step()`, before every `optimizer.step()`, waits for that
-thread if it is still running and registers the write for finalizing. `poll()` (every
-step, on every rank) finalizes it as soon as all ranks agree; rank 0 then writes DCP's
-metadata and commits in a background thread, and the next save or `finalize()` waits for
-all of it. What 0.4.1 needs on a CPU build lives in `nvrx_compat`.
+NVRx 0.4.1's persistent writer process with the DCP plan / background write / finalize
+split of `FileSystemWriterAsync`. The state is copied to host buffers (`snapshot`), planned
+and sent to the worker by a background thread while the next step's forward and backward
+run; the loop's `wait_before_optimizer_step()`, before every `optimizer.step()`, waits for
+that thread if it is still running and then starts the save's *finisher* thread. The
+finisher waits for the worker to report the write done, gathers every rank's write results
+over the writer's own gloo group (NVRx's finalize, with the request numbers compared), and
+on rank 0 writes DCP's metadata and commits; `poll()` (every step) only looks whether it
+ended, and reports the commit from the loop. The next save or `finalize()` joins it.
+
+NVRx's own finalizing (`AsyncCallsQueue.maybe_finalize_async_calls`) runs on the loop: an
+all-reduce on every step while a write is in flight, then the gather and the metadata, each
+waiting for a CPU beside the background write (measured here, 1 rank, 2 cores: 5-14 ms of
+every save's blocked time). It is used for the start-up warm-up only. What 0.4.1 needs on a
+CPU build lives in `nvrx_compat`.
 
 The attempt's last save (its last step, or a stop was requested) is the exception: no step
 follows it to hide a background write behind, and the loop waits for it in `finalize()`
@@ -19,6 +26,7 @@ torch DCP into the same layout, with the same shard hashes and commit.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -48,8 +56,10 @@ class NvrxAsyncWriter(CheckpointWriter):
         self._group: Any = None
         self._snapshot: Any = None
         self._plan_cache: Any = None
-        self._committer: threading.Thread | None = None
-        self._committer_error: BaseException | None = None
+        self._finisher: threading.Thread | None = None
+        self._finishing: PendingSave | None = None  # the save the finisher finishes
+        self._finisher_error: BaseException | None = None
+        self._abandoned = threading.Event()  # tells a finisher to stop waiting
         self._warming_up = False
         self._last_state: dict[str, Any] | None = None
 
@@ -102,19 +112,16 @@ class NvrxAsyncWriter(CheckpointWriter):
 
     def _plan_and_send(
         self, writer: Any, pending: PendingSave, call_idx: int, snapshot: dict[str, Any]
-    ) -> Any:
-        """Plan the write over the complete snapshot and send it to the writer process.
+    ) -> Callable[[], None]:
+        """Plan the write over the complete snapshot and send it to the writer process;
+        returns what finishes it (`_finish`, for the finisher thread).
 
         This is the first half of NVRx's `AsyncCallsQueue.schedule_async_request` (number,
-        freeze, send to the persistent worker); the second half, registering the request
-        for finalizing (`maybe_finalize_async_calls` runs collectives over that list), is
-        `_hand_off()`'s, on the loop, so every rank's list changes at the same step."""
+        freeze, send to the persistent worker); the finalize half is `_finish`."""
         from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
 
         from trainer.checkpointing import nvrx_compat
 
-        if pending.on_copied is not None:
-            pending.on_copied()  # called after the copy: the live state is free again
         writer, metadata, dist_wrapper = save_state_dict_async_plan(
             snapshot, writer, process_group=self._group, enable_cache=True, metadata_cache=self._plan_cache
         )
@@ -122,15 +129,15 @@ class NvrxAsyncWriter(CheckpointWriter):
         request = nvrx_compat.CpuSafeAsyncRequest(
             partial(_write_then_hash, save_fn, str(pending.staging), dist.get_rank()) if save_fn else None,
             save_args,
-            [partial(self._finalize_nvrx, writer, metadata, dist_wrapper, pending)],
+            [],
             # The snapshot already is the device-to-host copy; NVRx's preload would copy
             # again and make the loop wait for the worker to do it.
             preload_fn=None,
             call_idx=call_idx,
         ).freeze()
-        self._calls.persistent_caller.schedule_async_call(request._replace(finalize_fns=[]))
+        self._calls.persistent_caller.schedule_async_call(request)
         pending.queued_at = time.perf_counter()
-        return request
+        return partial(self._finish, writer, metadata, dist_wrapper, pending, call_idx, save_fn is not None)
 
     @property
     def warming_up(self) -> bool:
@@ -154,85 +161,122 @@ class NvrxAsyncWriter(CheckpointWriter):
         return pending.record
 
     def _hand_off(self) -> None:
-        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import _ActiveAsyncRequest
-
         if self._last_state is not None:
             self._write_last()  # no optimizer step was to follow; write it before one does
             return
         pending, self._handoff = self._handoff, None
         assert pending is not None
-        request = self._snapshot.wait()  # the request, planned and sent
+        finish = self._snapshot.wait()  # planned and sent
         pending.request = None
-        self._calls.async_calls.append(
-            _ActiveAsyncRequest(request.call_idx, self._calls.persistent_caller, request)
+        assert self._finisher is None  # the save began by finalizing the previous one
+        self._finishing = pending
+        # A daemon: a rank that dies must not be kept alive by it (a commit is atomic).
+        self._finisher = threading.Thread(
+            target=self._run_finisher, args=(finish,), name="rtp-ckpt-finish", daemon=True
         )
+        self._finisher.start()
 
-    def _finalize_nvrx(self, writer: Any, metadata: Any, dist_wrapper: Any, pending: PendingSave) -> None:
-        """NVRx's finalize step, run on the loop by every rank once all ranks' writes finished
-        (NVRx's `save_state_dict_async_finalize`, split in two): the collective part, gathering
-        the write results, stays here; rank 0 then writes DCP's `.metadata` and commits
-        (fsyncs, manifest, rename, retention) in a background thread, so that file work does
-        not block training. `finalize()` waits for it; the next save starts with one."""
+    def _run_finisher(self, finish: Callable[[], None]) -> None:
+        try:
+            finish()
+        except BaseException as exc:  # re-raised on the training thread by _join_finisher()
+            self._finisher_error = exc
+
+    def _finish(
+        self,
+        writer: Any,
+        metadata: Any,
+        dist_wrapper: Any,
+        pending: PendingSave,
+        call_idx: int,
+        sent: bool,
+    ) -> None:
+        """The finisher thread, on every rank: wait for this rank's write, gather all ranks'
+        write results over the writer's group (the request numbers must match), then rank 0
+        writes DCP's `.metadata` and commits (fsyncs, manifest, rename, retention). The loop
+        learns of the commit in `poll()` or `finalize()`."""
         from torch.distributed.checkpoint import CheckpointException
         from torch.distributed.checkpoint.utils import _get_failure_dict
 
-        all_results = dist_wrapper.gather_object(writer.retrieve_write_results())
-        self._pending = None
+        if sent and not self._wait_for_write(call_idx):
+            return  # abandoned
+        gathered = dist_wrapper.gather_object((call_idx, writer.retrieve_write_results()))
         if not dist_wrapper.is_coordinator:
-            self._record_commit(pending)
             return
+        numbers = {number for number, _ in gathered}
+        if numbers != {call_idx}:
+            raise RuntimeError(
+                f"ranks finished different checkpoint requests ({sorted(numbers)}): "
+                "every rank must save at the same steps"
+            )
+        all_results = [results for _, results in gathered]
         failures = _get_failure_dict(all_results)
         if failures:
             raise CheckpointException("write", failures)
-        self._join_committer()
-        self._committer = threading.Thread(
-            target=self._commit_in_background,
-            args=(writer, metadata, all_results, pending, dist.get_world_size()),
-            name="rtp-ckpt-commit",
+        if self._abandoned.is_set():
+            return
+        writer.finish(metadata, all_results)  # DCP's .metadata: the checkpoint is readable
+        storage.commit_files(
+            pending.staging, pending.final, pending.record.step, pending.meta, dist.get_world_size()
         )
-        self._committer.start()
+        pending.record.bytes_total = storage.checkpoint_bytes(pending.final)
+        storage.apply_retention(self.root, self.keep_last, self.keep_every)
 
-    def _commit_in_background(
-        self, writer: Any, metadata: Any, all_results: Any, pending: PendingSave, world_size: int
-    ) -> None:
-        try:
-            writer.finish(metadata, all_results)  # DCP's .metadata: the checkpoint is readable
-            storage.commit_files(
-                pending.staging, pending.final, pending.record.step, pending.meta, world_size
-            )
-            pending.record.bytes_total = storage.checkpoint_bytes(pending.final)
-            self._record_commit(pending)
-            storage.apply_retention(self.root, self.keep_last, self.keep_every)
-        except BaseException as exc:  # re-raised on the training thread by _join_committer()
-            self._committer_error = exc
+    def _wait_for_write(self, call_idx: int) -> bool:
+        """Until the worker reports request `call_idx` written (True), or the save is
+        abandoned (False); raises if the worker died."""
+        caller = self._calls.persistent_caller
+        while True:
+            try:
+                done = caller.comp_q.get(timeout=0.05)
+            except queue.Empty:
+                if self._abandoned.is_set():
+                    return False
+                if caller.process is None or not caller.process.is_alive():
+                    raise RuntimeError(
+                        "the checkpoint writer process died before finishing the write"
+                    ) from None
+                continue
+            if done == call_idx:
+                return True
 
-    def _join_committer(self) -> None:
-        committer, self._committer = self._committer, None
-        if committer is not None:
-            committer.join()
-        error, self._committer_error = self._committer_error, None
+    def _join_finisher(self) -> None:
+        """Wait for the finisher (on every rank: it ended in the same gather) and report the
+        pending save committed, from the loop."""
+        finisher, self._finisher = self._finisher, None
+        if finisher is None:
+            return
+        finisher.join()
+        error, self._finisher_error = self._finisher_error, None
+        pending, self._finishing = self._finishing, None
+        if self._pending is pending:
+            self._pending = None
         if error is not None:
-            raise storage.CheckpointError(f"committing a checkpoint failed: {error}") from error
+            raise storage.CheckpointError(f"finishing a checkpoint failed: {error}") from error
+        if pending is not None:
+            self._record_commit(pending)
 
     def _record_commit(self, pending: PendingSave) -> None:
         pending.record.write_s = time.perf_counter() - pending.queued_at
         self.on_commit(pending.record)
 
     def poll(self) -> None:
-        """Its time (the agreement all-reduce, finalize) blocks the loop, so it is added to
-        the pending save's `blocked_s`."""
-        pending = self._pending
-        if pending is None:
+        """Cheap and without collectives for saves: reports a save whose finisher ended
+        (the ranks may learn of it a step apart; each commit is reported once per rank).
+        During a background warm-up it finalizes the warm-up save (NVRx's collective check)."""
+        if self._pending is None:
             if self._warming_up and not self._calls.get_num_unfinalized_calls():
                 self._finish_warm_up()
             elif self._warming_up:
                 self._calls.maybe_finalize_async_calls(blocking=False)
             return
-        started = time.perf_counter()
-        self._calls.maybe_finalize_async_calls(blocking=False)  # commits via finalize fns
-        elapsed = time.perf_counter() - started
-        pending.record.finalize_s += elapsed
-        pending.record.blocked_s += elapsed
+        finisher = self._finisher
+        if finisher is not None and not finisher.is_alive():
+            started = time.perf_counter()
+            pending = self._pending
+            self._join_finisher()
+            pending.record.finalize_s += time.perf_counter() - started
+            pending.record.blocked_s += time.perf_counter() - started
 
     def _finish_warm_up(self) -> None:
         from trainer.checkpointing import nvrx_compat
@@ -246,18 +290,16 @@ class NvrxAsyncWriter(CheckpointWriter):
             self._finish_warm_up()
         if self._last_state is not None:
             self._write_last()
-        if self._pending is not None:
-            if self._handoff is not None:  # saved at the loop's last step: no optimizer step follows
-                self._hand_off()
-            self._wait_for_writer()
-        self._join_committer()
+        if self._pending is not None and self._handoff is not None:
+            self._hand_off()  # saved at the loop's last step: no optimizer step follows
+        self._join_finisher()
 
     def _write_last(self) -> None:
         """Collective: write the attempt's last save here and commit it (see the module doc).
 
         Planned like every save (NVRx's cached plan, the writer's group), written bucket by
         bucket by NVRx's own bucket writer in this process, then finalized and committed
-        as `_finalize_nvrx` does. Any earlier save was committed before this one started
+        as `_finish` does. Any earlier save was committed before this one started
         (`manager._save`), and the state is the live one: nothing changed it since
         `start_save()`."""
         from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
@@ -266,9 +308,10 @@ class NvrxAsyncWriter(CheckpointWriter):
         from torch.distributed.checkpoint.utils import _get_failure_dict
 
         state, self._last_state = self._last_state, None
-        pending, self._pending, self._handoff = self._pending, None, None
+        pending, self._handoff = self._pending, None
         assert state is not None and pending is not None
-        self._join_committer()
+        self._join_finisher()
+        self._pending = None
         writer, metadata, dist_wrapper = save_state_dict_async_plan(
             state,
             FileSystemWriterAsync(str(pending.staging)),
@@ -316,11 +359,15 @@ class NvrxAsyncWriter(CheckpointWriter):
         self._pending = self._handoff = None
         self._last_state = None
         self._warming_up = False
+        self._abandoned.set()
         if self._snapshot is not None:
             self._snapshot.discard()
-        if self._committer is not None:  # local file work only: let it finish, atomic either way
-            self._committer.join(timeout=30)
-            self._committer = self._committer_error = None
+        if self._finisher is not None:
+            # It stops waiting for the worker at once; in the writer group's gather it ends
+            # when the peers' connections go down (the restart's abort), and a commit in
+            # progress is local file work, atomic either way.
+            self._finisher.join(timeout=5)
+            self._finisher = self._finisher_error = self._finishing = None
         if self._calls is not None:
             caller = self._calls.persistent_caller
             if caller is not None and caller.process is not None:

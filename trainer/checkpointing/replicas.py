@@ -10,9 +10,11 @@ test or a drill on one machine can exercise.
 
 The transport is a plain TCP connection per copy: the holder's receiver thread listens on
 a port of its own (loopback when the job has one node; the pod's address otherwise),
-the sender streams the file with `socket.sendfile` from the file thread, after the rank's
-own file is written, so it costs the training loop nothing; while a copy is being sent,
-newer captures replace each other, so a slow link sends the newest state it can. A copy
+the sender streams the capture (its header file, then its slot file, received as one file)
+with `socket.sendfile` from a thread of its own once the header is written, so it costs
+the training loop nothing; while a copy is being sent, that slot is not overwritten (a
+capture is skipped) and newer captures replace each other in the queue, so a slow link
+sends the newest state it can. A copy
 is written to a temporary name and renamed when complete; the holder keeps the two
 newest of each owner. Addresses and a random token (a receiver takes copies only from
 the ranks of this attempt) are exchanged in the all-gather that starts every restore.
@@ -150,12 +152,21 @@ class ReplicaReceiver:
         self._thread.join(timeout=_TIMEOUT_S + 1)
 
 
-def send_replica(address: tuple[str, int], token: bytes, owner: int, step: int, path: Path) -> None:
-    """Stream one node-local file to a holder; returns once the holder has it (raises OSError)."""
-    with path.open("rb") as handle, socket.create_connection(address, timeout=_TIMEOUT_S) as connection:
-        size = os.fstat(handle.fileno()).st_size
-        connection.sendall(_HEADER.pack(_MAGIC, token, owner, step, size))
-        connection.sendfile(handle)
+def send_replica(
+    address: tuple[str, int], token: bytes, owner: int, step: int, paths: Path | list[Path]
+) -> None:
+    """Stream a node-local copy to a holder, as one file: the contents of `paths`, one
+    after the other (a capture's header, then its slot); returns once the holder has it
+    (raises OSError)."""
+    paths = [paths] if isinstance(paths, Path) else paths
+    with contextlib.ExitStack() as stack:
+        handles = [stack.enter_context(path.open("rb")) for path in paths]
+        sizes = [os.fstat(handle.fileno()).st_size for handle in handles]
+        connection = stack.enter_context(socket.create_connection(address, timeout=_TIMEOUT_S))
+        connection.sendall(_HEADER.pack(_MAGIC, token, owner, step, sum(sizes)))
+        for handle, size in zip(handles, sizes, strict=True):
+            if size:
+                connection.sendfile(handle, count=size)
         if _read_exactly(connection, 1) != b"\x01":
             raise OSError(f"holder {address} did not confirm the copy of step {step}")
 

@@ -176,12 +176,18 @@ def _new_host_buffer(value: torch.Tensor) -> torch.Tensor:
 
 
 def _pin(host: torch.Tensor) -> None:
-    """Page-lock a shared-memory tensor (for every device: flag 1, "portable") so that
-    device-to-host copies into it are asynchronous (`pin_memory()` would allocate new,
-    unshared memory)."""
+    """Page-lock a shared-memory tensor so that device-to-host copies into it are
+    asynchronous (`pin_memory()` would allocate new, unshared memory)."""
     storage = host.untyped_storage()
-    pointer, size = storage.data_ptr(), storage.nbytes()
+    pin_host_range(host, storage.data_ptr(), storage.nbytes())
+
+
+def pin_host_range(owner: object, pointer: int, size: int) -> bool:
+    """Page-lock `size` bytes of host memory at `pointer` (for every device: flag 1,
+    "portable") until `owner` is collected; False if CUDA refused (still correct, only
+    slower: copies then go through staging memory)."""
     cudart = torch.cuda.cudart()
     if int(cudart.cudaHostRegister(pointer, size, 1)) != 0:
-        return  # still correct, only slower: the copy then goes through staging memory
-    weakref.finalize(host, cudart.cudaHostUnregister, pointer)
+        return False
+    weakref.finalize(owner, cudart.cudaHostUnregister, pointer)
+    return True

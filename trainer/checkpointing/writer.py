@@ -77,10 +77,6 @@ class PendingSave:
     last: bool = False
     """The attempt's last save (its last step, or a stop was requested): no optimizer step
     follows it, so the live state stays as saved until `finalize()`."""
-    on_copied: Callable[[], None] | None = None
-    """Called (from any thread) once the save no longer reads the live state: an async
-    save's snapshot copy is complete. Writers that never call it are done by the next
-    `wait_before_optimizer_step()`."""
 
 
 OnCommit = Callable[[SaveRecord], None]
