@@ -202,7 +202,12 @@ class CheckpointManager:
         started = time.perf_counter()
         self.writer.finalize()  # the previous save commits first: snapshot buffers are reused
         previous_wait_s = time.perf_counter() - started
-        staging, final = storage.prepare_staging(self.root, step, rank_extra)
+        if self.writer.stages_itself:  # its RNG state is taken now, its folder made later
+            staging, final = storage.staging_paths(self.root, step)
+            state_of_rank: dict[str, Any] | None = storage.rank_state(rank_extra)
+        else:
+            staging, final = storage.prepare_staging(self.root, step, rank_extra)
+            state_of_rank = None
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         record = SaveRecord(
             step=step,
@@ -211,7 +216,16 @@ class CheckpointManager:
             previous_wait_s=previous_wait_s,
             path=str(final),
         )
-        pending = PendingSave(record, staging, final, meta, started_at=started, queued_at=started, last=last)
+        pending = PendingSave(
+            record,
+            staging,
+            final,
+            meta,
+            started_at=started,
+            queued_at=started,
+            last=last,
+            rank_state=state_of_rank,
+        )
         self.writer.start_save({"model": model_state, "optim": optim_state}, pending)
         self.records.append(record)
         return record

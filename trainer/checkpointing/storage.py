@@ -197,23 +197,39 @@ def _build_manifest(folder: Path) -> dict[str, Any]:
     return {"version": 1, "files": files}
 
 
-def _rank_state(extra: dict[str, Any]) -> dict[str, Any]:
+def rank_state(extra: dict[str, Any]) -> dict[str, Any]:
+    """This rank's RNG states now, with `extra` (its loader position): its file in a save."""
     state = {"torch_rng": torch.get_rng_state(), **extra}
     if torch.cuda.is_available():
         state["cuda_rng"] = torch.cuda.get_rng_state()
     return state
 
 
-def prepare_staging(root: str | Path, step: int, rank_extra: dict[str, Any]) -> tuple[Path, Path]:
-    """Collective: an empty `step_<N>.tmp/` with this rank's RNG/loader state in it.
+def staging_paths(root: str | Path, step: int) -> tuple[Path, Path]:
+    """(staging, final) folders of step `step`'s save."""
+    final = step_dir(Path(root), step)
+    return final.with_name(final.name + ".tmp"), final
+
+
+def prepare_staging(
+    root: str | Path,
+    step: int,
+    rank_extra: dict[str, Any],
+    *,
+    state: dict[str, Any] | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[Path, Path]:
+    """Collective over `group` (default: all ranks): an empty `step_<N>.tmp/` with this
+    rank's RNG/loader state in it (`state`, taken earlier with `rank_state`, or now).
 
     Returns (staging, final). A leftover staging folder (a save that died) is discarded,
     and so is a committed folder of the same step (re-saving after resuming from older).
     """
     base = Path(root)
     rank = dist.get_rank()
-    final = step_dir(base, step)
-    staging = final.with_name(final.name + ".tmp")
+    staging, final = staging_paths(base, step)
+    if state is None:
+        state = rank_state(rank_extra)
     if rank == 0:
         base.mkdir(parents=True, exist_ok=True)
         if staging.exists():
@@ -221,8 +237,8 @@ def prepare_staging(root: str | Path, step: int, rank_extra: dict[str, Any]) -> 
         if final.exists():
             remove_committed(final)
         (staging / RANK_STATE_DIR).mkdir(parents=True)
-    dist.barrier()
-    torch.save(_rank_state(rank_extra), staging / RANK_STATE_DIR / f"rank_{rank}.pt")
+    dist.barrier(group=group)
+    torch.save(state, staging / RANK_STATE_DIR / f"rank_{rank}.pt")
     return staging, final
 
 

@@ -74,6 +74,9 @@ class PendingSave:
     """torch-async: the background write and shard hashing."""
     request: Any = None
     """async: plans and sends the NVRx request; runs in the snapshot's thread."""
+    rank_state: dict[str, Any] | None = None
+    """This rank's RNG and loader state at the save's step, for its file in the staging
+    folder; set when the writer prepares the staging folder itself (`stages_itself`)."""
     last: bool = False
     """The attempt's last save (its last step, or a stop was requested): no optimizer step
     follows it, so the live state stays as saved until `finalize()`."""
@@ -92,6 +95,9 @@ class CheckpointWriter(ABC):
 
     mode: ClassVar[str]
     writes_checkpoints: ClassVar[bool] = True
+    stages_itself: ClassVar[bool] = False
+    """`start_save()` prepares the staging folder (`storage.prepare_staging` with
+    `pending.rank_state`), e.g. in a background thread; else the manager does, before."""
 
     def __init__(self, root: Path, keep_last: int, keep_every: int, on_commit: OnCommit) -> None:
         self.root = root
