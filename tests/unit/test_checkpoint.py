@@ -555,3 +555,26 @@ def test_a_fast_tier_file_holds_its_snapshot_exactly_and_a_torn_or_foreign_one_i
     write_snapshot_file(evil, {"x": _RunsCodeWhenUnpickled()})
     refused, problem = _load_bytes(_read_bytes(evil), "evil")
     assert refused is None and problem and not marker.exists()
+
+
+def test_an_async_save_whose_writer_process_died_fails_instead_of_waiting_forever(tmp_path):
+    """The finisher waits for the writer process to report the write; a dead writer is an
+    error the loop sees at the next finalize (NVRx's own check would have waited forever)."""
+    model, optimizer = _trained_model()
+    manager = _manager(tmp_path, "async", model, optimizer, extra=["checkpoint.local_every_steps=0"])
+    manager.start(background=False)
+    try:
+        worker = manager.writer._calls.persistent_caller.process
+        worker.kill()
+        worker.join(timeout=30)
+        for step in (1, 2, 3):  # the save is at step 3
+            _step(model, optimizer)
+            manager.before_optimizer_step()
+            manager.maybe_save(step, 1.0, final=False)
+            manager.after_step()
+        manager.before_optimizer_step()  # hands the save to its finisher
+        with pytest.raises(CheckpointError, match="writer process died"):
+            manager.writer.finalize()
+        assert not list((tmp_path / "checkpoints").glob("step_*[0-9]"))  # nothing committed
+    finally:
+        manager.abandon()
