@@ -45,12 +45,14 @@ import hashlib
 import io
 import logging
 import mmap
+import operator
 import os
 import pickle
 import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +110,25 @@ def forget_run(local_dir: str, checkpoint_dir: str | Path) -> None:
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    """A DTensor's local shard (the tensor itself, not `to_local()`'s autograd view: this
+    runs for every tensor at every capture, off the training thread), else the tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+@dataclass(slots=True)
+class _Plan:
+    """One layout of the state: the shards to copy, the skeleton over their indices, where
+    the meta's tensors (new objects at every capture) go, and the header's static section
+    (written once per layout)."""
+
+    sources: list[torch.Tensor]
+    skeleton: dict[str, Any]
+    dynamic_index: dict[str, int]
+    layout: list[tuple[str, list[int], int, int]]
+    size: int
+    static: bytes
 
 
 class _Slot:
@@ -121,6 +141,8 @@ class _Slot:
         self.size = size
         self.head: Path | None = None  # the header of the capture it holds, if written
         self.step: int | None = None
+        self.plan: _Plan | None = None
+        self.filled: Any = None  # the plan's skeleton over this slot's tensors
         data: Any
         if path is None:
             data = bytearray(max(size, 1))
@@ -191,6 +213,7 @@ class LocalTier:
         self._copied = threading.Event()  # the loop may change the weights again
         self._cuda_copied: Any = None  # CUDA: the event after the newest capture's copies
         self._sender: threading.Thread | None = None
+        self._plan: _Plan | None = None
         self.captures = 0
         self.write_errors = 0
         world = dist.get_world_size()
@@ -242,31 +265,38 @@ class LocalTier:
         if self._copier is None:
             self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rtp-local-copy")
         self.wait_copy()  # the previous capture's header is written (it runs in the same thread)
+        # The walk over the state runs here, between steps: in the copy thread it competed
+        # with the training thread for the interpreter lock (1-4 ms per capture measured).
+        plan = self._plan_for(meta)
         self._copied.clear()
-        self._copy = self._copier.submit(self._capture_into, slot, meta, step_done)
+        self._copy = self._copier.submit(self._capture_into, slot, meta, plan, step_done)
         return True
 
-    def _capture_into(self, slot: int, meta: dict[str, Any], step_done: Any) -> None:
+    def _capture_into(self, slot: int, meta: dict[str, Any], plan: _Plan, step_done: Any) -> None:
         """The copy thread: copy the state into `slot`, then write its header."""
+        dynamic = {k: v for k, v in meta.items() if k not in plan.dynamic_index}
+        dynamic.update({k: {_TENSOR_KEY: i} for k, i in plan.dynamic_index.items()})
         try:
             with self._lock:
                 if _newest_slot.get(self.key) == slot:  # only after a failed capture
                     _memory.pop(self.key, None)  # about to be overwritten: not a copy any more
                     _newest_slot.pop(self.key, None)
-            snapshot, sources = self._flatten(meta)
-            target = self._slot_for(slot, sources)
+            target = self._slot_for(slot, plan)
             if target.head is not None:  # the slot's capture is overwritten from here on
                 target.head.unlink(missing_ok=True)
                 target.head = target.step = None
+            sources = [*plan.sources, *(meta[k] for k in plan.dynamic_index)]
             self._copy_into(target, sources, step_done)
         finally:
             self._copied.set()  # also on failure: the loop must never wait forever
         if self._cuda_copied is not None:
             self._cuda_copied.synchronize()
-        captured = _fill(snapshot, target.tensors)
+        if target.filled is None:
+            target.filled = _fill(plan.skeleton, target.tensors)
+        captured = {**_fill(dynamic, target.tensors), **target.filled}
         if target.path is not None:
             try:
-                target.head = self._write_head(slot, target, snapshot)
+                target.head = self._write_head(slot, plan, dynamic)
                 target.step = int(meta["step"])
             except OSError as exc:  # a full /dev/shm must not stop training
                 self._write_failed(exc)
@@ -280,32 +310,55 @@ class LocalTier:
         if self.sends_to:
             self._ensure_sender()
 
-    def _flatten(self, meta: dict[str, Any]) -> tuple[Any, list[torch.Tensor]]:
-        """The capture's skeleton (tensors replaced by their index) and the tensors to copy."""
-        sources: list[torch.Tensor] = []
-
-        def index(tensor: torch.Tensor) -> dict[str, int]:
-            sources.append(tensor.detach())
-            return {_TENSOR_KEY: len(sources) - 1}
-
-        skeleton = {k: index(v) if torch.is_tensor(v) else v for k, v in meta.items()}
-        skeleton["params"] = [index(_local(p)) for p in self.params]
-        skeleton["optim"] = [
-            {
-                k: index(_local(v)) if torch.is_tensor(v) else v
-                for k, v in self.optimizer.state.get(p, {}).items()
-            }
-            for p in self.params
-        ]
-        return skeleton, sources
-
-    def _slot_for(self, slot: int, sources: list[torch.Tensor]) -> _Slot:
-        """The slot's mapping, made (again) when the state's layout is new."""
-        layout = _layout(sources)
-        current = self._slots[slot]
-        if current is not None and current.layout == layout:
-            return current
+    def _plan_for(self, meta: dict[str, Any]) -> _Plan:
+        """What a capture copies: the shards (the same tensor objects at every capture: the
+        optimizer updates them in place), then the meta's tensors (the RNG states). The
+        previous capture's plan when its shards are still the state's tensors."""
+        state = self.optimizer.state
+        sources = [_local(p) for p in self.params]
+        stable = True
+        for p in self.params:
+            for value in state.get(p, {}).values():
+                if torch.is_tensor(value):
+                    sources.append(_local(value))
+                else:
+                    stable = False  # a plain value in the state: it goes in the skeleton
+        plan = self._plan
+        if (
+            plan is not None
+            and stable
+            and len(plan.sources) == len(sources)
+            and all(map(operator.is_, plan.sources, sources))
+        ):
+            return plan
+        index = iter(range(len(sources)))
+        skeleton = {
+            "params": [{_TENSOR_KEY: next(index)} for _ in self.params],
+            "optim": [
+                {
+                    k: {_TENSOR_KEY: next(index)} if torch.is_tensor(v) else v
+                    for k, v in state.get(p, {}).items()
+                }
+                for p in self.params
+            ],
+        }
+        names = [k for k, v in meta.items() if torch.is_tensor(v)]
+        dynamic_index = {k: len(sources) + i for i, k in enumerate(names)}
+        layout = _layout([*sources, *(meta[k] for k in names)])
         size = _aligned(layout[-1][2] + layout[-1][3]) if layout else 0
+        plan = _Plan(sources, skeleton, dynamic_index, layout, size, _static_section(skeleton, layout, size))
+        if stable:
+            self._plan = plan
+        return plan
+
+    def _slot_for(self, slot: int, plan: _Plan) -> _Slot:
+        """The slot's mapping, made (again) when the state's layout is new."""
+        current = self._slots[slot]
+        if current is not None and current.layout == plan.layout:
+            if current.plan is not plan:
+                current.plan, current.filled = plan, None
+            return current
+        layout, size = plan.layout, plan.size
         path: Path | None = self.folder / slot_name(self.rank, slot)
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -323,6 +376,7 @@ class LocalTier:
             made = _Slot(None, layout, size)
         if self.params and self.params[0].is_cuda:
             made.pin()
+        made.plan = plan
         self._slots[slot] = made
         return made
 
@@ -330,25 +384,25 @@ class LocalTier:
         """CPU: copy here. CUDA: queue the copies on a side stream after `step_done` (into
         page-locked memory they do not block this thread); the optimizer step waits for
         them on the GPU, the header waits for them here."""
+        # One call for all tensors: this thread takes the interpreter lock back once, not
+        # once per tensor (each time waiting for the training thread to let it go).
         with torch.no_grad():
             if step_done is None:
-                for source, dest in zip(sources, target.tensors, strict=True):
-                    dest.copy_(source)
+                torch._foreach_copy_(target.tensors, sources)
                 return
             if self._stream is None:
                 self._stream = torch.cuda.Stream(device=self.params[0].device)
             with torch.cuda.device(self.params[0].device), torch.cuda.stream(self._stream):
                 self._stream.wait_event(step_done)
-                for source, dest in zip(sources, target.tensors, strict=True):
-                    dest.copy_(source, non_blocking=source.is_cuda)
+                torch._foreach_copy_(target.tensors, sources, non_blocking=True)
                 copied = torch.cuda.Event()
                 copied.record(self._stream)
                 self._cuda_copied = copied
 
-    def _write_head(self, slot: int, target: _Slot, skeleton: Any) -> Path:
-        final = self.folder / head_name(self.rank, int(skeleton["step"]), slot)
+    def _write_head(self, slot: int, plan: _Plan, dynamic: dict[str, Any]) -> Path:
+        final = self.folder / head_name(self.rank, int(dynamic["step"]), slot)
         temporary = final.with_name(f".{final.name}.tmp")
-        temporary.write_bytes(_header_bytes(skeleton, target.layout, target.size))
+        temporary.write_bytes(_header_bytes(plan.static, dynamic))
         os.replace(temporary, final)
         return final
 
@@ -643,19 +697,21 @@ def _load_bytes(payload: bytes | bytearray | None, where: str) -> tuple[dict[str
 
 # ---- the file format ------------------------------------------------------------------
 #
-# A fast-tier file is written every step beside training, so its writer must leave the
-# interpreter to the loop. torch.save holds the GIL while it writes the tensors' bytes: a
-# thread saving 300 MB in a loop cut a pure-Python loop beside it to 41% of its speed, with
-# stalls of 57 ms (raw writes: no slowdown, stalls under 3 ms). So the tensors' bytes are
-# written with plain file writes, which release the GIL, after a small header that holds
-# everything else (saved with torch.save, read back with `weights_only=True`):
+# A capture's bytes are raw tensor bytes (copied into a mapped slot; `write_snapshot_file`
+# writes them with plain file writes, which release the GIL: torch.save holds it while it
+# writes tensor bytes, and a thread saving 300 MB in a loop cut a pure-Python loop beside it
+# to 41% of its speed, with stalls of 57 ms). Everything else is in a header of two sections
+# saved with torch.save and read back with `weights_only=True`:
 #
-#   MAGIC | header length (8 bytes) | header | tensor bytes, each at a 64-byte boundary
+#   MAGIC | static section | capture section | padding | tensor bytes, each at a 64-byte boundary
 #
-# The header records each tensor's dtype, shape and place; a file of another length (torn,
-# or not ours) is refused.
+# where a section is its length (8 bytes) and its torch.save bytes. The static section (the
+# skeleton of parameters and optimizer state over tensor indices, each tensor's dtype, shape
+# and place, the total size) stays the same while the layout does and is made once; the
+# capture section (step, scheduler, hyper-parameters, the RNG states' indices, ...) is the
+# only part pickled at every capture. A file of another length (torn, or not ours) is refused.
 
-_MAGIC = b"RTPTIER1"
+_MAGIC = b"RTPTIER2"
 _TENSOR_KEY = "__rtp_tensor__"
 _ALIGN = 64
 
@@ -675,12 +731,22 @@ def _layout(tensors: list[torch.Tensor]) -> list[tuple[str, list[int], int, int]
     return layout
 
 
-def _header_bytes(skeleton: Any, layout: list[tuple[str, list[int], int, int]], size: int) -> bytes:
-    """Everything of a file before its tensor bytes (which start at a 64-byte boundary)."""
+def _section(value: Any) -> bytes:
     buffer = io.BytesIO()
-    torch.save({"skeleton": skeleton, "tensors": layout, "size": size}, buffer)
-    header = buffer.getvalue()
-    prefix = _MAGIC + len(header).to_bytes(8, "little") + header
+    torch.save(value, buffer)
+    return len(buffer.getvalue()).to_bytes(8, "little") + buffer.getvalue()
+
+
+def _static_section(
+    skeleton: dict[str, Any], layout: list[tuple[str, list[int], int, int]], size: int
+) -> bytes:
+    """The header's part that stays the same while the layout does (made once per layout)."""
+    return _section({"skeleton": skeleton, "tensors": layout, "size": size})
+
+
+def _header_bytes(static: bytes, dynamic: dict[str, Any]) -> bytes:
+    """Everything of a file before its tensor bytes (which start at a 64-byte boundary)."""
+    prefix = _MAGIC + static + _section(dynamic)
     return prefix + bytes(_aligned(len(prefix)) - len(prefix))
 
 
@@ -711,7 +777,7 @@ def write_snapshot_file(path: Path, snapshot: dict[str, Any]) -> None:
     skeleton = strip(snapshot)
     layout = _layout(tensors)
     size = _aligned(layout[-1][2] + layout[-1][3]) if layout else 0
-    header = _header_bytes(skeleton, layout, size)
+    header = _header_bytes(_static_section(skeleton, layout, size), {})
     with path.open("wb", buffering=0) as handle:
         handle.write(header)
         for tensor, (_, _, place, nbytes) in zip(tensors, layout, strict=True):
@@ -724,16 +790,23 @@ def write_snapshot_file(path: Path, snapshot: dict[str, Any]) -> None:
 def read_snapshot_bytes(payload: bytes | bytearray) -> dict[str, Any]:
     if payload[: len(_MAGIC)] != _MAGIC:
         raise ValueError("not a fast-tier file")
-    length = int.from_bytes(payload[len(_MAGIC) : len(_MAGIC) + 8], "little")
-    header = torch.load(io.BytesIO(payload[len(_MAGIC) + 8 : len(_MAGIC) + 8 + length]), weights_only=True)
-    start = _aligned(len(_MAGIC) + 8 + length)
-    if len(payload) != start + int(header["size"]):
-        raise ValueError(f"{len(payload)} bytes where the header says {start + int(header['size'])}: torn")
+    sections = []
+    place = len(_MAGIC)
+    for _ in range(2):  # the static section, then the capture's own
+        length = int.from_bytes(payload[place : place + 8], "little")
+        if place + 8 + length > len(payload):
+            raise ValueError("the header is cut short: torn")
+        sections.append(torch.load(io.BytesIO(payload[place + 8 : place + 8 + length]), weights_only=True))
+        place += 8 + length
+    static, dynamic = sections
+    start = _aligned(place)
+    if len(payload) != start + int(static["size"]):
+        raise ValueError(f"{len(payload)} bytes where the header says {start + int(static['size'])}: torn")
     data = payload if isinstance(payload, bytearray) else bytearray(payload)  # the tensors share it
     tensors = [
-        _view(data, dtype, shape, start + place, nbytes) for dtype, shape, place, nbytes in header["tensors"]
+        _view(data, dtype, shape, start + at, nbytes) for dtype, shape, at, nbytes in static["tensors"]
     ]
-    snapshot = _fill(header["skeleton"], tensors)
+    snapshot = _fill({**dynamic, **static["skeleton"]}, tensors)
     if not isinstance(snapshot, dict):
         raise ValueError("not a fast-tier snapshot")
     return snapshot
