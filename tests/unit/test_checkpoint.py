@@ -578,3 +578,33 @@ def test_an_async_save_whose_writer_process_died_fails_instead_of_waiting_foreve
         assert not list((tmp_path / "checkpoints").glob("step_*[0-9]"))  # nothing committed
     finally:
         manager.abandon()
+
+
+def test_a_capture_after_the_optimizer_state_was_replaced_copies_the_new_tensors(tmp_path):
+    """The tier reuses its list of tensors while they are the same objects; state loaded
+    into the optimizer (new tensor objects) must be what the next capture holds."""
+    from trainer.checkpointing import local_tier
+    from trainer.checkpointing.local_tier import forget_run
+
+    model, optimizer = _trained_model()
+    manager = _manager(tmp_path, "off", model, optimizer)
+    try:
+        for step in (1, 2):
+            _step(model, optimizer)
+            manager.before_optimizer_step()
+            manager.maybe_save(step, 1.0, final=False)
+        manager.local.wait_copy()
+        first = next(iter(optimizer.state.values()))
+        first["exp_avg"] = torch.full_like(first["exp_avg"], 3.0)  # a new object, new values
+        manager.maybe_save(3, 1.0, final=False)
+        manager.local.wait_copy()
+        manager.abandon()
+        local_tier._memory.clear()  # from the files
+        other_model, other_optimizer = _trained_model(seed=1)
+        resumed = _manager(tmp_path, "off", other_model, other_optimizer)
+        assert resumed.load_latest() == 3
+        restored = next(iter(other_optimizer.state.values()))
+        assert torch.equal(restored["exp_avg"], first["exp_avg"])
+        resumed.abandon()
+    finally:
+        forget_run("", tmp_path / "checkpoints")
