@@ -114,8 +114,10 @@ from rtp_cli.main import build_parser
 parser = build_parser()
 for argv in (
     ["bench", "checkpoint", "--preset", "gpu-1b", "--modes", "off,sync,torch-async,async", "--nproc", "1", "--steps", "8", "--every", "4"],
+    ["bench", "checkpoint", "--preset", "gpu-1b", "--modes", "off,sync,torch-async", "--nproc", "1", "--steps", "8", "--every", "4", "--local-every", "0"],
     ["bench", "recovery", "--mechanisms", "inprocess", "--nproc", "1", "--steps", "20", "--every", "5", "--fault-steps", "8,14"],
     ["bench", "throughput", "--preset", "gpu-1b", "--steps", "30", "--every", "15", "--nproc", "1"],
+    ["bench", "throughput", "--preset", "gpu-1b", "--steps", "30", "--every", "15", "--nproc", "1", "--override", "checkpoint.local_every_steps=0"],
 ):
     parser.parse_args(argv)
 print("gpu_check: imports without kfp/mlflow and benchmark flags: ok")
@@ -141,30 +143,41 @@ run_part() {  # name, time limit in seconds, rtp arguments...
   tail -8 "$OUT_DIR/gpu-$name.log"
 }
 
-# The async mode's host snapshot lives in /dev/shm (~12 GB for gpu-1b); containers often
-# mount 64 MB there. Without room, the async mode is left out (and said so) rather than failing.
+# The async mode's host snapshot lives in /dev/shm (~12 GB for gpu-1b), and so do the fast
+# tier's two slot files (~12 GB each); containers often mount 64 MB there. Without room for
+# both, the fast tier is turned off for the 1B runs, and without room for the snapshot the
+# async mode is left out (each said so) rather than failing.
 MODES=off,sync,torch-async,async
+TIER=()
 SHM_KB=$(df -k --output=avail /dev/shm 2>/dev/null | tail -1 | tr -d ' ')
+if [ "${SHM_KB:-0}" -lt $((40 * 1024 * 1024)) ]; then
+  echo "gpu_check: /dev/shm has $((${SHM_KB:-0} / 1024)) MB free, the fast tier's two slots and the async snapshot need ~36 GB: fast tier off for the 1B runs" >&2
+  TIER=(--override checkpoint.local_every_steps=0)
+fi
 if [ "${SHM_KB:-0}" -lt $((14 * 1024 * 1024)) ]; then
   echo "gpu_check: /dev/shm has $((${SHM_KB:-0} / 1024)) MB free, the async snapshot needs ~12 GB: async left out" >&2
   MODES=off,sync,torch-async
 fi
-run_part checkpoint 220 bench checkpoint --preset gpu-1b --modes "$MODES" --nproc 1 --steps 8 --every 4
+CKPT_TIER=()
+[ ${#TIER[@]} -gt 0 ] && CKPT_TIER=(--local-every 0)
+run_part checkpoint 220 bench checkpoint --preset gpu-1b --modes "$MODES" --nproc 1 --steps 8 --every 4 "${CKPT_TIER[@]}"
 run_part recovery 90 bench recovery --mechanisms inprocess --nproc 1 --steps 20 --every 5 --fault-steps 8,14
-run_part throughput 140 bench throughput --preset gpu-1b --steps 30 --every 15 --nproc 1
+run_part throughput 140 bench throughput --preset gpu-1b --steps 30 --every 15 --nproc 1 "${TIER[@]}"
 
 "$PYTHON" - "$OUT_DIR" "${RC[checkpoint]}" "${RC[recovery]}" "${RC[throughput]}" \
-  "${SECONDS_TAKEN[checkpoint]}" "${SECONDS_TAKEN[recovery]}" "${SECONDS_TAKEN[throughput]}" "$MODES" <<'PY'
+  "${SECONDS_TAKEN[checkpoint]}" "${SECONDS_TAKEN[recovery]}" "${SECONDS_TAKEN[throughput]}" "$MODES" \
+  "${#TIER[@]}" <<'PY'
 import json, sys
 from pathlib import Path
 import torch
-out, rc_c, rc_r, rc_t, s_c, s_r, s_t, modes = sys.argv[1:]
+out, rc_c, rc_r, rc_t, s_c, s_r, s_t, modes, tier_off = sys.argv[1:]
 check = {
     "torch": torch.__version__,
     "cuda": torch.version.cuda,
     "device": torch.cuda.get_device_name(0),
     "python": sys.version.split()[0],
     "checkpoint_modes": modes.split(","),
+    "fast_tier_in_1b_runs": tier_off == "0",
     "parts": {
         name: {"exit_code": int(rc), "seconds": int(s), "json": f"gpu-{name}.json"}
         for name, rc, s in (("checkpoint", rc_c, s_c), ("recovery", rc_r, s_r), ("throughput", rc_t, s_t))
