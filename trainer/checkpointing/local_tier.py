@@ -359,7 +359,7 @@ class LocalTier:
                 current.plan, current.filled = plan, None
             return current
         layout, size = plan.layout, plan.size
-        path: Path | None = self.folder / slot_name(self.rank, slot)
+        path = self.folder / slot_name(self.rank, slot)
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             # The capture a header names must be what the slot holds: any header of this
@@ -371,8 +371,7 @@ class LocalTier:
             made = _Slot(path, layout, size)
         except OSError as exc:  # no room for the file: keep the copy in memory only
             self._write_failed(exc)
-            if path is not None:
-                path.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
             made = _Slot(None, layout, size)
         if self.params and self.params[0].is_cuda:
             made.pin()

@@ -108,8 +108,9 @@ class NvrxAsyncWriter(CheckpointWriter):
         writer = FileSystemWriterAsync(str(pending.staging))
         # NVRx numbers requests in the order every rank schedules them; taken here, on the loop.
         self._calls.call_idx += 1
-        pending.request = partial(self._plan_and_send, writer, pending, self._calls.call_idx)
-        self._snapshot.start(state, after_copy=pending.request)
+        self._snapshot.start(
+            state, after_copy=partial(self._plan_and_send, writer, pending, self._calls.call_idx)
+        )
         self._pending = self._handoff = pending
         pending.record.queue_s = pending.record.blocked_s = time.perf_counter() - pending.started_at
 
@@ -179,7 +180,6 @@ class NvrxAsyncWriter(CheckpointWriter):
         pending, self._handoff = self._handoff, None
         assert pending is not None
         finish = self._snapshot.wait()  # planned and sent
-        pending.request = None
         assert self._finisher is None  # the save began by finalizing the previous one
         self._finishing = pending
         # A daemon: a rank that dies must not be kept alive by it (a commit is atomic).

@@ -72,8 +72,6 @@ class PendingSave:
     """When the write was handed to the background: `write_s` counts from here."""
     future: Any = None
     """torch-async: the background write and shard hashing."""
-    request: Any = None
-    """async: plans and sends the NVRx request; runs in the snapshot's thread."""
     rank_state: dict[str, Any] | None = None
     """This rank's RNG and loader state at the save's step, for its file in the staging
     folder; set when the writer prepares the staging folder itself (`stages_itself`)."""
