@@ -511,6 +511,49 @@ def test_a_rank_killed_while_capturing_still_has_the_previous_capture(tmp_path, 
         forget_run("", tmp_path / "checkpoints")
 
 
+def test_a_slot_file_that_does_not_fit_keeps_the_captures_in_memory_and_says_what_to_do(
+    tmp_path, monkeypatch, caplog
+):
+    """A full /dev/shm: the slots live in process memory (an in-process restart still
+    resumes from them), nothing half-made is left in the folder, and the warning names the
+    size needed, the space free and the remedy, once."""
+    import errno
+
+    from trainer.checkpointing.local_tier import forget_run
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("trainer.checkpointing.local_tier.os.posix_fallocate", full)
+    model, optimizer = _trained_model()
+    manager = _manager(tmp_path, "off", model, optimizer)
+    try:
+        with caplog.at_level(logging.WARNING, logger="trainer.checkpointing.local_tier"):
+            for step in (1, 2, 3):
+                _step(model, optimizer)
+                manager.before_optimizer_step()
+                manager.maybe_save(step, 1.0, final=False)
+            manager.local.wait_copy()
+        warnings = [r.getMessage() for r in caplog.records if "fast checkpoint tier" in r.getMessage()]
+        assert len(warnings) == 1, warnings
+        assert "No space left on device" in warnings[0] and "free there" in warnings[0]
+        assert "GiB for two slots" in warnings[0] and "sizeLimit" in warnings[0]
+        assert "checkpoint.local_dir" in warnings[0]
+        assert manager.local.captures == 3
+        assert not list(manager.local.folder.glob("*.data")) and not list(manager.local.folder.glob("*.head"))
+        expected = [p.detach().clone() for p in model.parameters()]
+        manager.abandon()  # an in-process restart: the same process, a new attempt
+
+        other_model, other_optimizer = _trained_model(seed=1)
+        resumed = _manager(tmp_path, "off", other_model, other_optimizer)
+        assert resumed.load_latest() == 3
+        for saved, restored in zip(expected, other_model.parameters(), strict=True):
+            assert torch.equal(saved, restored)
+        resumed.abandon()
+    finally:
+        forget_run("", tmp_path / "checkpoints")
+
+
 def test_a_fast_tier_file_holds_its_snapshot_exactly_and_a_torn_or_foreign_one_is_refused(
     tmp_path, monkeypatch
 ):

@@ -49,6 +49,7 @@ import operator
 import os
 import pickle
 import re
+import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -216,6 +217,7 @@ class LocalTier:
         self._plan: _Plan | None = None
         self.captures = 0
         self.write_errors = 0
+        self._memory_only_said = False
         world = dist.get_world_size()
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         self.sends_to, self.holds_for = peer_copies.peers(
@@ -370,8 +372,22 @@ class LocalTier:
                     (self.folder / name).unlink(missing_ok=True)
             made = _Slot(path, layout, size)
         except OSError as exc:  # no room for the file: keep the copy in memory only
-            self._write_failed(exc)
+            self.write_errors += 1
             path.unlink(missing_ok=True)
+            if not self._memory_only_said:
+                self._memory_only_said = True
+                log.warning(
+                    "fast checkpoint tier: cannot make %s (%s): it needs %s for two slots of "
+                    "this rank's state, %s free there. The captures stay in this process's "
+                    "memory: an in-process restart still resumes from them, a restart of the "
+                    "rank's processes resumes from the durable checkpoint instead. Give the "
+                    "pod a larger /dev/shm (emptyDir, medium Memory, sizeLimit), or set "
+                    "checkpoint.local_dir to a larger node-local folder.",
+                    path,
+                    exc.strerror or exc,
+                    _gib(2 * size),
+                    _gib(_free_bytes(self.folder)),
+                )
             made = _Slot(None, layout, size)
         if self.params and self.params[0].is_cuda:
             made.pin()
@@ -713,6 +729,19 @@ def _load_bytes(payload: bytes | bytearray | None, where: str) -> tuple[dict[str
 _MAGIC = b"RTPTIER2"
 _TENSOR_KEY = "__rtp_tensor__"
 _ALIGN = 64
+
+
+def _gib(n: int | None) -> str:
+    return "an unknown amount" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def _free_bytes(folder: Path) -> int | None:
+    for where in (folder, *folder.parents):
+        try:
+            return shutil.disk_usage(where).free
+        except OSError:
+            continue
+    return None
 
 
 def _aligned(n: int) -> int:
