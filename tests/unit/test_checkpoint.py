@@ -511,6 +511,82 @@ def test_a_rank_killed_while_capturing_still_has_the_previous_capture(tmp_path, 
         forget_run("", tmp_path / "checkpoints")
 
 
+def test_large_slots_are_made_ahead_without_the_loop_waiting_and_keep_an_earlier_capture(
+    tmp_path, monkeypatch
+):
+    """Slots of PREPARE_AHEAD_BYTES or more are made by the copy thread while the loop goes
+    on: captures are skipped (never waited for) until both exist. Made again by a new
+    attempt, they keep the capture an earlier attempt left, header included, until the slot
+    is overwritten."""
+    import threading
+
+    from trainer.checkpointing import local_tier
+    from trainer.checkpointing.local_tier import LocalTier, forget_run
+
+    monkeypatch.setattr(local_tier, "PREPARE_AHEAD_BYTES", 0)  # this tiny state counts as large
+    release = threading.Event()
+    prepared = LocalTier._prepare_slots
+
+    def held(self, plan):
+        assert release.wait(timeout=30)
+        prepared(self, plan)
+
+    monkeypatch.setattr(LocalTier, "_prepare_slots", held)
+    model, optimizer = _trained_model()
+    manager = _manager(tmp_path, "off", model, optimizer)
+    folder = manager.local.folder
+    try:
+        _step(model, optimizer)
+        manager.maybe_save(1, 1.0, final=False)  # starts the preparation, captures nothing
+        _step(model, optimizer)
+        assert manager.local.before_optimizer_step() == 0.0  # nothing to wait for
+        manager.maybe_save(2, 1.0, final=False)  # still preparing: skipped too
+        assert manager.local.captures == 0 and not list(folder.glob("*.head"))
+        release.set()
+        manager.local._preparing.result(timeout=30)
+        for step in (3, 4, 5):
+            _step(model, optimizer)
+            manager.before_optimizer_step()
+            manager.maybe_save(step, 1.0, final=False)
+        manager.local.wait_copy()
+        assert sorted(p.name for p in folder.glob("*.head")) == [
+            "rank_0_step_4_slot_1.head",
+            "rank_0_step_5_slot_0.head",
+        ]
+        expected = [p.detach().clone() for p in model.parameters()]
+        manager.abandon()
+
+        # A new process finds the files; its slots are prepared again while it trains on.
+        local_tier._memory.clear()
+        local_tier._newest_slot.clear()
+        release.clear()
+        other_model, other_optimizer = _trained_model(seed=1)
+        resumed = _manager(tmp_path, "off", other_model, other_optimizer)
+        assert resumed.load_latest() == 5
+        for saved, restored in zip(expected, other_model.parameters(), strict=True):
+            assert torch.equal(saved, restored)
+        _step(other_model, other_optimizer)
+        resumed.maybe_save(6, 1.0, final=False)  # preparing
+        release.set()
+        resumed.local._preparing.result(timeout=30)
+        # Mapped again, nothing overwritten yet: both captures and their headers stand.
+        assert sorted(p.name for p in folder.glob("*.head")) == [
+            "rank_0_step_4_slot_1.head",
+            "rank_0_step_5_slot_0.head",
+        ]
+        _step(other_model, other_optimizer)
+        resumed.before_optimizer_step()
+        resumed.maybe_save(7, 1.0, final=False)  # into the older slot (1): its header goes first
+        resumed.local.wait_copy()
+        assert sorted(p.name for p in folder.glob("*.head")) == [
+            "rank_0_step_5_slot_0.head",
+            "rank_0_step_7_slot_1.head",
+        ]
+        resumed.abandon()
+    finally:
+        forget_run("", tmp_path / "checkpoints")
+
+
 def test_a_slot_file_that_does_not_fit_keeps_the_captures_in_memory_and_says_what_to_do(
     tmp_path, monkeypatch, caplog
 ):

@@ -1,4 +1,5 @@
 import threading
+import time
 
 import pytest
 import torch
@@ -33,13 +34,13 @@ def test_later_snapshots_copy_in_the_background_until_wait(monkeypatch):
     snapshot.wait()
     weights.fill_(7.0)  # after the first snapshot: this copy goes into the existing buffers
     seen_threads = set()
-    original_copy = torch.Tensor.copy_
+    original_copy = torch._foreach_copy_
 
-    def recording_copy(self, *args, **kwargs):
+    def recording_copy(*args, **kwargs):
         seen_threads.add(threading.current_thread().name)
-        return original_copy(self, *args, **kwargs)
+        return original_copy(*args, **kwargs)
 
-    monkeypatch.setattr(torch.Tensor, "copy_", recording_copy)
+    monkeypatch.setattr(torch, "_foreach_copy_", recording_copy)
     snapshot.start({"w": weights})
     assert snapshot.in_flight
     taken = snapshot.wait()
@@ -47,6 +48,36 @@ def test_later_snapshots_copy_in_the_background_until_wait(monkeypatch):
     assert not snapshot.in_flight
     assert seen_threads == {"rtp-ckpt-snapshot"}  # not the training thread
     assert torch.equal(taken["w"], torch.full((1000,), 7.0))
+
+
+def test_prepare_allocates_the_buffers_in_the_background_for_the_first_copy(monkeypatch):
+    """`prepare()` makes the buffers off the training thread, before any save; the first
+    copy then uses them; a new layout is still allocated by the copy itself."""
+    import trainer.checkpointing.snapshot as snapshot_module
+
+    made_in: list[str] = []
+    original = snapshot_module._new_host_buffer
+
+    def recording(value):
+        made_in.append(threading.current_thread().name)
+        return original(value)
+
+    monkeypatch.setattr(snapshot_module, "_new_host_buffer", recording)
+    weights, moments = torch.zeros(10), torch.ones(3, 4)
+    snapshot = HostSnapshot()
+    snapshot.prepare({"w": weights, "m": moments})
+    deadline = time.monotonic() + 10
+    while len(made_in) < 2 and time.monotonic() < deadline:  # no save has started
+        time.sleep(0.01)
+    assert made_in == ["rtp-ckpt-snapshot", "rtp-ckpt-snapshot"]
+    snapshot.start({"w": weights, "m": moments})
+    taken = snapshot.wait()
+    assert len(made_in) == 2  # the first copy used them
+    assert torch.equal(taken["m"], moments) and taken["w"].data_ptr() != weights.data_ptr()
+    snapshot.start({"w": torch.zeros(11), "m": moments})  # another layout: allocated now
+    snapshot.wait()
+    assert len(made_in) == 4
+    snapshot.close()
 
 
 def test_a_second_start_before_wait_is_refused():

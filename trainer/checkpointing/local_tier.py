@@ -68,6 +68,10 @@ log = logging.getLogger(__name__)
 _HEAD = re.compile(r"^rank_(\d+)_step_(\d+)_slot_([01])\.head$")
 """A capture's header: its rank, step and slot."""
 _SLOT = re.compile(r"^rank_(\d+)_slot_[01]\.data$")
+PREPARE_AHEAD_BYTES = 64 << 20
+"""Slots this large or larger are made by the copy thread while the loop goes on (reserving
+and, on CUDA, page-locking GBs takes seconds); captures are skipped until both exist.
+Smaller ones are made by the first capture into them (milliseconds)."""
 _memory: dict[str, dict[str, Any]] = {}
 """Per run key: this process's newest capture (survives an in-process restart)."""
 _newest_slot: dict[str, int] = {}
@@ -144,6 +148,7 @@ class _Slot:
         self.step: int | None = None
         self.plan: _Plan | None = None
         self.filled: Any = None  # the plan's skeleton over this slot's tensors
+        self.stale_heads = False  # headers of what it held before may still name it
         data: Any
         if path is None:
             data = bytearray(max(size, 1))
@@ -211,6 +216,7 @@ class LocalTier:
         self._stream: Any = None
         self._copier: ThreadPoolExecutor | None = None
         self._copy: Future[None] | None = None
+        self._preparing: Future[None] | None = None  # large slots made ahead (`_slots_ready`)
         self._copied = threading.Event()  # the loop may change the weights again
         self._cuda_copied: Any = None  # CUDA: the event after the newest capture's copies
         self._sender: threading.Thread | None = None
@@ -270,9 +276,42 @@ class LocalTier:
         # The walk over the state runs here, between steps: in the copy thread it competed
         # with the training thread for the interpreter lock (1-4 ms per capture measured).
         plan = self._plan_for(meta)
+        if not self._slots_ready(plan):
+            with self._lock:
+                self._slot = slot  # not taken: the next capture fills it
+            return False
         self._copied.clear()
         self._copy = self._copier.submit(self._capture_into, slot, meta, plan, step_done)
         return True
+
+    def _slots_ready(self, plan: _Plan) -> bool:
+        """Whether a capture of `plan` may be queued now: its slot is made by the capture
+        itself when small; large slots (`PREPARE_AHEAD_BYTES`) are prepared ahead, both at
+        once, by the copy thread, and captures wait (skipped, the loop does not) until then.
+        The loop would otherwise wait for the reservation in `before_optimizer_step()`: two
+        12 GB slots at 1B parameters are seconds each, and more with page-locking."""
+        if plan.size < PREPARE_AHEAD_BYTES:
+            return True
+        preparing = self._preparing
+        if preparing is not None:
+            if not preparing.done():
+                return False
+            self._preparing = None
+            preparing.result()  # raises what failed in the thread
+        if all(s is not None and s.layout == plan.layout for s in self._slots):
+            return True
+        assert self._copier is not None
+        self._preparing = self._copier.submit(self._prepare_slots, plan)
+        return False
+
+    def _prepare_slots(self, plan: _Plan) -> None:
+        """The copy thread: map both slots for `plan` without touching what they hold (an
+        earlier attempt's capture and its header stay usable until the slot is overwritten:
+        its headers are removed then, see `_slot_for`)."""
+        for slot in (0, 1):
+            current = self._slots[slot]
+            if current is None or current.layout != plan.layout:
+                self._slots[slot] = self._make_slot(slot, plan, drop_heads=False)
 
     def _capture_into(self, slot: int, meta: dict[str, Any], plan: _Plan, step_done: Any) -> None:
         """The copy thread: copy the state into `slot`, then write its header."""
@@ -359,18 +398,40 @@ class LocalTier:
         if current is not None and current.layout == plan.layout:
             if current.plan is not plan:
                 current.plan, current.filled = plan, None
+            if current.stale_heads:  # prepared ahead: its old headers go before the overwrite
+                self._drop_heads(slot)
+                current.stale_heads = False
             return current
+        made = self._make_slot(slot, plan, drop_heads=True)
+        self._slots[slot] = made
+        return made
+
+    def _drop_heads(self, slot: int) -> None:
+        """Remove every header of `slot` in the folder (an earlier attempt's too)."""
+        for name in os.listdir(self.folder):
+            match = _HEAD.match(name)
+            if match and int(match.group(1)) == self.rank and int(match.group(3)) == slot:
+                (self.folder / name).unlink(missing_ok=True)
+
+    def _make_slot(self, slot: int, plan: _Plan, drop_heads: bool) -> _Slot:
+        """Map (and on CUDA page-lock) `slot` for `plan`. `drop_heads`: the capture a header
+        names must be what the slot holds, so any header of this slot goes before the file
+        is touched; else (prepared ahead) that happens before the first overwrite."""
         layout, size = plan.layout, plan.size
         path = self.folder / slot_name(self.rank, slot)
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            # The capture a header names must be what the slot holds: any header of this
-            # slot (an earlier attempt's too) goes before the file is touched.
-            for name in os.listdir(self.folder):
-                match = _HEAD.match(name)
-                if match and int(match.group(1)) == self.rank and int(match.group(3)) == slot:
-                    (self.folder / name).unlink(missing_ok=True)
+            if drop_heads:
+                self._drop_heads(slot)
+            elif path.exists() and path.stat().st_size != size:
+                # Resizing it invalidates what it held (and a mapping of it still in use).
+                with self._lock:
+                    if _newest_slot.get(self.key) == slot:
+                        _memory.pop(self.key, None)
+                        _newest_slot.pop(self.key, None)
+                self._drop_heads(slot)
             made = _Slot(path, layout, size)
+            made.stale_heads = not drop_heads
         except OSError as exc:  # no room for the file: keep the copy in memory only
             self.write_errors += 1
             path.unlink(missing_ok=True)
@@ -392,7 +453,6 @@ class LocalTier:
         if self.params and self.params[0].is_cuda:
             made.pin()
         made.plan = plan
-        self._slots[slot] = made
         return made
 
     def _copy_into(self, target: _Slot, sources: list[torch.Tensor], step_done: Any) -> None:

@@ -81,6 +81,7 @@ class CheckpointManager:
         self.durable_step = 0  # the newest committed durable checkpoint this attempt knows of
         self.resumed_durable_step = 0
         self.local_tier_s = 0.0
+        self._prepared = False  # `after_step()` has offered the writer the state's layout
         self.deferred_saves: list[int] = []
         self.local = LocalTier(
             every_steps=settings.local_every_steps,
@@ -231,8 +232,14 @@ class CheckpointManager:
         return record
 
     def after_step(self) -> None:
-        """Collective, cheap, every step: commit a finished save as soon as all ranks agree."""
+        """Collective, cheap, every step: commit a finished save as soon as all ranks agree.
+        After the attempt's first step, also lets the writer allocate for the state ahead."""
         self.writer.poll()
+        if not self._prepared:
+            self._prepared = True
+            if self.writer.wants_state_ahead:
+                model_state, optim_state = get_state_dict(self.model, self.optimizer)
+                self.writer.prepare({"model": model_state, "optim": optim_state})
 
     def finish(self) -> None:
         """Collective, at the end of the loop: the last checkpoint is committed (the run's

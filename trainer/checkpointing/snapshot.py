@@ -29,6 +29,7 @@ rates in param_groups, ...) are taken from the state dict at `start()`.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import weakref
@@ -92,6 +93,13 @@ class HostSnapshot:
         self._done = threading.Event()
         self._jobs.put((leaves, spec, tensors, step_done, after_copy, self._outcome, self._done))
 
+    def prepare(self, state: dict[str, Any]) -> None:
+        """Allocate the buffers for `state`'s layout in the background (no copy), so that
+        the first `start()` finds them. Later jobs queue behind it."""
+        leaves, _ = tree_flatten(state)
+        tensors = [leaf.detach() for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        self._jobs.put(("prepare", tensors))
+
     def wait(self) -> Any:
         """Block until the copy started by `start()` is complete; see `start()` for the result."""
         done, self._done = self._done, None
@@ -117,6 +125,11 @@ class HostSnapshot:
 
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
+            if job[0] == "prepare":
+                # A failure here is met again, and reported, by the first save's allocation.
+                with contextlib.suppress(Exception):
+                    self._buffers_for(job[1])
+                continue
             leaves, spec, tensors, step_done, after_copy, outcome, done = job
             try:
                 self._copy_in_background(leaves, spec, tensors, step_done, after_copy, outcome)
@@ -133,24 +146,31 @@ class HostSnapshot:
         outcome: dict[str, Any],
     ) -> None:
         try:
-            layout = [(t.shape, t.dtype, type(t), t.device.type) for t in tensors]
-            if self._buffers is None or layout != self._layout:
-                self._buffers = [_new_host_buffer(t) for t in tensors]
-                self._layout = layout
-            pairs = [(_local(s), _local(t)) for s, t in zip(tensors, self._buffers, strict=True)]
+            buffers = self._buffers_for(tensors)
+            pairs = [(_local(s), _local(t)) for s, t in zip(tensors, buffers, strict=True)]
             if step_done is not None:
                 self._copy_from_device(pairs, step_done)
             else:
+                # One call for all tensors: the interpreter lock is taken back once, not
+                # once per tensor from the training thread.
                 with torch.no_grad():
-                    for source, target in pairs:
-                        target.copy_(source)
-            buffers = iter(self._buffers)
+                    torch._foreach_copy_([target for _, target in pairs], [source for source, _ in pairs])
+            filled = iter(buffers)
             snapshot = tree_unflatten(
-                [next(buffers) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec
+                [next(filled) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec
             )
             outcome["result"] = after_copy(snapshot) if after_copy is not None else snapshot
         except BaseException as exc:  # re-raised by wait() on the training thread
             outcome["error"] = exc
+
+    def _buffers_for(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The host buffers for `tensors`' layout, allocated when it is new."""
+        layout = [(t.shape, t.dtype, type(t), t.device.type) for t in tensors]
+        if self._buffers is None or layout != self._layout:
+            self._buffers = None  # a failed allocation leaves none, not the old layout's
+            self._buffers = [_new_host_buffer(t) for t in tensors]
+            self._layout = layout
+        return self._buffers
 
     def _copy_from_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], step_done: Any) -> None:
         """Copies on a side stream after `step_done`; this thread waits, the loop does not."""
