@@ -22,6 +22,46 @@ UPSTREAM_SPECS = Path(__file__).resolve().parent / "specs"
 """Upstream CRDs and the KFP swagger, copied into the repository (see tests/specs/README.md)."""
 
 
+SHM = Path("/dev/shm")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_memory_of_killed_processes_removed() -> Iterator[None]:
+    """Tests kill jobs whole (a pod's death) or let a launcher SIGKILL a rank's process
+    group: torch's shared tensors (`file_system` sharing: `torch_<pid>_*`) and
+    multiprocessing's named semaphores (`sem.mp-*`) then outlive them when their manager
+    process or resource tracker was killed too. A pod's /dev/shm goes with the pod; this
+    machine's stays. At the end of the session, the ones that appeared during it and that no
+    live process maps any more (so none can use them) are removed."""
+    before = set(os.listdir(SHM)) if SHM.is_dir() else set()
+    yield
+    if not SHM.is_dir():
+        return
+    mapped = _mapped_in_shm()
+    for name in set(os.listdir(SHM)) - before:
+        if not name.startswith(("torch_", "sem.mp-")) or name in mapped:
+            continue
+        creator = name.split("_")[1] if name.startswith("torch_") else ""
+        if creator.isdigit() and Path(f"/proc/{creator}").exists():
+            continue
+        (SHM / name).unlink(missing_ok=True)
+
+
+def _mapped_in_shm() -> set[str]:
+    """Names under /dev/shm that some live process maps."""
+    names = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            where = line.find("/dev/shm/")
+            if where >= 0:
+                names.add(line[where + len("/dev/shm/") :].removesuffix(" (deleted)"))
+    return names
+
+
 @pytest.fixture(scope="session")
 def dataset_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_local_dataset(tmp_path_factory.mktemp("dataset"), budget_bytes=300_000)
