@@ -357,6 +357,19 @@ def _step(model, optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def _train_and_capture(manager, model, optimizer, steps) -> None:
+    """Steps as the loop runs them, each offered to the fast tier; its last copy waited for."""
+    for step in steps:
+        _step(model, optimizer)
+        manager.before_optimizer_step()
+        manager.maybe_save(step, 1.0, final=False)
+    manager.local.wait_copy()
+
+
+def _heads(folder) -> list[str]:
+    return sorted(p.name for p in folder.glob("*.head"))
+
+
 def test_a_restarted_attempt_resumes_from_the_fast_tier_newer_than_the_durable_checkpoint(tmp_path):
     from trainer.checkpointing.local_tier import forget_run
 
@@ -465,15 +478,8 @@ def test_a_rank_killed_while_capturing_still_has_the_previous_capture(tmp_path, 
     manager = _manager(tmp_path, "off", model, optimizer)
     folder = manager.local.folder
     try:
-        for step in (1, 2, 3):
-            _step(model, optimizer)
-            manager.before_optimizer_step()
-            manager.maybe_save(step, 1.0, final=False)
-        manager.local.wait_copy()
-        assert sorted(p.name for p in folder.glob("*.head")) == [
-            "rank_0_step_2_slot_1.head",
-            "rank_0_step_3_slot_0.head",
-        ]
+        _train_and_capture(manager, model, optimizer, (1, 2, 3))
+        assert _heads(folder) == ["rank_0_step_2_slot_1.head", "rank_0_step_3_slot_0.head"]
         expected = [p.detach().clone() for p in model.parameters()]
         heads_while_copying: list[list[str]] = []
 
@@ -544,15 +550,8 @@ def test_large_slots_are_made_ahead_without_the_loop_waiting_and_keep_an_earlier
         assert manager.local.captures == 0 and not list(folder.glob("*.head"))
         release.set()
         manager.local._preparing.result(timeout=30)
-        for step in (3, 4, 5):
-            _step(model, optimizer)
-            manager.before_optimizer_step()
-            manager.maybe_save(step, 1.0, final=False)
-        manager.local.wait_copy()
-        assert sorted(p.name for p in folder.glob("*.head")) == [
-            "rank_0_step_4_slot_1.head",
-            "rank_0_step_5_slot_0.head",
-        ]
+        _train_and_capture(manager, model, optimizer, (3, 4, 5))
+        assert _heads(folder) == ["rank_0_step_4_slot_1.head", "rank_0_step_5_slot_0.head"]
         expected = [p.detach().clone() for p in model.parameters()]
         manager.abandon()
 
@@ -570,18 +569,9 @@ def test_large_slots_are_made_ahead_without_the_loop_waiting_and_keep_an_earlier
         release.set()
         resumed.local._preparing.result(timeout=30)
         # Mapped again, nothing overwritten yet: both captures and their headers stand.
-        assert sorted(p.name for p in folder.glob("*.head")) == [
-            "rank_0_step_4_slot_1.head",
-            "rank_0_step_5_slot_0.head",
-        ]
-        _step(other_model, other_optimizer)
-        resumed.before_optimizer_step()
-        resumed.maybe_save(7, 1.0, final=False)  # into the older slot (1): its header goes first
-        resumed.local.wait_copy()
-        assert sorted(p.name for p in folder.glob("*.head")) == [
-            "rank_0_step_5_slot_0.head",
-            "rank_0_step_7_slot_1.head",
-        ]
+        assert _heads(folder) == ["rank_0_step_4_slot_1.head", "rank_0_step_5_slot_0.head"]
+        _train_and_capture(resumed, other_model, other_optimizer, (7,))  # into the older slot (1)
+        assert _heads(folder) == ["rank_0_step_5_slot_0.head", "rank_0_step_7_slot_1.head"]
         resumed.abandon()
     finally:
         forget_run("", tmp_path / "checkpoints")
@@ -605,11 +595,7 @@ def test_a_slot_file_that_does_not_fit_keeps_the_captures_in_memory_and_says_wha
     manager = _manager(tmp_path, "off", model, optimizer)
     try:
         with caplog.at_level(logging.WARNING, logger="trainer.checkpointing.local_tier"):
-            for step in (1, 2, 3):
-                _step(model, optimizer)
-                manager.before_optimizer_step()
-                manager.maybe_save(step, 1.0, final=False)
-            manager.local.wait_copy()
+            _train_and_capture(manager, model, optimizer, (1, 2, 3))
         warnings = [r.getMessage() for r in caplog.records if "fast checkpoint tier" in r.getMessage()]
         assert len(warnings) == 1, warnings
         assert "No space left on device" in warnings[0] and "free there" in warnings[0]
