@@ -370,6 +370,17 @@ def _heads(folder) -> list[str]:
     return sorted(p.name for p in folder.glob("*.head"))
 
 
+def _resumed_at(tmp_path, step, expected):
+    """A new attempt's manager (a fresh model, mode off) that resumed at `step` with the
+    parameters `expected`; returns it with its model and optimizer."""
+    model, optimizer = _trained_model(seed=1)
+    resumed = _manager(tmp_path, "off", model, optimizer)
+    assert resumed.load_latest() == step
+    for saved, restored in zip(expected, model.parameters(), strict=True):
+        assert torch.equal(saved, restored)
+    return resumed, model, optimizer
+
+
 def test_a_restarted_attempt_resumes_from_the_fast_tier_newer_than_the_durable_checkpoint(tmp_path):
     from trainer.checkpointing.local_tier import forget_run
 
@@ -500,12 +511,7 @@ def test_a_rank_killed_while_capturing_still_has_the_previous_capture(tmp_path, 
 
         local_tier._memory.clear()  # a new process: only the files
         local_tier._newest_slot.clear()
-        other_model, other_optimizer = _trained_model(seed=1)
-        resumed = _manager(tmp_path, "off", other_model, other_optimizer)
-        assert resumed.load_latest() == 3
-        for saved, restored in zip(expected, other_model.parameters(), strict=True):
-            assert torch.equal(saved, restored)
-        resumed.abandon()
+        _resumed_at(tmp_path, 3, expected)[0].abandon()
 
         with (folder / "rank_0_slot_0.data").open("ab") as handle:
             handle.write(b"\0" * 64)  # not what the header describes
@@ -559,11 +565,7 @@ def test_large_slots_are_made_ahead_without_the_loop_waiting_and_keep_an_earlier
         local_tier._memory.clear()
         local_tier._newest_slot.clear()
         release.clear()
-        other_model, other_optimizer = _trained_model(seed=1)
-        resumed = _manager(tmp_path, "off", other_model, other_optimizer)
-        assert resumed.load_latest() == 5
-        for saved, restored in zip(expected, other_model.parameters(), strict=True):
-            assert torch.equal(saved, restored)
+        resumed, other_model, other_optimizer = _resumed_at(tmp_path, 5, expected)
         _step(other_model, other_optimizer)
         resumed.maybe_save(6, 1.0, final=False)  # preparing
         release.set()
@@ -606,12 +608,7 @@ def test_a_slot_file_that_does_not_fit_keeps_the_captures_in_memory_and_says_wha
         expected = [p.detach().clone() for p in model.parameters()]
         manager.abandon()  # an in-process restart: the same process, a new attempt
 
-        other_model, other_optimizer = _trained_model(seed=1)
-        resumed = _manager(tmp_path, "off", other_model, other_optimizer)
-        assert resumed.load_latest() == 3
-        for saved, restored in zip(expected, other_model.parameters(), strict=True):
-            assert torch.equal(saved, restored)
-        resumed.abandon()
+        _resumed_at(tmp_path, 3, expected)[0].abandon()
     finally:
         forget_run("", tmp_path / "checkpoints")
 
