@@ -6,7 +6,6 @@ import logging
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import psutil
 import pytest
@@ -36,7 +35,6 @@ def kill_tree(pid: int) -> None:
     except psutil.NoSuchProcess:
         return
     seen: list[psutil.Process] = []
-    shared: set[Path] = set()
     for _ in range(5):
         try:
             found = [root, *root.children(recursive=True)]
@@ -46,37 +44,10 @@ def kill_tree(pid: int) -> None:
         if not fresh:
             break
         for process in fresh:
-            shared |= _process_lifetime_shm(process.pid)
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
         seen.extend(fresh)
     psutil.wait_procs(seen, timeout=30)
-    # The pod's /dev/shm would go with it. Here the machine stays, and what only lives as
-    # long as its processes (torch's shared tensors, whose manager process was killed too,
-    # and multiprocessing's named semaphores, whose resource tracker was) would be left.
-    for path in shared:
-        path.unlink(missing_ok=True)
-
-
-def _process_lifetime_shm(pid: int) -> set[Path]:
-    """The /dev/shm objects `pid` maps that exist for processes' lifetimes only."""
-    try:
-        maps = Path(f"/proc/{pid}/maps").read_text()
-    except OSError:
-        return set()
-    found = set()
-    for line in maps.splitlines():
-        fields = line.split(maxsplit=5)
-        path = fields[5] if len(fields) == 6 else ""
-        name = path.removeprefix("/dev/shm/")
-        if (
-            name != path
-            and "/" not in name
-            and name.startswith(("torch_", "sem.mp-"))
-            and not name.endswith(" (deleted)")
-        ):
-            found.add(Path(path))
-    return found
 
 
 def _children(process: psutil.Process) -> list[psutil.Process]:

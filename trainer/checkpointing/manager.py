@@ -209,7 +209,7 @@ class CheckpointManager:
         else:
             staging, final = storage.prepare_staging(self.root, step, rank_extra)
             state_of_rank = None
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = self._state_dict()
         record = SaveRecord(
             step=step,
             mode=self.writer.mode,
@@ -227,7 +227,7 @@ class CheckpointManager:
             last=last,
             rank_state=state_of_rank,
         )
-        self.writer.start_save({"model": model_state, "optim": optim_state}, pending)
+        self.writer.start_save(state, pending)
         self.records.append(record)
         return record
 
@@ -237,9 +237,11 @@ class CheckpointManager:
         self.writer.poll()
         if not self._prepared:
             self._prepared = True
-            if self.writer.wants_state_ahead:
-                model_state, optim_state = get_state_dict(self.model, self.optimizer)
-                self.writer.prepare({"model": model_state, "optim": optim_state})
+            self.writer.prepare(self._state_dict)
+
+    def _state_dict(self) -> dict[str, Any]:
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optim": optim_state}
 
     def finish(self) -> None:
         """Collective, at the end of the loop: the last checkpoint is committed (the run's

@@ -48,7 +48,6 @@ class NvrxAsyncWriter(CheckpointWriter):
 
     mode = "async"
     stages_itself = True  # in the snapshot's thread, or `_write_last()`
-    wants_state_ahead = True  # the snapshot's buffers: GBs to allocate (and page-lock)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -87,12 +86,12 @@ class NvrxAsyncWriter(CheckpointWriter):
             nvrx_compat.warm_up(self._calls, self.root / ".warm-up", wait=not background)
         self._warming_up = background
 
-    def prepare(self, state: dict[str, Any]) -> None:
+    def prepare(self, state: Callable[[], dict[str, Any]]) -> None:
         """The snapshot's host buffers are allocated (on CUDA also page-locked) by its
         thread now, while training goes on, not by the first save: at 1B parameters that is
         12 GB, seconds the loop would wait for at the optimizer step after that save."""
         if self._snapshot is not None:
-            self._snapshot.prepare(state)
+            self._snapshot.prepare(state())
 
     def start_save(self, state: dict[str, Any], pending: PendingSave) -> None:
         """Start the snapshot copy. The write is planned over the snapshot's buffers and

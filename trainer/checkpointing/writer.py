@@ -113,12 +113,10 @@ class CheckpointWriter(ABC):
     def start_save(self, state: dict[str, Any], pending: PendingSave) -> None:
         """Collective: begin writing `state` (model and optimizer) into `pending.staging`."""
 
-    wants_state_ahead: ClassVar[bool] = False
-    """`prepare(state)` is worth a `get_state_dict` after the attempt's first optimizer step."""
-
-    def prepare(self, state: dict[str, Any]) -> None:  # noqa: B027 (optional: a default that does nothing)
+    def prepare(self, state: Callable[[], dict[str, Any]]) -> None:  # noqa: B027 (optional: a default that does nothing)
         """Not collective: the state's layout is known (after the first optimizer step made
-        the optimizer's state); allocate for it in the background, before the first save."""
+        the optimizer's state); a writer may allocate for it in the background, before the
+        first save. `state()` makes the state dict (a `get_state_dict`): call it only if used."""
 
     @property
     def warming_up(self) -> bool:
