@@ -44,7 +44,7 @@ from typing import Any
 
 from benchmarks import report
 from trainer.config import TrainConfig, build_config
-from trainer.launch import run_local_training
+from trainer.launch import launch_tempdir, run_local_training
 
 PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
     # (substring of torch.cuda.get_device_name(), dense bf16 FLOP/s), most specific first.
@@ -174,11 +174,13 @@ def run_bare(config: TrainConfig, nproc: int, tokens_per_step: int) -> dict[str,
         str(config_path),
         str(out),
     ]
-    launched = time.time()
-    result = subprocess.run(
-        command, capture_output=True, text=True, env=_rank_env(), stdin=subprocess.DEVNULL, check=False
-    )
-    ended = time.time()
+    env = _rank_env()
+    with launch_tempdir(env):
+        launched = time.time()
+        result = subprocess.run(
+            command, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, check=False
+        )
+        ended = time.time()
     if result.returncode != 0 or not out.is_file():
         raise RuntimeError(f"the bare FSDP loop failed ({result.returncode}):\n{result.stderr[-3000:]}")
     raw = json.loads(out.read_text())

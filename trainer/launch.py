@@ -17,9 +17,11 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -136,6 +138,24 @@ def root_cause(log_text: str) -> str | None:
 
 
 @contextlib.contextmanager
+def launch_tempdir(env: dict[str, str]) -> Iterator[Path]:
+    """A temporary folder of one launch's own, made the TMPDIR of `env` (the launcher's
+    environment, inherited by everything it starts), and removed when the launch is over.
+
+    The launcher and its processes leave files in the temporary folder that nobody removes:
+    torch elastic's log folder (one per launch), ft_launcher's and its rank monitors'
+    sockets, multiprocessing's `pymp-*` folders and torch_shm_manager's socket folder when a
+    process is killed, the node's prefork socket. On one machine those piled up in /tmp
+    (several thousand after a few days of test runs); in a pod they go with the pod."""
+    folder = Path(tempfile.mkdtemp(prefix="rtp-launch-"))
+    env["TMPDIR"] = str(folder)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
 def _forward_sigterm(process: subprocess.Popen[str]) -> Iterator[None]:
     """Pass SIGTERM on to the launcher and keep waiting for it.
 
@@ -197,7 +217,7 @@ def run_local_training(
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
     command = build_launch_command(nproc, trainer_args, settings=settings, cpu=not _has_cuda())
-    with log_path.open("a") as log_file:
+    with log_path.open("a") as log_file, launch_tempdir(env):
         log_file.write("$ " + " ".join(command) + "\n")
         log_file.flush()
         process = subprocess.Popen(

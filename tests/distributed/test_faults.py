@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,7 +26,7 @@ import pytest
 from tests.conftest import PROJECT_ROOT
 from tests.distributed.conftest import events, run_config, train
 from trainer.checkpointing import latest_committed_checkpoint, verify_checkpoint
-from trainer.launch import LauncherSettings, TrainingFailed, run_local_training
+from trainer.launch import LauncherSettings, TrainingFailed, launch_tempdir, run_local_training
 
 pytestmark = pytest.mark.distributed
 
@@ -33,20 +35,35 @@ FAST = [
     "resilience.collective_timeout_s=5",
     "resilience.soft_timeout_s=8",
     "resilience.hard_timeout_s=30",
+    # The fast tier captures every step whatever its copies cost: the recoveries below redo
+    # at most one step (by default the interval grows when copies exceed 1% of the loop).
+    "checkpoint.local_copy_budget_pct=0",
 ]
+
+
+_TEMP_FOLDERS: dict[str, Path] = {}
+"""Per run mark: the temporary folder the test's processes were given."""
 
 
 @pytest.fixture
 def run_mark(monkeypatch) -> Iterator[str]:
     """Tags every process the test starts (the variable is inherited by all of them: ranks,
     writers, Managers, multiprocessing's resource tracker, torch_shm_manager) to find
-    leftovers. A test that failed before its own check still leaves nothing running."""
+    leftovers. A test that failed before its own check still leaves nothing running.
+
+    The test's temporary folder (TMPDIR, and `tempfile`'s in this process) is a new empty
+    one, so that what the run leaves there is seen too."""
     mark = uuid.uuid4().hex
     monkeypatch.setenv("RTP_TEST_RUN_MARK", mark)
+    folder = Path(tempfile.mkdtemp(prefix="rtp-t-"))  # short: sockets are made in it
+    _TEMP_FOLDERS[mark] = folder
+    monkeypatch.setenv("TMPDIR", str(folder))
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
     yield mark
     for process in _leftovers(mark):
         with contextlib.suppress(psutil.NoSuchProcess):
             process.kill()
+    shutil.rmtree(_TEMP_FOLDERS.pop(mark), ignore_errors=True)
 
 
 def _leftovers(mark: str) -> list[psutil.Process]:
@@ -68,6 +85,10 @@ def assert_nothing_left(mark: str) -> None:
     for process in left:
         process.kill()
     assert names == [], f"processes outlived the run: {names}"
+    # Nothing in the temporary folder either: sockets, log folders, multiprocessing's
+    # folders of killed processes (trainer.launch.launch_tempdir).
+    temporary = _TEMP_FOLDERS[mark]
+    assert sorted(p.name for p in temporary.iterdir()) == [], f"left in {temporary}"
 
 
 @pytest.fixture(scope="module")
@@ -158,14 +179,22 @@ def test_a_rank_killed_while_its_writer_starts_leaves_no_process(tmp_path, run_m
     imports torch). A rank killed meanwhile must not leave it waiting for saves forever,
     with multiprocessing's resource tracker: the several-faults run left both (its sigkill
     came three steps after an in-process restart)."""
-    rank = subprocess.run(
-        [sys.executable, "-m", "tests.distributed.rank_killed_while_writer_starts", str(tmp_path / "ckpt")],
-        cwd=PROJECT_ROOT,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,  # a pipe would wait for a leftover that holds it
-        stderr=subprocess.DEVNULL,
-        timeout=300,
-    )
+    env = dict(os.environ)
+    with launch_tempdir(env):  # as the launcher gives its ranks
+        rank = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tests.distributed.rank_killed_while_writer_starts",
+                str(tmp_path / "ckpt"),
+            ],
+            cwd=PROJECT_ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,  # a pipe would wait for a leftover that holds it
+            stderr=subprocess.DEVNULL,
+            timeout=300,
+        )
     assert rank.returncode == -9
     assert_nothing_left(run_mark)
 
