@@ -137,8 +137,8 @@ def run_benchmark(
     extra = []
     if collective_timeout_s is not None:
         extra.append(f"resilience.collective_timeout_s={collective_timeout_s:g}")
-    if local_every is not None:  # exactly this interval, whatever its copies cost
-        extra += [f"checkpoint.local_every_steps={local_every}", "checkpoint.local_copy_budget_pct=0"]
+    if local_every is not None:
+        extra.append(f"checkpoint.local_every_steps={local_every}")
     defaults = TrainConfig()
     with tempfile.TemporaryDirectory(prefix="rtp-bench-recovery-") as tmp:
         root = workdir or Path(tmp)
@@ -221,8 +221,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--local-every",
         type=int,
         default=None,
-        help="fast checkpoint tier interval in steps, exactly (no copy budget), 0 = off (default: the "
-        "trainer's: every step, longer when its copies exceed checkpoint.local_copy_budget_pct of the loop's time)",
+        help="fast checkpoint tier interval in steps, 0 = off (default: the trainer's, checkpoint.local_every_steps)",
     )
     parser.add_argument("--json", dest="json_path", help="also write the results as JSON to this file")
 

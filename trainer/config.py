@@ -126,12 +126,6 @@ class CheckpointConfig:
     state in memory (an in-process restart resumes from it) and in local_dir (a restarted
     worker group resumes from it), so a fault redoes at most N steps instead of every step
     since the last durable checkpoint; 0 = off (trainer/checkpointing/local_tier.py)."""
-    local_copy_budget_pct: float = 1.0
-    """The share of the loop's time the fast tier's copies may take: over an attempt's
-    first steps the tier measures its copy (the copy thread's time per capture, on CUDA the
-    device-to-host transfer included) and the loop's step, and when a capture every
-    `local_every_steps` steps would take more, the ranks agree on a longer interval (at
-    most that many more steps redone after a fault); 0 = no limit."""
     local_dir: str = named("checkpoint_local_dir", "", path=True)
     """Node-local folder of the fast tier's files (the rank processes' survivor, not the
     node's); empty = /dev/shm/rtp-local (a pod's memory-backed /dev/shm)."""
@@ -543,11 +537,6 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError("checkpoint.keep_every_steps must be 0 (off) or a positive step count")
     if config.checkpoint.local_every_steps < 0:
         raise ConfigError("checkpoint.local_every_steps must be 0 (off) or a positive step count")
-    if not 0 <= config.checkpoint.local_copy_budget_pct < 100:
-        raise ConfigError(
-            "checkpoint.local_copy_budget_pct must be from 0 (no limit) to under 100 (percent of the "
-            f"loop's time), got {config.checkpoint.local_copy_budget_pct}"
-        )
     if config.checkpoint.local_replicas < 0:
         raise ConfigError("checkpoint.local_replicas must be 0 (none) or a positive number of peers")
     r = config.resilience

@@ -39,9 +39,6 @@ class TrainSummary:
     """Of those, the fast tier's copies (checkpoint.local_every_steps)."""
     local_tier_captures: int = 0
     """Fast-tier copies taken by this attempt (rank 0's view)."""
-    local_tier_every_steps: int = 0
-    """The fast tier's interval in this attempt: checkpoint.local_every_steps, or longer when
-    its copies would have exceeded checkpoint.local_copy_budget_pct of the loop's time."""
     local_replicas_sent: int = 0
     """Fast-tier files rank 0 sent to its peers (checkpoint.local_replicas)."""
     efficiency_pct: float

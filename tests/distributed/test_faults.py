@@ -35,9 +35,6 @@ FAST = [
     "resilience.collective_timeout_s=5",
     "resilience.soft_timeout_s=8",
     "resilience.hard_timeout_s=30",
-    # The fast tier captures every step whatever its copies cost: the recoveries below redo
-    # at most one step (by default the interval grows when copies exceed 1% of the loop).
-    "checkpoint.local_copy_budget_pct=0",
 ]
 
 

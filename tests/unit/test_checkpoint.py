@@ -1,7 +1,6 @@
 import json
 import logging
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -577,99 +576,6 @@ def test_large_slots_are_made_ahead_without_the_loop_waiting_and_keep_an_earlier
         assert _heads(folder) == ["rank_0_step_5_slot_0.head", "rank_0_step_7_slot_1.head"]
         resumed.abandon()
     finally:
-        forget_run("", tmp_path / "checkpoints")
-
-
-def _slow_copies(monkeypatch, copy_s):
-    """Every capture keeps the copy thread `copy_s` longer (as a large state would)."""
-    from trainer.checkpointing.local_tier import LocalTier
-
-    copy = LocalTier._copy_into
-
-    def slow(self, target, sources, step_done):
-        copy(self, target, sources, step_done)
-        time.sleep(copy_s)
-
-    monkeypatch.setattr(LocalTier, "_copy_into", slow)
-
-
-def _timed_steps(manager, model, optimizer, steps, step_s=0.06):
-    """`_train_and_capture`, with steps that take at least `step_s`."""
-    for step in steps:
-        started = time.perf_counter()
-        _step(model, optimizer)
-        manager.before_optimizer_step()
-        time.sleep(max(0.0, step_s - (time.perf_counter() - started)))
-        manager.maybe_save(step, 1.0, final=False)
-    manager.local.wait_copy()
-
-
-@pytest.mark.parametrize("budget", [5.0, 0.0])
-def test_the_fast_tier_captures_less_often_when_its_copies_exceed_the_budget(tmp_path, monkeypatch, budget):
-    """Over an attempt's first CALIBRATION_STEPS steps the tier captures every step and
-    measures; then its interval is the one whose copies fit the budget's share of the loop's
-    time (the longest any rank needs). Budget 0: every step, whatever the copies cost."""
-    import math
-
-    from trainer.checkpointing.local_tier import CALIBRATION_STEPS, forget_run
-
-    _slow_copies(monkeypatch, 0.01)  # copies of 10 ms against 60 ms steps: 1/6 of the loop
-    model, optimizer = _trained_model()
-    manager = _manager(
-        tmp_path, "off", model, optimizer, extra=[f"checkpoint.local_copy_budget_pct={budget}"]
-    )
-    tier = manager.local
-    try:
-        _timed_steps(manager, model, optimizer, range(1, CALIBRATION_STEPS + 1))
-        assert tier.captures == CALIBRATION_STEPS and tier.interval == 1
-        _timed_steps(manager, model, optimizer, range(CALIBRATION_STEPS + 1, 31))
-        if budget == 0:
-            assert tier.interval == 1 and tier.captures == 30 and not tier.measured
-            return
-        copy_s, step_s = tier.measured["copy_s"], tier.measured["step_s"]
-        assert copy_s >= 0.01 and step_s >= 0.06, tier.measured
-        assert tier.interval == math.ceil(copy_s / (budget / 100 * step_s)) and 2 <= tier.interval <= 10
-        later = [s for s in range(CALIBRATION_STEPS + 1, 31) if s % tier.interval == 0]
-        assert tier.captures == CALIBRATION_STEPS + len(later)
-        assert _heads(tier.folder)[-1] == f"rank_0_step_{later[-1]}_slot_{(len(later) + 1) % 2}.head"
-        assert manager.summary(loop_wall_s=1.0)["local_tier_every_steps"] == tier.interval
-    finally:
-        manager.abandon()
-        forget_run("", tmp_path / "checkpoints")
-
-
-def test_the_interval_is_chosen_once_a_copy_was_measured(tmp_path, monkeypatch):
-    """Large slots made ahead: no capture during the first CALIBRATION_STEPS steps, so
-    nothing to choose on; the tier goes on every step and chooses after the next ones."""
-    import threading
-
-    from trainer.checkpointing import local_tier
-    from trainer.checkpointing.local_tier import CALIBRATION_STEPS, LocalTier, forget_run
-
-    monkeypatch.setattr(local_tier, "PREPARE_AHEAD_BYTES", 0)
-    release = threading.Event()
-    prepared = LocalTier._prepare_slots
-
-    def held(self, plan):
-        assert release.wait(timeout=30)
-        prepared(self, plan)
-
-    monkeypatch.setattr(LocalTier, "_prepare_slots", held)
-    _slow_copies(monkeypatch, 0.01)
-    model, optimizer = _trained_model()
-    manager = _manager(tmp_path, "off", model, optimizer, extra=["checkpoint.local_copy_budget_pct=5"])
-    tier = manager.local
-    try:
-        _timed_steps(manager, model, optimizer, range(1, CALIBRATION_STEPS + 2))
-        assert tier.captures == 0 and tier.interval == 1 and not tier.measured
-        release.set()
-        tier._preparing.result(timeout=30)
-        _timed_steps(manager, model, optimizer, range(CALIBRATION_STEPS + 2, 2 * CALIBRATION_STEPS + 1))
-        assert tier.interval == 1 and tier.captures == CALIBRATION_STEPS - 1  # steps 12-20
-        _timed_steps(manager, model, optimizer, range(2 * CALIBRATION_STEPS + 1, 2 * CALIBRATION_STEPS + 3))
-        assert tier.measured and tier.interval >= 2
-    finally:
-        manager.abandon()
         forget_run("", tmp_path / "checkpoints")
 
 

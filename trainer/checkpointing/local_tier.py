@@ -43,16 +43,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import itertools
 import logging
-import math
 import mmap
 import operator
 import os
 import pickle
 import re
 import shutil
-import statistics
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -75,9 +72,6 @@ PREPARE_AHEAD_BYTES = 64 << 20
 """Slots this large or larger are made by the copy thread while the loop goes on (reserving
 and, on CUDA, page-locking GBs takes seconds); captures are skipped until both exist.
 Smaller ones are made by the first capture into them (milliseconds)."""
-CALIBRATION_STEPS = 10
-"""With a copy budget (`checkpoint.local_copy_budget_pct`): the steps of an attempt over which
-the tier measures its copies and the loop's steps before the ranks agree on its interval."""
 _memory: dict[str, dict[str, Any]] = {}
 """Per run key: this process's newest capture (survives an in-process restart)."""
 _newest_slot: dict[str, int] = {}
@@ -201,16 +195,8 @@ class LocalTier:
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         replicas: int = 0,
-        copy_budget_pct: float = 0.0,
     ) -> None:
         self.every_steps = every_steps
-        self.interval = every_steps  # longer once measured, when the copies exceed the budget
-        self.copy_budget_pct = copy_budget_pct
-        self._calibrating = copy_budget_pct > 0 and every_steps > 0
-        self._calibrate_at: int | None = None
-        self._step_times: list[float] = []  # when capture() was called, while calibrating
-        self._copy_seconds: list[float] = []  # the copy thread's time per capture
-        self.measured: dict[str, float] = {}  # what the interval was chosen on
         self.key = run_key(checkpoint_dir)
         self.folder = local_folder(local_dir, checkpoint_dir)
         self.identity = identity
@@ -260,11 +246,7 @@ class LocalTier:
     def capture(self, step: int, durable_step: int) -> bool:
         """Not collective. Copy this rank's state after step `step` if it is a capture step;
         `durable_step`: the newest durable checkpoint step this attempt knows of."""
-        if not self.enabled:
-            return False
-        if self._calibrating:
-            self._calibrate(step)
-        if step % self.interval:
+        if not self.enabled or step % self.every_steps:
             return False
         with self._lock:
             slot = self._slot
@@ -302,47 +284,6 @@ class LocalTier:
         self._copy = self._copier.submit(self._capture_into, slot, meta, plan, step_done)
         return True
 
-    def _calibrate(self, step: int) -> None:
-        """Collective at one step (every rank calls `capture()` at every step): after
-        `CALIBRATION_STEPS` steps, the interval whose copies take at most the budget's share
-        of the loop's time, the longest any rank needs (one all-reduce). Until then (and
-        again while no rank has measured a copy: large slots are still being made) the tier
-        captures every `every_steps` steps."""
-        now = time.perf_counter()
-        if self._calibrate_at is None:
-            self._calibrate_at = step + CALIBRATION_STEPS
-        self._step_times.append(now)
-        if step < self._calibrate_at:
-            return
-        self.wait_copy()  # the newest capture's time is in
-        with self._lock:
-            copies = self._copy_seconds[2:]  # the first two also made their slots
-        gaps = [b - a for a, b in itertools.pairwise(self._step_times[2:])]  # after the warm-up steps
-        wanted = 0
-        if copies and gaps:
-            copy_s, step_s = statistics.median(copies), statistics.median(gaps)
-            self.measured = {"copy_s": copy_s, "step_s": step_s}
-            wanted = max(self.every_steps, math.ceil(copy_s / (self.copy_budget_pct / 100 * step_s)))
-        device = _local(self.params[0]).device if self.params else torch.device("cpu")
-        agreed = torch.tensor([wanted], dtype=torch.int64, device=device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        if int(agreed.item()) == 0:
-            self._calibrate_at = step + CALIBRATION_STEPS
-            self._step_times = []
-            return
-        self.interval = int(agreed.item())
-        self._calibrating = False
-        self._step_times = []
-        if self.rank == 0:
-            log.info(
-                "fast checkpoint tier: a capture every %d step(s) (a copy %.1f ms, a step %.1f ms on "
-                "rank 0; checkpoint.local_copy_budget_pct=%g)",
-                self.interval,
-                1e3 * self.measured.get("copy_s", float("nan")),
-                1e3 * self.measured.get("step_s", float("nan")),
-                self.copy_budget_pct,
-            )
-
     def _slots_ready(self, plan: _Plan) -> bool:
         """Whether a capture of `plan` may be queued now: its slot is made by the capture
         itself when small; large slots (`PREPARE_AHEAD_BYTES`) are prepared ahead, both at
@@ -374,7 +315,6 @@ class LocalTier:
 
     def _capture_into(self, slot: int, meta: dict[str, Any], plan: _Plan, step_done: Any) -> None:
         """The copy thread: copy the state into `slot`, then write its header."""
-        started = time.perf_counter()
         dynamic = {k: v for k, v in meta.items() if k not in plan.dynamic_index}
         dynamic.update({k: {_TENSOR_KEY: i} for k, i in plan.dynamic_index.items()})
         try:
@@ -405,8 +345,6 @@ class LocalTier:
             _memory[self.key] = captured  # complete: what an in-process restart resumes from
             _newest_slot[self.key] = slot
             self.captures += 1
-            if self._calibrating:
-                self._copy_seconds.append(time.perf_counter() - started)
             if target.head is not None and self.sends_to:
                 self._queued = slot
                 self._wake.notify()

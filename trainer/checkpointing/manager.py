@@ -96,7 +96,6 @@ class CheckpointManager:
             optimizer=optimizer,
             scheduler=scheduler,
             replicas=settings.local_replicas,
-            copy_budget_pct=settings.local_copy_budget_pct,
         )
         self.resumed_from: str | None = None
         self.start_s = 0.0
@@ -277,7 +276,6 @@ class CheckpointManager:
         return {
             "local_tier_s": self.local_tier_s,
             "local_tier_captures": self.local.captures,
-            "local_tier_every_steps": self.local.interval,
             "local_replicas_sent": self.local.replicas_sent,
             "checkpoint": str(latest) if latest else None,
             "checkpoint_mode": self.settings.mode,
