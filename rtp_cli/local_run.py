@@ -22,6 +22,7 @@ from components.layout import run_dir
 from components.mlflow_access import redact_credentials
 from trainer.config import DEFAULT_PRESET
 from trainer.events import write_json_atomic
+from trainer.launch import launch_tempdir
 
 log = logging.getLogger(__name__)
 
@@ -143,19 +144,22 @@ def run_local(options: LocalOptions) -> dict[str, Any]:
         # The mount path is compiled into the pipeline: here, the run's local folder.
         pipeline = build_pipeline(options=PlatformOptions(fsx_mount_path=str(fsx)))
         try:
-            pipeline(
-                source=source,
-                s3_endpoint_url=endpoint,
-                dataset_name=dataset_name,
-                model_source=model_source,
-                run_name=run_name,
-                nproc=options.nproc,
-                preset=options.preset,
-                overrides=options.overrides,
-                **{name: value for name, value in options.training.items() if value is not None},
-                max_loss=options.max_loss,
-                model_name=options.model_name,
-            )
+            # The tasks inherit this process's environment: what they leave in their temporary
+            # folder (each task's command writes its program to a `mktemp -d` folder) goes.
+            with launch_tempdir(os.environ, prefix="rtp-local-"):
+                pipeline(
+                    source=source,
+                    s3_endpoint_url=endpoint,
+                    dataset_name=dataset_name,
+                    model_source=model_source,
+                    run_name=run_name,
+                    nproc=options.nproc,
+                    preset=options.preset,
+                    overrides=options.overrides,
+                    **{name: value for name, value in options.training.items() if value is not None},
+                    max_loss=options.max_loss,
+                    model_name=options.model_name,
+                )
         except RuntimeError as exc:
             done = sorted(_read_step_records(folder))
             raise LocalRunError(

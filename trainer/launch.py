@@ -24,7 +24,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,21 +137,39 @@ def root_cause(log_text: str) -> str | None:
     return candidates[0] if candidates else None
 
 
+_SOCKET_PATH_MAX = 107
+"""Bytes of a Unix socket's path (108 with its NUL)."""
+_SOCKET_NAME_ROOM = 40
+"""The longest path the launcher's processes make in their temporary folder for a socket:
+ft_launcher's `_ft_launcher<pid>_rmon<rank>.socket`, torch_shm_manager's
+`torch-shm-dir-XXXXXX/manager.sock`, the zygote's `rtp-prefork-<uid>-<pid>.sock`."""
+
+
 @contextlib.contextmanager
-def launch_tempdir(env: dict[str, str]) -> Iterator[Path]:
-    """A temporary folder of one launch's own, made the TMPDIR of `env` (the launcher's
-    environment, inherited by everything it starts), and removed when the launch is over.
+def launch_tempdir(env: MutableMapping[str, str], prefix: str = "rtp-launch-") -> Iterator[Path]:
+    """A temporary folder of one launch's own, made the TMPDIR of `env` (the environment
+    the launcher, or `rtp local`'s tasks, start with and pass on to everything they start),
+    removed when the launch is over, `env`'s TMPDIR as it was before.
 
     The launcher and its processes leave files in the temporary folder that nobody removes:
     torch elastic's log folder (one per launch), ft_launcher's and its rank monitors'
     sockets, multiprocessing's `pymp-*` folders and torch_shm_manager's socket folder when a
-    process is killed, the node's prefork socket. On one machine those piled up in /tmp
-    (several thousand after a few days of test runs); in a pod they go with the pod."""
-    folder = Path(tempfile.mkdtemp(prefix="rtp-launch-"))
+    process is killed, the node's prefork socket; kfp.local's tasks leave the folder their
+    command writes its program to. On one machine those piled up in /tmp (several thousand
+    after a few days of test runs); in a pod they go with the pod."""
+    base = tempfile.gettempdir()  # (fixes this process's own first: `env` may be os.environ)
+    if len(base) + len(prefix) + 10 + _SOCKET_NAME_ROOM > _SOCKET_PATH_MAX:
+        base = "/tmp"  # a socket path in a deep TMPDIR would not fit
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+    previous = env.get("TMPDIR")
     env["TMPDIR"] = str(folder)
     try:
         yield folder
     finally:
+        if previous is None:
+            env.pop("TMPDIR", None)
+        else:
+            env["TMPDIR"] = previous
         shutil.rmtree(folder, ignore_errors=True)
 
 

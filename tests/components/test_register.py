@@ -59,7 +59,7 @@ def _validate_and_register(checkpoint_dir, dataset_dir, name, **kwargs):
     return result, registered
 
 
-def test_better_model_becomes_champion_and_worse_one_challenger(tracking, trained_run, dataset_dir):
+def test_better_model_becomes_champion_and_worse_one_challenger(tracking, trained_run, dataset_dir, tmp_path):
     name = "rtp-test-promotion"
     early = trained_run["checkpoint"].replace("step_20", "step_10")
     first, v1 = _validate_and_register(early, dataset_dir, name)
@@ -84,7 +84,7 @@ def test_better_model_becomes_champion_and_worse_one_challenger(tracking, traine
     assert len(_versions(tracking, name)) == 2
 
     # the registered champion loads as a pyfunc and generates text with the step-20 weights
-    model = mlflow.pyfunc.load_model(f"models:/{name}@champion")
+    model = mlflow.pyfunc.load_model(f"models:/{name}@champion", dst_path=str(tmp_path))  # not /tmp
     texts = model.predict(pd.DataFrame({"prompt": ["def ", "import "]}), params={"max_new_tokens": 12})
     assert len(texts) == 2 and all(isinstance(t, str) and len(t) >= 4 for t in texts)
     champion = load_champion(name, FAST_RETRY)

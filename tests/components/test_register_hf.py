@@ -173,14 +173,20 @@ def test_hf_version_loads_three_ways_with_the_checkpoints_logits(tracking, hf_ch
     ).encode("def add(a, b):")
 
     # 2. MLflow's transformers flavor
-    components = mlflow.transformers.load_model(f"models:/{name}@champion", return_type="components")
+    # Downloaded into tmp_path (without dst_path MLflow leaves a copy in /tmp each time).
+    downloads = [tmp_path / f"load-{part}" for part in ("components", "pipeline", "pyfunc")]
+    for folder in downloads:
+        folder.mkdir()
+    components = mlflow.transformers.load_model(
+        f"models:/{name}@champion", return_type="components", dst_path=str(downloads[0])
+    )
     with torch.no_grad():
         assert torch.equal(components["model"].eval()(input_ids=tokens).logits, expected_logits)
-    pipeline = mlflow.transformers.load_model(f"models:/{name}@champion")
+    pipeline = mlflow.transformers.load_model(f"models:/{name}@champion", dst_path=str(downloads[1]))
     assert pipeline.task == "text-generation"
 
     # 3. pyfunc, with the generation length as a param
-    pyfunc = mlflow.pyfunc.load_model(f"models:/{name}@champion")
+    pyfunc = mlflow.pyfunc.load_model(f"models:/{name}@champion", dst_path=str(downloads[2]))
     short = pyfunc.predict(["def add"], params={"max_new_tokens": 1})
     longer = pyfunc.predict(["def add"], params={"max_new_tokens": 12})
     assert len(short) == 1 and isinstance(short[0], str)

@@ -99,13 +99,15 @@ def test_the_model_trains_and_validation_decides(model_run):
     assert "pipeline finished" in stdout and "model            : " + summary["model_dir"] in stdout
 
 
-def test_the_registered_model_loads_with_the_transformers_flavor(model_run):
+def test_the_registered_model_loads_with_the_transformers_flavor(model_run, tmp_path):
     import mlflow
 
     _, _, _, summary = model_run
     mlflow.set_tracking_uri(summary["mlflow"]["tracking_uri"])
     components = mlflow.transformers.load_model(
-        f"models:/{summary['mlflow']['model_name']}@champion", return_type="components"
+        f"models:/{summary['mlflow']['model_name']}@champion",
+        return_type="components",
+        dst_path=str(tmp_path),  # MLflow's default is a new folder in /tmp, never removed
     )
     assert type(components["model"]).__name__ == "LlamaForCausalLM"
     assert components["tokenizer"]("def add").input_ids

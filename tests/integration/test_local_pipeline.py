@@ -2,8 +2,11 @@
 with the embedded S3 endpoint and a real MLflow server, and its summary tells the truth."""
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import mlflow
@@ -12,8 +15,8 @@ import pytest
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 
-def _rtp_local(workdir, mlflow_server, steps: int, every: int, model_name: str, *extra: str):
-    """`rtp local --run-name e2e` into `workdir`; asserts it succeeded."""
+def _rtp_local(workdir, mlflow_server, steps: int, every: int, model_name: str, *extra: str, tmpdir: Path):
+    """`rtp local --run-name e2e` into `workdir`, with `tmpdir` as its TMPDIR; asserts it succeeded."""
     command = [
         *(sys.executable, "-m", "rtp_cli.main", "local", "--workdir", str(workdir)),
         *("--steps", str(steps), "--checkpoint-every", str(every)),
@@ -29,16 +32,33 @@ def _rtp_local(workdir, mlflow_server, steps: int, every: int, model_name: str, 
         ),
         *extra,
     ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=800, stdin=subprocess.DEVNULL)
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=800,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "TMPDIR": str(tmpdir)},
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result
 
 
 @pytest.fixture(scope="module")
-def local_run(tmp_path_factory, mlflow_server):
+def local_tmpdir():
+    """The runs' TMPDIR: short (sockets are made below it), empty."""
+    folder = Path(tempfile.mkdtemp(prefix="rtp-e2e-", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory, mlflow_server, local_tmpdir):
     workdir = tmp_path_factory.mktemp("rtp-local")
     # a fault drill: an in-process restart redoes steps, which MLflow must hold once
-    result = _rtp_local(workdir, mlflow_server, 12, 6, "rtp-e2e", "--fault", "exception@8:1")
+    result = _rtp_local(
+        workdir, mlflow_server, 12, 6, "rtp-e2e", "--fault", "exception@8:1", tmpdir=local_tmpdir
+    )
     return workdir, result.stdout, json.loads((workdir / "summary.json").read_text())
 
 
@@ -55,6 +75,12 @@ def test_summary_is_consistent_with_the_files(local_run):
     snapshot = Path(summary["dataset_snapshot"])
     assert (snapshot / "manifest.json").is_file()
     assert "pipeline finished" in stdout and "rtp-e2e version" in stdout
+
+
+def test_nothing_is_left_in_the_temporary_folder(local_run, local_tmpdir):
+    """The tasks' program folders, the launcher's log folder and sockets, the killed
+    processes' multiprocessing folders: all in folders of their own, removed after use."""
+    assert sorted(p.name for p in local_tmpdir.iterdir()) == []
 
 
 def test_model_version_exists_in_mlflow(local_run, mlflow_server):
@@ -88,12 +114,12 @@ def test_one_mlflow_run_goes_from_the_first_step_to_the_registered_version(local
     assert run.data.metrics["restarts"] == 1
 
 
-def test_the_same_run_name_again_resumes_from_its_checkpoint(local_run, mlflow_server):
+def test_the_same_run_name_again_resumes_from_its_checkpoint(local_run, mlflow_server, local_tmpdir):
     """`rtp local --run-name e2e` a second time, two steps further, resumes from the first
     run's last checkpoint instead of starting over. Last in this module: it adds two steps to
     the run the tests above read (and registers under another name)."""
     workdir, _, first = local_run
-    _rtp_local(workdir, mlflow_server, 14, 2, "rtp-e2e-resumed")
+    _rtp_local(workdir, mlflow_server, 14, 2, "rtp-e2e-resumed", tmpdir=local_tmpdir)
     trained = json.loads((workdir / "fsx/rtp/runs/e2e/train/summary.json").read_text())
     assert trained["resumed_from"] == first["checkpoint"]  # step_12 of the first run
     assert trained["steps"] == 14 and trained["lost_steps"] == 0

@@ -1,12 +1,13 @@
 import itertools
 import json
+from pathlib import Path
 
 import pytest
 
 from components.layout import check_name, dataset_root, record_step, run_dir
 from rtp_cli.local_run import LocalOptions, build_summary, format_summary
 from trainer.events import EventLog, write_json_atomic
-from trainer.launch import LauncherSettings, build_launch_command, trainer_arguments
+from trainer.launch import LauncherSettings, build_launch_command, launch_tempdir, trainer_arguments
 from trainer.loop import lr_factor
 
 
@@ -43,6 +44,33 @@ def test_launch_command_runs_the_trainer_module_under_ft_launcher():
         build_launch_command(0, args)
     with pytest.raises(ValueError):
         build_launch_command(1, args, settings=LauncherSettings(max_restarts=-1))
+
+
+def test_a_launch_gets_a_temporary_folder_of_its_own_that_goes_with_it(tmp_path, monkeypatch):
+    import shutil
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="rtp-t-", dir="/tmp"))  # tmp_path is too deep, see below
+    try:
+        monkeypatch.setattr(tempfile, "tempdir", str(base))
+        env = {"TMPDIR": "/somewhere"}
+        with launch_tempdir(env) as folder:
+            assert folder.parent == base and env["TMPDIR"] == str(folder)
+            (folder / "torchelastic_x").mkdir()  # what a launcher leaves
+            (folder / "torchelastic_x" / "log").write_text("")
+        assert env == {"TMPDIR": "/somewhere"} and list(base.iterdir()) == []
+        with launch_tempdir({}) as folder:
+            pass
+        assert not folder.exists()
+    finally:
+        shutil.rmtree(base)
+    # A TMPDIR so deep that the launcher's socket paths would not fit in 108 bytes: /tmp.
+    deep = tmp_path / ("d" * 40)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    with launch_tempdir(env) as folder:
+        assert folder.parent == Path("/tmp") and len(str(folder / "_ft_launcher4194304_rmon127.socket")) < 108
+    assert not folder.exists() and list(deep.iterdir()) == []
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():
