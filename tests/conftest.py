@@ -4,9 +4,11 @@ MLflow server on loopback, and the upstream schemas the fakes validate against (
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -45,6 +47,27 @@ def shared_memory_of_killed_processes_removed() -> Iterator[None]:
         if creator.isdigit() and Path(f"/proc/{creator}").exists():
             continue
         (SHM / name).unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def temporary_folder_of_the_session() -> Iterator[Path]:
+    """The processes the tests start get a TMPDIR of the session's own, removed when it
+    ends: a job a test kills whole (a pod's death) cannot remove its launch folder
+    (`trainer.launch.launch_tempdir`), as a pod's /tmp would go with the pod. The fault and
+    end-to-end tests check, with a TMPDIR of their own, that runs leave nothing there. This
+    process keeps its own temporary folder (pytest's `tmp_path` lives there)."""
+    tempfile.gettempdir()  # fixed before TMPDIR changes
+    folder = Path(tempfile.mkdtemp(prefix="rtp-tests-", dir="/tmp"))  # short: sockets go below it
+    previous = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(folder)
+    try:
+        yield folder
+    finally:
+        if previous is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = previous
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _mapped_in_shm() -> set[str]:

@@ -131,7 +131,7 @@ def test_version_carries_artifacts_signature_and_lineage(tracking, trained_run, 
     local = mlflow.artifacts.download_artifacts(
         artifact_uri=f"models:/{name}/{result.version}", dst_path=str(tmp_path)
     )
-    info = mlflow.models.get_model_info(f"models:/{name}/{result.version}")
+    info = mlflow.models.Model.load(local)  # get_model_info would download it again, into /tmp
     assert info.signature.inputs.input_names() == ["prompt"]
     assert {p.name for p in info.signature.params.params} == {"max_new_tokens", "temperature"}
     assert info.saved_input_example_info is not None

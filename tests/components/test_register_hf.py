@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
 from pathlib import Path
 
 import mlflow
@@ -128,7 +129,9 @@ def test_bits_per_byte_counts_the_bytes_the_tokens_decode_to(hf_checkpoints):
     assert any("nats/byte" in reason and "bits/byte" in reason for reason in rejected.reasons)
 
 
-def test_hf_version_loads_three_ways_with_the_checkpoints_logits(tracking, hf_checkpoints, tmp_path):
+def test_hf_version_loads_three_ways_with_the_checkpoints_logits(
+    tracking, hf_checkpoints, tmp_path, monkeypatch
+):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     name = "rtp-test-hf"
@@ -173,7 +176,9 @@ def test_hf_version_loads_three_ways_with_the_checkpoints_logits(tracking, hf_ch
     ).encode("def add(a, b):")
 
     # 2. MLflow's transformers flavor
-    # Downloaded into tmp_path (without dst_path MLflow leaves a copy in /tmp each time).
+    # Downloaded into tmp_path (without dst_path MLflow leaves a copy in /tmp each time; the
+    # flavor's loaders also fetch the MLmodel file into a folder of their own first).
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     downloads = [tmp_path / f"load-{part}" for part in ("components", "pipeline", "pyfunc")]
     for folder in downloads:
         folder.mkdir()

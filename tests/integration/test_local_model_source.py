@@ -12,6 +12,7 @@ tests/distributed/test_hf_models.py and the checkpoint tests."""
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -99,10 +100,11 @@ def test_the_model_trains_and_validation_decides(model_run):
     assert "pipeline finished" in stdout and "model            : " + summary["model_dir"] in stdout
 
 
-def test_the_registered_model_loads_with_the_transformers_flavor(model_run, tmp_path):
+def test_the_registered_model_loads_with_the_transformers_flavor(model_run, tmp_path, monkeypatch):
     import mlflow
 
     _, _, _, summary = model_run
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where MLflow fetches the MLmodel file first
     mlflow.set_tracking_uri(summary["mlflow"]["tracking_uri"])
     components = mlflow.transformers.load_model(
         f"models:/{summary['mlflow']['model_name']}@champion",
