@@ -50,23 +50,25 @@ def shared_memory_of_killed_processes_removed() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def temporary_folder_of_the_session() -> Iterator[Path]:
-    """The processes the tests start get a TMPDIR of the session's own, removed when it
-    ends: a job a test kills whole (a pod's death) cannot remove its launch folder
-    (`trainer.launch.launch_tempdir`), as a pod's /tmp would go with the pod. The fault and
-    end-to-end tests check, with a TMPDIR of their own, that runs leave nothing there. This
-    process keeps its own temporary folder (pytest's `tmp_path` lives there)."""
-    tempfile.gettempdir()  # fixed before TMPDIR changes
+def temporary_folder_of_the_session(tmp_path_factory) -> Iterator[Path]:
+    """The session's temporary folder (TMPDIR, and `tempfile`'s in this process, which
+    computes paths its processes use too, such as the zygote's socket) is one of its own,
+    removed when it ends: a job a test kills whole (a pod's death) cannot remove its launch
+    folder (`trainer.launch.launch_tempdir`), as a pod's /tmp would go with the pod. The
+    fault and end-to-end tests check, with a TMPDIR of their own, that runs leave nothing
+    there. pytest's `tmp_path` folders stay where they were (kept for a look after a run)."""
+    tmp_path_factory.getbasetemp()  # made before the temporary folder changes
     folder = Path(tempfile.mkdtemp(prefix="rtp-tests-", dir="/tmp"))  # short: sockets go below it
-    previous = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = str(folder)
+    previous = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = str(folder)
     try:
         yield folder
     finally:
-        if previous is None:
+        if previous[0] is None:
             os.environ.pop("TMPDIR", None)
         else:
-            os.environ["TMPDIR"] = previous
+            os.environ["TMPDIR"] = previous[0]
+        tempfile.tempdir = previous[1]
         shutil.rmtree(folder, ignore_errors=True)
 
 
