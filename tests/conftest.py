@@ -4,7 +4,6 @@ MLflow server on loopback, and the upstream schemas the fakes validate against (
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import pytest
 
 from rtp_cli.demo_data import write_local_dataset
 from rtp_cli.embedded_s3 import free_port
+from trainer.launch import launch_tempdir
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 UPSTREAM_SPECS = Path(__file__).resolve().parent / "specs"
@@ -58,18 +58,12 @@ def temporary_folder_of_the_session(tmp_path_factory) -> Iterator[Path]:
     fault and end-to-end tests check, with a TMPDIR of their own, that runs leave nothing
     there. pytest's `tmp_path` folders stay where they were (kept for a look after a run)."""
     tmp_path_factory.getbasetemp()  # made before the temporary folder changes
-    folder = Path(tempfile.mkdtemp(prefix="rtp-tests-", dir="/tmp"))  # short: sockets go below it
-    previous = os.environ.get("TMPDIR"), tempfile.tempdir
-    os.environ["TMPDIR"] = tempfile.tempdir = str(folder)
-    try:
-        yield folder
-    finally:
-        if previous[0] is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = previous[0]
-        tempfile.tempdir = previous[1]
-        shutil.rmtree(folder, ignore_errors=True)
+    with launch_tempdir(os.environ, prefix="rtp-tests-") as folder:
+        previous, tempfile.tempdir = tempfile.tempdir, str(folder)
+        try:
+            yield folder
+        finally:
+            tempfile.tempdir = previous
 
 
 def _mapped_in_shm() -> set[str]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -38,10 +37,6 @@ FAST = [
 ]
 
 
-_TEMP_FOLDERS: dict[str, Path] = {}
-"""Per run mark: the temporary folder the test's processes were given."""
-
-
 @pytest.fixture
 def run_mark(monkeypatch) -> Iterator[str]:
     """Tags every process the test starts (the variable is inherited by all of them: ranks,
@@ -52,15 +47,12 @@ def run_mark(monkeypatch) -> Iterator[str]:
     one, so that what the run leaves there is seen too."""
     mark = uuid.uuid4().hex
     monkeypatch.setenv("RTP_TEST_RUN_MARK", mark)
-    folder = Path(tempfile.mkdtemp(prefix="rtp-t-"))  # short: sockets are made in it
-    _TEMP_FOLDERS[mark] = folder
-    monkeypatch.setenv("TMPDIR", str(folder))
-    monkeypatch.setattr(tempfile, "tempdir", str(folder))
-    yield mark
-    for process in _leftovers(mark):
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill()
-    shutil.rmtree(_TEMP_FOLDERS.pop(mark), ignore_errors=True)
+    with launch_tempdir(os.environ, prefix="rtp-t-") as folder:
+        monkeypatch.setattr(tempfile, "tempdir", str(folder))
+        yield mark
+        for process in _leftovers(mark):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
 
 
 def _leftovers(mark: str) -> list[psutil.Process]:
@@ -84,7 +76,7 @@ def assert_nothing_left(mark: str) -> None:
     assert names == [], f"processes outlived the run: {names}"
     # Nothing in the temporary folder either: sockets, log folders, multiprocessing's
     # folders of killed processes (trainer.launch.launch_tempdir).
-    temporary = _TEMP_FOLDERS[mark]
+    temporary = Path(tempfile.gettempdir())  # the test's own (run_mark)
     assert sorted(p.name for p in temporary.iterdir()) == [], f"left in {temporary}"
 
 
