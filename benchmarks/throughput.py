@@ -22,7 +22,10 @@ rule leaves out attention's FLOPs, so it slightly understates long-context MFU).
 
 `tax` is rtp wall / bare wall: what resilience and checkpointing cost while training (the
 last save's commit included; start-up is apart, in startup_s). `step_tax` is rtp
-iteration_s_median / bare iteration_s_median, the steady-state per-step cost. With
+iteration_s_median / bare iteration_s_median, the steady-state per-step cost;
+`beyond_median_s` (each side) is wall_s less steps x iteration_s_median: what the run spent
+beyond its typical step (the first steps' warm-up, the save steps, rtp's last commit), a
+cost per run and per save that weighs less the longer the run. With
 `--repeats N` the two sides run N times each, alternating which goes first (a shared
 machine's load drifts), and every side's field is the median over the repeats; `runs`
 holds each repeat.
@@ -141,11 +144,13 @@ def run_rtp(config: TrainConfig, nproc: int, tokens_per_step: int) -> dict[str, 
     iteration_s = [b["time"] - a["time"] for a, b in itertools.pairwise(steps)] or step_s
     loop_started_at = next(event["time"] for event in events if event.get("kind") == "resumed")
     wall_s = summary.loop_wall_s + summary.final_drain_s
+    iteration_median = statistics.median(iteration_s)
     return {
         "tokens_per_s": tokens_per_step * summary.steps_run / wall_s,
         "wall_s": wall_s,
         "step_s_median": statistics.median(step_s),
-        "iteration_s_median": statistics.median(iteration_s),
+        "iteration_s_median": iteration_median,
+        "beyond_median_s": wall_s - summary.steps_run * iteration_median,
         "peak_mem_bytes": summary.peak_mem_bytes,
         "startup_s": loop_started_at - launched,
         "total_s": ended - launched,
@@ -189,6 +194,7 @@ def run_bare(config: TrainConfig, nproc: int, tokens_per_step: int) -> dict[str,
         "wall_s": raw["wall_s"],
         "step_s_median": raw["step_s_median"],
         "iteration_s_median": raw["step_s_median"],  # nothing runs between its steps
+        "beyond_median_s": raw["wall_s"] - raw["steps"] * raw["step_s_median"],
         "peak_mem_bytes": raw["peak_mem_bytes"],
         "startup_s": raw["loop_started_at"] - launched,
         "total_s": ended - launched,
@@ -302,6 +308,10 @@ def format_table(result: dict[str, Any]) -> str:
         f"{result['step_tax']:.3f}x; rtp's wall: loop {rtp['loop_wall_s']:.2f}s (blocked on {rtp['saves']:g} "
         f"saves {rtp['checkpoint_blocked_s']:.2f}s) + last save's commit {rtp['final_drain_s']:.2f}s"
     )
+    lines.append(
+        f"beyond steps x iteration median (first steps, save steps, last commit): rtp "
+        f"{rtp['beyond_median_s']:.2f}s, bare {result['bare']['beyond_median_s']:.2f}s"
+    )
     if repeats > 1:
         lines.append("tax per repeat: " + ", ".join(f"{run['tax']:.3f}x" for run in result["runs"]))
     low, high = result["load_avg_1m"]
@@ -320,10 +330,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(the demo corpus is tokenized with its tokenizer)",
     )
     parser.add_argument(
-        "--steps", type=int, default=30, help="training steps per side (default: %(default)s)"
+        "--steps",
+        type=int,
+        default=300,
+        help="training steps per side (default: %(default)s; rtp's costs per run, such as its "
+        "last save's commit and the first steps' warm-up, weigh more in shorter runs: see "
+        "beyond_median_s)",
     )
     parser.add_argument(
-        "--every", type=int, default=10, help="rtp's checkpoint interval in steps (default: %(default)s)"
+        "--every", type=int, default=20, help="rtp's checkpoint interval in steps (default: %(default)s)"
     )
     parser.add_argument("--nproc", type=int, default=1, help="ranks per side (default: %(default)s)")
     parser.add_argument(

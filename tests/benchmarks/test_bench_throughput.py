@@ -29,6 +29,10 @@ def test_bench_throughput_writes_both_sides_and_the_tax(tmp_path):
         assert data[side]["mfu_pct"] is None  # CPU: no peak FLOP/s to compare with
     assert data["tax"] == pytest.approx(data["rtp"]["wall_s"] / data["bare"]["wall_s"])
     assert data["rtp"]["saves"] == 2
+    for side in ("rtp", "bare"):  # wall = steps x median iteration + what lies beyond it
+        row = data[side]
+        assert row["beyond_median_s"] == pytest.approx(row["wall_s"] - 4 * row["iteration_s_median"])
+    assert "beyond steps x iteration median" in printed
     # The same model on the same batches: both stacks reach the same loss.
     assert data["rtp"]["final_loss"] == pytest.approx(data["bare"]["final_loss"], rel=1e-6)
     assert "tax (rtp wall / bare wall)" in printed
