@@ -3,8 +3,9 @@
 A hard fault (a rank killed, OOM-killed, or exited) makes ft_launcher stop the worker group
 and start `python -m trainer` again for every local rank. Half of such a start is importing
 torch, NVRx and the trainer (2.3 s of 4.3 s on the development machine), the same work
-every time. So once training runs (after its first step), the first worker group's local
-rank 0 starts one *zygote* per node: a process that imports all of it once, freezes it out
+every time. So the first worker group's local rank 0 starts one *zygote* per node as its
+own start-up begins (after its imports, beside its store, process group, model build and
+writer warm-up): a process that imports all of it once, freezes it out
 of the garbage collector's passes, then waits on a Unix socket. A rank started
 later first asks it; when it answers, the new process (it has imported only the standard
 library) stays a thin stand-in, and the rank proper is forked from the zygote with the

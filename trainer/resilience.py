@@ -151,7 +151,6 @@ class _Hooks(TrainHooks):
         self.attempt = attempt
         self.detected_at = detected_at
         self.pinged_at: float | None = None
-        self.zygote_asked = False
 
     def attempt_info(self) -> dict[str, Any]:
         return {
@@ -165,14 +164,6 @@ class _Hooks(TrainHooks):
         }
 
     def step_done(self, step: int) -> None:
-        if not self.zygote_asked and self.config.resilience.prefork_workers:
-            self.zygote_asked = True
-            # Once training runs, this node's pre-imported process for restarted ranks is
-            # started (first worker group, local rank 0; a no-op elsewhere). Not earlier:
-            # its imports would compete with the ranks' own start-up.
-            prefork.start_zygote(
-                self.config.to_compact_json(), Path(self.config.run.workdir) / "logs" / "prefork.log"
-            )
         if self.call_wrapper is not None:
             now = time.monotonic()
             if self.pinged_at is None or now - self.pinged_at >= PING_INTERVAL_S:
@@ -240,6 +231,13 @@ def run_training(config: TrainConfig, process_started_at: float | None = None) -
     launcher.process_started_at = process_started_at or time.time()
     store = _app_store(config)
     launcher.connect()
+    if config.resilience.prefork_workers:
+        # This node's pre-imported process for restarted ranks (first worker group, local
+        # rank 0; a no-op elsewhere), started now so that its imports, at the lowest CPU
+        # priority, overlap this rank's start-up (store, process group, model, writer)
+        # rather than its first steps: started after the first step, they slowed the next
+        # ~20 steps of a 2-core machine by 3 ms each (docs/performance.md).
+        prefork.start_zygote(config.to_compact_json(), Path(config.run.workdir) / "logs" / "prefork.log")
     try:
         if config.resilience.inprocess_restarts == 0:
             return _attempt(config, store, launcher, None, None)
