@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 
 WORKDIR_TAG = "rtp.workdir"
 FLUSH_INTERVAL_S = 2.0
+WAITED_RETRY_S = 0.25
+"""Retry interval after a failed send while a `flush()` waits (the end of training): its
+wait is short (rank 0 is inside the in-process watchdog), and an MLflow that has just come
+back is then reached within it, so the summary gets the run's id."""
 BATCH_SIZE = 900  # MLflow's log_batch takes at most 1000 metrics per call
 
 
@@ -118,6 +122,7 @@ class LiveMetrics:
         self._client: Any = None
         self._warned_unreachable = False
         self._pending_tags: dict[str, str] = {}
+        self._flush_waited = False
         self._thread = threading.Thread(target=self._run, name="rtp-live-metrics", daemon=True)
         self._thread.start()
 
@@ -150,6 +155,7 @@ class LiveMetrics:
 
     def flush(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for the buffer to reach MLflow; True when it did."""
+        self._flush_waited = True  # from now on a failed send is retried within WAITED_RETRY_S
         self._wake.set()
         return self._idle.wait(timeout_s)
 
@@ -176,9 +182,11 @@ class LiveMetrics:
     def _run(self) -> None:
         while True:
             stopping = self._stop.is_set()
+            failed = False
             try:
                 self._send_once()
             except Exception as exc:  # MLflow down or failing: keep the buffer, try later
+                failed = True
                 if not self._warned_unreachable:
                     self._warned_unreachable = True
                     log.warning(
@@ -188,7 +196,7 @@ class LiveMetrics:
                     )
             if stopping:
                 return
-            self._wake.wait(self.flush_interval_s)
+            self._wake.wait(WAITED_RETRY_S if failed and self._flush_waited else self.flush_interval_s)
             self._wake.clear()
 
     def _connect(self) -> None:

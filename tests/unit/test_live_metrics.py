@@ -56,6 +56,21 @@ def test_mlflow_down_never_blocks_and_keeps_what_the_buffer_holds(tmp_path, capl
     assert len(warnings) == 1
 
 
+def test_a_flush_that_waits_retries_soon_after_a_failure(mlflow_server, tmp_path, monkeypatch):
+    """The end of training waits briefly for the buffer: an MLflow that has just come back
+    is reached within that wait, not a whole flush interval later."""
+    from tests.components.mlflow_server import FlakyProxy
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the client's own retries off
+    with FlakyProxy(int(mlflow_server.rsplit(":", 1)[1]), failures=3) as proxy:
+        sink = LiveMetrics(_identity(proxy.url, str(tmp_path)), limit=100, flush_interval_s=60)
+        sink.log({"loss": 1.0}, 1)
+        assert sink.flush(10)  # without the waited retry: the next try is 60 s after a failure
+        assert proxy.failed == 3
+        sink.close()
+    assert sink.run_id and _history(mlflow_server, sink.run_id, "loss") == [1]
+
+
 class _AnswerLostClient:
     """Stand-in for a flaky network in front of a real client: the first metrics batch
     reaches the server, but its answer is lost (the client sees a timeout)."""
