@@ -5,7 +5,8 @@ the decisions (parameter checks, cron form, version names, token choice) live in
 `rtp_cli.kfp_checks`. API failures become `KfpError` with a one-line message saying what to
 do: 401 and 403 name the token source and namespace, an unreachable host names the URL, TLS
 and protocol failures say which (`transport_failure`), and an answer that is not the API's
-JSON says so.
+JSON says so. `connect` keeps the backend's release from its health answer (`tag_name`, which
+the API server writes beside the swagger's fields) for the version check.
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ class Connection:
     namespace: str | None
     token_source: str
     client: Any = field(repr=False)
+    backend_tag: str | None = None
+    """The backend's release as healthz's `tag_name` gives it (None when it gives none)."""
 
 
 _CHECK_HOST = (
@@ -256,7 +259,15 @@ def connect(
         client = kfp.Client(
             host=host, existing_token=bearer, namespace=namespace or "kubeflow", ui_host=ui_host
         )
-    return Connection(host, (ui_host or host).rstrip("/"), namespace, token_source, client)
+    tag = health.get("tag_name")
+    return Connection(
+        host,
+        (ui_host or host).rstrip("/"),
+        namespace,
+        token_source,
+        client,
+        backend_tag=tag if isinstance(tag, str) else None,
+    )
 
 
 @contextlib.contextmanager

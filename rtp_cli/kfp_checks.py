@@ -3,8 +3,9 @@
 It reads the pipeline's parameters from the compiled spec and checks `k=v` arguments
 against them (name, type, allowed values), converts cron expressions to the 6-field form
 the KFP scheduler parses (seconds first), parses intervals, names pipeline versions,
-resolves the API token and namespace from flags, environment and files handed in, and
-formats the runs table. Everything here raises `KfpError` with a message that says what
+resolves the API token and namespace from flags, environment and files handed in, checks
+the backend's release against the oldest one the compiled pipeline runs on, and formats
+the runs table. Everything here raises `KfpError` with a message that says what
 was wrong and what to do, before any request is sent.
 """
 
@@ -360,6 +361,42 @@ def auth_failure_message(status: int, host: str, token_source: str, namespace: s
         f"the KFP API at {host} denied access to {where} (403): pass your profile namespace with "
         f"--namespace or ${NAMESPACE_ENV}, and check the token's identity is a contributor there"
     )
+
+
+# --- the backend's version -------------------------------------------------------------------
+
+MIN_BACKEND_VERSION = (2, 5, 0)
+"""The oldest KFP backend whose v2 driver reads the platform-spec fields the compiled
+pipeline uses for run-time settings (`nodeSelectorJson`, `tolerationJson`,
+`pvcNameParameter`, `secretNameParameter`); an older driver rejects or ignores them."""
+
+_RELEASE_TAG = re.compile(r"v?(\d+)\.(\d+)\.(\d+)(?:[-+.][0-9A-Za-z.+-]*)?")
+
+
+def release_version(tag_name: str | None) -> tuple[int, int, int] | None:
+    """The release in healthz's `tag_name` ('2.5.0', 'v2.14.3', '2.5.0-rc.1'), or None when
+    it names no release (a development build says 'unknown', a branch or a commit)."""
+    found = _RELEASE_TAG.fullmatch((tag_name or "").strip())
+    return (int(found[1]), int(found[2]), int(found[3])) if found else None
+
+
+def check_backend_version(host: str, tag_name: str | None) -> str | None:
+    """Refuse a backend older than MIN_BACKEND_VERSION; a warning (to print) when its
+    version cannot be read, None when it is new enough."""
+    needed = ".".join(map(str, MIN_BACKEND_VERSION))
+    found = release_version(tag_name)
+    if found is None:
+        return (
+            f"cannot tell the Kubeflow Pipelines version at {host} (healthz tag_name {tag_name!r}, "
+            f"a development build?): rtp's pipeline needs {needed} or later; going on"
+        )
+    if found < MIN_BACKEND_VERSION:
+        raise KfpError(
+            f"the Kubeflow Pipelines backend at {host} is {'.'.join(map(str, found))} but rtp's pipeline "
+            f"needs {needed} or later (older drivers reject or ignore its PVC, secret, node selector and "
+            f"toleration parameters): upgrade Kubeflow Pipelines to {needed}+ (docs/eks.md, step 3)"
+        )
+    return None
 
 
 # --- runs --------------------------------------------------------------------------------

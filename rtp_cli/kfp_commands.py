@@ -2,7 +2,9 @@
 
 Each handler checks everything it can offline first (parameters against the compiled
 pipeline, cron and interval syntax, concurrency range), so bad input is rejected before
-any request; then it connects with `rtp_cli.kfp_api` and prints one line per outcome.
+any request; then it connects with `rtp_cli.kfp_api`, refuses a Kubeflow Pipelines backend
+older than the pipeline needs (before uploading or starting anything), and prints one line
+per outcome.
 Every command is safe to repeat: upload of an existing version and schedule with an
 unchanged definition do nothing and say so.
 """
@@ -19,6 +21,7 @@ from rtp_cli import kfp_checks
 from rtp_cli.kfp_checks import KfpError
 
 DEFAULT_EXPERIMENT = "rtp"
+_MIN_BACKEND = ".".join(map(str, kfp_checks.MIN_BACKEND_VERSION))
 
 
 def add_kfp_parsers(sub: argparse._SubParsersAction) -> None:
@@ -82,7 +85,9 @@ def _local_package(args: argparse.Namespace, folder: Path) -> Any:
     return load_package(args.package) if args.package else compile_package(folder, args.image)
 
 
-def _connect(args: argparse.Namespace) -> Any:
+def _connect(args: argparse.Namespace, submits: bool = True) -> Any:
+    """Connect; when the command submits a pipeline (`submits`), refuse a backend too old to
+    run it, and warn when its version cannot be read."""
     from rtp_cli.kfp_api import connect
 
     if args.token is not None:
@@ -90,13 +95,17 @@ def _connect(args: argparse.Namespace) -> Any:
             "--token is refused (a token in argv is visible in ps and shell history): put it in "
             f"${kfp_checks.TOKEN_ENV} or a file named by --token-file"
         )
-    return connect(
+    conn = connect(
         args.host,
         token_file=args.token_file,
         namespace=args.namespace,
         ui_host=args.ui_host,
         insecure=args.insecure,
     )
+    warning = kfp_checks.check_backend_version(conn.host, conn.backend_tag) if submits else None
+    if warning:
+        print(f"rtp {args.command}: warning: {warning}", file=sys.stderr)
+    return conn
 
 
 def _pipeline_name(package: Any, flag: str | None) -> str:
@@ -113,7 +122,8 @@ def _add_upload(sub: argparse._SubParsersAction) -> None:
         description="Compile the pipeline (or take --package) and upload it: creates the pipeline the "
         "first time, adds a version after that. The default version name is <package version>-<git "
         "commit> (plus the spec's hash when the checkout has uncommitted changes). Uploading a version "
-        "that is already there with the same spec does nothing.",
+        "that is already there with the same spec does nothing. A Kubeflow Pipelines backend older than "
+        f"{_MIN_BACKEND} is refused (its driver cannot run the pipeline's platform settings).",
     )
     _connection_arguments(p)
     _package_arguments(p)
@@ -162,7 +172,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         help="start a run on Kubeflow and print its link",
         description="Start a run of an uploaded pipeline version (--version NAME, or latest), or of this "
         "checkout's pipeline compiled now (no --version). Parameters are checked against the pipeline "
-        "before anything is sent. --wait follows the run and exits 1 unless it succeeds.",
+        "before anything is sent. --wait follows the run and exits 1 unless it succeeds. A Kubeflow Pipelines "
+        f"backend older than {_MIN_BACKEND} is refused.",
     )
     _connection_arguments(p)
     _package_arguments(p)
@@ -268,7 +279,7 @@ def _add_schedule(sub: argparse._SubParsersAction) -> None:
         "it, leaves it alone when it already matches, or replaces it when it differs (the KFP API has no "
         "update call). Runs an uploaded version (--version, default the newest). One run at a time and no "
         "catch-up of missed runs unless asked. Cron takes 5 fields (minute first, converted) or KFP's 6 "
-        "(seconds first).",
+        f"(seconds first). Creating or replacing one refuses a Kubeflow Pipelines backend older than {_MIN_BACKEND}.",
     )
     _connection_arguments(p)
     _package_arguments(p)
@@ -316,7 +327,7 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
             args.param, kfp_checks.pipeline_parameters(package.spec)
         )
     pipeline_name = _pipeline_name(package, args.pipeline)
-    conn = _connect(args)
+    conn = _connect(args, submits=defines)  # enabling, disabling or deleting submits nothing
 
     if not defines:  # only change the state of an existing one
         experiment_id = kc.find_experiment(conn, args.experiment)
@@ -413,7 +424,7 @@ def _cmd_runs(args: argparse.Namespace) -> int:
 
     if not 1 <= args.limit <= 1000:
         raise KfpError(f"--limit {args.limit} must be within 1-1000")
-    conn = _connect(args)
+    conn = _connect(args, submits=False)
     experiment_id = None
     if args.experiment:
         experiment_id = kc.find_experiment(conn, args.experiment)

@@ -14,6 +14,10 @@ does do:
   `PipelineSpec` (and `PlatformSpec`) protos, and rejects run parameters the pipeline
   does not declare and cron expressions that are not 6 fields;
 - checks a bearer token (401) and, in multi-user mode, the namespace (403);
+- answers healthz as the API server does: the swagger's `multi_user` and `pipeline_store`
+  plus `commit_sha` and `tag_name`, which the server's hand-written healthz handler adds
+  (backend/src/apiserver/main.go) and the swagger does not declare; `tag_name` is the
+  backend release a test chooses (None leaves it out);
 - moves each run PENDING -> RUNNING -> a final state a test chooses, one step per GET.
 
 Requests are recorded in `requests` so tests can assert what was (or was not) sent.
@@ -44,6 +48,8 @@ from tests.fakes.swagger import SchemaMismatch, Swagger
 _CODES = {400: 3, 401: 16, 403: 7, 404: 5, 409: 6, 500: 13}
 _FILTER_OPERATIONS = {1: "EQUALS", 2: "NOT_EQUALS", 9: "IS_SUBSTRING"}
 _DESCRIPTORS = ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly")
+_HEALTHZ_EXTRA_FIELDS = ("commit_sha", "tag_name")
+"""String fields the API server's healthz handler writes beyond the swagger's response."""
 
 
 class ApiError(Exception):
@@ -81,6 +87,7 @@ class FakeKfpApi:
         token: str | None = None,
         namespaces: set[str] | None = None,
         clock: Callable[[], dt.datetime] | None = None,
+        tag_name: str | None = "2.17.0",
     ) -> None:
         self.swagger = Swagger(specs_dir / "kfp_api_single_file.swagger.json")
         self.token = token
@@ -88,6 +95,8 @@ class FakeKfpApi:
         self.namespaces = namespaces
         """When set, the fake is multi-user: only these namespaces may be used (else 403)."""
         self.clock = clock or (lambda: dt.datetime.now(dt.UTC))
+        self.tag_name = tag_name
+        """The backend release healthz reports ('unknown' as a dev build does; None: no field)."""
         self.pipelines: dict[str, dict[str, Any]] = {}
         self.versions: dict[str, dict[str, Any]] = {}
         self.experiments: dict[str, dict[str, Any]] = {}
@@ -203,7 +212,13 @@ class FakeKfpApi:
             raise ApiError(400, f"the fake does not implement {operation.spec['operationId']}")
         response = handler(path_args, args, payload)
         try:
-            self.swagger.check(response, self.swagger.response_schema(operation), "response")
+            declared = response
+            if operation.spec["operationId"] == "HealthzService_GetHealthz":
+                declared = {k: v for k, v in response.items() if k not in _HEALTHZ_EXTRA_FIELDS}
+                for name in set(response) - set(declared):
+                    if not isinstance(response[name], str):
+                        raise SchemaMismatch(f"healthz field {name!r} must be a string")
+            self.swagger.check(declared, self.swagger.response_schema(operation), "response")
         except SchemaMismatch as exc:  # a bug in this fake, not in the client
             self.errors.append(f"{operation.spec['operationId']}: {exc}")
             raise ApiError(500, f"fake produced an invalid response: {exc}") from None
@@ -286,7 +301,10 @@ class FakeKfpApi:
     # --- health ---------------------------------------------------------------------------
 
     def _op_HealthzService_GetHealthz(self, path: dict, args: dict, body: Any) -> dict:
-        return {"multi_user": self.namespaces is not None, "pipeline_store": "database"}
+        answer = {"commit_sha": "0123456789abcdef0123456789abcdef01234567"}
+        if self.tag_name is not None:
+            answer["tag_name"] = self.tag_name
+        return {**answer, "multi_user": self.namespaces is not None, "pipeline_store": "database"}
 
     # --- experiments ---------------------------------------------------------------------
 

@@ -154,6 +154,85 @@ def test_uploading_something_that_is_not_a_pipeline_is_refused_before_any_reques
     assert kfp_api.requests == []
 
 
+# --- the backend's version (healthz tag_name) --------------------------------------------------
+
+
+@pytest.fixture
+def old_backend(upstream_specs):
+    fake = _start(upstream_specs, tag_name="2.4.1")
+    yield fake
+    fake.stop()
+    assert fake.errors == []
+
+
+def test_the_fake_answers_healthz_with_the_servers_version_fields(kfp_api):
+    import urllib.request
+
+    with urllib.request.urlopen(kfp_api.url + "/apis/v2beta1/healthz", timeout=10) as response:
+        answer = json.loads(response.read())
+    assert answer["tag_name"] == "2.17.0" and answer["commit_sha"] and answer["multi_user"] is False
+    assert kfp_api.errors == []
+
+
+def test_an_older_backend_is_refused_in_one_line_before_anything_is_sent(old_backend, package, capsys):
+    for argv in (
+        ("upload", "--host", old_backend.url, "--package", str(package)),
+        ("run", "--host", old_backend.url, "--package", str(package)),
+        (
+            "schedule",
+            "--host",
+            old_backend.url,
+            "--package",
+            str(package),
+            "--name",
+            "n",
+            "--cron",
+            "0 3 * * *",
+        ),
+    ):
+        code, out, err = rtp(capsys, *argv)
+        assert code == 2, out
+        [line] = err.strip().splitlines()
+        assert (
+            "is 2.4.1 but rtp's pipeline needs 2.5.0 or later" in line
+            and "upgrade Kubeflow Pipelines" in line
+        )
+    assert old_backend.pipelines == {} and old_backend.runs == {} and old_backend.recurring_runs == {}
+    assert {r["path"] for r in old_backend.requests} == {"/apis/v2beta1/healthz"}
+
+
+def test_reading_and_deleting_still_work_on_an_older_backend(old_backend, package, capsys):
+    code, out, err = rtp(capsys, "runs", "--host", old_backend.url)
+    assert code == 0 and err == "", err
+    code, out, err = rtp(
+        capsys, "schedule", "--host", old_backend.url, "--package", str(package), "--name", "n", "--delete"
+    )
+    assert code == 0 and "nothing to delete" in out and err == ""
+
+
+def test_the_oldest_supported_backend_is_accepted_without_a_warning(upstream_specs, package, capsys):
+    fake = _start(upstream_specs, tag_name="2.5.0")
+    try:
+        code, out, err = _upload(capsys, fake, package, "--version", "v1")
+    finally:
+        fake.stop()
+    assert code == 0 and "created pipeline" in out
+    assert err == ""
+
+
+@pytest.mark.parametrize("tag_name", ["unknown", "master", None])
+def test_an_unreadable_version_warns_and_goes_on(upstream_specs, package, capsys, tag_name):
+    fake = _start(upstream_specs, tag_name=tag_name)
+    try:
+        code, out, err = rtp(capsys, "run", "--host", fake.url, "--package", str(package))
+    finally:
+        fake.stop()
+    assert code == 0 and "started run" in out
+    [line] = err.strip().splitlines()
+    assert line.startswith("rtp run: warning: cannot tell the Kubeflow Pipelines version")
+    assert "needs 2.5.0 or later" in line and len(fake.runs) == 1
+
+
 # --- run --------------------------------------------------------------------------------------
 
 

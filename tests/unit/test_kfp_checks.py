@@ -234,3 +234,33 @@ def test_a_token_goes_over_plain_http_only_to_loopback_or_when_told(host, token,
             kfp_checks.check_token_transport(host, token, insecure)
     else:
         kfp_checks.check_token_transport(host, token, insecure)
+
+
+@pytest.mark.parametrize(
+    ("tag_name", "version"),
+    [
+        ("2.5.0", (2, 5, 0)),
+        ("v2.14.3", (2, 14, 3)),
+        ("2.5.0-rc.1", (2, 5, 0)),
+        (" 2.17.0\n", (2, 17, 0)),
+        ("unknown", None),
+        ("master", None),
+        ("0123456789abcdef", None),
+        ("2.5", None),
+        ("", None),
+        (None, None),
+    ],
+)
+def test_release_version_reads_release_tags_only(tag_name, version):
+    assert kfp_checks.release_version(tag_name) == version
+
+
+def test_backend_version_refuses_older_accepts_newer_and_warns_on_unknown():
+    with pytest.raises(kfp_checks.KfpError, match=r"is 2\.4\.1 but rtp's pipeline needs 2\.5\.0 or later"):
+        kfp_checks.check_backend_version("http://kfp", "2.4.1")
+    with pytest.raises(kfp_checks.KfpError, match=r"is 1\.8\.5 but"):
+        kfp_checks.check_backend_version("http://kfp", "1.8.5")
+    assert kfp_checks.check_backend_version("http://kfp", "2.5.0") is None
+    assert kfp_checks.check_backend_version("http://kfp", "v3.0.0") is None
+    warning = kfp_checks.check_backend_version("http://kfp", "unknown")
+    assert warning and "cannot tell" in warning and "2.5.0" in warning and "\n" not in warning
