@@ -7,7 +7,8 @@ component at a time and refuses any that is a link or a file, and files are open
 `syncfs(2)` of the destination before a snapshot is committed, and `fsync_dir` makes a
 rename or a new link in a folder durable. Running out of space is turned into a
 `StageError` that names the fix, before the stage starts where it can be foreseen
-(`check_free_space`) and where it happens otherwise (`disk_full_as_stage_error`).
+(`check_free_space`) and where it happens otherwise (`disk_full_as_stage_error`); so is a
+folder the pod's user may not create (`create_folder`: a new FSx for Lustre is root's).
 """
 
 from __future__ import annotations
@@ -54,6 +55,23 @@ class SafeTree:
                 )
         with self._lock:
             self._checked.add(folder)
+
+
+FSX_INIT_JOB = "deploy/eks/fsx-init-job.yaml"
+"""The one-off Job that creates <mount>/rtp on a new FSx volume and gives it to the image's user."""
+
+
+def create_folder(folder: Path, mount: str | Path) -> None:
+    """`mkdir -p folder`; a permission failure becomes one line naming the folder, the uid and the fix."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except PermissionError as exc:
+        blocked = Path(exc.filename).parent if exc.filename else folder.parent
+        raise StageError(
+            f"cannot create {folder}: uid {os.geteuid()} (gid {os.getegid()}) may not write in {blocked} "
+            f"(a new FSx for Lustre is owned by root and Lustre ignores fsGroup): run {FSX_INIT_JOB} once "
+            f"(kubectl apply -f {FSX_INIT_JOB}) to create {Path(mount) / 'rtp'} owned by the image's user"
+        ) from exc
 
 
 def open_no_follow(path: Path, flags: int) -> int:

@@ -28,7 +28,7 @@ from typing import Any
 from components.layout import snapshot_root
 from components.stage_data.checksums import verify_file_any_part_size
 from components.stage_data.errors import StageError
-from components.stage_data.fs_safety import SafeTree, fsync_dir, sync_filesystem
+from components.stage_data.fs_safety import SafeTree, create_folder, fsync_dir, sync_filesystem
 from components.stage_data.source import SourceObject
 
 MANIFEST_NAME = "manifest.json"  # trainer.data.MANIFEST_NAME (not imported: it pulls in torch)
@@ -192,7 +192,7 @@ class SnapshotStore:
             raise StageError(
                 f"{root} is a symlink; staging never follows links: point --fsx-mount-path at the volume"
             )
-        root.mkdir(parents=True, exist_ok=True)
+        create_folder(root, fsx_mount_path)
         return cls(root)
 
     def snapshot_dir(self, snap: str) -> Path:

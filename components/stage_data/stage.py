@@ -208,7 +208,7 @@ def stage_dataset(
     snap = snapshot_id(objects)
     store = SnapshotStore.open(fsx_mount_path, dataset_name, collection)
     lustre = Lustre()
-    lustre.say_once_if_absent()
+    lustre.check_destination(store.root)
 
     with ThreadPoolExecutor(max_workers=settings.max_workers, thread_name_prefix="stage") as pool:
         run = StageRun(
