@@ -1,4 +1,8 @@
-"""The component image's EFA layer, checked statically (no container engine runs here).
+"""The component image's base, user and EFA layer, checked statically (no container engine runs here).
+
+The base is a pytorch/pytorch tag that exists for the pinned torch, and the image's user
+is uid/gid 1000 (what the job pods and the FSx init Job expect) even on an Ubuntu 24.04
+base that already has a user there.
 
 What a real build must contain for NCCL to use EFA between nodes: AWS's EFA installer run
 in its container mode (libfabric with the efa provider and the aws-ofi-nccl plugin), a
@@ -59,4 +63,32 @@ def test_the_efa_layer_comes_before_the_project_and_per_job_variables_stay_out()
     assert efa < project  # a code change does not rebuild the EFA layer
     env = " ".join(i for i in instructions if i.startswith("ENV "))
     assert "FI_PROVIDER" not in env and "FI_EFA_USE_DEVICE_RDMA" not in env  # the job manifests set them
-    assert instructions[-3:-1] == ["WORKDIR /home/rtp", "ENTRYPOINT []"] and "USER 1000" in instructions
+    assert instructions[-3:-1] == ["WORKDIR /home/rtp", "ENTRYPOINT []"] and "USER 1000:1000" in instructions
+
+
+# CUDA versions torch 2.13.0 is built for (pytorch/pytorch v2.13.0,
+# .github/scripts/generate_binary_build_matrix.py: CUDA_ARCHES); its docker release workflow
+# tags pytorch/pytorch:<torch>-cuda<X.Y>-cudnn9-{runtime,devel} for each of them.
+TORCH_2_13_CUDA = ("12.6", "12.9", "13.0", "13.2")
+
+
+def test_the_default_base_image_is_a_published_pytorch_tag_for_the_pinned_torch():
+    base = re.search(r"^ARG BASE_IMAGE=(\S+)$", DOCKERFILE, re.M)
+    assert base
+    found = re.fullmatch(r"pytorch/pytorch:(\d+\.\d+\.\d+)-cuda(\d+\.\d+)-cudnn9-runtime", base.group(1))
+    assert found, base.group(1)
+    pinned = re.search(r"^\s*torch==(\S+)$", (ROOT / "setup.cfg").read_text(), re.M)
+    assert pinned and found.group(1) == pinned.group(1)
+    assert found.group(2) in TORCH_2_13_CUDA, f"no torch {found.group(1)} image for CUDA {found.group(2)}"
+
+
+def test_the_image_user_is_uid_and_gid_1000_even_on_a_base_that_has_one():
+    from components.train.jobs import RUN_AS_USER
+
+    instructions = _instructions()
+    assert f"USER {RUN_AS_USER}:{RUN_AS_USER}" in instructions  # what the job pods run as
+    run = next(i for i in instructions if "useradd" in i)
+    # Ubuntu 24.04 images ship user `ubuntu` as 1000: it goes before rtp takes the ids.
+    assert run.index("userdel") < run.index("groupadd --gid 1000 rtp") < run.index("useradd")
+    assert "getent passwd 1000" in run and "getent group 1000" in run
+    assert "useradd --create-home --uid 1000 --gid 1000 rtp" in run
