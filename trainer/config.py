@@ -103,6 +103,20 @@ class OptimizerConfig:
     grad_clip_norm: float = 1.0
 
 
+LOCAL_INTERVAL_MODES = ("auto", "budget")
+"""The named values of `checkpoint.local_every_steps` (besides a step count)."""
+
+
+def parse_local_interval(dotted_key: str, value: Any) -> int | str:
+    """`checkpoint.local_every_steps` from an override or JSON: a mode name or a step count."""
+    text = str(value).strip().lower()
+    if text in LOCAL_INTERVAL_MODES:
+        return text
+    if (isinstance(value, int) and not isinstance(value, bool)) or text.isdigit():
+        return int(text)
+    raise ConfigError(f"{dotted_key} must be auto, budget or a step count (0 = off), got {value!r}")
+
+
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
     mode: CheckpointMode = named("checkpoint_mode", DEFAULT_CHECKPOINT_MODE, pipeline=True)
@@ -121,11 +135,14 @@ class CheckpointConfig:
     never tear. Costs a full gather per save: for tests and drills."""
     verify_hashes: bool = False
     """Also verify SHA-256 of every file when choosing the checkpoint to resume from."""
-    local_every_steps: int = 1
+    local_every_steps: int | str = field(default="auto", metadata={"parse": parse_local_interval})
     """The fast tier: every N steps each rank keeps a copy of its own shard of the training
     state in memory (an in-process restart resumes from it) and in local_dir (a restarted
     worker group resumes from it), so a fault redoes at most N steps instead of every step
-    since the last durable checkpoint; 0 = off (trainer/checkpointing/local_tier.py)."""
+    since the last durable checkpoint; 0 = off. `budget`: the ranks measure the copy and the
+    step over an attempt's first steps and agree on the shortest interval whose copies take
+    at most 1% of the loop's time. `auto`: budget on CUDA, every step on CPU
+    (trainer/checkpointing/local_tier.py)."""
     local_dir: str = named("checkpoint_local_dir", "", path=True)
     """Node-local folder of the fast tier's files (the rank processes' survivor, not the
     node's); empty = /dev/shm/rtp-local (a pod's memory-backed /dev/shm)."""
@@ -322,7 +339,8 @@ def _set(config: TrainConfig, dotted_key: str, value: Any) -> None:
             f"unknown config key {dotted_key!r}: {section_name} has {', '.join(sorted(fields))}"
         )
     current = getattr(section, key)
-    setattr(section, key, _coerce(dotted_key, value, type(current)))
+    parse = fields[key].metadata.get("parse")  # a field of more than one type reads its own values
+    setattr(section, key, parse(dotted_key, value) if parse else _coerce(dotted_key, value, type(current)))
 
 
 def _coerce(dotted_key: str, value: Any, target: type) -> Any:
@@ -535,8 +553,11 @@ def validate(config: TrainConfig) -> None:
         )
     if config.checkpoint.keep_every_steps < 0:
         raise ConfigError("checkpoint.keep_every_steps must be 0 (off) or a positive step count")
-    if config.checkpoint.local_every_steps < 0:
-        raise ConfigError("checkpoint.local_every_steps must be 0 (off) or a positive step count")
+    interval = config.checkpoint.local_every_steps
+    if interval not in LOCAL_INTERVAL_MODES and not (type(interval) is int and interval >= 0):
+        raise ConfigError(
+            f"checkpoint.local_every_steps must be auto, budget or a step count (0 = off), got {interval!r}"
+        )
     if config.checkpoint.local_replicas < 0:
         raise ConfigError("checkpoint.local_replicas must be 0 (none) or a positive number of peers")
     r = config.resilience

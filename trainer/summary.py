@@ -39,6 +39,14 @@ class TrainSummary:
     """Of those, the fast tier's copies (checkpoint.local_every_steps)."""
     local_tier_captures: int = 0
     """Fast-tier copies taken by this attempt (rank 0's view)."""
+    local_tier_interval: int = 0
+    """The fast tier's interval in steps at the attempt's end (0 = off)."""
+    local_tier_interval_reason: str = ""
+    """Why that interval: checkpoint.local_every_steps, or the copy budget it was chosen from."""
+    local_tier_copy_s: float | None = None
+    """Budget mode: rank 0's median time of one copy, what the interval was chosen on."""
+    local_tier_step_s: float | None = None
+    """Budget mode: rank 0's median step time (steps without a copy in flight)."""
     local_replicas_sent: int = 0
     """Fast-tier files rank 0 sent to its peers (checkpoint.local_replicas)."""
     efficiency_pct: float
