@@ -24,11 +24,12 @@ from components.stage_model.component import stage_model
 from components.train.component import train_model
 from components.train.job_scale import AUTO, AUTO_COUNT
 from components.train.jobs import DEFAULT_LAUNCHER, DEFAULT_TRAINING_RUNTIME, JOB_LAUNCHERS
+from components.train.k8s_launcher import POD_NAME_ENV, POD_NAMESPACE_ENV, POD_UID_ENV
 from components.train.pod_health import DEFAULT_PENDING_TIMEOUT_S
 from components.validate_checkpoint.component import validate_checkpoint
 from pipelines import platform
 from pipelines.platform import PlatformOptions
-from trainer.config import DEFAULT_PRESET, named_settings
+from trainer.config import DEFAULT_PRESET, PRESETS, named_settings
 
 PIPELINE_NAME = "rtp-resilient-training"
 CHECKED_PARAMETERS = tuple(name for name in inspect.signature(check_run).parameters if name != "report")
@@ -58,6 +59,10 @@ def build_pipeline(
             f"with launcher {launcher} the train step's pod only creates and watches the job: compile without "
             f"--train-pod-gpus (got {options.train_pod_gpus}), or that pod holds GPUs the job's pods need"
         )
+    # With a job launcher as the default the train step's pod only creates and watches the job:
+    # it gets no GPU node selector or tolerations, only the job's pods belong on GPU nodes
+    # (kfp-kubernetes cannot tie a pod's scheduling to the launcher a run picks).
+    train_pod_trains = launcher not in JOB_LAUNCHERS
     cleanup_op = as_component(cleanup_training_jobs, image)
     check_op = as_component(check_run, image)
     stage_op = as_component(stage_data, image)
@@ -66,11 +71,6 @@ def build_pipeline(
     validate_op = as_component(validate_checkpoint, image)
     register_op = as_component(register_model, image)
 
-    @dsl.pipeline(
-        name=PIPELINE_NAME,
-        description="Stage data from S3 to FSx, train with FSDP and "
-        "resilient checkpoints, validate the checkpoint, register the model in MLflow.",
-    )
     def rtp_pipeline(
         source: str = DEFAULT_SOURCE,
         s3_endpoint_url: str = "",
@@ -123,7 +123,7 @@ def build_pipeline(
             checkpoint_every: Save a checkpoint every N steps.
             checkpoint_mode: How checkpoints are written: async (NVRx, overlaps the write with training), torch-async, sync, or off.
             seed: Random seed for weights and data order.
-            preset: Model size preset: tiny-cpu, small-cpu or gpu-125m.
+            preset: Model size preset: {presets}.
             overrides: Extra trainer config as 'section.field=value' items separated by spaces, e.g. 'optimizer.lr=1e-3'.
             faults: Faults to inject for a chaos drill, 'KIND@STEP[:RANK]' separated by commas (KIND: exception, hang, sigkill, sigkill-during-save); 'none' for a normal run.
             max_loss: Highest holdout loss (nats per byte) a model may have to be registered.
@@ -137,17 +137,17 @@ def build_pipeline(
             training_runtime: ClusterTrainingRuntime a trainjob runs on.
             job_timeout_s: Seconds after which the training job is deleted and the step fails.
             fsx_pvc_name: Name of the FSx for Lustre PersistentVolumeClaim mounted in every step.
-            gpu_node_selector: Node labels the training pods must match, e.g. {"node.kubernetes.io/instance-type": "p5.48xlarge"}.
-            gpu_tolerations: Tolerations of the training pods (Kubernetes toleration objects) for tainted GPU nodes.
-            mlflow_secret_name: Kubernetes secret with keys tracking_uri, username, password for the train (live metrics; also a training job's pods, which read it from the job's namespace), validate and register steps.
+            gpu_node_selector: Node labels the training pods must match, e.g. {"node.kubernetes.io/instance-type": "p5.48xlarge"}: the train step's pod (launcher inpod) or the job's pods.
+            gpu_tolerations: Tolerations of the training pods (Kubernetes toleration objects) for tainted GPU nodes: the train step's pod (launcher inpod) or the job's pods.
+            mlflow_secret_name: Kubernetes secret with keys tracking_uri, username, password for the train (live metrics; also a training job's pods, which read it from the job's namespace), validate and register steps; required by each, since register needs MLflow: a missing secret fails the first pod that reads it.
             instance_type: EC2 instance type of the training job's nodes (match gpu_node_selector); with EFA it decides whether GPUDirect RDMA is on (p4d, p4de, p5, p5e, p5en).
             job_cpu_per_node: CPU request of each training job pod; auto = a share of a p5.48xlarge (22.5 per GPU: 180 for 8 GPUs), none on CPU; empty = none.
             job_memory_per_node: Memory request of each training job pod; auto = 225Gi per GPU (1800Gi for 8), none on CPU; empty = none.
             job_shm_size: Size limit of each training job pod's /dev/shm; auto = 32Gi per GPU (256Gi for 8), unbounded on CPU.
             job_max_restarts: ft_launcher worker-group restarts in each job pod; -1 = by GPU count (10 on GPUs, 3 on CPU).
-            job_backoff_limit: Pod restarts before a PyTorchJob is Failed; -1 = by GPU count (10 on GPUs, 2 on CPU).
+            job_backoff_limit: Pod restarts before a PyTorchJob is Failed (a trainjob: the crash-loop restarts the train step tolerates before deleting it); -1 = by GPU count (10 on GPUs, 2 on CPU).
             job_termination_grace_s: Seconds a job pod gets after SIGTERM for its final checkpoint (ft_launcher waits 60 s less); -1 = by GPU count (600 on GPUs, 90 on CPU).
-            job_pending_timeout_s: The train step fails when a job pod stays unschedulable, or an init container waits, this many seconds.
+            job_pending_timeout_s: The train step fails when a job pod stays unschedulable, still creating its containers, or an init container waits, this many seconds (a volume that keeps failing to mount fails it sooner).
         """
         # The parameters the check step takes, by name (its signature lists them).
         parameters = {name: value for name, value in locals().items() if name in CHECKED_PARAMETERS}
@@ -216,9 +216,10 @@ def build_pipeline(
             platform.configure_train_pod(
                 train,
                 options=options,
-                node_selector=gpu_node_selector,
-                tolerations=gpu_tolerations,
+                node_selector=gpu_node_selector if train_pod_trains else None,
+                tolerations=gpu_tolerations if train_pod_trains else None,
             )
+            _expose_pod_identity(train)
             validate = validate_op(
                 model=train.outputs["model"],
                 dataset=stage.outputs["dataset"],
@@ -260,7 +261,31 @@ def build_pipeline(
                 platform.mount_fsx(task, fsx_pvc_name, options)
                 platform.apply_common(task, options)
 
-    return rtp_pipeline
+    rtp_pipeline.__doc__ = (rtp_pipeline.__doc__ or "").replace("{presets}", preset_list())
+    return dsl.pipeline(
+        name=PIPELINE_NAME,
+        description="Stage data from S3 to FSx, train with FSDP and "
+        "resilient checkpoints, validate the checkpoint, register the model in MLflow.",
+    )(rtp_pipeline)
+
+
+def preset_list() -> str:
+    """Every preset of the trainer's table, for the parameter's help: 'a, b or c'."""
+    names = list(PRESETS)
+    return f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
+
+
+def _expose_pod_identity(task: Any) -> None:
+    """The pod's name, namespace and uid in its environment (downward API): the train step
+    makes its pod the owner of the job it creates, so deleting the pod deletes the job."""
+    from kfp import kubernetes
+
+    for env, field_path in (
+        (POD_NAME_ENV, "metadata.name"),
+        (POD_NAMESPACE_ENV, "metadata.namespace"),
+        (POD_UID_ENV, "metadata.uid"),
+    ):
+        kubernetes.use_field_path_as_env(task, env_name=env, field_path=field_path)
 
 
 def _retry_with_backoff(task: Any) -> None:

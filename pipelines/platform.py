@@ -91,8 +91,10 @@ def configure_train_pod(task: Any, *, options: PlatformOptions, node_selector: A
     kubernetes.empty_dir_mount(
         task, volume_name="dshm", mount_path="/dev/shm", medium="Memory", size_limit=options.shm_size or None
     )
-    kubernetes.add_node_selector_json(task, node_selector)
-    kubernetes.add_toleration_json(task, tolerations)
+    if node_selector is not None:  # None: a pod that only watches a job stays off the GPU nodes
+        kubernetes.add_node_selector_json(task, node_selector)
+    if tolerations is not None:
+        kubernetes.add_toleration_json(task, tolerations)
     return task
 
 

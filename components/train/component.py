@@ -2,6 +2,8 @@
 
 from kfp.dsl import HTML, Dataset, Input, Metrics, Model, Output
 
+from trainer.config import PRESETS
+
 
 def train_model(
     dataset: Input[Dataset],
@@ -57,7 +59,7 @@ def train_model(
         checkpoint_every: save a checkpoint every N steps.
         checkpoint_mode: async (NVRx), torch-async, sync or off.
         seed: random seed.
-        preset: model/optimizer preset (tiny-cpu, small-cpu, gpu-125m).
+        preset: model/optimizer preset ({presets}).
         overrides: extra config as 'section.field=value' items separated by spaces.
         faults: injected faults for a drill ('KIND@STEP[:RANK]', comma-separated) or 'none'.
         model_init: pretrained (the folder's weights) or random (from its config.json), for a Hugging Face model.
@@ -81,16 +83,17 @@ def train_model(
         job_memory_per_node: memory request of each job pod; auto = 225Gi per GPU, none on CPU.
         job_shm_size: size limit of each job pod's /dev/shm; auto = 32Gi per GPU, unbounded on CPU.
         job_max_restarts: ft_launcher restarts in each job pod; -1 = by GPU count (10 on GPUs, 3 on CPU).
-        job_backoff_limit: pod restarts before a PyTorchJob fails; -1 = by GPU count (10 on GPUs, 2 on CPU).
+        job_backoff_limit: pod restarts before a PyTorchJob fails (a trainjob: crash-loop restarts the step tolerates); -1 = by GPU count (10 on GPUs, 2 on CPU).
         job_termination_grace_s: seconds a job pod has for its final checkpoint after SIGTERM; -1 = by GPU count (600 on GPUs, 90 on CPU).
-        job_pending_timeout_s: a job pod unschedulable, or an init container waiting, this long fails the step.
-        mlflow_secret_name: secret (keys tracking_uri, username, password) the job's pods read as MLFLOW_TRACKING_* by reference, optional; empty = none.
+        job_pending_timeout_s: a job pod unschedulable, still creating its containers, or an init container waiting, this long fails the step (a volume that keeps failing to mount: sooner).
+        mlflow_secret_name: secret (keys tracking_uri, username, password) the job's pods read as MLFLOW_TRACKING_* by reference, required like in this pod; empty = none.
         pipeline_version: version of the pipeline definition (a tag of the run's MLflow run).
 
     With MLFLOW_TRACKING_URI set, rank 0 logs live metrics to one MLflow run per run folder
     (experiment: the pipeline's name); validate and register log into the same run. This pod
     gets it from the pipeline (the secret mlflow_secret_name); a job's pods, where rank 0 runs
-    then, read the same secret themselves.
+    then, read the same secret themselves. A job is owned by this pod (ownerReference, same
+    namespace only), so Kubernetes deletes it with the pod when a run is terminated.
     """
     import json
     import shutil
@@ -193,3 +196,7 @@ def train_model(
         model_sha256=summary.model_sha256,
         mlflow_run_id=summary.mlflow_run_id,
     )
+
+
+# The preset list comes from the trainer's table (a lightweight component's source keeps the placeholder).
+train_model.__doc__ = (train_model.__doc__ or "").replace("{presets}", ", ".join(PRESETS))

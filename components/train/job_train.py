@@ -4,7 +4,8 @@
 them in a job manifest (`jobs`), runs it to the end (`k8s_launcher`), and then reads the
 summary that global rank 0 wrote onto the shared FSx volume, which this pod mounts at
 the same path as the job's pods. So the result looks exactly like `train_in_pod`'s, and
-validate and register do not care which launcher trained the model.
+validate and register do not care which launcher trained the model. The job is owned by
+this step's pod (`step_pod_owner`), so deleting the pod deletes the job.
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ from typing import Any
 
 from components.train.job_scale import trainer_overrides
 from components.train.jobs import JOB_LAUNCHERS, JobSettings, JobSettingsError, job_manifest, job_name
-from components.train.k8s_launcher import JobFailed, in_cluster_api_client, pod_namespace, run_job
+from components.train.k8s_launcher import (
+    JobFailed,
+    in_cluster_api_client,
+    pod_namespace,
+    run_job,
+    step_pod_owner,
+)
 from components.train.pod_health import DEFAULT_PENDING_TIMEOUT_S
 from components.train.train import TrainRequest, TrainResult, checked_result
 from trainer.config import TrainConfig
@@ -87,7 +94,11 @@ def train_with_job(
     # without cleaning up (node loss) and the exit handler cannot run either.
     job_fields.setdefault("deadline_s", int(timeout_s) + 600)
     config = scaled_request(request, job_fields.get("gpus_per_node", 0)).config()
-    settings = _job_settings(config, run_id, pod_namespace(namespace), image, nproc_per_node, job_fields)
+    api_client = api_client if api_client is not None else in_cluster_api_client()
+    namespace = pod_namespace(namespace)
+    owner = step_pod_owner(api_client, namespace)
+    job_fields.setdefault("owner_references", [owner] if owner else [])
+    settings = _job_settings(config, run_id, namespace, image, nproc_per_node, job_fields)
     manifest = job_manifest(launcher, settings)
     config.write(request.workdir / CONFIG_FILE)
     summary_path = request.workdir / "summary.json"
@@ -95,10 +106,12 @@ def train_with_job(
     summary_path.unlink(missing_ok=True)
     run_job(
         manifest,
-        api_client=api_client if api_client is not None else in_cluster_api_client(),
+        api_client=api_client,
         timeout_s=timeout_s,
         poll_interval_s=poll_interval_s,
         pending_timeout_s=pending_timeout_s,
+        # A TrainJob has no backoffLimit of its own: the watcher allows what a PyTorchJob would.
+        crash_restarts=settings.resolved().backoff_limit,
     )
     if not summary_path.is_file():
         raise JobFailed(

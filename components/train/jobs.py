@@ -116,8 +116,12 @@ class JobSettings:
     mlflow_secret_name: str = DEFAULT_MLFLOW_SECRET
     """Secret in the job's namespace whose keys (MLFLOW_SECRET_KEYS) become the pods'
     MLFLOW_TRACKING_* variables, so rank 0 logs live metrics; referenced, never copied into
-    the manifest, and optional (a missing secret or key leaves its variable unset). Empty
-    gives the pods no MLflow settings: training then logs only to files."""
+    the manifest, and required like in the pipeline's steps (a missing secret or key stops
+    the pods at CreateContainerConfigError, which fails the step at once). Empty gives the
+    pods no MLflow settings: training then logs only to files."""
+    owner_references: list[dict[str, Any]] = field(default_factory=list)
+    """The job's metadata.ownerReferences: the train step's own pod (`k8s_launcher.step_pod_owner`),
+    so Kubernetes deletes the job with that pod even when no exit handler runs."""
     managed_by: str = MANAGED_BY_RTP
     """The job's app.kubernetes.io/managed-by label. The train step's jobs say `rtp`, and only
     those are ever deleted by rtp; `rtp render-job` output says `rtp-render-job`, so a job a
@@ -154,6 +158,10 @@ class JobSettings:
                 f"mlflow_secret_name {secret!r} must be a Kubernetes secret name "
                 "(a-z, 0-9, '-', '.', at most 253) or empty for none"
             )
+        for owner in self.owner_references:
+            missing = [key for key in ("apiVersion", "kind", "name", "uid") if not owner.get(key)]
+            if missing:
+                problems.append(f"owner reference {owner!r} lacks {', '.join(missing)}")
         if not self.mount_path.startswith("/"):
             problems.append(f"mount_path {self.mount_path!r} must be an absolute path")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in dict(self.node_selector).items()):
@@ -260,11 +268,15 @@ def mlflow_secret_env(secret_name: str) -> list[dict[str, Any]]:
     """Env entries that make the kubelet read MLflow's settings from `secret_name` when it
     starts a pod: rank 0 of a job logs live metrics like the in-pod train step does, and the
     credentials never enter the job object (anyone who may read jobs could read them there).
-    Optional, so a namespace without the secret still trains, logging only to files."""
+    Required, as in the pipeline's steps: register needs MLflow, so a run whose job namespace
+    lacks the secret fails before training (CreateContainerConfigError), not after it."""
     if not secret_name:
         return []
     return [
-        {"name": variable, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": key, "optional": True}}}
+        {
+            "name": variable,
+            "valueFrom": {"secretKeyRef": {"name": secret_name, "key": key, "optional": False}},
+        }
         for key, variable in MLFLOW_SECRET_KEYS.items()
     ]
 
@@ -337,7 +349,14 @@ def _labels(settings: JobSettings) -> dict[str, str]:
 
 
 def _metadata(settings: JobSettings) -> dict[str, Any]:
-    return {"name": settings.name, "namespace": settings.namespace, "labels": _labels(settings)}
+    metadata: dict[str, Any] = {
+        "name": settings.name,
+        "namespace": settings.namespace,
+        "labels": _labels(settings),
+    }
+    if settings.owner_references:
+        metadata["ownerReferences"] = [dict(owner) for owner in settings.owner_references]
+    return metadata
 
 
 def _pod_annotations() -> dict[str, str]:

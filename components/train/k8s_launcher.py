@@ -3,33 +3,38 @@
 `run_job` creates a PyTorchJob or TrainJob manifest (from `jobs`) with the `kubernetes`
 client, polls the job's conditions every `poll_interval_s`, copies new lines of the rank-0
 pod's log into this process's output, watches the job's pods and their events for a pod
-that will never get anywhere (`pod_health`: unschedulable, a bad image, a crash loop, an
-init container waiting too long), and returns once the engine reports success. It raises
-`JobFailed` when the engine reports failure, `PodStuck` with the reason when a pod is
-stuck, and `JobTimedOut` after `timeout_s`;
-on either, and on SIGTERM (a terminated KFP run deletes the component's pod), it deletes
-the job so no GPU pods outlive the run. Transient API errors while reading the status are
-retried with backoff and never delete the job. `delete_run_jobs` is the pipeline's
-exit-handler cleanup: it deletes the jobs rtp created for a run (managed-by=rtp and the
-run-id label), never by label alone. Status parsing and label selectors
-are pure functions; all API calls go through an `ApiClient` the caller passes (tests pass
-one pointed at a fake API server) or the pod's in-cluster configuration.
+that will never get anywhere (`pod_health`: unschedulable, a volume that does not mount,
+a bad image, a crash loop, an init container waiting too long), and returns once the
+engine reports success. It raises `JobFailed` when the engine reports failure, `PodStuck`
+with the reason when a pod is stuck, and `JobTimedOut` after `timeout_s`; on either, and
+on SIGTERM (a terminated KFP run deletes the component's pod), it deletes the job so no
+GPU pods outlive the run. Transient API errors while reading the status are retried with
+backoff and never delete the job. `delete_run_jobs` is the pipeline's exit-handler
+cleanup: it deletes the jobs rtp created for a run (managed-by=rtp and the run-id label),
+never by label alone. A KFP Terminate runs no exit handler (kubeflow/pipelines#6101), so
+`step_pod_owner` gives each job an ownerReference to the train step's own pod, and
+Kubernetes' garbage collector deletes the job when that pod is deleted. Status parsing and
+label selectors are pure functions; all API calls go through an `ApiClient` the caller
+passes (tests pass one pointed at a fake API server) or the pod's in-cluster configuration.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from components.train.job_scale import job_scale
 from components.train.jobs import (
+    GPU_RESOURCE,
     ISTIO_INJECT_ANNOTATION,
     MANAGED_BY_LABEL,
     MANAGED_BY_RTP,
@@ -49,6 +54,9 @@ from trainer.launch import TrainingFailed
 log = logging.getLogger(__name__)
 
 SERVICE_ACCOUNT_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+POD_NAME_ENV, POD_NAMESPACE_ENV, POD_UID_ENV = "POD_NAME", "POD_NAMESPACE", "POD_UID"
+"""The train step's own pod, from the downward API (the compiled pipeline sets them:
+pipelines.pipeline); KFP's own KFP_POD_NAME/KFP_POD_UID and HOSTNAME are the fallbacks."""
 _SUCCESS = {"PyTorchJob": "Succeeded", "TrainJob": "Complete"}
 _PLURALS = {
     "PyTorchJob": (PYTORCHJOB_API_VERSION, PYTORCHJOB_PLURAL),
@@ -161,10 +169,56 @@ def job_pods_selector(ref: JobRef) -> str:
 
 
 def _allowed_crash_restarts(manifest: dict[str, Any]) -> int:
-    """Container restarts the engine may still retry: the PyTorchJob's backoffLimit (the
-    TrainJob's runtime owns its failure policy: allow as many as a CPU PyTorchJob)."""
+    """Container restarts the engine may still retry: the PyTorchJob's backoffLimit; a
+    TrainJob (whose runtime owns its failure policy) gets job_scale's backoff_limit for its
+    GPU count, the value a PyTorchJob of that shape gets."""
     run_policy = manifest.get("spec", {}).get("runPolicy", {})
-    return int(run_policy.get("backoffLimit", 2))
+    if "backoffLimit" in run_policy:
+        return int(run_policy["backoffLimit"])
+    limits = manifest.get("spec", {}).get("trainer", {}).get("resourcesPerNode", {}).get("limits", {})
+    return job_scale(int(limits.get(GPU_RESOURCE, 0))).backoff_limit
+
+
+def step_pod_owner(
+    api_client: Any, job_namespace: str, environ: Mapping[str, str] | None = None
+) -> dict[str, str] | None:
+    """An ownerReference to this step's own pod for a job in `job_namespace`, or None.
+
+    None outside a pod, when the pod cannot be read, and when the job goes to another
+    namespace: Kubernetes looks an owner up in its dependent's namespace only, so the
+    garbage collector would delete such a job at once (the exit handler still deletes it).
+    """
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+
+    env = os.environ if environ is None else environ
+    name = env.get(POD_NAME_ENV) or env.get("KFP_POD_NAME") or env.get("HOSTNAME", "")
+    namespace = env.get(POD_NAMESPACE_ENV, "")
+    if not namespace and SERVICE_ACCOUNT_NAMESPACE_FILE.is_file():
+        namespace = SERVICE_ACCOUNT_NAMESPACE_FILE.read_text().strip()
+    if not name or not namespace:
+        return None  # not a pod: nothing can own the job
+    if namespace != job_namespace:
+        log.warning(
+            "the job goes to namespace %s, this pod runs in %s: no ownerReference (it must be in the "
+            "job's namespace), so a terminated run leaves the job to the exit handler and its deadline",
+            job_namespace,
+            namespace,
+        )
+        return None
+    uid = env.get(POD_UID_ENV) or env.get("KFP_POD_UID", "")
+    if not uid:
+        try:
+            uid = client.CoreV1Api(api_client).read_namespaced_pod(name, namespace).metadata.uid
+        except ApiException as exc:
+            log.warning(
+                "cannot read this pod %s/%s (%s): the job gets no ownerReference; the Role needs `get` on pods",
+                namespace,
+                name,
+                _api_error(exc),
+            )
+            return None
+    return {"apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid}
 
 
 class _PodWatcher:
@@ -373,10 +427,12 @@ def run_job(
     write: Callable[[str], None] | None = None,
     status_read_grace_s: float = STATUS_READ_GRACE_S,
     pending_timeout_s: float = DEFAULT_PENDING_TIMEOUT_S,
+    crash_restarts: int | None = None,
 ) -> dict[str, Any]:
     """Create the job, wait for it and return its final object. The job is deleted only
     when it is known to have failed, to be stuck (a pod unschedulable or waiting for
-    `pending_timeout_s`, a bad image, a crash loop), timed out, or the step was terminated;
+    `pending_timeout_s`, a volume that does not mount, a bad image, a crash loop past
+    `crash_restarts`, by default the job's own allowance), timed out, or the step was terminated;
     transient errors reading its status are retried with backoff for up to `status_read_grace_s`."""
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
@@ -386,7 +442,8 @@ def run_job(
     custom = client.CustomObjectsApi(api_client)
     core = client.CoreV1Api(api_client)
     follower = _LogFollower(core, ref, write)
-    watcher = _PodWatcher(core, ref, pending_timeout_s, _allowed_crash_restarts(manifest))
+    allowed = crash_restarts if crash_restarts is not None else _allowed_crash_restarts(manifest)
+    watcher = _PodWatcher(core, ref, pending_timeout_s, allowed)
     deadline = time.monotonic() + timeout_s
     _create(custom, ref, manifest, api_client)
     write(f"created {ref.kind} {ref.namespace}/{ref.name}; waiting up to {timeout_s:.0f} s")

@@ -16,6 +16,11 @@ reason when waiting longer is pointless:
   `pending_timeout_s`, or at once when the cluster autoscaler says no node group can take
   it (NotTriggerScaleUp); the message is the scheduler's, e.g. "0/4 nodes are available:
   4 Insufficient nvidia.com/gpu";
+- a pod whose volumes do not mount: the kubelet's FailedMount (or the attach controller's
+  FailedAttachVolume) events for `MOUNT_RETRY_GRACE_S` after the pod was scheduled, or
+  containers still being created after `pending_timeout_s` (events may be unreadable or
+  expired); the reason names the pod's PVCs and what to check (the claim, the FSx CSI
+  driver, the FSx security group);
 - an init container still running or waiting after `pending_timeout_s` (a worker whose
   master never came up).
 
@@ -37,6 +42,17 @@ SCALE_UP_REFUSED = "NotTriggerScaleUp"
 DEFAULT_PENDING_TIMEOUT_S = 900.0
 """How long a pod may stay unschedulable, or an init container wait: a p5 node group
 scaling up from zero (launch, bootstrap, device plugins) takes several minutes."""
+MOUNT_FAILURE_REASONS = frozenset({"FailedMount", "FailedAttachVolume"})
+"""Events about a pod whose volume the kubelet (or the attach/detach controller) cannot mount."""
+MOUNT_RETRY_GRACE_S = 300.0
+"""How long mount failures may go on before the step gives up: on a node that just joined,
+the CSI node plugin may register after the kubelet's first tries, which then fail."""
+CREATING_REASONS = frozenset({"ContainerCreating", "PodInitializing"})
+"""The kubelet's waiting reasons for a container not yet created (volumes, image pull)."""
+FSX_CHECKS = (
+    "the PVC is Bound (kubectl get pvc), the FSx CSI driver's node pod runs on that node, and the "
+    "FSx security group admits the nodes on TCP 988 and 1018-1023"
+)
 
 
 def _time(text: str | None) -> datetime | None:
@@ -61,6 +77,11 @@ def _container_problem(pod_name: str, status: dict[str, Any], crash_restarts: in
     message = " ".join(str(waiting.get("message", "")).split())
     if reason in FATAL_WAITING_REASONS:
         hint = " (check the image name, its tag and the pull secret)" if "Image" in reason else ""
+        if reason == "CreateContainerConfigError" and "secret" in message.lower():
+            hint = (
+                " (create that secret in the job's namespace, or set mlflow_secret_name empty to "
+                "train without MLflow)"
+            )
         return f"{what} cannot start: {reason}: {message}{hint}".rstrip(": ")
     restarts = int(status.get("restartCount") or 0)
     if reason == CRASH_LOOP and restarts > crash_restarts:
@@ -71,6 +92,65 @@ def _container_problem(pod_name: str, status: dict[str, Any], crash_restarts: in
             f"{what} is in CrashLoopBackOff after {restarts} restarts (the job allows {crash_restarts}); "
             f"last exit code {exit_code}{': ' + detail if detail else ''}. See its log: "
             f"kubectl logs {pod_name} -c {name} --previous"
+        )
+    return None
+
+
+def _claims(pod: dict[str, Any]) -> list[str]:
+    """The PVCs the pod mounts, as 'PVC <name>'."""
+    volumes = (pod.get("spec") or {}).get("volumes") or []
+    return [
+        f"PVC {v['persistentVolumeClaim'].get('claimName', '?')}"
+        for v in volumes
+        if v.get("persistentVolumeClaim")
+    ]
+
+
+def _scheduled_at(pod: dict[str, Any]) -> datetime | None:
+    status = pod.get("status") or {}
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "PodScheduled" and condition.get("status") == "True":
+            return _time(condition.get("lastTransitionTime"))
+    return _time(status.get("startTime")) or _time((pod.get("metadata") or {}).get("creationTimestamp"))
+
+
+def _mount_failure(events: list[dict[str, Any]]) -> str:
+    """The latest mount failure, preferring the one that says why over the kubelet's summary
+    ("Unable to attach or mount volumes: ... timed out waiting for the condition")."""
+    failures = [e for e in events if e.get("reason") in MOUNT_FAILURE_REASONS]
+    specific = [e for e in failures if not str(e.get("message", "")).startswith("Unable to attach or mount")]
+    return _latest_event_message(specific or failures, set(MOUNT_FAILURE_REASONS))
+
+
+def _volume_problem(
+    pod: dict[str, Any], events: list[dict[str, Any]], now: datetime, pending_timeout_s: float
+) -> str | None:
+    """A scheduled pod none of whose containers could be created yet: a volume that does not
+    mount (FailedMount events: after the kubelet's retries), or anything else past the timeout."""
+    status = pod.get("status") or {}
+    if status.get("phase") != "Pending" or not any(
+        c.get("type") == "PodScheduled" and c.get("status") == "True" for c in status.get("conditions") or []
+    ):
+        return None
+    containers = [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
+    if any(
+        ((c.get("state") or {}).get("waiting") or {}).get("reason") not in CREATING_REASONS
+        for c in containers
+    ):
+        return None  # something runs, ran, or waits for another reason (handled above)
+    since = _scheduled_at(pod)
+    waited = (now - since).total_seconds() if since else 0.0
+    name = pod.get("metadata", {}).get("name", "?")
+    what = " and ".join(_claims(pod)) or "its volumes"
+    failure = _mount_failure(events)
+    if failure and waited >= min(MOUNT_RETRY_GRACE_S, pending_timeout_s):
+        return f"pod {name} cannot mount {what} after {waited:.0f} s: {failure}. Check that {FSX_CHECKS}"
+    if waited >= pending_timeout_s:
+        latest = _latest_event_message(events, {str(e.get("reason")) for e in events})
+        return (
+            f"pod {name} is still creating its containers {waited:.0f} s after it was scheduled"
+            f"{': ' + latest if latest else ''}. A volume that does not mount or an image that does not "
+            f"pull keeps it there (kubectl describe pod {name}); for {what} check that {FSX_CHECKS}"
         )
     return None
 
@@ -108,10 +188,16 @@ def stuck_reason(
             if refused:
                 return f"pod {name} cannot be scheduled and no node group can be added for it: {scheduler} ({refused})"
             if waited >= pending_timeout_s:
-                return (
-                    f"pod {name} could not be scheduled for {waited:.0f} s: {scheduler}. Check the GPU node "
-                    "group (size, taints, labels) against gpu_node_selector, gpu_tolerations and the job's requests"
+                check = (
+                    f"Check that {' and '.join(_claims(pod)) or 'its PVC'} exists in the namespace and is Bound"
+                    if "PersistentVolumeClaim" in scheduler
+                    else "Check the GPU node group (size, taints, labels) against gpu_node_selector, "
+                    "gpu_tolerations and the job's requests"
                 )
+                return f"pod {name} could not be scheduled for {waited:.0f} s: {scheduler}. {check}"
+    volume_problem = _volume_problem(pod, events, now, pending_timeout_s)
+    if volume_problem:
+        return volume_problem
     for container in status.get("initContainerStatuses") or []:
         state = container.get("state") or {}
         started = _time((state.get("running") or {}).get("startedAt")) if "running" in state else None

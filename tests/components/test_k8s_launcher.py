@@ -238,9 +238,9 @@ def test_train_with_job_returns_the_summary_rank0_wrote(fake, tmp_path, launcher
     assert result.summary == written
     created = fake.jobs[next(iter(fake.jobs))].body["spec"]
     assert mlflow_env(created) == {
-        "MLFLOW_TRACKING_URI": {"name": "team-mlflow", "key": "tracking_uri", "optional": True},
-        "MLFLOW_TRACKING_USERNAME": {"name": "team-mlflow", "key": "username", "optional": True},
-        "MLFLOW_TRACKING_PASSWORD": {"name": "team-mlflow", "key": "password", "optional": True},
+        "MLFLOW_TRACKING_URI": {"name": "team-mlflow", "key": "tracking_uri", "optional": False},
+        "MLFLOW_TRACKING_USERNAME": {"name": "team-mlflow", "key": "username", "optional": False},
+        "MLFLOW_TRACKING_PASSWORD": {"name": "team-mlflow", "key": "password", "optional": False},
     }
     deadline = (
         created["runPolicy"]["activeDeadlineSeconds"]
@@ -457,3 +457,205 @@ def test_the_train_step_reports_no_model_when_a_job_stopped_on_sigterm_early(fak
     # The component hands its secret name to the job: rank 0 there logs the live metrics.
     created = fake.jobs[next(iter(fake.jobs))].body["spec"]
     assert {ref["name"] for ref in mlflow_env(created).values()} == {"team-mlflow"}
+
+
+@pytest.mark.parametrize("launcher", ["pytorchjob", "trainjob"])
+def test_a_volume_that_does_not_mount_fails_with_the_pvc_and_what_to_check(fake, launcher):
+    """FailedMount events for longer than the kubelet's retries may need: the step fails in one
+    line naming the PVC, the kubelet's reason and the FSx checks, and deletes the job."""
+    error = stuck_job(fake, launcher, {1: PodTrouble("mount-fail", since_s=400)}, pending_timeout_s=900)
+    assert isinstance(error, PodStuck)
+    message = str(error)
+    assert "cannot mount PVC fsx-claim" in message and "MountVolume.SetUp failed" in message
+    assert "988 and 1018-1023" in message and "Bound" in message and "CSI" in message
+    assert "\n" not in message
+    assert fake.deleted == ["rtp-train-test"]  # no pod keeps holding a GPU node
+
+
+def test_a_mount_failure_gets_the_kubelets_retries_first(fake):
+    fake.default_scenario = Scenario(outcome="hang", pod_troubles={0: PodTrouble("mount-fail", since_s=30)})
+    with pytest.raises(JobTimedOut):  # a CSI node plugin may still be registering on a new node
+        run_job(job_manifest("pytorchjob", settings()), api_client=api_client(fake), timeout_s=0.3,
+                poll_interval_s=0.01, write=lambda line: None, pending_timeout_s=900)  # fmt: skip
+
+
+def test_a_pod_that_stays_in_container_creating_fails_even_without_events(fake):
+    fake.events_forbidden = True
+    error = stuck_job(fake, "trainjob", {0: PodTrouble("creating", since_s=1000)}, pending_timeout_s=900)
+    assert "still creating its containers" in str(error) and "PVC fsx-claim" in str(error)
+    assert fake.deleted == ["rtp-train-test"]
+
+
+def test_a_missing_mlflow_secret_in_the_jobs_namespace_fails_at_once_naming_it(fake):
+    error = stuck_job(fake, "pytorchjob", {0: PodTrouble("missing-secret")})
+    assert 'CreateContainerConfigError: secret "mlflow-credentials" not found' in str(error)
+    assert "mlflow_secret_name" in str(error)
+
+
+@pytest.mark.parametrize(
+    "trouble", ["mount-fail", "creating", "missing-secret", "unschedulable", "init-wait"]
+)
+def test_the_fakes_pods_and_events_are_valid_core_objects(fake, trouble):
+    """The fake's pods and events must be what the API server could send: every field is one
+    of the client's V1Pod / CoreV1Event models (generated from the Kubernetes OpenAPI spec)."""
+    from tests.fakes.k8s_models import unknown_fields
+
+    fake.default_scenario = Scenario(outcome="hang", pod_troubles={1: PodTrouble(trouble, since_s=10)})
+    custom, core = client.CustomObjectsApi(api_client(fake)), client.CoreV1Api(api_client(fake))
+    manifest = job_manifest("pytorchjob", settings())
+    custom.create_namespaced_custom_object("kubeflow.org", "v1", "team-a", "pytorchjobs", manifest)
+    custom.get_namespaced_custom_object("kubeflow.org", "v1", "team-a", "pytorchjobs", "rtp-train-test")
+    pods = core.list_namespaced_pod("team-a").items
+    assert len(pods) == 2
+    for pod in pods:
+        raw = core.api_client.sanitize_for_serialization(pod)
+        assert unknown_fields(raw, "V1Pod") == []
+        events = core.list_namespaced_event(
+            "team-a", field_selector=f"involvedObject.name={pod.metadata.name}"
+        )
+        for event in events.items:
+            assert unknown_fields(core.api_client.sanitize_for_serialization(event), "CoreV1Event") == []
+    assert pods[1].spec.volumes[0].persistent_volume_claim.claim_name == "fsx-claim"
+
+
+def test_a_trainjob_crash_loop_is_allowed_the_gpu_tables_restarts_like_a_pytorchjob(fake):
+    """A TrainJob has no backoffLimit: the watcher allows job_scale's, 10 restarts on GPUs."""
+    from components.train.job_scale import GPU_SCALE
+
+    assert GPU_SCALE.backoff_limit > 5
+    fake.default_scenario = Scenario(outcome="hang", pod_troubles={0: PodTrouble("crash-loop", restarts=5)})
+    with pytest.raises(JobTimedOut):
+        run_job(job_manifest("trainjob", settings(gpus_per_node=8)), api_client=api_client(fake),
+                timeout_s=0.3, poll_interval_s=0.01, write=lambda line: None)  # fmt: skip
+    error = stuck_job(fake, "trainjob", {0: PodTrouble("crash-loop", restarts=5)})  # CPU: 2 allowed
+    assert "CrashLoopBackOff after 5 restarts (the job allows 2)" in str(error)
+
+
+def test_train_with_job_passes_a_users_backoff_limit_to_the_trainjob_watcher(fake, tmp_path):
+    fake.default_scenario = Scenario(outcome="hang", pod_troubles={0: PodTrouble("crash-loop", restarts=4)})
+    with pytest.raises(PodStuck, match=r"after 4 restarts \(the job allows 3\)"):
+        train_with_job(
+            "trainjob", TrainRequest(dataset_dir="/fsx/d", run_folder=tmp_path / "run"), run_id=RUN_ID,
+            namespace="team-a", image="example.com/rtp:1", nproc_per_node=1, timeout_s=30, poll_interval_s=0.01,
+            api_client=api_client(fake), pvc_name="fsx-claim", backoff_limit=3,
+        )  # fmt: skip
+
+
+def in_pod(monkeypatch, name: str, namespace: str, uid: str = "") -> None:
+    """The downward-API environment the compiled pipeline gives the train step's container."""
+    monkeypatch.setenv("POD_NAME", name)
+    monkeypatch.setenv("POD_NAMESPACE", namespace)
+    if uid:
+        monkeypatch.setenv("POD_UID", uid)
+    else:
+        monkeypatch.delenv("POD_UID", raising=False)
+        monkeypatch.delenv("KFP_POD_UID", raising=False)
+
+
+def train_until_created(fake: FakeKubernetes, tmp_path: Path, launcher: str = "pytorchjob", **fields) -> None:
+    fake.default_scenario = Scenario(outcome="hang")
+    with pytest.raises(JobTimedOut):
+        train_with_job(
+            launcher, TrainRequest(dataset_dir="/fsx/d", run_folder=tmp_path / "run"), run_id=RUN_ID,
+            namespace="team-a", image="example.com/rtp:1", nproc_per_node=1, timeout_s=0.2, poll_interval_s=0.01,
+            api_client=api_client(fake), pvc_name="fsx-claim", **fields,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("launcher", ["pytorchjob", "trainjob"])
+def test_the_job_is_owned_by_the_train_steps_pod_read_from_the_api(fake, tmp_path, monkeypatch, launcher):
+    """KFP Terminate runs no exit handler: the job's ownerReference to the step's pod (its uid
+    read with a GET of the pod) lets Kubernetes delete the job when that pod goes."""
+    step_pod = fake.add_pod("team-a", "rtp-run-train-model-123")
+    in_pod(monkeypatch, "rtp-run-train-model-123", "team-a")
+    train_until_created(fake, tmp_path, launcher)
+    (owner,) = fake.created[0]["metadata"]["ownerReferences"]
+    assert owner == {
+        "apiVersion": "v1", "kind": "Pod", "name": "rtp-run-train-model-123", "uid": step_pod["metadata"]["uid"],
+    }  # fmt: skip
+    assert fake.rejected == [] and fake.collected == []
+
+
+def test_deleting_the_train_steps_pod_deletes_its_job(fake, monkeypatch):
+    from components.train.k8s_launcher import step_pod_owner
+
+    pod = fake.add_pod("team-a", "step-pod")
+    in_pod(monkeypatch, "step-pod", "team-a", uid=pod["metadata"]["uid"])
+    owner = step_pod_owner(api_client(fake), "team-a")
+    manifest = job_manifest("trainjob", settings(owner_references=[owner]))
+    client.CustomObjectsApi(api_client(fake)).create_namespaced_custom_object(
+        "trainer.kubeflow.org", "v1alpha1", "team-a", "trainjobs", manifest
+    )
+    assert list(fake.jobs) == [("trainjobs", "team-a", "rtp-train-test")]
+    fake.delete_pod("team-a", "step-pod")  # what KFP does with a terminated run's pods, in time
+    assert fake.jobs == {} and fake.collected == ["rtp-train-test"]
+
+
+def test_a_job_in_another_namespace_gets_no_owner_and_survives(fake, tmp_path, monkeypatch, caplog):
+    """An owner is looked up in its dependent's namespace: a cross-namespace ownerReference
+    would make the garbage collector delete the job at once. The job gets none; the exit
+    handler and the job's deadline remain."""
+    fake.add_pod("kubeflow-user", "step-pod")
+    in_pod(monkeypatch, "step-pod", "kubeflow-user")
+    train_until_created(fake, tmp_path)
+    assert "ownerReferences" not in fake.created[0]["metadata"]
+    assert fake.collected == [] and len(fake.deleted) == 1  # deleted on timeout, not by the GC
+    assert "no ownerReference" in caplog.text
+
+
+def test_the_fake_collects_a_job_whose_owner_is_in_another_namespace(fake):
+    """Why cross-namespace owners are refused: the fake's garbage collector, like Kubernetes',
+    deletes such a job as soon as it is created."""
+    pod = fake.add_pod("kubeflow-user", "step-pod")
+    owner = {"apiVersion": "v1", "kind": "Pod", "name": "step-pod", "uid": pod["metadata"]["uid"]}
+    manifest = job_manifest("pytorchjob", settings(owner_references=[owner]))
+    client.CustomObjectsApi(api_client(fake)).create_namespaced_custom_object(
+        "kubeflow.org", "v1", "team-a", "pytorchjobs", manifest
+    )
+    assert fake.collected == ["rtp-train-test"] and fake.jobs == {}
+
+
+def test_an_unreadable_step_pod_gives_no_owner_and_names_the_permission(fake, monkeypatch, caplog):
+    from components.train.k8s_launcher import step_pod_owner
+
+    in_pod(monkeypatch, "no-such-pod", "team-a")
+    assert step_pod_owner(api_client(fake), "team-a") is None
+    assert "`get` on pods" in caplog.text
+    monkeypatch.setenv("POD_UID", "3f1c")  # the downward API's uid needs no API call
+    assert step_pod_owner(api_client(fake), "team-a") == {
+        "apiVersion": "v1", "kind": "Pod", "name": "no-such-pod", "uid": "3f1c",
+    }  # fmt: skip
+
+
+def test_an_owner_reference_the_schema_rejects_is_refused(fake):
+    manifest = job_manifest("pytorchjob", settings())
+    manifest["metadata"]["ownerReferences"] = [
+        {"apiVersion": "v1", "kind": "Pod", "name": "p", "podUID": "x"}
+    ]
+    with pytest.raises(JobFailed, match="podUID: unknown field"):
+        run_job(
+            manifest, api_client=api_client(fake), timeout_s=5, poll_interval_s=0.01, write=lambda line: None
+        )
+    assert "uid: Required value" in fake.rejected[0]
+
+
+def test_a_pod_waiting_for_an_unbound_pvc_is_told_to_check_the_claim_not_the_gpu_nodes():
+    from datetime import UTC, datetime
+
+    from components.train.pod_health import stuck_reason
+
+    message = "0/4 nodes are available: pod has unbound immediate PersistentVolumeClaims."
+    pod = {
+        "metadata": {"name": "p", "creationTimestamp": "2026-01-01T00:00:00Z"},
+        "spec": {"volumes": [{"name": "fsx", "persistentVolumeClaim": {"claimName": "fsx-claim"}}]},
+        "status": {
+            "phase": "Pending",
+            "conditions": [
+                {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message,
+                 "lastTransitionTime": "2026-01-01T00:00:00Z"},
+            ],
+        },
+    }  # fmt: skip
+    reason = stuck_reason(pod, [], now=datetime(2026, 1, 1, 1, tzinfo=UTC), pending_timeout_s=900)
+    assert reason is not None and "Check that PVC fsx-claim exists in the namespace and is Bound" in reason
+    assert "GPU node group" not in reason

@@ -13,9 +13,15 @@ it one phase (Created -> Running -> Succeeded/Failed, or stays Running forever f
 or JobSet labels them; the rank-0 pod serves a growing log. A scenario can make pods
 stuck the way a cluster shows it (`PodTrouble`): Pending and Unschedulable with the
 scheduler's FailedScheduling event, ImagePullBackOff, CrashLoopBackOff, an init container
-still running; events are listed by `involvedObject` field selector. It is not a
-Kubernetes implementation: no scheduling, no controllers, no watch streams, no admission
-webhooks.
+still running, a volume that does not mount (the kubelet's FailedMount events), a missing
+secret (CreateContainerConfigError); events are listed by `involvedObject` field selector.
+A job pod's volumes are the job's pod template's. Standalone pods (`add_pod`, the train
+step's own pod) can be read by name; a job's `metadata.ownerReferences` are checked against
+the client's V1OwnerReference model, and the garbage collector is imitated: a job none of
+whose owners exists in its namespace is deleted (at once on creation, or when `delete_pod`
+removes its owner), as Kubernetes does with a dependent whose owners are all absent. It is
+not a Kubernetes implementation: no scheduling, no controllers, no watch streams, no
+admission webhooks.
 """
 
 from __future__ import annotations
@@ -35,6 +41,14 @@ from tests.fakes.crd_schema import CustomResource, load_custom_resources
 _SUCCESS_CONDITION = {"PyTorchJob": "Succeeded", "TrainJob": "Complete"}
 
 
+MOUNT_FAILURES = (
+    "Unable to attach or mount volumes: unmounted volumes=[fsx], unattached volumes=[fsx dshm]: "
+    "timed out waiting for the condition",
+    'MountVolume.SetUp failed for volume "fsx-pv" : rpc error: code = Internal desc = Could not mount '
+    '"fs-0123456789abcdef0.fsx.us-east-1.amazonaws.com@tcp:/abcdefgh" at "/var/lib/kubelet/pods/1/volumes/'
+    'kubernetes.io~csi/fsx-pv/mount": mount failed: exit status 5',
+)
+"""What the kubelet reports about an FSx volume it cannot mount (e.g. port 988 or 1018-1023 closed)."""
 SCHEDULER_MESSAGE = (
     "0/4 nodes are available: 2 Insufficient nvidia.com/gpu, 2 node(s) didn't match Pod's node "
     "affinity/selector. preemption: 0/4 nodes are available: 4 Preemption is not helpful for scheduling."
@@ -45,7 +59,7 @@ SCHEDULER_MESSAGE = (
 class PodTrouble:
     """What keeps one pod of a running job from getting anywhere, as the API shows it."""
 
-    kind: str  # unschedulable | no-scale-up | image-pull | crash-loop | init-wait
+    kind: str  # unschedulable | no-scale-up | image-pull | crash-loop | init-wait | mount-fail | creating | missing-secret
     since_s: float = 0.0
     """How long ago the trouble began (condition, init container start)."""
     restarts: int = 5
@@ -85,6 +99,45 @@ def _matches(labels: dict[str, str], selector: str) -> bool:
     return True
 
 
+def _template_volumes(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The volumes of a job's pod template (PyTorchJob replicas, or a TrainJob's runtime patch)."""
+    if body["kind"] == "PyTorchJob":
+        return body["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"].get("volumes", [])
+    for patch in body["spec"].get("runtimePatches", []):
+        for replicated in patch["trainingRuntimeSpec"]["template"]["spec"].get("replicatedJobs", []):
+            return replicated["template"]["spec"]["template"]["spec"].get("volumes", [])
+    return []
+
+
+def _secret_name(body: dict[str, Any]) -> str:
+    """The secret a job's training container reads its MLflow variables from."""
+    if body["kind"] == "PyTorchJob":
+        env = body["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0].get(
+            "env", []
+        )
+    else:
+        env = body["spec"]["trainer"].get("env", [])
+    refs = [e["valueFrom"]["secretKeyRef"]["name"] for e in env if "secretKeyRef" in e.get("valueFrom", {})]
+    return refs[0] if refs else "?"
+
+
+def _owner_reference_errors(body: dict[str, Any]) -> list[str]:
+    """metadata.ownerReferences checked against the client's V1OwnerReference model: known
+    fields only, and the required apiVersion, kind, name and uid."""
+    from tests.fakes.k8s_models import unknown_fields
+
+    errors = []
+    for index, owner in enumerate(body.get("metadata", {}).get("ownerReferences") or []):
+        path = f"metadata.ownerReferences[{index}]"
+        errors += [f"{path}.{field}: unknown field" for field in unknown_fields(owner, "V1OwnerReference")]
+        errors += [
+            f"{path}.{key}: Required value"
+            for key in ("apiVersion", "kind", "name", "uid")
+            if not owner.get(key)
+        ]
+    return errors
+
+
 class FakeKubernetes:
     """The fake server; `url` is its base address, `deleted` lists deleted job names."""
 
@@ -95,12 +148,18 @@ class FakeKubernetes:
         }
         self.jobs: dict[tuple[str, str, str], _Job] = {}  # (plural, namespace, name)
         self.deleted: list[str] = []
+        self.created: list[dict[str, Any]] = []
+        """Every job body the fake accepted, in order (kept after the job is deleted)."""
         self.rejected: list[str] = []
         self.default_scenario = Scenario()
         self.scenarios: dict[str, Scenario] = {}
         self.on_success: Callable[[dict[str, Any]], None] | None = None
         self.events_forbidden = False
         """Answer 403 to event lists, like a Role without `events`."""
+        self.pods: dict[tuple[str, str], dict[str, Any]] = {}
+        """Standalone pods by (namespace, name): the train step's own pod (`add_pod`)."""
+        self.collected: list[str] = []
+        """Jobs the imitated garbage collector deleted (all their owners absent)."""
         self.failing_reads: list[int] = []
         """HTTP statuses the next reads of a job answer with instead of the job (e.g. 503, 429):
         an API server hiccup; each is used once."""
@@ -123,6 +182,42 @@ class FakeKubernetes:
         self._thread.join(timeout=5)
 
     # -- state changes ---------------------------------------------------------------
+
+    def add_pod(self, namespace: str, name: str) -> dict[str, Any]:
+        """A running pod outside any job (the train step's own pod); returns it, uid included."""
+        with self._lock:
+            pod = {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": name,
+                    "namespace": namespace,
+                    "uid": f"pod-uid-{len(self.pods)}-{name}",
+                    "creationTimestamp": _now(),
+                },
+                "spec": {"containers": [{"name": "main", "image": "fake"}]},
+                "status": {"phase": "Running"},
+            }
+            self.pods[(namespace, name)] = pod
+            return pod
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        """Delete a standalone pod; the garbage collector then deletes the jobs it owned alone."""
+        with self._lock:
+            del self.pods[(namespace, name)]
+            self._collect_garbage()
+
+    def _collect_garbage(self) -> None:
+        """Delete every job that has owners, none of which exists in the job's namespace (an
+        owner is looked up by uid in the dependent's own namespace: a cross-namespace owner
+        counts as absent)."""
+        for key, job in list(self.jobs.items()):
+            owners = job.body["metadata"].get("ownerReferences") or []
+            namespace = job.body["metadata"]["namespace"]
+            alive = {p["metadata"]["uid"] for (ns, _), p in self.pods.items() if ns == namespace}
+            if owners and not any(owner.get("uid") in alive for owner in owners):
+                del self.jobs[key]
+                self.collected.append(key[2])
 
     def _advance(self, job: _Job) -> None:
         job.reads += 1
@@ -203,7 +298,10 @@ class FakeKubernetes:
         )
         phase = "Running" if job.phase == "Running" else "Succeeded"
         status: dict[str, Any] = {"phase": phase, "startTime": since}
-        spec: dict[str, Any] = {"containers": [{"name": container, "image": "fake"}]}
+        spec: dict[str, Any] = {
+            "containers": [{"name": container, "image": "fake"}],
+            "volumes": _template_volumes(job.body),
+        }
         if has_init:
             spec["initContainers"] = [{"name": "init-pytorch", "image": "alpine"}]
         base = {"name": container, "image": "fake", "imageID": "", "ready": False, "restartCount": 0}
@@ -249,6 +347,25 @@ class FakeKubernetes:
                     "lastState": {"terminated": {"exitCode": 1, "reason": "Error"}},
                 }
             ]
+        elif kind in ("mount-fail", "creating", "missing-secret"):
+            # Scheduled, but the kubelet cannot create the containers: the volumes do not mount
+            # (all wait, PodInitializing when there are init containers), or a secret is missing.
+            waiting = {"reason": "PodInitializing" if has_init else "ContainerCreating"}
+            if kind == "missing-secret":
+                waiting = {
+                    "reason": "CreateContainerConfigError",
+                    "message": f'secret "{_secret_name(job.body)}" not found',
+                }
+            status = {
+                "phase": "Pending",
+                "startTime": since,
+                "conditions": [{"type": "PodScheduled", "status": "True", "lastTransitionTime": since}],
+                "containerStatuses": [{**base, "state": {"waiting": waiting}}],
+            }
+            if has_init:
+                status["initContainerStatuses"] = [
+                    {**base, "name": "init-pytorch", "state": {"waiting": {"reason": "PodInitializing"}}}
+                ]
         elif kind == "init-wait":
             status = {
                 "phase": "Pending",
@@ -284,6 +401,11 @@ class FakeKubernetes:
             waiting = container.get("state", {}).get("waiting", {})
             if waiting.get("reason") == "ImagePullBackOff":
                 reasons.append(("Failed", "kubelet", f"Error: {waiting['reason']}"))
+        names = [p["metadata"]["name"] for p in self._job_pods(job)]
+        index = names.index(pod["metadata"]["name"]) if pod["metadata"]["name"] in names else -1
+        trouble = job.scenario.pod_troubles.get(index)
+        if trouble and trouble.kind == "mount-fail":
+            reasons += [("FailedMount", "kubelet", message) for message in MOUNT_FAILURES]
         return [
             {
                 "apiVersion": "v1",
@@ -417,9 +539,19 @@ class FakeKubernetes:
                     return self._send(
                         200, {"apiVersion": "v1", "kind": "EventList", "metadata": {}, "items": items}
                     )
+                if len(parts) == 6 and parts[4] == "pods":
+                    for pod in [*(p for p, _ in pods), *fake.pods.values()]:
+                        if pod["metadata"]["name"] == parts[5] and pod["metadata"]["namespace"] == namespace:
+                            return self._send(200, pod)
+                    return self._status(404, "NotFound", f'pods "{parts[5]}" not found')
                 if parts[4:] == ["pods"]:
                     selector = query.get("labelSelector", "")
-                    items = [p for p, _ in pods if _matches(p["metadata"]["labels"], selector)]
+                    standalone = [p for (ns, _), p in fake.pods.items() if ns == namespace]
+                    items = [
+                        p
+                        for p in [*(p for p, _ in pods), *standalone]
+                        if _matches(p["metadata"].get("labels", {}), selector)
+                    ]
                     return self._send(
                         200, {"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": items}
                     )
@@ -451,7 +583,7 @@ class FakeKubernetes:
                         return self._status(
                             404, "NotFound", "the server could not find the requested resource"
                         )
-                    errors = resource.errors(body)
+                    errors = resource.errors(body) + _owner_reference_errors(body)
                     namespace = parts[4]
                     if body.get("metadata", {}).get("namespace", namespace) != namespace:
                         errors.append("metadata.namespace does not match the request path")
@@ -468,7 +600,9 @@ class FakeKubernetes:
                         {"namespace": namespace, "uid": f"uid-{len(fake.jobs)}", "creationTimestamp": _now()}
                     )
                     fake.jobs[key] = _Job(resource, body, fake.scenarios.get(name, fake.default_scenario))
+                    fake.created.append(body)
                     self._send(201, body)
+                    fake._collect_garbage()
 
             def do_DELETE(self) -> None:
                 parts, _ = self._route()

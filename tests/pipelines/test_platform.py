@@ -253,3 +253,63 @@ def test_job_resources_and_restarts_are_run_parameters_with_the_examples_default
         if render_flag:
             assert root[parameter]["defaultValue"] == getattr(render_defaults, render_flag), parameter
     assert root["instance_type"]["defaultValue"] == "p5.48xlarge"
+
+
+@pytest.mark.parametrize("launcher", ["pytorchjob", "trainjob"])
+def test_with_a_job_launcher_the_watching_train_pod_stays_off_the_gpu_nodes(tmp_path, launcher):
+    """The train step's pod only creates and watches the job: the GPU node selector and
+    tolerations go to the job's pods (as train inputs), not to the watcher's own pod."""
+    pipeline, platform_spec, _ = _compile(tmp_path, launcher=launcher)
+    train = _executors(platform_spec)["exec-train-model"]
+    assert "nodeSelector" not in train and "tolerations" not in train
+    inputs = pipeline["components"]["comp-exit-handler-1"]["dag"]["tasks"]["train-model"]["inputs"][
+        "parameters"
+    ]
+    assert inputs["node_selector"]["componentInputParameter"] == "pipelinechannel--gpu_node_selector"
+    assert inputs["tolerations"]["componentInputParameter"] == "pipelinechannel--gpu_tolerations"
+
+
+def test_the_train_pod_knows_its_own_name_namespace_and_uid(compiled):
+    """The train step makes its pod the owner of the job it creates (k8s_launcher.step_pod_owner):
+    the downward API gives it the pod's identity, parsed strictly like the backend does."""
+    from components.train.k8s_launcher import POD_NAME_ENV, POD_NAMESPACE_ENV, POD_UID_ENV
+
+    _, platform_spec, _ = compiled
+    config = json_format.ParseDict(
+        _executors(platform_spec)["exec-train-model"],
+        kubernetes_executor_config_pb2.KubernetesExecutorConfig(),
+    )
+    assert {env.name: env.field_path for env in config.field_path_as_env} == {
+        POD_NAME_ENV: "metadata.name",
+        POD_NAMESPACE_ENV: "metadata.namespace",
+        POD_UID_ENV: "metadata.uid",
+    }
+
+
+def test_steps_and_job_pods_treat_the_mlflow_secret_alike(compiled):
+    """Required everywhere: register needs MLflow, so a missing secret must stop the first pod
+    that reads it (a step, or a job pod at CreateContainerConfigError), not the end of a run."""
+    from components.train.jobs import mlflow_secret_env
+
+    _, platform_spec, _ = compiled
+    steps = {
+        name: json_format.ParseDict(config, kubernetes_executor_config_pb2.KubernetesExecutorConfig())
+        for name, config in _executors(platform_spec).items()
+        if "secretAsEnv" in config
+    }
+    in_steps = {secret.optional for config in steps.values() for secret in config.secret_as_env}
+    in_jobs = {
+        item["valueFrom"]["secretKeyRef"]["optional"] for item in mlflow_secret_env("mlflow-credentials")
+    }
+    assert in_steps == in_jobs == {False}
+
+
+def test_the_preset_help_lists_every_preset_of_the_trainer(compiled):
+    from trainer.config import PRESETS
+
+    pipeline, _, _ = compiled
+    help_text = pipeline["root"]["inputDefinitions"]["parameters"]["preset"]["description"]
+    assert "gpu-1b" in PRESETS
+    assert all(name in help_text for name in PRESETS), help_text
+    component = pipeline["components"]["comp-train-model"]["inputDefinitions"]["parameters"]["preset"]
+    assert all(name in component["description"] for name in PRESETS), component

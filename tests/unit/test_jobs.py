@@ -322,7 +322,9 @@ def test_efa_env_sets_device_rdma_only_on_instance_types_that_support_it(launche
 @pytest.mark.parametrize("launcher", ["pytorchjob", "trainjob"])
 def test_job_pods_read_mlflow_settings_from_the_secret_by_reference(crds, launcher, monkeypatch):
     """Rank 0 runs in a job pod: without MLFLOW_TRACKING_URI there it logs no live metrics.
-    The pods name the pipeline's secret and the kubelet reads it; no value enters the job."""
+    The pods name the pipeline's secret and the kubelet reads it; no value enters the job.
+    The secret is required, as in the pipeline's steps: a namespace without it fails the
+    pods at once (CreateContainerConfigError), not the register step after training."""
     # Credentials on the rendering machine must not leak into the manifest either.
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "canary-password-7f3a")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://canary-host.example:5000")
@@ -331,7 +333,7 @@ def test_job_pods_read_mlflow_settings_from_the_secret_by_reference(crds, launch
     expected = [
         {
             "name": variable,
-            "valueFrom": {"secretKeyRef": {"name": "team-mlflow", "key": key, "optional": True}},
+            "valueFrom": {"secretKeyRef": {"name": "team-mlflow", "key": key, "optional": False}},
         }
         for key, variable in MLFLOW_SECRET_KEYS.items()
     ]
