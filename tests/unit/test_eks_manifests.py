@@ -3,8 +3,10 @@
 Built-in kinds are checked strictly against the `kubernetes` client's models (offline: no
 API server runs on these machines); PyTorchJob/TrainJob examples against the upstream CRD
 schemas in tests/specs/crds and against a fresh `rtp
-render-job` with the command written at the top of the file; the wiring between the
-files and the pipeline's defaults (PVC name, secret keys, RBAC for the launcher) too.
+render-job` with the command written at the top of the file; the eksctl cluster against
+eksctl's own schema (tests/specs/eksctl); the wiring between the files and the pipeline's
+defaults (PVC name, mount path, image user, secret keys, RBAC for the launcher, the GPU
+taint the EFA device plugin must tolerate) too.
 """
 
 from __future__ import annotations
@@ -16,15 +18,22 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.platform import DEFAULT_MLFLOW_SECRET, DEFAULT_PVC_NAME, MLFLOW_SECRET_KEYS
+from pipelines.platform import (
+    DEFAULT_FSX_MOUNT_PATH,
+    DEFAULT_MLFLOW_SECRET,
+    DEFAULT_PVC_NAME,
+    MLFLOW_SECRET_KEYS,
+)
 from rtp_cli.main import build_parser
 from tests.fakes.crd_schema import load_custom_resources
-from tests.fakes.k8s_models import core_object_errors
+from tests.fakes.k8s_models import core_object_errors, unknown_fields
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "eks"
 GUIDE = ROOT / "docs" / "eks.md"
 CUSTOM_KINDS = {"PyTorchJob", "TrainJob"}
+HELM_VALUES = {"efa-device-plugin-values.yaml"}
+"""Helm values files: not Kubernetes objects, checked on their own below."""
 
 
 def _objects(path: Path) -> list[dict]:
@@ -32,7 +41,24 @@ def _objects(path: Path) -> list[dict]:
 
 
 def _all_objects() -> list[tuple[str, dict]]:
-    return [(path.name, obj) for path in sorted(DEPLOY.glob("*.yaml")) for obj in _objects(path)]
+    return [
+        (path.name, obj)
+        for path in sorted(DEPLOY.glob("*.yaml"))
+        if path.name not in HELM_VALUES
+        for obj in _objects(path)
+    ]
+
+
+def _gpu_group() -> dict:
+    (cluster,) = _objects(DEPLOY / "cluster.yaml")
+    [gpu] = [group for group in cluster["managedNodeGroups"] if group.get("efaEnabled")]
+    return gpu
+
+
+def test_every_file_is_a_kubernetes_object_or_a_named_helm_values_file():
+    for name, obj in _all_objects():
+        assert {"apiVersion", "kind"} <= set(obj), name
+    assert all((DEPLOY / name).is_file() for name in HELM_VALUES)
 
 
 def test_the_guide_shows_only_files_that_exist_and_every_file_is_shown():
@@ -151,3 +177,169 @@ def test_eksctl_cluster_has_oidc_the_fsx_driver_and_an_efa_gpu_group():
     gpu = [group for group in cluster["managedNodeGroups"] if group.get("efaEnabled")]
     assert gpu and gpu[0]["instanceType"].startswith("p")
     assert {"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"} in gpu[0]["taints"]
+
+
+def test_eksctl_cluster_matches_eksctls_schema(upstream_specs):
+    import json
+
+    import jsonschema
+
+    schema = json.loads((upstream_specs / "eksctl" / "schema.v0.230.0.json").read_text())
+    (cluster,) = _objects(DEPLOY / "cluster.yaml")
+    errors = [f"{list(e.path)}: {e.message}" for e in jsonschema.Draft7Validator(schema).iter_errors(cluster)]
+    assert errors == []
+
+
+def test_the_gpu_group_scales_from_zero_and_tells_the_autoscaler_what_a_node_offers():
+    gpu = _gpu_group()
+    assert gpu["minSize"] == gpu["desiredCapacity"] == 0 < gpu["maxSize"]  # no p5 idles without a job
+    assert gpu["propagateASGTags"] is True  # labels, taints and tags reach the ASG
+    tags = gpu["tags"]
+    template = "k8s.io/cluster-autoscaler/node-template/"
+    for key, value in gpu["labels"].items():
+        assert tags[f"{template}label/{key}"] == value
+    for taint in gpu["taints"]:  # the autoscaler reads "<value>:<effect>"
+        assert tags[f"{template}taint/{taint['key']}"] == f"{taint['value']}:{taint['effect']}"
+    # A node from the template must fit the example job's pod, or the autoscaler never adds one.
+    (job,) = _objects(DEPLOY / "pytorchjob-example.yaml")
+    limits = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["resources"][
+        "limits"
+    ]
+    for resource in ("nvidia.com/gpu", "vpc.amazonaws.com/efa"):
+        assert int(tags[f"{template}resources/{resource}"]) >= int(limits[resource])
+    (cluster,) = _objects(DEPLOY / "cluster.yaml")
+    system = next(group for group in cluster["managedNodeGroups"] if not group.get("efaEnabled"))
+    assert system["iam"]["withAddonPolicies"]["autoScaler"] is True  # the autoscaler may resize the ASG
+
+
+def _tolerates(toleration: dict, taint: dict) -> bool:
+    """Kubernetes' rule: key (or an empty key with Exists), operator, value, effect (empty = any)."""
+    if toleration.get("effect") and toleration["effect"] != taint["effect"]:
+        return False
+    if toleration.get("operator", "Equal") == "Exists":
+        return not toleration.get("key") or toleration["key"] == taint["key"]
+    return toleration.get("key") == taint["key"] and toleration.get("value", "") == taint.get("value", "")
+
+
+def test_the_efa_device_plugin_tolerates_every_taint_of_the_gpu_nodes():
+    values = yaml.safe_load((DEPLOY / "efa-device-plugin-values.yaml").read_text())
+    tolerations = values["tolerations"]
+    assert all(unknown_fields(t, "V1Toleration") == [] for t in tolerations)
+    for taint in _gpu_group()["taints"]:
+        assert any(_tolerates(t, taint) for t in tolerations), (
+            f"the plugin never runs on nodes tainted {taint}"
+        )
+    install = next(
+        line for line in GUIDE.read_text().splitlines() if "helm install aws-efa-k8s-device-plugin" in line
+    )
+    assert "-f deploy/eks/efa-device-plugin-values.yaml" in install
+
+
+def test_the_fsx_security_group_opens_every_lustre_port_in_the_guide():
+    """FSx for Lustre user guide, "File system access control with Amazon VPC": TCP 988 and
+    1018-1023, from the file system's own security group and from its clients'."""
+    commands = [line for line in GUIDE.read_text().splitlines() if "authorize-security-group-ingress" in line]
+    assert commands
+    loop = re.search(r"for port in ([^;]+); do for source in ([^;]+); do", "\n".join(commands))
+    assert loop, commands
+    assert set(loop.group(1).split()) == {"988", "1018-1023"}
+    assert set(loop.group(2).split()) == {"$FSX_SG", "$NODE_SG"}
+
+
+def test_the_fsx_init_job_creates_the_pipelines_folder_for_the_images_user():
+    from components.layout import dataset_root
+    from components.stage_data.fs_safety import FSX_INIT_JOB
+    from components.train.jobs import RUN_AS_USER
+
+    assert (ROOT / FSX_INIT_JOB).is_file()  # what the stage step's permission error tells to run
+    (job,) = _objects(ROOT / FSX_INIT_JOB)
+    pod = job["spec"]["template"]
+    spec = pod["spec"]
+    [container] = spec["containers"]
+    [mount] = container["volumeMounts"]
+    [volume] = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert volume["persistentVolumeClaim"]["claimName"] == DEFAULT_PVC_NAME
+    assert mount["mountPath"] == DEFAULT_FSX_MOUNT_PATH  # what every step mounts (rtp compile default)
+    pvc = next(o for o in _objects(DEPLOY / "fsx-pv-pvc.yaml") if o["kind"] == "PersistentVolumeClaim")
+    assert job["metadata"]["namespace"] == pvc["metadata"]["namespace"]
+    folder = str(dataset_root(DEFAULT_FSX_MOUNT_PATH, "x").parents[1])  # <mount>/rtp
+    script = container["command"][-1]
+    uid_gid = re.search(r"^USER (\d+):(\d+)$", (ROOT / "Dockerfile").read_text(), re.M)
+    assert uid_gid and int(uid_gid.group(1)) == RUN_AS_USER
+    assert (
+        f"mkdir -p {folder}" in script and f"chown {uid_gid.group(1)}:{uid_gid.group(2)} {folder}" in script
+    )
+    assert script.index("chmod") < script.index("chown")  # root without CAP_FOWNER cannot chmod 1000's folder
+    assert spec["securityContext"]["runAsUser"] == 0 and spec["restartPolicy"] == "Never"
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    assert pod["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false"  # or the Job never completes
+
+
+def test_the_job_namespace_template_grants_the_pipelines_account_what_it_has_at_home():
+    home = {obj["kind"]: obj for obj in _objects(DEPLOY / "pipeline-rbac.yaml")}
+    other = {obj["kind"]: obj for obj in _objects(DEPLOY / "job-namespace-rbac.yaml")}
+    namespace = other["Namespace"]["metadata"]["name"]
+    assert namespace != home["Role"]["metadata"]["namespace"]
+    assert (
+        other["Role"]["metadata"]["namespace"] == other["RoleBinding"]["metadata"]["namespace"] == namespace
+    )
+    assert other["Role"]["rules"] == home["Role"]["rules"]  # the same calls, in the job namespace
+    assert other["RoleBinding"]["roleRef"]["name"] == other["Role"]["metadata"]["name"]
+    [subject] = other["RoleBinding"]["subjects"]
+    account = home["ServiceAccount"]["metadata"]
+    assert (subject["kind"], subject["name"], subject["namespace"]) == (
+        "ServiceAccount",
+        account["name"],
+        account["namespace"],
+    )
+
+
+def _guide_rows(heading: str) -> dict[str, list[str]]:
+    """The cells of the first table under `heading` in the guide, by first cell."""
+    section = GUIDE.read_text().split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("|---")]
+    return {cells[0]: cells[1:] for cells in ([c.strip() for c in row.strip("|").split("|")] for row in rows)}
+
+
+def _numbers(cell: str) -> list[float]:
+    return [float(n) for n in re.findall(r"\d+(?:\.\d+)?", cell)]
+
+
+def test_the_guides_timeout_table_is_the_one_the_code_applies():
+    from components.train.job_scale import job_scale, trainer_overrides
+    from trainer.config import ResilienceConfig
+
+    rows = _guide_rows("Timeouts and restarts on GPUs")
+    cpu, gpu = job_scale(0), job_scale(8)
+    gpu_trainer = {
+        k.removeprefix("resilience."): float(v) for k, v in (o.split("=") for o in trainer_overrides(8))
+    }
+    expected = {
+        "collective timeout": ([cpu.collective_timeout_s], [gpu.collective_timeout_s]),
+        "in-process soft / hard timeout": (
+            [cpu.soft_timeout_s, cpu.hard_timeout_s],
+            [gpu.soft_timeout_s, gpu.hard_timeout_s],
+        ),
+        "blocking checkpoint work kept alive": (
+            [ResilienceConfig().blocking_work_limit_s],
+            [gpu_trainer["blocking_work_limit_s"]],
+        ),
+        "ft_launcher heartbeat floor": ([cpu.heartbeat_floor_s], [gpu.heartbeat_floor_s]),
+        "ft_launcher `--max-restarts`": ([cpu.max_restarts], [gpu.max_restarts]),
+        "PyTorchJob `backoffLimit`": ([cpu.backoff_limit], [gpu.backoff_limit]),
+        "`terminationGracePeriodSeconds`": ([cpu.termination_grace_s], [gpu.termination_grace_s]),
+    }
+    for label, (on_cpu, on_gpu) in expected.items():
+        cells = rows[label]
+        assert (_numbers(cells[0]), _numbers(cells[1])) == (on_cpu, on_gpu), label
+
+
+def test_the_guide_lists_every_preset_and_says_to_set_source():
+    from trainer.config import PRESETS
+
+    rows = _guide_rows("8. Compile, upload, run and schedule")
+    presets = set(re.findall(r"`([\w-]+)`", rows["`preset`, `overrides`"][1]))
+    assert set(PRESETS) <= presets
+    assert "set it" in rows["`source`"][1]
+    walkthrough = GUIDE.read_text().split("\n## A two-node p5 run, step by step\n", 1)[1].split("\n## ", 1)[0]
+    assert "`source=s3://" in walkthrough
