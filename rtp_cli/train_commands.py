@@ -2,6 +2,7 @@
 
 Takes the trainer's own flags (trainer/arguments.py), resolves them into the run's config
 before any process starts, and hands that config to `trainer.launch.run_local_training`.
+With CUDA devices visible, the GPU timeout table applies first (trainer/gpu_defaults.py).
 """
 
 from __future__ import annotations
@@ -42,10 +43,22 @@ def _cmd_train_local(args: argparse.Namespace) -> int:
         raise UserError(f"--nproc must be at least 1, got {args.nproc}")
     if args.max_restarts < 0:
         raise UserError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
-    config = config_from_args(args)  # fail fast on bad flags, before any process starts
     settings = LauncherSettings(max_restarts=args.max_restarts)
+    if not args.config and torch_sees_gpus():
+        # The GPU timeout table, as in pods and jobs; the user's own --override items come later and win.
+        from trainer import gpu_defaults
+
+        args.override = [*gpu_defaults.resilience_overrides(), *args.override]
+        settings = gpu_defaults.launcher_settings(max_restarts=args.max_restarts)
+    config = config_from_args(args)  # fail fast on bad flags, before any process starts
     summary = run_local_training(args.nproc, config, settings=settings)
     shown = ("steps", "final_loss", "checkpoint", "model_sha256", "goodput_pct", "lost_steps")
     report = {key: getattr(summary, key) for key in shown} | {"restarts": len(summary.restarts)}
     print(json.dumps(report, indent=2))
     return 0
+
+
+def torch_sees_gpus() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -181,7 +181,8 @@ class RunConfig:
     faults: str = named("faults", "", pipeline=True)
     """Injected faults for a drill or test, `KIND@STEP[:RANK]` separated by commas: KIND is
     exception, hang, sigkill or sigkill-during-save; each fires once per run on RANK
-    (default 0). Empty (or none) = no faults."""
+    (default 0); slow-save blocks every rank's save at STEP for twice the soft timeout.
+    Empty (or none) = no faults."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -198,12 +199,18 @@ class ResilienceConfig:
     """Process-group timeout: a safety net. A gloo collective cannot be aborted (pytorch
     issue 130345), so an in-process restart shuts the process groups' connections down
     instead and the ranks waiting on a failed peer leave at once (trainer/peer_abort.py);
-    NCCL aborts at once. Only a wait no abort reaches ends here; it must stay below
+    NCCL aborts at once. Only a wait no abort reaches ends here. On CPU it must stay below
     hard_timeout_s (or the waiting rank looks hung, is killed, and the launcher has to
-    restart the group)."""
+    restart the group); on GPUs it is NCCL's watchdog and must exceed hard_timeout_s, since
+    it ends the process (trainer/gpu_defaults.py)."""
     heartbeat_floor_s: float = 15.0
     """ft_launcher learns heartbeat timeouts from observed step times; learned values are
     never set below this floor (a busy shared CPU makes step times jumpy)."""
+    blocking_work_limit_s: float = 600.0
+    """Longest a blocking piece of checkpoint work (a sync save, the wait for an async write,
+    the final save, the resume load, the end-of-run fingerprint) keeps the in-process
+    watchdog and ft_launcher's heartbeats alive; past it they see no progress, so a hung
+    file system is still caught. GPU runs get 3600 (trainer/gpu_defaults.py)."""
     prefork_workers: bool = True
     """Ranks the launcher starts again after a hard fault are forked from a process per
     node that has imported torch and the trainer already (trainer/prefork.py), instead of
@@ -567,11 +574,10 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError("resilience.soft_timeout_s must be positive and below resilience.hard_timeout_s")
     if r.collective_timeout_s <= 0 or r.heartbeat_floor_s <= 0:
         raise ConfigError("resilience.collective_timeout_s and heartbeat_floor_s must be positive")
-    if r.inprocess_restarts and r.collective_timeout_s >= r.hard_timeout_s:
-        raise ConfigError(
-            "resilience.collective_timeout_s must be below resilience.hard_timeout_s: a rank waiting in a "
-            "collective on a failed peer is only released by that timeout"
-        )
+    if r.blocking_work_limit_s <= 0:
+        raise ConfigError("resilience.blocking_work_limit_s must be positive (seconds)")
+    # How collective_timeout_s must compare with hard_timeout_s depends on the device
+    # (gloo or NCCL): trainer.gpu_defaults.check_timeouts, when a rank starts.
     t = config.training
     choices: tuple[tuple[str, str, Any], ...] = (
         ("training.mixed_precision", t.mixed_precision, MixedPrecision),

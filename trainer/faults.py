@@ -14,7 +14,10 @@ Kinds:
   heartbeat timeout;
 - `sigkill`: the rank is killed (a hard fault: only ft_launcher recovers it);
 - `sigkill-during-save`: the rank is killed right after it queued an asynchronous
-  checkpoint, while the writer is still writing it.
+  checkpoint, while the writer is still writing it;
+- `slow-save`: the save at STEP blocks every rank for twice `resilience.soft_timeout_s`
+  (a slow file system; RANK is ignored, nothing is recorded, a redone step is slow again):
+  the in-process watchdog and the launcher's heartbeats must stay alive through it.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-FAULT_KINDS = ("exception", "hang", "sigkill", "sigkill-during-save")
+FAULT_KINDS = ("exception", "hang", "sigkill", "sigkill-during-save", "slow-save")
 _SPEC = re.compile(r"^\s*(?P<kind>[a-z-]+)@(?P<step>\d+)(?::(?P<rank>\d+))?\s*$")
 
 
@@ -133,6 +136,8 @@ def recorded_fatal_error(workdir: str | Path) -> str | None:
         return None
 
 
+_AT_SAVE = ("sigkill-during-save", "slow-save")
+"""Kinds that act at a save instead of at the start of a step."""
 HARD_FAULTS = ("sigkill", "sigkill-during-save")
 """Faults the launcher recovers from by starting the worker group again."""
 
@@ -147,6 +152,7 @@ class FaultInjector:
         rank: int,
         world_size: int,
         wait_for_prefork: bool = False,
+        slow_save_s: float = 0.0,
     ) -> None:
         for spec in specs:
             if spec.rank >= world_size:
@@ -156,6 +162,7 @@ class FaultInjector:
         self.all_specs = list(specs)
         self.specs = [spec for spec in specs if spec.rank == rank]
         self.wait_for_prefork = wait_for_prefork
+        self.slow_save_s = slow_save_s
         self.folder = faults_dir(workdir)
         self.rank = rank
 
@@ -191,8 +198,15 @@ class FaultInjector:
 
             wait_until_serving()
         for spec in self.specs:
-            if spec.step == step and spec.kind != "sigkill-during-save" and self._claim(spec):
+            if spec.step == step and spec.kind not in _AT_SAVE and self._claim(spec):
                 self._fire(spec)
+
+    def during_save(self, step: int) -> None:
+        """Called inside the save of `step`, where the loop blocks on checkpoint work."""
+        if any(spec.kind == "slow-save" and spec.step == step for spec in self.all_specs):
+            deadline = time.monotonic() + self.slow_save_s
+            while time.monotonic() < deadline:  # short sleeps: the rank stays interruptible
+                time.sleep(0.05)
 
     def after_checkpoint_queued(self, step: int) -> None:
         """Called right after the save of `step` was queued (the writer is busy with it)."""

@@ -14,6 +14,7 @@ Kubernetes grace period is spent saving instead of losing the steps since the la
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -32,6 +33,7 @@ from trainer.config import TrainConfig
 from trainer.data import StepSampler, check_tokenizer, load_tokens, split_files
 from trainer.events import EventLog
 from trainer.faults import FaultInjector, parse_faults
+from trainer.gpu_defaults import check_timeouts
 from trainer.models import model_spec
 from trainer.parallelize import (
     compute_dtype,
@@ -81,6 +83,10 @@ class TrainHooks:
     def step_done(self, step: int) -> None:
         """Progress signal after every step (in-process watchdog ping, launcher heartbeat)."""
 
+    def keepalive(self) -> contextlib.AbstractContextManager[None]:
+        """Around blocking checkpoint work: the progress signals go on meanwhile (bounded)."""
+        return contextlib.nullcontext()
+
     def launcher_state(self) -> dict[str, Any]:
         """State the launcher wants back after a restart (ft_launcher's learned timeouts)."""
         return {}
@@ -115,6 +121,7 @@ def train(
     `store` and `hooks` come from trainer/resilience.py: the rendezvous store of this
     attempt and the progress/launcher callbacks. Called again after an in-process restart."""
     hooks = hooks or TrainHooks()
+    check_timeouts(config.resilience, training_device().type)
     # An in-process restart interrupts the previous attempt with an asynchronous exception,
     # which can land inside a `torch.no_grad()` block before its exit restores grad mode
     # (seen: the next attempt's backward failed with "does not require grad"). Grad mode is
@@ -141,6 +148,7 @@ def train(
         rank,
         world,
         wait_for_prefork=config.resilience.prefork_workers,
+        slow_save_s=2 * config.resilience.soft_timeout_s,
     )
 
     mark = time.perf_counter()
@@ -173,6 +181,7 @@ def train(
         sampler=sampler,
         hooks=hooks,
         events=events,
+        during_save=injector.during_save,
     )
     mark = time.perf_counter()
     last_step = checkpoints.load_latest()
@@ -228,7 +237,10 @@ def train(
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             # One collective per step carries the mean loss and whether any rank got SIGTERM.
-            reduced = torch.stack([loss.detach().float().cpu(), torch.tensor(float(stop.requested))])
+            # On the training device: NCCL on a GPU (the group's gloo part serves host tensors).
+            reduced = torch.stack(
+                [loss.detach().float(), torch.tensor(float(stop.requested), device=loss.device)]
+            )
             dist.all_reduce(reduced)
             loss_value = reduced[0].item() / world
             if not math.isfinite(loss_value):
@@ -265,6 +277,8 @@ def train(
     finally:
         stop.restore()
 
+    with hooks.keepalive():  # gathers every tensor: minutes at 8B+
+        fingerprint = model_sha256(model)
     final_step = losses[-1][0] if losses else last_step
     summary = TrainSummary(
         steps=final_step,
@@ -278,7 +292,7 @@ def train(
         loop_wall_s=loop_wall_s,
         world_size=world,
         device=device.type,
-        model_sha256=model_sha256(model),
+        model_sha256=fingerprint,
         train_seconds=step_seconds,
         wall_seconds=time.perf_counter() - wall_start,
         peak_mem_bytes=peak_memory_bytes(device),

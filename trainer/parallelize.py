@@ -1,7 +1,8 @@
 """Process group, device mesh and FSDP2 sharding, kept apart from the model and the loop.
 
-The same code path serves CPU (gloo) and GPU (NCCL): the backend and device follow
-`torch.cuda.is_available()`. Each transformer block (the model spec's `fsdp_units`) is its
+The same code path serves CPU (gloo) and GPU: the device follows `torch.cuda.is_available()`;
+on CUDA the process group has two backends (`cpu:gloo,cuda:nccl`), so a collective on a
+CUDA tensor runs on NCCL and one on a host tensor (a flag, a count, a pickled object) on gloo. Each transformer block (the model spec's `fsdp_units`) is its
 own FSDP unit so only one block's full parameters exist at a time; the root unit holds the
 embeddings, the final norm and the output head.
 
@@ -36,6 +37,15 @@ def training_device() -> torch.device:
     return torch.device("cpu")
 
 
+GPU_BACKEND = "cpu:gloo,cuda:nccl"
+"""NCCL for CUDA tensors; gloo for the host tensors some collectives carry (NCCL has none)."""
+
+
+def process_group_backend(device: torch.device) -> str:
+    """The default process group's backend for training on `device`."""
+    return GPU_BACKEND if device.type == "cuda" else "gloo"
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """This process's peak memory so far: allocated CUDA memory on a GPU, the peak resident
     set size (which includes the Python interpreter and libraries) on CPU."""
@@ -52,9 +62,12 @@ def init_distributed(timeout_s: float = 120.0, store: dist.Store | None = None) 
     With `store`, rendezvous goes through it (each in-process restart brings a fresh key
     prefix); rank and world size still come from the launcher's environment."""
     device = training_device()
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = process_group_backend(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        from trainer.gpu_defaults import apply_nccl_environment
+
+        apply_nccl_environment()  # read by NCCL and torch's watchdog when the group is made
     if not dist.is_initialized():
         # Joining and start-up (model build, checkpoint load, writer warm-up) may take a
         # while and differ between ranks; the loop later sets the short collective timeout

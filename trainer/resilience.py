@@ -13,7 +13,9 @@ loop sends a heartbeat after a step, at most one per `HEARTBEAT_INTERVAL_S` (eac
 round trip to the rank monitor process: on a busy machine a wait for it to get a CPU,
 every step); the timeouts ft_launcher learns from them are stored in every checkpoint
 (never below `resilience.heartbeat_floor_s`) so a restarted group keeps them. The
-in-process watchdog is pinged after a step, at most once per `PING_INTERVAL_S`.
+in-process watchdog is pinged after a step, at most once per `PING_INTERVAL_S`. Blocking
+checkpoint work (saves, waits for writes, loads, the end-of-run fingerprint) runs inside
+`keepalive()`, whose thread goes on pinging and heart-beating, for a bounded time.
 
 Ports: the launcher's store listens on MASTER_PORT, the training store on MASTER_PORT+1
 and the wrapper's own store on MASTER_PORT+2 — the layout NVRx's examples use.
@@ -22,15 +24,19 @@ This module does not use `from __future__ import annotations`: the wrapper finds
 parameter that receives it by its (evaluated) `CallWrapper` annotation.
 """
 
+import contextlib
 import datetime
 import logging
 import math
 import os
 import socket
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from trainer import peer_abort, prefork
@@ -55,6 +61,8 @@ HEARTBEAT_INTERVAL_S = 1.0
 they are checked with: the learned timeouts are at least `resilience.heartbeat_floor_s`,
 the launcher's defaults 60-120 s, and the launcher checks every 0.5 s. Slow steps send one
 after every step."""
+KEEPALIVE_INTERVAL_S = 0.5
+"""How often the keep-alive thread signals progress during blocking checkpoint work."""
 PING_INTERVAL_S = 0.5
 """Least time between two progress pings to the in-process wrapper's watchdog (each puts a
 message on the monitor process's queue, whose feeder thread and the monitor process then
@@ -74,6 +82,7 @@ class _LauncherClient:
         self.process_started_at = time.time()
         self.steps_seen = 0
         self.last_beat = -math.inf
+        self.lock = threading.Lock()
         if os.environ.get(FT_SOCKET):
             from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
 
@@ -91,8 +100,16 @@ class _LauncherClient:
         self._beat(time.monotonic())
 
     def _beat(self, now: float) -> None:
-        self.client.send_heartbeat()
-        self.last_beat = now
+        with self.lock:  # the keep-alive thread beats too
+            self.client.send_heartbeat()
+            self.last_beat = now
+
+    def keepalive_beat(self) -> None:
+        """From the keep-alive thread, while the loop blocks on checkpoint work."""
+        if self.client is not None and self.client.is_initialized:
+            now = time.monotonic()
+            if now - self.last_beat >= HEARTBEAT_INTERVAL_S:
+                self._beat(now)
 
     def heartbeat(self) -> None:
         """After every step: a heartbeat if `HEARTBEAT_INTERVAL_S` passed since the last one,
@@ -151,6 +168,7 @@ class _Hooks(TrainHooks):
         self.attempt = attempt
         self.detected_at = detected_at
         self.pinged_at: float | None = None
+        self._keepalive_depth = 0
 
     def attempt_info(self) -> dict[str, Any]:
         return {
@@ -170,6 +188,47 @@ class _Hooks(TrainHooks):
                 self.call_wrapper.ping()
                 self.pinged_at = now
         self.launcher.heartbeat()
+
+    @contextlib.contextmanager
+    def keepalive(self) -> Iterator[None]:
+        """Blocking checkpoint work (a save, a wait for a write, a load, the fingerprint): a
+        thread pings the watchdog and heart-beats meanwhile, for at most
+        `resilience.blocking_work_limit_s`. Nested uses share the outermost thread."""
+        if self._keepalive_depth:
+            self._keepalive_depth += 1
+            try:
+                yield
+            finally:
+                self._keepalive_depth -= 1
+            return
+        self._keepalive_depth = 1
+        done = threading.Event()
+        thread = threading.Thread(target=self._keep_alive, args=(done,), name="rtp-keepalive", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+            self._keepalive_depth = 0
+
+    def _keep_alive(self, done: threading.Event) -> None:
+        limit_s = self.config.resilience.blocking_work_limit_s
+        deadline = time.monotonic() + limit_s
+        while not done.wait(KEEPALIVE_INTERVAL_S):
+            now = time.monotonic()
+            if now >= deadline:
+                log.warning(
+                    "checkpoint work has blocked this rank for %.0f s (resilience.blocking_work_limit_s): "
+                    "progress signals stop, so the watchdog restarts it if it does not end",
+                    limit_s,
+                )
+                return
+            # The watchdog's manual timeout starts at an attempt's first ping: not before it.
+            if self.call_wrapper is not None and self.pinged_at is not None:
+                self.call_wrapper.ping()
+                self.pinged_at = now
+            self.launcher.keepalive_beat()
 
     def launcher_state(self) -> dict[str, Any]:
         return self.launcher.state_dict()
@@ -311,7 +370,9 @@ def _run_inprocess(config: TrainConfig, store: dist.Store, launcher: _LauncherCl
         ),
         abort=_AbortPeers(),
         finalize=_RecordRestart(),
-        health_check=None,
+        # After an abort, a rank whose CUDA context is broken (a sticky error) leaves instead of
+        # burning every in-process attempt; the launcher then restarts the group.
+        health_check=inprocess.health_check.CudaHealthCheck() if torch.cuda.is_available() else None,
         soft_timeout=datetime.timedelta(seconds=r.soft_timeout_s),
         hard_timeout=datetime.timedelta(seconds=r.hard_timeout_s),
         heartbeat_timeout=datetime.timedelta(seconds=max(30.0, r.hard_timeout_s)),

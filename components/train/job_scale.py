@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainer.config import ResilienceConfig
+from trainer.gpu_defaults import GPU_RESILIENCE, resilience_overrides
 
 AUTO = "auto"
 """A resource parameter's default: take the value from `job_scale` (a p5 share on GPUs)."""
@@ -68,20 +69,12 @@ CPU_SCALE = JobScale(
     termination_grace_s=90,
 )
 GPU_SCALE = JobScale(
-    # NCCL aborts a failed collective at once (TORCH_NCCL_ASYNC_ERROR_HANDLING=3); the
-    # timeout only ends a hang. Communicator set-up over EFA on 16+ ranks and the first
-    # collective after a restart take tens of seconds: 120 s (issue 18: 60-120 s; torch's
-    # NCCL default is 600 s, which leaves a hung job idle for 10 minutes).
-    collective_timeout_s=120.0,
-    # In-process restart: a rank without progress for 5 minutes is hung, one that ignores
-    # the soft abort for 10 minutes is killed. A step of the largest preset plus a blocking
-    # save to FSx, or a first step after a restart that reloads the checkpoint, stays well
-    # below 5 minutes (issue 18: soft/hard around 300/600 s).
-    soft_timeout_s=300.0,
-    hard_timeout_s=600.0,
-    # ft_launcher learns heartbeat timeouts from step times; the floor keeps one fast
-    # stretch from teaching it a timeout that the next FSx stall exceeds (issue 18: >= 60 s).
-    heartbeat_floor_s=120.0,
+    # The trainer's GPU timeout table, the same for in-pod runs (trainer/gpu_defaults.py says
+    # which layer catches a hang and why the NCCL watchdog outlasts the hard timeout).
+    collective_timeout_s=GPU_RESILIENCE["collective_timeout_s"],
+    soft_timeout_s=GPU_RESILIENCE["soft_timeout_s"],
+    hard_timeout_s=GPU_RESILIENCE["hard_timeout_s"],
+    heartbeat_floor_s=GPU_RESILIENCE["heartbeat_floor_s"],
     # A multi-day run on dozens of GPUs sees several Xid errors, NCCL timeouts and node
     # replacements; each restart resumes from the last committed checkpoint.
     max_restarts=10,
@@ -106,14 +99,8 @@ def job_scale(gpus_per_node: int) -> JobScale:
     return GPU_SCALE if gpus_per_node > 0 else CPU_SCALE
 
 
-_TRAINER_FIELDS = ("collective_timeout_s", "soft_timeout_s", "hard_timeout_s", "heartbeat_floor_s")
-
-
 def trainer_overrides(gpus_per_node: int) -> list[str]:
-    """The trainer's timeouts from `job_scale` as `resilience.<field>=value` overrides, to go
-    before the user's own (a later override wins, so a user's value is kept). None on CPU:
-    CPU jobs train with the trainer's own defaults."""
-    if gpus_per_node <= 0:
-        return []
-    scale = job_scale(gpus_per_node)
-    return [f"resilience.{name}={getattr(scale, name):g}" for name in _TRAINER_FIELDS]
+    """The trainer's GPU timeout table as `resilience.<field>=value` overrides, to go before
+    the user's own (a later override wins, so a user's value is kept). None on CPU: CPU jobs
+    train with the trainer's own defaults."""
+    return resilience_overrides() if gpus_per_node > 0 else []

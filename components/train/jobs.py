@@ -21,7 +21,9 @@ from typing import Any
 
 from components.mlflow_access import DEFAULT_MLFLOW_SECRET, MLFLOW_SECRET_KEYS
 from components.train.job_scale import AUTO, JobScale, job_scale
-from trainer.launch import LauncherSettings, launcher_flags
+from trainer.gpu_defaults import NCCL_ENV
+from trainer.gpu_defaults import launcher_settings as gpu_launcher_settings
+from trainer.launch import launcher_flags
 
 PYTORCHJOB_API_VERSION = "kubeflow.org/v1"
 PYTORCHJOB_PLURAL = "pytorchjobs"
@@ -228,18 +230,9 @@ def ft_launcher_command(settings: JobSettings, rdzv_host_env: str, rdzv_port_env
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint=$({rdzv_host_env}):$({rdzv_port_env})",
         f"--rdzv-id={settings.name}",
-        # Multi-node GPU jobs start slowly (NCCL set-up, loading a large checkpoint): the
-        # heartbeat timeouts until learned follow AWS's EKS test case, not the local defaults.
-        *launcher_flags(
-            LauncherSettings(
-                max_restarts=resolved.max_restarts,
-                initial_heartbeat_timeout_s=1200,
-                heartbeat_timeout_s=900,
-                workers_stop_timeout_s=30,
-                monitor_interval_s=5,
-            ),
-            cpu=settings.gpus_per_node == 0,
-        ),
+        # Multi-node jobs start slowly (NCCL set-up, loading a large checkpoint): every job
+        # gets the GPU table's launcher timeouts (trainer/gpu_defaults.py), not the local defaults.
+        *launcher_flags(gpu_launcher_settings(resolved.max_restarts), cpu=settings.gpus_per_node == 0),
         # After the kubelet's SIGTERM the ranks write their final checkpoint; the launcher
         # waits this long for them (its default, 1800 s, outlasts any grace period).
         f"--term-timeout={settings.term_timeout_s()}",
@@ -284,6 +277,8 @@ def mlflow_secret_env(secret_name: str) -> list[dict[str, Any]]:
 def _value_env(settings: JobSettings) -> dict[str, str]:
     """The variables given as values: NCCL/EFA/Python settings for this shape, then the extras."""
     env = {"PYTHONUNBUFFERED": "1", "NCCL_DEBUG": "WARN", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+    if settings.gpus_per_node:
+        env.update(NCCL_ENV)  # what in-process restart needs on NCCL (the ranks also set it)
     if settings.gpus_per_node == 0:
         # gloo on CPU: one intra-op thread per rank, or the ranks oversubscribe the cores.
         env["OMP_NUM_THREADS"] = "1"

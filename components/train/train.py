@@ -10,14 +10,18 @@ from the latest committed checkpoint instead of starting over.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from components.train.job_scale import job_scale
 from trainer.arguments import config_from_pipeline
 from trainer.config import DEFAULT_PRESET, TrainConfig
+from trainer.gpu_defaults import launcher_settings as gpu_launcher_settings
+from trainer.gpu_defaults import resilience_overrides
 from trainer.launch import TrainingFailed, run_local_training
 from trainer.summary import TrainSummary
 
@@ -123,8 +127,24 @@ def checked_result(result: TrainResult, request: TrainRequest) -> TrainResult:
     return result
 
 
-def train_in_pod(request: TrainRequest, *, nproc: int, echo: bool = True) -> TrainResult:
-    """Train with `nproc` local ranks under ft_launcher."""
+def train_in_pod(
+    request: TrainRequest, *, nproc: int, echo: bool = True, gpus: int | None = None
+) -> TrainResult:
+    """Train with `nproc` local ranks under ft_launcher. On a pod with GPUs (`gpus`, default:
+    the CUDA devices visible here) the GPU timeout table applies, as in job pods
+    (trainer/gpu_defaults.py); a user's `resilience.*` override still wins."""
+    gpus = _visible_gpus() if gpus is None else gpus
+    settings = None
+    if gpus > 0:
+        scaled = " ".join([*resilience_overrides(), request.overrides]).strip()
+        request = dataclasses.replace(request, overrides=scaled)
+        settings = gpu_launcher_settings(max_restarts=job_scale(gpus).max_restarts)
     config = request.config()
-    summary = run_local_training(nproc, config, echo=echo)
+    summary = run_local_training(nproc, config, echo=echo, settings=settings)
     return checked_result(TrainResult(summary=summary, config=config, preset=request.preset), request)
+
+
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

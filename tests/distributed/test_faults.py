@@ -341,3 +341,31 @@ def test_a_cold_restart_resumes_from_the_fast_tier_or_a_peers_replica_and_falls_
         assert resume["replicas"] == {"1": 0}, resume  # rank 1's state came from rank 0
     assert not folder.exists() or not list(folder.glob("r*")), "a finished run leaves its fast tier behind"
     assert_nothing_left(run_mark)
+
+
+def test_a_save_longer_than_the_soft_timeout_restarts_nothing(dataset_dir, tmp_path, run_mark):
+    """A synchronous save that blocks for twice the soft timeout (`slow-save`: a slow file
+    system) keeps the in-process watchdog fed by the keep-alive thread: no restart, the run
+    completes in one attempt. Without the keep-alive the watchdog saw no ping for 8 s and
+    restarted training in-process at this save."""
+    summary = train(
+        dataset_dir,
+        tmp_path,
+        nproc=1,
+        steps=6,
+        every=3,
+        overrides=[
+            "resilience.collective_timeout_s=5",
+            "resilience.soft_timeout_s=4",
+            "resilience.hard_timeout_s=30",
+        ],
+        checkpoint_mode="sync",
+        faults=["slow-save@3"],
+    )
+    attempts = [e for e in events(tmp_path) if e["kind"] == "attempt_start"]
+    assert len(attempts) == 1, attempts
+    assert summary["completed"] and summary["restarts"] == []
+    [slowed, last] = summary["checkpoint_saves"]
+    assert slowed["step"] == 3 and slowed["blocked_s"] >= 8  # the save did block past the soft timeout
+    assert last["step"] == 6
+    assert_nothing_left(run_mark)

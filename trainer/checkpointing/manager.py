@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +61,7 @@ class CheckpointManager:
         sampler: StepSampler,
         hooks: TrainHooks,
         events: EventLog,
+        during_save: Callable[[int], None] | None = None,
     ) -> None:
         settings = config.checkpoint
         if settings.mode not in WRITERS:
@@ -73,6 +75,7 @@ class CheckpointManager:
         self.sampler = sampler
         self.hooks = hooks
         self.events = events
+        self.during_save = during_save  # a drill's slow file system (faults.FaultInjector)
         self.rank = dist.get_rank()
         self.writer = WRITERS[settings.mode](
             self.root, settings.keep_last, settings.keep_every_steps, self._on_commit
@@ -105,6 +108,10 @@ class CheckpointManager:
     def load_latest(self) -> int:
         """Collective: restore model, optimizer, scheduler, RNG and launcher state from the
         latest committed checkpoint; returns its step (0 when there is none)."""
+        with self.hooks.keepalive():
+            return self._load_latest()
+
+    def _load_latest(self) -> int:
         latest = storage.latest_committed_checkpoint(self.root, self.settings.verify_hashes)
         durable_meta = storage.read_meta(latest) if latest is not None else {}
         self.durable_step = self.resumed_durable_step = int(durable_meta.get("step", 0))
@@ -148,7 +155,8 @@ class CheckpointManager:
         `background`: let it warm up while training runs (a restart needs its first step soon)."""
         _LIVE.append(self)
         started = time.perf_counter()
-        self.writer.start(background)
+        with self.hooks.keepalive():  # a foreground warm-up waits for the writer process
+            self.writer.start(background)
         self.start_s = time.perf_counter() - started
 
     def before_optimizer_step(self) -> SaveRecord | None:
@@ -156,7 +164,10 @@ class CheckpointManager:
         queued now (an async save's snapshot copy ran beside forward and backward and must be
         complete before the optimizer changes the weights in place), else None."""
         self.local_tier_s += self.local.before_optimizer_step()
-        return self.writer.wait_before_optimizer_step()
+        if not self.writer.awaiting_handoff:
+            return self.writer.wait_before_optimizer_step()
+        with self.hooks.keepalive():  # may wait for a snapshot copy of the whole state
+            return self.writer.wait_before_optimizer_step()
 
     def maybe_save(self, step: int, loss_value: float, final: bool) -> SaveRecord | None:
         """Collective, after step `step`: save if it is a checkpoint step or `final` (the
@@ -187,8 +198,12 @@ class CheckpointManager:
             "launcher": self.hooks.launcher_state(),
         }
         rank_extra = {"sampler": self.sampler.state_dict(next_step=step + 1)}
-        record = self._save(step, meta, rank_extra, last=final)
-        fields = {"weights_sha256": model_sha256(self.model)} if self.settings.record_weight_hashes else {}
+        # Waits for the previous write, writes a sync save whole: the progress signals go on.
+        with self.hooks.keepalive():
+            record = self._save(step, meta, rank_extra, last=final)
+            fields = (
+                {"weights_sha256": model_sha256(self.model)} if self.settings.record_weight_hashes else {}
+            )
         self.events.emit(
             "checkpoint_queued", step=step, mode=record.mode, blocked_s=record.blocked_s, **fields
         )
@@ -210,6 +225,8 @@ class CheckpointManager:
             staging, final = storage.prepare_staging(self.root, step, rank_extra)
             state_of_rank = None
         state = self._state_dict()
+        if self.during_save is not None:
+            self.during_save(step)
         record = SaveRecord(
             step=step,
             mode=self.writer.mode,
@@ -247,11 +264,12 @@ class CheckpointManager:
         """Collective, at the end of the loop: the last checkpoint is committed (the run's
         result is durable), then the writer is stopped."""
         started = time.perf_counter()
-        self.writer.finalize()
-        self.final_drain_s = time.perf_counter() - started
-        # The last step's durable checkpoint is committed: the fast tier is of no more use.
-        self.local.close(discard=self.writer.writes_checkpoints)
-        self.close()
+        with self.hooks.keepalive():  # the attempt's last save is written here
+            self.writer.finalize()
+            self.final_drain_s = time.perf_counter() - started
+            # The last step's durable checkpoint is committed: the fast tier is of no more use.
+            self.local.close(discard=self.writer.writes_checkpoints)
+            self.close()
         self.teardown_s = time.perf_counter() - started - self.final_drain_s
 
     def close(self) -> None:
@@ -277,6 +295,7 @@ class CheckpointManager:
             "local_tier_s": self.local_tier_s,
             "local_tier_captures": self.local.captures,
             "local_replicas_sent": self.local.replicas_sent,
+            **self.local.summary(),
             "checkpoint": str(latest) if latest else None,
             "checkpoint_mode": self.settings.mode,
             "resumed_from": self.resumed_from,

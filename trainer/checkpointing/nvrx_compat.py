@@ -9,9 +9,10 @@ the writer itself (`nvrx_writer`) reads the same on CPU and GPU:
    fine, so the subclasses below build them on the CPU. (`no_dist=True` would also avoid
    the error but drops the cross-rank agreement that every rank finished the same save.)
 2. The preload step. The writer's `preload_fn` calls `torch.cuda.synchronize()` inside
-   the persistent worker; on CPU that kills the worker and the trainer then waits forever.
-   The warm-up passes none on CPU. (Real saves pass none on any device: their snapshot,
-   point 3, already is the device-to-host copy.)
+   the persistent worker: on CPU that kills the worker and the trainer then waits forever;
+   on a GPU it opens a CUDA context on the worker's current device, GPU 0, for every local
+   rank. No request passes one (the warm-up's tensor is on the host; real saves' snapshot,
+   point 3, already is the device-to-host copy), and the worker sees only its rank's GPU.
 3. Torn checkpoints. CPU tensors are handed to the worker in place (moved to shared
    memory) and written while the optimizer keeps changing them, so a saved step would mix
    weights from later steps (11 tensors of a saved step differed, measured). Every save is
@@ -50,6 +51,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from nvidia_resiliency_ext.checkpointing.async_ckpt import core, filesystem_async
+
+from trainer import env
 
 
 def needs_cpu_adjustments() -> bool:
@@ -92,6 +95,7 @@ class CpuSafePersistentAsyncCaller(core.PersistentAsyncCaller):
             target=_worker_main,
             args=(
                 os.getpid(),
+                env.local_rank(),
                 rank,
                 self.queue,
                 self.preload_q,
@@ -135,16 +139,22 @@ def new_calls_queue() -> core.AsyncCallsQueue:
     return calls
 
 
-def preload_fn_for_device(preload_fn: Any) -> Any:
-    """(2) Keep NVRx's device-to-host preload on CUDA; none on CPU."""
-    return None if needs_cpu_adjustments() else preload_fn
+def only_the_ranks_gpu(local_rank: int, environ: dict[str, str] | Any = os.environ) -> None:
+    """(2) Before CUDA initializes in the worker: any CUDA use lands on its rank's GPU."""
+    visible = [d.strip() for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if not visible:
+        environ["CUDA_VISIBLE_DEVICES"] = str(local_rank)
+    elif local_rank < len(visible):
+        environ["CUDA_VISIBLE_DEVICES"] = visible[local_rank]
+    # Fewer devices than local ranks: the launcher already narrowed them per rank.
 
 
-def _worker_main(rank_pid: int, *loop_args: Any) -> None:
+def _worker_main(rank_pid: int, local_rank: int, *loop_args: Any) -> None:
     """(7) The persistent worker: set it up to die with its rank, then NVRx's loop."""
     from trainer.lifecycle import prepare_background_writer
 
     prepare_background_writer(parent_pid=rank_pid)
+    only_the_ranks_gpu(local_rank)
     core.PersistentAsyncCaller.async_loop(*loop_args)
 
 
@@ -170,16 +180,10 @@ def warm_up(calls: core.AsyncCallsQueue, scratch_dir: Path, wait: bool = True) -
     # nothing to write would not start its worker.
     tiny_state = {f"warm_up_rank_{dist.get_rank()}": torch.zeros(1)}
     writer, metadata, dist_wrapper = save_state_dict_async_plan(tiny_state, writer)
-    save_fn, preload_fn, save_args = writer.get_save_function_and_args()
+    save_fn, _preload_fn, save_args = writer.get_save_function_and_args()
     finalize = partial(save_state_dict_async_finalize, writer, metadata, dist_wrapper)
-    calls.schedule_async_request(
-        CpuSafeAsyncRequest(
-            save_fn,
-            save_args,
-            [finalize],
-            preload_fn=preload_fn_for_device(preload_fn),
-        )
-    )
+    # (2) The tiny state is on the host: nothing to preload, and no CUDA in the worker.
+    calls.schedule_async_request(CpuSafeAsyncRequest(save_fn, save_args, [finalize], preload_fn=None))
     if wait:
         calls.maybe_finalize_async_calls(blocking=True)
         finish_warm_up(scratch_dir)

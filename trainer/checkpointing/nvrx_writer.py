@@ -18,7 +18,8 @@ CPU build lives in `nvrx_compat`.
 
 The attempt's last save (its last step, or a stop was requested) is the exception: no step
 follows it to hide a background write behind, and the loop waits for it in `finalize()`
-anyway. It skips the snapshot copy and the hand-offs to the writer process (the snapshot
+anyway. On the host it skips the snapshot copy (on a GPU it still copies to host buffers:
+NVRx's writer writes host tensors only), and it skips the hand-offs to the writer process (the snapshot
 thread, the worker, its forked writer, NVRx's results Manager, the finisher thread: each
 a wait for a CPU on a busy machine) and is written by `finalize()`, in this process, with
 torch DCP into the same layout, with the same shard hashes and commit.
@@ -322,7 +323,8 @@ class NvrxAsyncWriter(CheckpointWriter):
         bucket by NVRx's own bucket writer in this process, then finalized and committed
         as `_finish` does. Any earlier save was committed before this one started
         (`manager._save`), and the state is the live one: nothing changed it since
-        `start_save()`."""
+        `start_save()`. Host tensors are written as they are; device tensors are copied to
+        host buffers first."""
         from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
         from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
         from torch.distributed.checkpoint import CheckpointException
@@ -333,6 +335,11 @@ class NvrxAsyncWriter(CheckpointWriter):
         assert state is not None and pending is not None
         self._join_finisher()
         self._pending = None
+        if holds_device_tensors(state):
+            # NVRx's bucket writer writes host tensors only: copy through the snapshot's
+            # buffers (free again: the previous save's write has finished).
+            self._snapshot.start(state)
+            state = self._snapshot.wait()
         self._stage(pending)
         writer, metadata, dist_wrapper = save_state_dict_async_plan(
             state,
@@ -414,6 +421,14 @@ class NvrxAsyncWriter(CheckpointWriter):
             self._calls.async_calls.clear()
             self._calls = None
         self._group = None
+
+
+def holds_device_tensors(state: dict[str, Any]) -> bool:
+    """Whether any tensor of `state` lives off the host (a DTensor by its local shard)."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    return any(isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu" for leaf in tree_leaves(state))
 
 
 def _write_buckets_here(writer: Any) -> Any:

@@ -1,0 +1,115 @@
+"""Checkpoint work on the GPU path, checked in one process over a one-rank gloo group: the
+async mode's last save goes through host buffers when the state is on a device, blocking
+checkpoint work runs inside the hooks' keep-alive, and NVRx's worker never preloads."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from tests.unit.test_checkpoint import _manager, _trained_model
+from trainer.checkpointing import nvrx_compat, nvrx_writer, storage
+from trainer.loop import TrainHooks
+
+pytestmark = pytest.mark.usefixtures("single_rank_group")
+
+
+def test_the_async_last_save_of_device_tensors_is_written_from_host_copies(tmp_path, monkeypatch):
+    """NVRx's bucket writer asserts host tensors: on a GPU the live (CUDA) state must not reach
+    it. Here the state is on the host, so the check that it is a device state is forced."""
+    from nvidia_resiliency_ext.checkpointing.async_ckpt import state_dict_saver
+
+    monkeypatch.setattr(nvrx_writer, "holds_device_tensors", lambda state: True)
+    planned: list[dict] = []
+    real_plan = state_dict_saver.save_state_dict_async_plan
+
+    def recording_plan(state, *args, **kwargs):
+        planned.append(state)
+        return real_plan(state, *args, **kwargs)
+
+    monkeypatch.setattr(state_dict_saver, "save_state_dict_async_plan", recording_plan)
+    model, optimizer = _trained_model()
+    manager = _manager(tmp_path, "async", model, optimizer)
+    manager.start(background=False)
+    manager.before_optimizer_step()
+    manager.maybe_save(1, 1.0, final=True)  # the attempt's last save: written by finish()
+    manager.finish()
+    live = {p.data_ptr() for p in model.parameters()}
+    [written] = [state for state in planned if "model" in state]  # not the writer's warm-up
+    written_ptrs = {tensor.data_ptr() for tensor in written["model"].values()}
+    assert not written_ptrs & live, "the last save handed the live tensors to NVRx's writer"
+    assert (
+        storage.latest_committed_checkpoint(tmp_path / "checkpoints") == tmp_path / "checkpoints" / "step_1"
+    )
+    other, other_optimizer = _trained_model(seed=1)
+    assert _manager(tmp_path, "async", other, other_optimizer).load_latest() == 1
+    assert torch.equal(other.blocks[0].qkv.weight, model.blocks[0].qkv.weight)
+
+
+class _RecordingHooks(TrainHooks):
+    def __init__(self) -> None:
+        self.depth = 0
+
+    @contextlib.contextmanager
+    def keepalive(self):
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+
+
+def test_blocking_checkpoint_work_runs_inside_the_keepalive(tmp_path, monkeypatch):
+    from trainer.checkpointing import storage as storage_module
+    from trainer.checkpointing.torch_writers import SyncWriter
+
+    hooks = _RecordingHooks()
+    seen: dict[str, int] = {}
+    real_save, real_load = SyncWriter.start_save, storage_module.load_checkpoint
+
+    def save(self, state, pending):
+        seen[f"save {pending.record.step}"] = hooks.depth
+        return real_save(self, state, pending)
+
+    def load(*args, **kwargs):
+        seen["load"] = hooks.depth
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(SyncWriter, "start_save", save)
+    monkeypatch.setattr(storage_module, "load_checkpoint", load)
+    model, optimizer = _trained_model()
+    manager = _manager(tmp_path, "sync", model, optimizer, hooks=hooks)
+    manager.start(background=False)
+    for step in range(1, 5):
+        manager.before_optimizer_step()
+        manager.maybe_save(step, 1.0, final=step == 4)
+        manager.after_step()
+    manager.finish()
+    resumed = _manager(tmp_path, "sync", *_trained_model(seed=1), hooks=hooks)
+    assert resumed.load_latest() == 4
+    assert seen == {"save 3": 1, "save 4": 1, "load": 1}
+    assert hooks.depth == 0
+
+
+def test_nvrx_worker_never_preloads_and_sees_only_its_ranks_gpu(tmp_path, monkeypatch):
+    requests = []
+
+    class Calls:
+        def schedule_async_request(self, request):
+            requests.append(request)
+
+    monkeypatch.setattr(nvrx_compat, "needs_cpu_adjustments", lambda: False)  # as on a GPU
+    nvrx_compat.warm_up(Calls(), tmp_path / "warm", wait=False)
+    [request] = requests
+    assert request.preload_fn is None  # NVRx's preload synchronizes the worker's GPU 0
+    environ = {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+    nvrx_compat.only_the_ranks_gpu(2, environ)
+    assert environ["CUDA_VISIBLE_DEVICES"] == "6"
+    unset: dict[str, str] = {}
+    nvrx_compat.only_the_ranks_gpu(3, unset)
+    assert unset["CUDA_VISIBLE_DEVICES"] == "3"
+    narrowed = {"CUDA_VISIBLE_DEVICES": "GPU-1234"}
+    nvrx_compat.only_the_ranks_gpu(5, narrowed)  # one device per rank already
+    assert narrowed["CUDA_VISIBLE_DEVICES"] == "GPU-1234"

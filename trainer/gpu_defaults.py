@@ -1,0 +1,99 @@
+"""What every GPU run gets, whatever launches it (in-pod, PyTorchJob, TrainJob, `rtp train-local`).
+
+One timeout table (`GPU_RESILIENCE`, `GPU_LAUNCHER`) and the environment NVRx's in-process
+restart needs on NCCL (`NCCL_ENV`). Which layer catches what on a GPU:
+
+- a hang (no step, no checkpoint progress): the in-process soft timeout (300 s) aborts the
+  NCCL communicators and restarts training in the same processes; a rank that does not react
+  is killed at the hard timeout (600 s) and ft_launcher restarts the worker group;
+- the NCCL watchdog (the process group's timeout, 900 s) must outlast the hard timeout: when it
+  fires it ends the process, which would pre-empt the in-process layer (NVRx's usage guide,
+  "Requirements for the execution environment");
+- ft_launcher's heartbeat timeouts (1200 s before the first, 900 s after) outlast both, so it
+  acts on dead or wedged processes only;
+- blocking checkpoint work keeps the watchdog and heartbeats alive for at most
+  `blocking_work_limit_s` (an 8B final save to FSx takes minutes; a hung file system does not
+  hide forever).
+
+On CPU (gloo) the trainer's own defaults apply (trainer/config.py): a gloo collective cannot
+be aborted, so there the collective timeout stays below the hard timeout instead.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+from typing import TYPE_CHECKING
+
+from trainer.config import ConfigError, ResilienceConfig
+
+if TYPE_CHECKING:
+    from trainer.launch import LauncherSettings
+
+GPU_RESILIENCE: dict[str, float] = {
+    "collective_timeout_s": 900.0,
+    "soft_timeout_s": 300.0,
+    "hard_timeout_s": 600.0,
+    "heartbeat_floor_s": 120.0,
+    "blocking_work_limit_s": 3600.0,
+}
+"""`resilience.*` for GPU runs (a user's override still wins)."""
+
+GPU_LAUNCHER: dict[str, float] = {
+    "initial_heartbeat_timeout_s": 1200.0,
+    "heartbeat_timeout_s": 900.0,
+    "workers_stop_timeout_s": 30.0,
+    "monitor_interval_s": 5.0,
+}
+"""ft_launcher's monitoring for GPU runs (AWS's EKS NVRx test case uses the same heartbeats)."""
+
+NCCL_ENV: dict[str, str] = {
+    # The NCCL watchdog must not rethrow CUDA/NCCL errors (that ends the process): NVRx known issue.
+    "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
+    # NVLink SHARP communicators cannot be aborted and re-created in-process: NVRx known issue.
+    "NCCL_NVLS_ENABLE": "0",
+    # The wrapper's store waits time out by design; torch warns at each one.
+    "TORCH_CPP_LOG_LEVEL": "ERROR",
+}
+"""Environment every GPU rank trains with; a value already set (by the user) is kept."""
+
+
+def resilience_overrides() -> list[str]:
+    """`GPU_RESILIENCE` as `resilience.<field>=value` overrides, to go before a user's own."""
+    return [f"resilience.{name}={value:g}" for name, value in GPU_RESILIENCE.items()]
+
+
+def apply_nccl_environment(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Set `NCCL_ENV` where not set yet (before NCCL initializes); returns what was set."""
+    environ = os.environ if environ is None else environ
+    added = {key: value for key, value in NCCL_ENV.items() if key not in environ}
+    environ.update(added)
+    return added
+
+
+def check_timeouts(resilience: ResilienceConfig, device_type: str) -> None:
+    """The ordering of the collective timeout against the in-process hard timeout that the
+    device's backend needs; fails in one line before training starts."""
+    r = resilience
+    if not r.inprocess_restarts:
+        return
+    if device_type == "cuda" and r.collective_timeout_s <= r.hard_timeout_s:
+        raise ConfigError(
+            f"resilience.collective_timeout_s ({r.collective_timeout_s:g}) must exceed "
+            f"resilience.hard_timeout_s ({r.hard_timeout_s:g}) on GPUs: the NCCL watchdog ends the "
+            "process when it fires, before the in-process restart can act; "
+            f"the GPU default is {GPU_RESILIENCE['collective_timeout_s']:g}"
+        )
+    if device_type != "cuda" and r.collective_timeout_s >= r.hard_timeout_s:
+        raise ConfigError(
+            f"resilience.collective_timeout_s ({r.collective_timeout_s:g}) must be below "
+            f"resilience.hard_timeout_s ({r.hard_timeout_s:g}) on CPU: a rank waiting in a gloo "
+            "collective on a failed peer is only released by that timeout"
+        )
+
+
+def launcher_settings(max_restarts: int) -> LauncherSettings:
+    """ft_launcher's settings for a GPU run with `max_restarts` worker-group restarts."""
+    from trainer.launch import LauncherSettings
+
+    return LauncherSettings(max_restarts=max_restarts, **GPU_LAUNCHER)
