@@ -125,7 +125,7 @@ def build_pipeline(
             seed: Random seed for weights and data order.
             preset: Model size preset: {presets}.
             overrides: Extra trainer config as 'section.field=value' items separated by spaces, e.g. 'optimizer.lr=1e-3'.
-            faults: Faults to inject for a chaos drill, 'KIND@STEP[:RANK]' separated by commas (KIND: exception, hang, sigkill, sigkill-during-save); 'none' for a normal run.
+            faults: Faults to inject for a chaos drill, 'KIND@STEP[:RANK]' separated by commas (KIND: exception, hang, sigkill, sigkill-during-save, slow-save); 'none' for a normal run.
             max_loss: Highest holdout loss (nats per byte) a model may have to be registered.
             min_improvement: How much lower than the current champion's holdout loss a model's must be to become champion; otherwise it is registered as challenger.
             model_name: Registered model name in MLflow.

@@ -81,7 +81,7 @@ def train_model(
         instance_type: EC2 instance type of the job's nodes; with EFA it decides GPUDirect RDMA (p4d, p5 families).
         job_cpu_per_node: CPU request of each job pod; auto = a p5 share on GPU jobs (22.5 per GPU), none on CPU.
         job_memory_per_node: memory request of each job pod; auto = 225Gi per GPU, none on CPU.
-        job_shm_size: size limit of each job pod's /dev/shm; auto = 32Gi per GPU, unbounded on CPU.
+        job_shm_size: size limit of each job pod's /dev/shm; auto = 40Gi per GPU, unbounded on CPU.
         job_max_restarts: ft_launcher restarts in each job pod; -1 = by GPU count (10 on GPUs, 3 on CPU).
         job_backoff_limit: pod restarts before a PyTorchJob fails (a trainjob: crash-loop restarts the step tolerates); -1 = by GPU count (10 on GPUs, 2 on CPU).
         job_termination_grace_s: seconds a job pod has for its final checkpoint after SIGTERM; -1 = by GPU count (600 on GPUs, 90 on CPU).

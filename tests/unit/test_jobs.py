@@ -294,8 +294,9 @@ def test_auto_resources_are_a_p5_share_on_gpus_and_none_on_cpu():
     pod = manifest["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     requests = pod["containers"][0]["resources"]["requests"]
     assert (requests["cpu"], requests["memory"]) == ("180", "1800Gi")  # deploy/eks/*-example.yaml
-    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "256Gi"}} in pod["volumes"]
-    assert GPU_SCALE.resources(1) == ("22500m", "225Gi", "32Gi")
+    # The fast tier's two slots and the async snapshot: ~34 GiB per GPU for 8B on one node.
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "320Gi"}} in pod["volumes"]
+    assert GPU_SCALE.resources(1) == ("22500m", "225Gi", "40Gi")
     cpu_pod = pytorchjob_manifest(settings(**auto))["spec"]["pytorchReplicaSpecs"]["Master"]["template"][
         "spec"
     ]
