@@ -236,6 +236,14 @@ class TrainingConfig:
     compile: bool = False
     """torch.compile each decoder layer's forward (the first steps pay for compilation;
     results match fp32 eager closely, not bit for bit)."""
+    deterministic: bool = False
+    """What bit-identical GPU resumes need: deterministic kernels only (torch.use_deterministic_algorithms;
+    an op without one fails, naming it; cuDNN deterministic, no benchmarking), cuBLAS's fixed
+    workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8) and one NCCL algorithm and protocol
+    (NCCL_ALGO=Ring, NCCL_PROTO=Simple; a value already in the environment is kept), for the
+    same world size, GPUs and software. Without it a resumed GPU run ends close to an
+    uninterrupted one, not equal. Slower. fp32 CPU training is deterministic either way and its
+    weights do not change (trainer/determinism.py)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -31,6 +31,7 @@ from trainer import peer_abort
 from trainer.checkpointing import CheckpointManager, model_sha256
 from trainer.config import TrainConfig
 from trainer.data import StepSampler, check_tokenizer, load_tokens, split_files
+from trainer.determinism import apply_determinism
 from trainer.events import EventLog
 from trainer.faults import FaultInjector, parse_faults
 from trainer.gpu_defaults import check_timeouts
@@ -122,6 +123,7 @@ def train(
     attempt and the progress/launcher callbacks. Called again after an in-process restart."""
     hooks = hooks or TrainHooks()
     check_timeouts(config.resilience, training_device().type)
+    apply_determinism(config.training, cuda=training_device().type == "cuda")  # before NCCL and cuBLAS start
     # An in-process restart interrupts the previous attempt with an asynchronous exception,
     # which can land inside a `torch.no_grad()` block before its exit restores grad mode
     # (seen: the next attempt's backward failed with "does not require grad"). Grad mode is
