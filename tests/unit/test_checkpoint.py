@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.checkpointing import storage
+from trainer.checkpointing import state_dict_sha256, storage
 from trainer.checkpointing.storage import (
     COMMIT_MARKER,
     CheckpointError,
@@ -710,3 +710,81 @@ def test_a_capture_after_the_optimizer_state_was_replaced_copies_the_new_tensors
         resumed.abandon()
     finally:
         forget_run("", tmp_path / "checkpoints")
+
+
+def _two_rank_saves(rank: int, store_path: str, root: str, out_dir: str) -> None:
+    """One rank of a 2-rank gloo group: a `sync` save (step 1) and a `save_checkpoint`
+    (step 2) of a sharded model; records the files each rank hashed in each save."""
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from trainer.checkpointing import model_sha256
+    from trainer.checkpointing.torch_writers import SyncWriter
+    from trainer.checkpointing.writer import PendingSave, SaveRecord
+    from trainer.parallelize import apply_fsdp
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    try:
+        model, _ = _trained_model()
+        apply_fsdp(model, init_device_mesh("cpu", (2,)), list(model.blocks))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        _step(model, optimizer)
+        hashed: list[str] = []
+        real_sha256_file = storage.sha256_file
+
+        def recorded_sha256_file(path: Path, *args, **kwargs) -> str:
+            hashed.append(path.name)
+            return real_sha256_file(path, *args, **kwargs)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(storage, "sha256_file", recorded_sha256_file)
+            writer = SyncWriter(Path(root), keep_last=5, keep_every=0, on_commit=lambda record: None)
+            writer.start(background=False)
+            staging, final = storage.prepare_staging(root, 1, {"position": 1})
+            now = time.perf_counter()
+            record = SaveRecord(step=1, mode="sync", blocked_s=0.0)
+            pending = PendingSave(
+                record=record, staging=staging, final=final, meta={}, started_at=now, queued_at=now
+            )
+            model_state, optim_state = get_state_dict(model, optimizer)
+            writer.start_save({"model": model_state, "optim": optim_state}, pending)
+            writer.close()
+            in_sync = list(hashed)
+            hashed.clear()
+            _save(root, 2, model, optimizer)
+        result = {"sync": in_sync, "save_checkpoint": hashed, "model_sha256": model_sha256(model)}
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_a_sync_save_hashes_each_ranks_shards_on_that_rank_and_its_manifest_is_unchanged(tmp_path):
+    import torch.multiprocessing as mp
+
+    root = tmp_path / "checkpoints"
+    mp.start_processes(
+        _two_rank_saves,
+        args=(str(tmp_path / "store"), str(root), str(tmp_path)),
+        nprocs=2,
+        join=True,
+        start_method="spawn",
+    )
+    rank0, rank1 = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2))
+    for save in ("sync", "save_checkpoint"):
+        assert rank1[save] == ["__1_0.distcp"], save  # its own shard, nothing else
+        assert rank0[save].count("__0_0.distcp") == 1, save  # its sidecar, not hashed again
+        assert not [name for name in rank0[save] if name.startswith("__1_")], save  # not rank 1's shard
+    for step in (1, 2):
+        folder = root / f"step_{step}"
+        assert not list(folder.glob("*.sha256"))
+        # The manifest is the one hashing every file on rank 0 would have written.
+        assert json.loads((folder / "manifest.json").read_text()) == storage._build_manifest(folder)
+        verify_checkpoint(folder, verify_hashes=True)
+    assert latest_committed_checkpoint(root, verify_hashes=True) == root / "step_2"
+    fresh, fresh_optimizer = _trained_model(seed=1)
+    load_checkpoint(root / "step_1", fresh, fresh_optimizer)  # two ranks' save into one process
+    assert state_dict_sha256(fresh.state_dict()) == rank0["model_sha256"] == rank1["model_sha256"]

@@ -3,6 +3,10 @@
 What the exactness checks compare: the summary's `model_sha256` (a resumed run must end
 with the weights of one that never stopped) and, with `checkpoint.record_weight_hashes`,
 the weights at every save (a saved checkpoint must hold exactly those: never torn).
+
+Both hash the same bytes in the same order: each tensor's key, then its values, in sorted
+key order. `model_sha256` streams a sharded model one full tensor at a time, so its memory
+is the largest tensor, not the model, and its value does not depend on the world size.
 """
 
 from __future__ import annotations
@@ -10,23 +14,48 @@ from __future__ import annotations
 import hashlib
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
+
+
+def _update(digest: hashlib._Hash, key: str, tensor: torch.Tensor) -> None:
+    """One state-dict entry: its key, then its values as they lie in host memory."""
+    digest.update(key.encode())
+    digest.update(tensor.detach().to("cpu").contiguous().numpy().data)  # no copy, unlike tobytes()
 
 
 def state_dict_sha256(state: dict[str, torch.Tensor]) -> str:
     """SHA-256 over tensors in sorted key order: equal exactly when the weights are equal."""
     digest = hashlib.sha256()
     for key in sorted(state):
-        digest.update(key.encode())
-        digest.update(state[key].detach().to("cpu").contiguous().numpy().tobytes())
+        _update(digest, key, state[key])
     return digest.hexdigest()
 
 
 def model_sha256(model: torch.nn.Module) -> str:
-    """`state_dict_sha256` of the full (unsharded) model state. Collective."""
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
-    tensors = {}
-    for key, value in full.items():
+    """`state_dict_sha256` of the full (unsharded) model state, the same string on every rank.
+
+    Collective: every rank gathers the same tensor at the same time, in sorted key order, and
+    drops it once rank 0 hashed it; rank 0's digest is then broadcast."""
+    # The sharded state dict has the full one's keys (FQNs, tied weights under each name,
+    # no non-persistent buffers) and its values are the parameters themselves, not copies.
+    local = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False, cpu_offload=False))
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    hashes_here = not distributed or dist.get_rank() == 0
+    digest = hashlib.sha256()
+    device = torch.device("cpu")
+    for key in sorted(local):
+        value = local[key]
         assert isinstance(value, torch.Tensor), key
-        tensors[key] = value
-    return state_dict_sha256(tensors)
+        device = value.device
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        if hashes_here:
+            _update(digest, key, full)
+        del full  # only one gathered tensor is alive at a time
+    if not distributed:
+        return digest.hexdigest()
+    # On the model's device: the process group has a backend for it (NCCL may be the only one).
+    raw = torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8).to(device)
+    dist.broadcast(raw, src=0)
+    return bytes(raw.cpu().tolist()).hex()

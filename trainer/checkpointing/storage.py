@@ -167,10 +167,11 @@ HASH_SIDECAR = ".sha256"
 
 
 def write_hash_sidecars(staging: str | Path, rank: int) -> None:
-    """Hash this rank's DCP shards into `<file>.sha256` files, off the training loop.
+    """Hash this rank's DCP shards into `<file>.sha256` files, beside them.
 
-    Run by the background writer right after it wrote the shards, so the commit on rank 0
-    does not re-read hundreds of MB on the training thread.
+    Every rank runs it right after its shards are written (the async writers in their
+    background thread), so the commit on rank 0 reads sidecars instead of re-reading every
+    rank's shards on the training thread while the other ranks wait at its barrier.
     """
     for shard in Path(staging).glob(f"__{rank}_*.distcp"):
         shard.with_name(shard.name + HASH_SIDECAR).write_text(sha256_file(shard))
@@ -286,6 +287,7 @@ def save_checkpoint(
     staging, final = prepare_staging(root, step, rank_extra)
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(staging))
+    write_hash_sidecars(staging, dist.get_rank())
     bytes_total = commit(staging, final, step, meta)
     return SaveResult(path=final, step=step, blocked_s=time.perf_counter() - started, bytes_total=bytes_total)
 

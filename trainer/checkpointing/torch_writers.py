@@ -1,6 +1,7 @@
 """The two checkpoint modes built on torch DCP alone: `sync` and `torch-async`.
 
-- `sync` (`SyncWriter`): `dcp.save`, then the commit; the loop waits for all of it.
+- `sync` (`SyncWriter`): `dcp.save`, each rank hashes its own shards, then the commit; the
+  loop waits for all of it.
 - `torch-async` (`TorchAsyncWriter`): torch's `dcp.async_save` stages the state to CPU and
   writes it in a thread over a gloo group of its own: the in-project baseline for NVRx.
   A second thread waits for the write and hashes this rank's shards; `poll()` (every
@@ -29,6 +30,8 @@ class SyncWriter(CheckpointWriter):
 
     def start_save(self, state: dict[str, Any], pending: PendingSave) -> None:
         dcp.save(state, checkpoint_id=str(pending.staging))
+        # Every rank hashes its own shards at once, so rank 0's commit reads only their sidecars.
+        storage.write_hash_sidecars(pending.staging, dist.get_rank())
         self._commit(pending, loop_waited_for_write=True)
 
     def finalize(self) -> None:
