@@ -7,6 +7,7 @@ import gc
 import math
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -277,3 +278,65 @@ def test_the_weight_difference_of_two_checkpoints(tmp_path):
     assert difference["weights_rel_diff"] == pytest.approx(0.25 / norm, rel=1e-5)
     same = recovery.weight_difference(tmp_path / "ref", tmp_path / "ref", config)
     assert same == {"weights_max_abs_diff": 0.0, "weights_rel_diff": 0.0}
+
+
+class _FakeLaunches:
+    """Stands in for run_local_training (no GPU here): records each run's config and returns a
+    CUDA summary whose weights differ per run, as they would without deterministic kernels."""
+
+    def __init__(self) -> None:
+        self.configs: list[TrainConfig] = []
+
+    def __call__(self, nproc, config, **kwargs):
+        from types import SimpleNamespace
+
+        self.configs.append(config)
+        name = Path(config.run.workdir).name
+        return SimpleNamespace(
+            device="cuda",
+            model_sha256=f"sha-{name}",
+            checkpoint=f"{config.run.workdir}/checkpoints/step_8",
+            restarts=[{"downtime_s": 1.0, "shutdown_s": 0.4, "startup_s": 0.6, "mechanism": "inprocess"}],
+            lost_steps=0,
+            goodput_pct=90.0,
+        )
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_bench_on_cuda_runs_every_run_with_the_switch_and_weighs_non_deterministic_runs_against_a_rerun(
+    monkeypatch, tmp_path, deterministic
+):
+    launches = _FakeLaunches()
+    monkeypatch.setattr(recovery, "run_local_training", launches)
+    rel = {"fault-free-rerun": 1e-4, "inprocess": 3e-4}
+    monkeypatch.setattr(
+        recovery,
+        "weight_difference",
+        lambda checkpoint, reference, model: {
+            "weights_max_abs_diff": 1e-3,
+            "weights_rel_diff": rel[Path(checkpoint).parents[1].name],
+        },
+    )
+    result = recovery.run_benchmark(
+        mechanisms=["inprocess"],
+        nproc=1,
+        steps=8,
+        every=4,
+        fault_steps=[5],
+        deterministic=deterministic,
+        workdir=tmp_path,
+    )
+    runs = [Path(c.run.workdir).name for c in launches.configs]
+    assert all(
+        c.training.deterministic is deterministic for c in launches.configs
+    )  # the fault-free run's too
+    if deterministic:
+        assert runs == ["fault-free", "inprocess"]
+        assert result["inprocess"]["exact"] is False  # bits must match there; these differ
+        assert result["settings"]["noise_rel_diff"] is None
+    else:
+        assert runs == ["fault-free", "fault-free-rerun", "inprocess"]
+        assert result["inprocess"]["exact"] is None and result["inprocess"]["within_noise"] is True
+        assert result["settings"]["noise_rel_diff"] == 1e-4
+    assert result["settings"]["bitwise_expected"] is deterministic
+    assert result["settings"]["device"] == "cuda"
