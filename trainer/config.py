@@ -121,7 +121,8 @@ def parse_local_interval(dotted_key: str, value: Any) -> int | str:
 class CheckpointConfig:
     mode: CheckpointMode = named("checkpoint_mode", DEFAULT_CHECKPOINT_MODE, pipeline=True)
     """How checkpoints are written: async (NVRx persistent worker, overlaps the write with
-    training), torch-async (dcp.async_save), sync (dcp.save) or off."""
+    training), torch-async (dcp.async_save), sync (dcp.save; each rank hashes its own shards,
+    rank 0 commits from their sidecars) or off."""
     dir: str = named("checkpoint_dir", "", path=True)
     """Folder holding step_<N>/ checkpoints; empty means <workdir>/checkpoints."""
     every_steps: int = named("checkpoint_every", 10, pipeline=True)
