@@ -43,7 +43,11 @@ def apply_determinism(
     matmul and before the process group is made."""
     environ = os.environ if environ is None else environ
     on = training.deterministic
-    torch.use_deterministic_algorithms(on)
+    if torch.are_deterministic_algorithms_enabled() != on or (
+        on and torch.is_deterministic_algorithms_warn_only_enabled()
+    ):
+        # Only on a change: the call imports torch._inductor's config, a slow import at a rank's start.
+        torch.use_deterministic_algorithms(on)
     torch.backends.cudnn.deterministic = on
     if not on:
         return {}

@@ -6,6 +6,8 @@ from __future__ import annotations
 import gc
 import math
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -102,6 +104,23 @@ def test_off_leaves_the_environment_alone_and_returns_torchs_flags_to_their_defa
     # A restart of train() in the same process starts from its config, not from the last attempt.
     assert not torch.are_deterministic_algorithms_enabled()
     assert not torch.backends.cudnn.deterministic
+
+
+@pytest.mark.timeout(120)
+def test_off_costs_a_new_rank_no_import_of_inductor():
+    """torch.use_deterministic_algorithms imports torch._inductor's config (seconds on a loaded
+    machine): a rank with the switch off, torch's default, must not pay that at its start."""
+    code = (
+        "import sys, torch\n"
+        "from trainer.config import TrainingConfig\n"
+        "from trainer.determinism import apply_determinism\n"
+        "apply_determinism(TrainingConfig(), cuda=False, environ={})\n"
+        "print('torch._inductor.config' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=100, check=True
+    )
+    assert done.stdout.strip() == "False"
 
 
 # ---- one rank on CPU ---------------------------------------------------------------------
