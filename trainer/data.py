@@ -11,12 +11,20 @@ Files are bytes (raw text, or byte shards of `rtp prepare-data`) unless the snap
 an `index.json` of token shards (trainer/tokenized_data.py): then each file is an array of
 token ids of the index's dtype, and `check_tokenizer` refuses a model whose tokenizer is
 not the one the shards were made with.
+
+Files are never loaded: `load_tokens` checks their sizes against the manifest and returns a
+`TokenStream`, a virtual concatenation in key order of the files memory-mapped in their stored
+dtype (a newline after each byte file). A batch copies its windows out of the maps (a window
+may span files) and only the batch becomes int64, so a rank's memory and start-up do not grow
+with the dataset (docs/data.md).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import mmap
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +34,9 @@ import torch
 MANIFEST_NAME = "manifest.json"
 SHARD_INDEX_NAME = "index.json"  # written by `rtp prepare-data` beside the shards; not training text
 TOKEN_DTYPES = ("uint8", "uint16", "uint32")
+NEWLINE = 10  # added after each byte file, so documents stay apart in the stream
+MAX_OPEN_FILES = 64  # files mapped at once: bounds descriptors and mapped pages, not the data read
+FAULT_AROUND_BYTES = 64 * 1024  # the kernel maps up to this much beside a faulted page (fault_around_bytes)
 
 
 class DataError(ValueError):
@@ -114,20 +125,139 @@ def split_files(
     return [f for f in files if f.key not in held], holdout
 
 
-def load_tokens(files: list[DatasetFile]) -> torch.Tensor:
-    """All tokens of the files in key order: bytes separated by a newline (a uint8 tensor), or
-    token shards, whose documents already end with EOS (an int32 tensor)."""
-    if all(f.dtype == "uint8" for f in files):
-        chunks = [np.frombuffer(f.path.read_bytes() + b"\n", dtype=np.uint8) for f in files]
-        return torch.from_numpy(np.concatenate(chunks).copy())
-    chunks = [np.frombuffer(f.path.read_bytes(), dtype=np.dtype(f.dtype).newbyteorder("<")) for f in files]
-    return torch.from_numpy(np.concatenate(chunks).astype(np.int32))
+def load_tokens(files: list[DatasetFile]) -> TokenStream:
+    """The tokens of the files in key order as one memory-mapped stream, never read whole: bytes
+    with a newline after each file, or token shards (whose documents already end with EOS).
+
+    Only sizes are checked (the stage step verified the bytes): DataError names a file whose size
+    on disk differs from the manifest, or is not a whole number of tokens."""
+    is_bytes = all(f.dtype == "uint8" for f in files)
+    segments = []
+    for f in files:
+        dtype = np.dtype("uint8" if is_bytes else f.dtype).newbyteorder("<")
+        try:
+            size = f.path.stat().st_size
+        except OSError as exc:
+            raise DataError(
+                f"{f.path} cannot be read ({exc.strerror}): stage the dataset again (`rtp stage`)"
+            ) from None
+        if size != f.size:
+            raise DataError(
+                f"{f.path} is {size} bytes but manifest.json says {f.size}: the snapshot changed after "
+                "staging; stage the dataset again (`rtp stage`)"
+            )
+        if size % dtype.itemsize:
+            raise DataError(
+                f"{f.path} is {size} bytes, not a whole number of {dtype.itemsize}-byte {dtype.name} tokens: "
+                "make the shards again with `rtp prepare-data` and stage them"
+            )
+        segments.append(_Segment(path=f.path, array=None, dtype=dtype, count=size // dtype.itemsize))
+    return TokenStream(segments, separator=NEWLINE if is_bytes else None)
+
+
+@dataclass(frozen=True, slots=True)
+class _Segment:
+    """One file (mapped when first read) or one in-memory array of the stream."""
+
+    path: Path | None
+    array: np.ndarray | None
+    dtype: np.dtype
+    count: int
+
+
+class TokenStream:
+    """Read-only concatenation of files' tokens, mapped in their stored dtype.
+
+    Only the per-file offset table is held; at most `MAX_OPEN_FILES` files are mapped at once, and
+    the pages a window touched are unmapped after copying, so a rank's memory does not grow with
+    the dataset or the number of batches drawn (the pages stay in the kernel's page cache)."""
+
+    def __init__(self, segments: list[_Segment], separator: int | None = None) -> None:
+        self._segments = segments
+        self._separator = separator
+        lengths = [s.count + (separator is not None) for s in segments]
+        self._offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
+        self._maps: OrderedDict[int, tuple[mmap.mmap, np.ndarray]] = OrderedDict()
+
+    @classmethod
+    def from_array(cls, tokens: torch.Tensor | np.ndarray) -> TokenStream:
+        """An in-memory stream (tests, small tools); no separator is added."""
+        array = tokens.numpy() if isinstance(tokens, torch.Tensor) else np.asarray(tokens)
+        array = np.ascontiguousarray(array.reshape(-1))
+        return cls([_Segment(path=None, array=array, dtype=array.dtype, count=array.size)])
+
+    def numel(self) -> int:
+        return int(self._offsets[-1])
+
+    def __len__(self) -> int:
+        return self.numel()
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The stored dtype of the tokens (uint8 for bytes)."""
+        return self._segments[0].dtype if self._segments else np.dtype("uint8")
+
+    def gather(self, starts: list[int], length: int) -> torch.Tensor:
+        """Rows `[start, start + length)` of the stream as one int64 tensor (a row may span files)."""
+        out = np.empty((len(starts), length), dtype=np.int64)
+        for row, start in enumerate(starts):
+            if start < 0 or start + length > self.numel():
+                raise IndexError(f"window [{start}, {start + length}) is outside the {self.numel()} tokens")
+            index = int(np.searchsorted(self._offsets, start, side="right")) - 1
+            position, filled = start - int(self._offsets[index]), 0
+            while filled < length:
+                available = int(self._offsets[index + 1] - self._offsets[index]) - position
+                take = min(length - filled, available)
+                self._copy(index, position, out[row, filled : filled + take])
+                filled, index, position = filled + take, index + 1, 0
+        return torch.from_numpy(out)
+
+    def _copy(self, index: int, position: int, dest: np.ndarray) -> None:
+        segment = self._segments[index]
+        from_data = max(0, min(dest.size, segment.count - position))
+        if from_data:
+            if segment.array is not None:
+                dest[:from_data] = segment.array[position : position + from_data]
+            else:
+                mapped, array = self._mapped(index)
+                dest[:from_data] = array[position : position + from_data]
+                _unmap_pages(mapped, position * segment.dtype.itemsize, from_data * segment.dtype.itemsize)
+        if from_data < dest.size:  # the separator after a byte file: the only token past its data
+            dest[from_data] = self._separator
+
+    def _mapped(self, index: int) -> tuple[mmap.mmap, np.ndarray]:
+        if index in self._maps:
+            self._maps.move_to_end(index)
+            return self._maps[index]
+        segment = self._segments[index]
+        assert segment.path is not None
+        with segment.path.open("rb") as handle:  # mmap keeps its own descriptor
+            mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        self._maps[index] = (mapped, np.frombuffer(mapped, dtype=segment.dtype, count=segment.count))
+        if len(self._maps) > MAX_OPEN_FILES:
+            self._maps.popitem(last=False)  # unmapped when the last reference goes
+        return self._maps[index]
+
+
+def _unmap_pages(mapped: mmap.mmap, offset: int, size: int) -> None:
+    """Drop the pages around `[offset, offset + size)` from this process (not from the page cache)."""
+    page = mmap.PAGESIZE
+    begin = max(0, (offset - FAULT_AROUND_BYTES) // page * page)
+    end = min(len(mapped), offset + size + FAULT_AROUND_BYTES)
+    mapped.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+
+
+def as_token_stream(tokens: TokenStream | torch.Tensor | np.ndarray) -> TokenStream:
+    return tokens if isinstance(tokens, TokenStream) else TokenStream.from_array(tokens)
 
 
 class StepSampler:
     """Random windows of `seq_len + 1` bytes; batch for (step, rank) is a pure function."""
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, batch_size: int, seed: int, rank: int) -> None:
+    def __init__(
+        self, tokens: TokenStream | torch.Tensor, seq_len: int, batch_size: int, seed: int, rank: int
+    ) -> None:
+        tokens = as_token_stream(tokens)
         if tokens.numel() < seq_len + 2:
             raise DataError(
                 f"dataset has {tokens.numel()} tokens; need more than seq_len + 1 = {seq_len + 1}"
@@ -143,18 +273,20 @@ class StepSampler:
         mixed = ((self.seed * 1_000_003 + step) * 1_009 + self.rank) % (2**63)
         generator = torch.Generator().manual_seed(mixed)
         starts = torch.randint(0, self.tokens.numel() - self.window, (self.batch_size,), generator=generator)
-        return torch.stack([self.tokens[s : s + self.window] for s in starts.tolist()]).long()
+        return self.tokens.gather(starts.tolist(), self.window)
 
     def state_dict(self, next_step: int) -> dict[str, int]:
         return {"next_step": next_step, "seed": self.seed, "rank": self.rank}
 
 
 def holdout_batches(
-    tokens: torch.Tensor, seq_len: int, max_windows: int = 64, batch_size: int = 16
+    tokens: TokenStream | torch.Tensor, seq_len: int, max_windows: int = 64, batch_size: int = 16
 ) -> list[torch.Tensor]:
-    """Evenly spaced, non-random windows over the holdout bytes: the same for every model."""
+    """Evenly spaced, non-random windows over the holdout tokens: the same for every model; at
+    most `max_windows` windows are read, whatever the holdout's size."""
+    tokens = as_token_stream(tokens)
     window = seq_len + 1
     count = max(1, min(max_windows, (tokens.numel() - 1) // window))
     starts = np.linspace(0, tokens.numel() - window, num=count, dtype=np.int64).tolist()
-    rows = [tokens[s : s + window].long() for s in starts]
-    return [torch.stack(rows[i : i + batch_size]) for i in range(0, len(rows), batch_size)]
+    length = min(window, tokens.numel())  # a holdout shorter than one window is one short row
+    return [tokens.gather(starts[i : i + batch_size], length) for i in range(0, len(starts), batch_size)]

@@ -26,7 +26,7 @@ from components.validate_checkpoint.checks import DECISIONS, decide, optimizer_p
 from components.validate_checkpoint.scoring import HoldoutScore, retokenized_windows, score_windows
 from trainer.checkpointing import storage
 from trainer.config import ModelConfig, TrainConfig
-from trainer.data import holdout_batches, load_tokens, split_files
+from trainer.data import TokenStream, holdout_batches, load_tokens, split_files
 from trainer.models import model_spec
 
 log = logging.getLogger(__name__)
@@ -161,25 +161,30 @@ def load_validated_model(
     return model, config, meta
 
 
-def holdout_tokens(dataset_dir: str | Path, holdout_fraction: float) -> tuple[torch.Tensor, int]:
-    """The holdout split's tokens (bytes for byte data; defined by the snapshot manifest) and its file count."""
+def holdout_tokens(dataset_dir: str | Path, holdout_fraction: float) -> tuple[TokenStream, int]:
+    """The holdout split's tokens, memory-mapped (bytes for byte data; defined by the snapshot manifest),
+    and its file count."""
     _, holdout = split_files(dataset_dir, holdout_fraction)
     return load_tokens(holdout), len(holdout)
 
 
-def holdout_score(model: nn.Module, tokens: torch.Tensor, config: ModelConfig) -> HoldoutScore:
+def holdout_score(model: nn.Module, tokens: TokenStream | torch.Tensor, config: ModelConfig) -> HoldoutScore:
     """Nats per token and bits per byte over fixed, evenly spaced holdout windows."""
     spec = model_spec(config.kind)
     return score_windows(model, spec.loss, holdout_batches(tokens, config.seq_len), spec.tokenizer(config))
 
 
-def loss_on_tokens(model: nn.Module, tokens: torch.Tensor, config: ModelConfig | None = None) -> float:
+def loss_on_tokens(
+    model: nn.Module, tokens: TokenStream | torch.Tensor, config: ModelConfig | None = None
+) -> float:
     """Mean next-token loss (nats per token; per byte for byte-lm) over the holdout windows.
     `config` defaults to the model's own (`model.cfg`, byte-lm bundles)."""
     return holdout_score(model, tokens, config or cast(ModelConfig, model.cfg)).nats_per_token
 
 
-def champion_score(champion: Champion, tokens: torch.Tensor, config: ModelConfig) -> HoldoutScore:
+def champion_score(
+    champion: Champion, tokens: TokenStream | torch.Tensor, config: ModelConfig
+) -> HoldoutScore:
     """The champion on the candidate's holdout windows: the same tokens when it has the same
     tokenizer, else the windows' text encoded with its own tokenizer."""
     spec = model_spec(champion.kind)
