@@ -86,9 +86,18 @@ class DataConfig:
     dataset_dir: str = named("dataset_dir", "", path=True)
     """A staged dataset snapshot (folder with manifest.json), as written by the stage step."""
     batch_size: int = 8
-    """Sequences per rank per step."""
+    """Sequences per rank per forward and backward (one micro-batch)."""
+    global_batch: int = 0
+    """Sequences per optimizer step over all ranks, a multiple of batch_size x world size: each
+    rank accumulates gradients over global_batch / (batch_size x world size) micro-batches.
+    0 = batch_size x world size (no accumulation). A fixed value keeps the batch and the data
+    order when a run resumes on another number of ranks."""
     holdout_fraction: float = 0.1
     """Share of the dataset's files reserved for validation, chosen deterministically by key."""
+    eval_windows: int = 64
+    """Holdout windows the training ranks score after the last step, written to <workdir>/eval.json
+    for the validate step (which then never loads the whole model); 0: no record, validate scores
+    the checkpoint in one process (small models only)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -561,8 +570,15 @@ def validate(config: TrainConfig) -> None:
     for name, value in positive.items():
         if value < 1:
             raise ConfigError(f"{name} must be at least 1, got {value}")
+    if config.data.global_batch < 0 or config.data.global_batch % config.data.batch_size:
+        raise ConfigError(
+            f"data.global_batch ({config.data.global_batch}) must be 0 (batch_size x world size) or a "
+            f"multiple of data.batch_size ({config.data.batch_size})"
+        )
     if not 0.0 < config.data.holdout_fraction < 1.0:
         raise ConfigError("data.holdout_fraction must be between 0 and 1 (exclusive)")
+    if config.data.eval_windows < 0:
+        raise ConfigError("data.eval_windows must be >= 0 (0: no end-of-training holdout score)")
     if config.checkpoint.mode not in CHECKPOINT_MODES:
         raise ConfigError(
             f"checkpoint.mode {config.checkpoint.mode!r} is not one of {', '.join(CHECKPOINT_MODES)}"

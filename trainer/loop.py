@@ -22,10 +22,11 @@ import math
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from trainer import peer_abort
 from trainer.checkpointing import CheckpointManager, model_sha256
@@ -171,7 +172,13 @@ def train(
     check_tokenizer(config.data.dataset_dir, spec.tokenizer(config.model).identity)
     train_files, _ = split_files(config.data.dataset_dir, config.data.holdout_fraction)
     sampler = StepSampler(
-        load_tokens(train_files), config.model.seq_len, config.data.batch_size, config.run.seed, rank
+        load_tokens(train_files),
+        config.model.seq_len,
+        config.data.batch_size,
+        config.run.seed,
+        rank,
+        world_size=world,
+        global_batch=config.data.global_batch,
     )
     phases["loader_s"] = time.perf_counter() - mark
 
@@ -226,9 +233,15 @@ def train(
         for step in range(last_step + 1, config.run.steps + 1):
             step_start = time.perf_counter()
             injector.at_step(step)
-            batch = sampler.batch(step).to(device)
-            loss = spec.loss(model, batch)
-            loss.backward()
+            micro_batches = sampler.micro_batches(step)
+            loss = torch.zeros((), device=device)
+            for index, micro_batch in enumerate(micro_batches):
+                # Reduce-scatter once, after the last micro-batch: its gradient (averaged over
+                # the ranks by FSDP) is then the mean over the global batch.
+                cast(FSDPModule, model).set_requires_gradient_sync(index == len(micro_batches) - 1)
+                micro_loss = spec.loss(model, micro_batch.to(device)) / len(micro_batches)
+                micro_loss.backward()
+                loss += micro_loss.detach()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), opt_cfg.grad_clip_norm)
             # An async save's snapshot copy ran beside this forward and backward; it must be
             # complete before the optimizer changes the weights in place.
@@ -282,6 +295,11 @@ def train(
     with hooks.keepalive():  # gathers every tensor: minutes at 8B+
         fingerprint = model_sha256(model)
     final_step = losses[-1][0] if losses else last_step
+    if config.data.eval_windows > 0:  # scored where the model already is, for the validate step
+        from trainer.evaluation import write_eval_record
+
+        with hooks.keepalive():
+            write_eval_record(model, config, fingerprint, final_step, rank, device)
     summary = TrainSummary(
         steps=final_step,
         target_steps=config.run.steps,

@@ -90,3 +90,30 @@ def decide(
     if delta > 0 and delta >= min_improvement:
         return Decision("champion", [*reasons, f"{comparison}: beats it"])
     return Decision("challenger", [*reasons, f"{comparison}: does not beat it"])
+
+
+def eval_record_problems(
+    record: dict, weights_sha256: str, step: int, model_kind: str, holdout: dict
+) -> list[str]:
+    """Why the training's eval record does not belong to this checkpoint (empty: it does).
+
+    It belongs when it scored these weights (their SHA-256), at this step, as this model kind,
+    on these holdout windows (`holdout`: files and windows with their digests, seq_len)."""
+    problems = []
+    if record.get("model_sha256") != weights_sha256:
+        problems.append(
+            f"it scored weights with SHA-256 {str(record.get('model_sha256'))[:16]}…, "
+            f"the checkpoint holds {weights_sha256[:16]}…"
+        )
+    if record.get("step") != step:
+        problems.append(f"it scored step {record.get('step')}, the checkpoint is step {step}")
+    if record.get("model_kind") != model_kind:
+        problems.append(f"it scored a {record.get('model_kind')} model, the checkpoint holds a {model_kind}")
+    scored = record.get("holdout") or {}
+    differ = [key for key in sorted(holdout) if scored.get(key) != holdout[key]]
+    if differ:
+        problems.append(f"its holdout differs in {', '.join(differ)}")
+    for key in ("nats_total", "tokens", "bytes"):
+        if not isinstance(record.get(key), (int, float)) or isinstance(record.get(key), bool):
+            problems.append(f"it has no number {key!r}")
+    return problems

@@ -9,73 +9,20 @@ with the model's tokenizer; document separators (the EOS token) count as no byte
 
 A champion with another tokenizer is scored on the same holdout text: each candidate
 window is decoded to text and encoded again with the champion's tokenizer
-(`retokenized_windows`). Nothing here reads files or talks to MLflow.
+(`retokenized_windows`). Nothing here reads files or talks to MLflow. The scoring
+itself lives in trainer/evaluation.py, shared with the training ranks' end-of-run score.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
-from torch import nn
 
+from trainer.evaluation import BYTES_IDENTITY, HoldoutScore, decoded_bytes, score_windows
 from trainer.models.spec import Tokenizer
 
 __all__ = ["HoldoutScore", "decoded_bytes", "retokenized_windows", "score_windows"]
-
-BYTES_IDENTITY = "bytes"
-
-
-@dataclass(frozen=True, slots=True)
-class HoldoutScore:
-    nats_total: float
-    """Summed next-token cross-entropy over every predicted token."""
-    tokens: int
-    """Tokens predicted (each window's targets)."""
-    bytes: int
-    """UTF-8 bytes those tokens decode to."""
-
-    @property
-    def nats_per_token(self) -> float:
-        return self.nats_total / max(1, self.tokens)
-
-    @property
-    def bits_per_byte(self) -> float:
-        return self.nats_total / math.log(2) / max(1, self.bytes)
-
-    @property
-    def nats_per_byte(self) -> float:
-        """bits_per_byte * ln 2: the unit of `max_loss` and `min_improvement`."""
-        return self.nats_total / max(1, self.bytes)
-
-
-def decoded_bytes(tokenizer: Tokenizer, ids: Sequence[int]) -> int:
-    """UTF-8 bytes of `ids`: one per token for the byte tokenizer; otherwise the length of
-    their decoded text, EOS (a document separator, not text) left out."""
-    if tokenizer.identity == BYTES_IDENTITY:
-        return len(ids)
-    eos = tokenizer.eos_id
-    return len(tokenizer.decode([i for i in ids if i != eos]).encode("utf-8"))
-
-
-@torch.no_grad()
-def score_windows(
-    model: nn.Module,
-    loss: Callable[[nn.Module, torch.Tensor], torch.Tensor],
-    batches: Sequence[torch.Tensor],
-    tokenizer: Tokenizer,
-) -> HoldoutScore:
-    """Score `batches` of (rows, window) token ids: `loss` is the spec's mean next-token loss."""
-    model.eval()
-    nats, tokens, byte_count = 0.0, 0, 0
-    for batch in batches:
-        targets = batch[:, 1:]
-        nats += loss(model, batch).item() * targets.numel()
-        tokens += targets.numel()
-        byte_count += sum(decoded_bytes(tokenizer, row.tolist()) for row in targets)
-    return HoldoutScore(nats_total=nats, tokens=tokens, bytes=byte_count)
 
 
 def _documents(ids: list[int], tokenizer: Tokenizer) -> list[str]:

@@ -1,20 +1,29 @@
-"""Decide whether a committed checkpoint is a usable model, on one CPU process.
+"""Decide whether a committed checkpoint is a usable model, without consolidating a large one.
 
 Checks, in order, each naming the file or tensor at fault (a failure raises
-CheckpointError): the checkpoint is committed and every file matches its SHA-256 manifest;
-the stored tensors have the shapes the model config gives them; the optimizer state is
-there when resuming is intended; the DCP shards load into one consolidated model (any
-number of training ranks, no process group); every tensor is finite. Then the model is
-scored on the dataset's holdout split (never trained on): nats per token and bits per byte
-(`scoring.py`), and compared with `max_loss` and with the current MLflow `champion`, scored
-by the same code on the same holdout text, in bytes, so tokenizers may differ.
+CheckpointError): the checkpoint is committed and every file matches its SHA-256 manifest
+(hashed in chunks); the stored tensors have the shapes the model config gives them (from the
+DCP metadata); the optimizer state is there when resuming is intended; every model tensor is
+finite, read from the DCP shards a few at a time within a byte budget (any number of training
+ranks, no process group), which also gives the weights' SHA-256 (`model_sha256`'s value).
+
+Then the holdout score (nats per token and bits per byte, on the dataset's holdout split,
+never trained on). The training ranks score the model after the last step and write
+`<workdir>/eval.json` (trainer/evaluation.py); the record is used when it belongs to this
+checkpoint: the same weights SHA-256, step, model kind and holdout windows. Otherwise a small
+model is loaded into this process and scored here; a model above `max_in_process_bytes` is
+refused, naming what to do. The score is compared with `max_loss` and with the current MLflow
+`champion`, scored here by the same code on the same holdout windows, in bytes, so tokenizers
+may differ (the champion is loaded whole: `champion.py`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -22,11 +31,19 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from components.validate_checkpoint.checks import DECISIONS, decide, optimizer_problems, shape_problems
+from components.validate_checkpoint.checks import (
+    DECISIONS,
+    MODEL_PREFIX,
+    decide,
+    eval_record_problems,
+    optimizer_problems,
+    shape_problems,
+)
 from components.validate_checkpoint.scoring import HoldoutScore, retokenized_windows, score_windows
 from trainer.checkpointing import storage
 from trainer.config import ModelConfig, TrainConfig
 from trainer.data import TokenStream, holdout_batches, load_tokens, split_files
+from trainer.evaluation import EVAL_RECORD, holdout_identity, read_eval_record
 from trainer.models import model_spec
 
 log = logging.getLogger(__name__)
@@ -34,7 +51,22 @@ log = logging.getLogger(__name__)
 if TYPE_CHECKING:
     from components.validate_checkpoint.champion import Champion
 
-__all__ = ["DECISIONS", "ValidationResult", "load_validated_model", "report_markdown", "validate_checkpoint"]
+__all__ = [
+    "DECISIONS",
+    "ValidationResult",
+    "check_model_tensors",
+    "load_validated_model",
+    "report_markdown",
+    "stream_model_tensors",
+    "validate_checkpoint",
+]
+
+MIB = 2**20
+TENSOR_BUDGET_BYTES = 256 * MIB
+"""Model tensors read from the shards at once (a larger single tensor is read alone)."""
+MAX_IN_PROCESS_BYTES = 4 * 2**30
+"""Largest model (stored bytes) scored in this process when no eval record of the training fits."""
+DEFAULT_WINDOWS = 64
 
 
 @dataclass(slots=True)
@@ -63,6 +95,10 @@ class ValidationResult:
     champion_bits_per_byte: float | None = None
     champion_recorded_bits_per_byte: float | None = None
     """What the champion scored when it was validated (None: registered before rtp recorded it)."""
+    scored_by: str = "validate"
+    """training: the eval record the training ranks wrote; validate: scored in this process."""
+    weights_sha256: str = ""
+    """SHA-256 of the checkpoint's model tensors (the train summary's `model_sha256`)."""
     checks: list[str] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
 
@@ -114,19 +150,88 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
 
 
-def load_validated_model(
-    checkpoint_dir: str | Path,
-    require_optimizer_state: bool = False,
-    checks: list[str] | None = None,
-    published_manifest_sha256: str | None = None,
-) -> tuple[nn.Module, TrainConfig, dict[str, Any]]:
-    """Verify and load a checkpoint into a plain model (one CPU process); raise CheckpointError naming the problem.
+def _model_entries(checkpoint_dir: str | Path) -> list[tuple[str, Any]]:
+    """(parameter name, TensorStorageMetadata) of every model tensor, sorted by name."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    `checks`, when given, receives one line per check that passed (for the report). With
-    `published_manifest_sha256` (the train step's output), the checkpoint must be the one
-    the train step published, checked before any file of it is read beyond its manifest.
-    """
-    passed = checks if checks is not None else []
+    try:
+        metadata = dcp.FileSystemReader(str(checkpoint_dir)).read_metadata()
+    except Exception as exc:  # a torn or foreign .metadata file: say which
+        raise storage.CheckpointError(f"{Path(checkpoint_dir) / '.metadata'} is unreadable: {exc}") from exc
+    return sorted(
+        (key[len(MODEL_PREFIX) :], entry)
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith(MODEL_PREFIX) and isinstance(entry, TensorStorageMetadata)
+    )
+
+
+def _stored_bytes(entry: Any) -> int:
+    return math.prod(entry.size) * torch.empty((), dtype=entry.properties.dtype).element_size()
+
+
+def model_stored_bytes(checkpoint_dir: str | Path) -> int:
+    """Bytes of the model tensors in a checkpoint, from its metadata."""
+    return sum(_stored_bytes(entry) for _, entry in _model_entries(checkpoint_dir))
+
+
+def stream_model_tensors(
+    checkpoint_dir: str | Path, budget_bytes: int = TENSOR_BUDGET_BYTES
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) of every model tensor in sorted name order, read from the DCP shards
+    in groups of at most `budget_bytes` (one process, no group): the model is never whole."""
+    import torch.distributed.checkpoint as dcp
+
+    def read(group: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        try:
+            dcp.load(group, storage_reader=dcp.FileSystemReader(str(checkpoint_dir)), no_dist=True)
+        except Exception as exc:  # DCP raises a bare CheckpointException listing rank errors
+            raise storage.CheckpointError(f"cannot read model tensors from {checkpoint_dir}: {exc}") from exc
+        return group
+
+    group: dict[str, torch.Tensor] = {}
+    group_bytes = 0
+    for name, entry in _model_entries(checkpoint_dir):
+        size = _stored_bytes(entry)
+        if group and group_bytes + size > budget_bytes:
+            for key, tensor in read(group).items():
+                yield key[len(MODEL_PREFIX) :], tensor
+            group, group_bytes = {}, 0
+        group[MODEL_PREFIX + name] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        group_bytes += size
+    if group:
+        for key, tensor in read(group).items():
+            yield key[len(MODEL_PREFIX) :], tensor
+
+
+def check_model_tensors(
+    checkpoint_dir: str | Path, budget_bytes: int = TENSOR_BUDGET_BYTES
+) -> tuple[str, int]:
+    """Every model tensor finite, streamed from the shards; returns (weights SHA-256, tensor count).
+
+    The SHA-256 hashes what `trainer.checkpointing.model_sha256` hashes (each key, then its
+    values, in sorted key order), so it equals the train summary's for the final checkpoint."""
+    digest = hashlib.sha256()
+    count = 0
+    for name, tensor in stream_model_tensors(checkpoint_dir, budget_bytes):
+        finite = torch.isfinite(tensor)
+        if not finite.all():
+            raise storage.CheckpointError(
+                f"tensor {name!r} in {checkpoint_dir} holds {int((~finite).sum())} NaN or Inf value(s)"
+            )
+        digest.update(name.encode())
+        digest.update(tensor.contiguous().numpy().data)
+        count += 1
+    return digest.hexdigest(), count
+
+
+def _verify_files(
+    checkpoint_dir: str | Path,
+    require_optimizer_state: bool,
+    passed: list[str],
+    published_manifest_sha256: str | None,
+) -> tuple[TrainConfig, dict[str, Any], dict[str, tuple[int, ...]]]:
+    """Integrity (manifest, SHA-256), shapes and optimizer state; no tensor data is loaded."""
     if published_manifest_sha256 is not None:
         storage.verify_published(checkpoint_dir, published_manifest_sha256)
         passed.append("the manifest is the one the train step published")
@@ -147,10 +252,26 @@ def load_validated_model(
         if problems:
             raise storage.CheckpointError(f"{checkpoint_dir} cannot be resumed: {'; '.join(problems)}")
         passed.append("optimizer state present for every parameter (the run can resume from it)")
-    model = model_spec(config.model.kind).build(config.model, torch.device("cpu"))
-    storage.load_model_weights(checkpoint_dir, model)
-    world_size = meta.get("world_size", "?")
-    passed.append(f"saved by {world_size} rank(s), consolidated into one state dict on one CPU process")
+    return config, meta, expected
+
+
+def load_validated_model(
+    checkpoint_dir: str | Path,
+    require_optimizer_state: bool = False,
+    checks: list[str] | None = None,
+    published_manifest_sha256: str | None = None,
+) -> tuple[nn.Module, TrainConfig, dict[str, Any]]:
+    """Verify and load a checkpoint into a plain model (one CPU process); raise CheckpointError naming the problem.
+
+    `checks`, when given, receives one line per check that passed (for the report). With
+    `published_manifest_sha256` (the train step's output), the checkpoint must be the one
+    the train step published, checked before any file of it is read beyond its manifest.
+    """
+    passed = checks if checks is not None else []
+    config, meta, expected = _verify_files(
+        checkpoint_dir, require_optimizer_state, passed, published_manifest_sha256
+    )
+    model = _load_model(checkpoint_dir, config, meta, passed)
     for name, tensor in model.state_dict().items():
         if not torch.isfinite(tensor).all():
             bad = int((~torch.isfinite(tensor)).sum())
@@ -161,6 +282,16 @@ def load_validated_model(
     return model, config, meta
 
 
+def _load_model(
+    checkpoint_dir: str | Path, config: TrainConfig, meta: dict[str, Any], passed: list[str]
+) -> nn.Module:
+    model = model_spec(config.model.kind).build(config.model, torch.device("cpu"))
+    storage.load_model_weights(checkpoint_dir, model)
+    world_size = meta.get("world_size", "?")
+    passed.append(f"saved by {world_size} rank(s), consolidated into one state dict on one CPU process")
+    return model
+
+
 def holdout_tokens(dataset_dir: str | Path, holdout_fraction: float) -> tuple[TokenStream, int]:
     """The holdout split's tokens, memory-mapped (bytes for byte data; defined by the snapshot manifest),
     and its file count."""
@@ -168,10 +299,16 @@ def holdout_tokens(dataset_dir: str | Path, holdout_fraction: float) -> tuple[To
     return load_tokens(holdout), len(holdout)
 
 
-def holdout_score(model: nn.Module, tokens: TokenStream | torch.Tensor, config: ModelConfig) -> HoldoutScore:
+def holdout_score(
+    model: nn.Module,
+    tokens: TokenStream | torch.Tensor,
+    config: ModelConfig,
+    max_windows: int = DEFAULT_WINDOWS,
+) -> HoldoutScore:
     """Nats per token and bits per byte over fixed, evenly spaced holdout windows."""
     spec = model_spec(config.kind)
-    return score_windows(model, spec.loss, holdout_batches(tokens, config.seq_len), spec.tokenizer(config))
+    batches = holdout_batches(tokens, config.seq_len, max_windows=max_windows)
+    return score_windows(model, spec.loss, batches, spec.tokenizer(config))
 
 
 def loss_on_tokens(
@@ -182,21 +319,22 @@ def loss_on_tokens(
     return holdout_score(model, tokens, config or cast(ModelConfig, model.cfg)).nats_per_token
 
 
-def champion_score(
-    champion: Champion, tokens: TokenStream | torch.Tensor, config: ModelConfig
-) -> HoldoutScore:
-    """The champion on the candidate's holdout windows: the same tokens when it has the same
-    tokenizer, else the windows' text encoded with its own tokenizer."""
+def champion_score(champion: Champion, batches: list[torch.Tensor], config: ModelConfig) -> HoldoutScore:
+    """The champion on the candidate's holdout windows `batches`: the same tokens when it has the
+    same tokenizer, else the windows' text encoded with its own tokenizer."""
     spec = model_spec(champion.kind)
     candidate_tokenizer = model_spec(config.kind).tokenizer(config)
     assert champion.tokenizer is not None
-    if champion.tokenizer_identity == candidate_tokenizer.identity and champion.seq_len == config.seq_len:
-        batches = holdout_batches(tokens, config.seq_len)
-    else:
-        batches = retokenized_windows(
-            holdout_batches(tokens, config.seq_len), candidate_tokenizer, champion.tokenizer, champion.seq_len
-        )
+    if champion.tokenizer_identity != candidate_tokenizer.identity or champion.seq_len != config.seq_len:
+        batches = retokenized_windows(batches, candidate_tokenizer, champion.tokenizer, champion.seq_len)
     return score_windows(champion.model, spec.loss, batches, champion.tokenizer)
+
+
+def _record_candidates(checkpoint_dir: str | Path, config: TrainConfig) -> list[Path]:
+    """Where the training's eval record lies: its workdir, or two levels above a step folder
+    (the default <workdir>/checkpoints/step_<N> layout, for a run folder that moved)."""
+    here = Path(checkpoint_dir).resolve().parent.parent / EVAL_RECORD
+    return list(dict.fromkeys([Path(config.run.workdir) / EVAL_RECORD, here]))
 
 
 def validate_checkpoint(
@@ -209,19 +347,77 @@ def validate_checkpoint(
     require_optimizer_state: bool = False,
     retry: Any = None,
     published_manifest_sha256: str | None = None,
+    eval_record: str | None = None,
+    max_in_process_bytes: int = MAX_IN_PROCESS_BYTES,
+    tensor_budget_bytes: int = TENSOR_BUDGET_BYTES,
 ) -> ValidationResult:
     """Check and score a checkpoint; compare it with the champion of `champion_model_name`
-    in MLflow (skipped when the name is empty). `retry` is a RetryPolicy for MLflow calls."""
+    in MLflow (skipped when the name is empty). `retry` is a RetryPolicy for MLflow calls.
+
+    `eval_record`: the training's eval.json (None: looked for in the run's workdir; "": not
+    used). Without a record that belongs to this checkpoint, a model of at most
+    `max_in_process_bytes` is scored in this process; a larger one is refused."""
     checks: list[str] = []
-    model, config, meta = load_validated_model(
+    config, meta, _ = _verify_files(
         checkpoint_dir, require_optimizer_state, checks, published_manifest_sha256
     )
-    tokens, files = holdout_tokens(dataset_dir, config.data.holdout_fraction)
-    score = holdout_score(model, tokens, config.model)
+    weights_sha256, count = check_model_tensors(checkpoint_dir, tensor_budget_bytes)
+    checks.append(
+        f"all {count} model tensors finite, read from the shards of {meta.get('world_size', '?')} rank(s) "
+        f"at most {max(tensor_budget_bytes, 1) / MIB:.0f} MiB at a time (weights SHA-256 {weights_sha256[:16]}…)"
+    )
+    _, holdout = split_files(dataset_dir, config.data.holdout_fraction)
+    tokens, files = load_tokens(holdout), len(holdout)
+    windows = config.data.eval_windows or DEFAULT_WINDOWS
+    batches = holdout_batches(tokens, config.model.seq_len, max_windows=windows)
+    identity = holdout_identity(holdout, batches, config.model.seq_len)
     checks.append(
         f"holdout split: {files} file(s), {tokens.numel()} tokens, chosen by key hash from the "
         f"snapshot manifest (holdout_fraction {config.data.holdout_fraction}); never trained on"
     )
+    score, scored_by = None, "validate"
+    paths = (
+        []
+        if eval_record == ""
+        else [Path(eval_record)]
+        if eval_record
+        else _record_candidates(checkpoint_dir, config)
+    )
+    why_not = f"no {EVAL_RECORD} in {' or '.join(str(p.parent) for p in paths)}" if paths else "not asked for"
+    for path in paths:
+        record = read_eval_record(path)
+        if record is None:
+            continue
+        problems = eval_record_problems(
+            record, weights_sha256, int(meta["step"]), config.model.kind, identity
+        )
+        if problems:
+            why_not = f"{path}: {'; '.join(problems)}"
+            continue
+        score, scored_by = (
+            HoldoutScore(float(record["nats_total"]), int(record["tokens"]), int(record["bytes"])),
+            "training",
+        )
+        checks.append(
+            f"holdout scored by the training ranks after step {record['step']} ({path}): the record's "
+            "weights SHA-256, step, model kind and holdout windows are this checkpoint's"
+        )
+        break
+    if score is None:
+        stored_bytes = model_stored_bytes(checkpoint_dir)
+        if stored_bytes > max_in_process_bytes:
+            raise storage.CheckpointError(
+                f"{checkpoint_dir}: no eval record of the training for these weights ({why_not}) and its "
+                f"{stored_bytes / 2**30:.1f} GiB model is above the {max_in_process_bytes / 2**30:.1f} GiB "
+                "bound for scoring in one process: train with data.eval_windows > 0 (the default), so the "
+                f"training ranks write <workdir>/{EVAL_RECORD}, then validate again"
+            )
+        log.info("scoring %s in this process: %s", checkpoint_dir, why_not)
+        model = _load_model(checkpoint_dir, config, meta, checks)
+        spec = model_spec(config.model.kind)
+        score = score_windows(model, spec.loss, batches, spec.tokenizer(config.model))
+        checks.append(f"holdout scored in this process ({why_not})")
+        del model
     checks.append(
         f"scored on {score.tokens} predicted tokens = {score.bytes} UTF-8 bytes "
         f"({'one byte per token' if config.model.kind == 'byte-lm' else 'decoded with the model tokenizer'})"
@@ -234,7 +430,7 @@ def validate_checkpoint(
         if champion is None:
             checks.append(f"MLflow: {champion_model_name} has no champion yet")
         else:
-            champion_scored = champion_score(champion, tokens, config.model)
+            champion_scored = champion_score(champion, batches, config.model)
             recorded = (
                 f"{champion.recorded_bits_per_byte:.4f} bits/byte at its own validation"
                 if champion.recorded_bits_per_byte is not None
@@ -269,6 +465,8 @@ def validate_checkpoint(
         champion_loss=None if champion_scored is None else champion_scored.nats_per_token,
         champion_bits_per_byte=None if champion_scored is None else champion_scored.bits_per_byte,
         champion_recorded_bits_per_byte=champion.recorded_bits_per_byte if champion else None,
+        scored_by=scored_by,
+        weights_sha256=weights_sha256,
         checks=checks,
         reasons=verdict.reasons,
     )

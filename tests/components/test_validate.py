@@ -1,5 +1,6 @@
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,7 +113,8 @@ def test_report_says_what_was_checked_the_numbers_and_why(trained_run, dataset_d
     report = report_markdown(result)
     assert "# Checkpoint validation: **champion**" in report
     assert "SHA-256 manifest" in report and "optimizer state present" in report
-    assert "consolidated into one state dict" in report
+    assert "model tensors finite, read from the shards" in report
+    assert "holdout scored by the training ranks" in report
     assert f"| holdout loss (nats/token) | {result.holdout_loss:.4f} |" in report
     assert f"| holdout loss (bits/byte) | {result.holdout_bits_per_byte:.4f} |" in report
     assert "there is no champion to beat" in report
@@ -128,3 +130,85 @@ def test_only_the_checkpoint_the_train_step_published_is_loaded(trained_run, dat
     earlier = final.replace("step_20", "step_10")  # another committed checkpoint, swapped in
     with pytest.raises(CheckpointError, match="not the checkpoint the train step published"):
         validate_checkpoint(earlier, str(dataset_dir), 10.0, published_manifest_sha256=published)
+
+
+def test_the_final_checkpoint_is_decided_from_the_training_ranks_record(trained_run, dataset_dir):
+    final = trained_run["checkpoint"]
+    result = validate_checkpoint(final, str(dataset_dir), 10.0)
+    assert result.scored_by == "training"
+    # the weights hashed tensor by tensor from the shards are the ones the training ended with
+    assert result.weights_sha256 == trained_run["model_sha256"]
+    here = validate_checkpoint(final, str(dataset_dir), 10.0, eval_record="")
+    assert here.scored_by == "validate"
+    assert (here.evaluated_tokens, here.evaluated_bytes) == (result.evaluated_tokens, result.evaluated_bytes)
+    assert here.holdout_loss == pytest.approx(result.holdout_loss, rel=1e-6)
+    assert here.decision == result.decision
+
+
+def test_the_record_of_the_final_step_is_not_used_for_an_earlier_checkpoint(trained_run, dataset_dir):
+    early = validate_checkpoint(
+        trained_run["checkpoint"].replace("step_20", "step_10"), str(dataset_dir), 10.0
+    )
+    assert early.scored_by == "validate"
+    assert any("it scored step 20, the checkpoint is step 10" in check for check in early.checks)
+
+
+def test_a_record_of_other_weights_or_windows_is_not_used(trained_run, dataset_dir, tmp_path):
+    import json
+
+    record = json.loads((Path(trained_run["checkpoint"]).parents[1] / "eval.json").read_text())
+    for change, reason in (
+        ({"model_sha256": "0" * 64}, "it scored weights with SHA-256 0000"),
+        (
+            {"holdout": {**record["holdout"], "windows_sha256": "f" * 64}},
+            "its holdout differs in windows_sha256",
+        ),
+    ):
+        path = tmp_path / "eval.json"
+        path.write_text(json.dumps({**record, **change, "nats_total": 0.0}))
+        result = validate_checkpoint(trained_run["checkpoint"], str(dataset_dir), 10.0, eval_record=str(path))
+        assert result.scored_by == "validate" and result.holdout_loss > 0
+        assert any(reason in check for check in result.checks)
+
+
+def test_with_a_record_the_model_is_never_loaded_whole_and_without_one_a_large_model_is_refused(
+    trained_run, dataset_dir, monkeypatch
+):
+    from trainer.checkpointing import storage
+
+    def no_whole_model(*args, **kwargs):
+        raise AssertionError("the whole model was loaded")
+
+    monkeypatch.setattr(storage, "load_model_weights", no_whole_model)
+    result = validate_checkpoint(trained_run["checkpoint"], str(dataset_dir), 10.0, max_in_process_bytes=1)
+    assert result.scored_by == "training" and result.decision == "champion"
+    with pytest.raises(
+        CheckpointError, match=r"above the 0\.0 GiB bound .* train with data\.eval_windows > 0"
+    ):
+        validate_checkpoint(
+            trained_run["checkpoint"], str(dataset_dir), 10.0, eval_record="", max_in_process_bytes=1
+        )
+
+
+def test_tensors_are_read_in_groups_within_the_byte_budget(trained_run, dataset_dir, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    from components.validate_checkpoint.validate import check_model_tensors
+
+    groups: list[tuple[int, int]] = []
+    real_load = dcp.load
+
+    def counting_load(state, **kwargs):
+        groups.append((sum(t.numel() * t.element_size() for t in state.values()), len(state)))
+        return real_load(state, **kwargs)
+
+    monkeypatch.setattr(dcp, "load", counting_load)
+    whole_sha, count = check_model_tensors(trained_run["checkpoint"], budget_bytes=1 << 30)
+    assert len(groups) == 1
+    groups.clear()
+    budget = 64 * 1024
+    sha, again = check_model_tensors(trained_run["checkpoint"], budget_bytes=budget)
+    assert (sha, again) == (whole_sha, count) and len(groups) > 1
+    # every read holds at most the budget, or one tensor larger than it
+    assert all(size <= budget or tensors == 1 for size, tensors in groups)
+    assert sum(tensors for _, tensors in groups) == count

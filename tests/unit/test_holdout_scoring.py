@@ -75,3 +75,62 @@ def test_validation_figures_come_from_the_validate_record_at_full_precision(tmp_
     assert figures == {"holdout_nats_per_token": 1.2345678901, "holdout_bits_per_byte": 0.5}
     tags = lineage_tags(Lineage(validation_figures=figures))
     assert float(tags["rtp.validate.holdout_nats_per_token"]) == 1.2345678901
+
+
+def test_the_end_of_training_record_is_the_score_of_those_windows_bound_to_the_weights(dataset_dir, tmp_path):
+    from trainer.config import build_config
+    from trainer.data import holdout_batches, load_tokens, split_files
+    from trainer.evaluation import holdout_identity, read_eval_record, write_eval_record
+    from trainer.models import model_spec
+
+    config = build_config("tiny-cpu", [f"data.dataset_dir={dataset_dir}", f"run.workdir={tmp_path}"])
+    config.data.eval_windows = 5
+    spec = model_spec(config.model.kind)
+    torch.manual_seed(0)
+    model = spec.build(config.model, torch.device("cpu"))
+    model.train()
+    assert write_eval_record(model, config, "ab" * 32, 7, rank=1, device=torch.device("cpu")) is None
+    assert not (tmp_path / "eval.json").exists()  # only rank 0 writes
+    path = write_eval_record(model, config, "ab" * 32, 7, rank=0, device=torch.device("cpu"))
+    assert model.training  # training mode restored
+    record = read_eval_record(path)
+    _, holdout = split_files(dataset_dir, config.data.holdout_fraction)
+    batches = holdout_batches(load_tokens(holdout), config.model.seq_len, max_windows=5)
+    expected = score_windows(model, spec.loss, batches, ByteTokenizer())
+    assert (record["model_sha256"], record["step"], record["model_kind"]) == ("ab" * 32, 7, "byte-lm")
+    assert record["holdout"]["windows"] == 5
+    assert {k: record["holdout"][k] for k in holdout_identity(holdout, batches, config.model.seq_len)} == (
+        holdout_identity(holdout, batches, config.model.seq_len)
+    )
+    assert (record["nats_total"], record["tokens"], record["bytes"]) == (
+        expected.nats_total,
+        expected.tokens,
+        expected.bytes,
+    )
+    assert record["bits_per_byte"] == expected.bits_per_byte
+    assert [p.name for p in tmp_path.iterdir()] == ["eval.json"]  # no staging file left behind
+
+
+def test_the_holdout_identity_changes_with_the_windows_and_files(dataset_dir):
+    from trainer.data import holdout_batches, load_tokens, split_files
+    from trainer.evaluation import holdout_identity
+
+    _, holdout = split_files(dataset_dir, 0.1)
+    tokens = load_tokens(holdout)
+    base = holdout_identity(holdout, holdout_batches(tokens, 32, max_windows=8), 32)
+    assert base == holdout_identity(holdout, holdout_batches(tokens, 32, max_windows=8), 32)
+    fewer = holdout_identity(holdout, holdout_batches(tokens, 32, max_windows=7), 32)
+    assert fewer["windows_sha256"] != base["windows_sha256"] and fewer["windows"] == 7
+    longer = holdout_identity(holdout, holdout_batches(tokens, 48, max_windows=8), 48)
+    assert longer["windows_sha256"] != base["windows_sha256"]
+    assert holdout_identity(holdout[:-1] or holdout[:0], [], 32)["files_sha256"] != base["files_sha256"]
+
+
+def test_an_unreadable_or_foreign_record_is_no_record(tmp_path):
+    from trainer.evaluation import read_eval_record
+
+    assert read_eval_record(tmp_path / "absent.json") is None
+    (tmp_path / "torn.json").write_text('{"version": 1, "model_sha')
+    assert read_eval_record(tmp_path / "torn.json") is None
+    (tmp_path / "other.json").write_text(json.dumps({"version": 99}))
+    assert read_eval_record(tmp_path / "other.json") is None

@@ -139,3 +139,35 @@ def test_request_errors_are_not_retried():
     with pytest.raises(MlflowException, match="no such model"):
         call_with_retries("look", missing, RetryPolicy(attempts=4), sleep=lambda _: None)
     assert len(calls) == 1
+
+
+def test_an_eval_record_belongs_only_to_the_checkpoint_it_scored():
+    from components.validate_checkpoint.checks import eval_record_problems
+
+    holdout = {"files": 2, "files_sha256": "a" * 64, "windows": 64, "windows_sha256": "b" * 64, "seq_len": 64}
+    record = {
+        "model_sha256": "c" * 64,
+        "step": 20,
+        "model_kind": "byte-lm",
+        "holdout": {**holdout, "tokens": 1000},
+        "nats_total": 10.0,
+        "tokens": 100,
+        "bytes": 100,
+    }
+    assert eval_record_problems(record, "c" * 64, 20, "byte-lm", holdout) == []
+    assert eval_record_problems(record, "d" * 64, 20, "byte-lm", holdout) == [
+        f"it scored weights with SHA-256 {'c' * 16}…, the checkpoint holds {'d' * 16}…"
+    ]
+    assert eval_record_problems(record, "c" * 64, 10, "byte-lm", holdout) == [
+        "it scored step 20, the checkpoint is step 10"
+    ]
+    assert eval_record_problems(record, "c" * 64, 20, "hf", holdout) == [
+        "it scored a byte-lm model, the checkpoint holds a hf"
+    ]
+    other = {**holdout, "seq_len": 128, "windows_sha256": "e" * 64}
+    assert eval_record_problems(record, "c" * 64, 20, "byte-lm", other) == [
+        "its holdout differs in seq_len, windows_sha256"
+    ]
+    assert eval_record_problems({**record, "tokens": None}, "c" * 64, 20, "byte-lm", holdout) == [
+        "it has no number 'tokens'"
+    ]
