@@ -24,6 +24,7 @@ import argparse
 import shutil
 import statistics
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ def run_mode(
     every: int,
     preset: str,
     local_every: int | None = None,
+    overrides: Sequence[str] = (),
 ) -> dict[str, Any]:
     tier = []
     if mode == "off":
@@ -60,6 +62,7 @@ def run_mode(
             "checkpoint.keep_last=2",
             "run.log_every_steps=1000",
             *tier,
+            *overrides,
         ],
     )
     summary = run_local_training(nproc, config, echo=False).to_dict()
@@ -100,6 +103,7 @@ def run_benchmark(
     every: int,
     preset: str,
     local_every: int | None = None,
+    overrides: Sequence[str] = (),
     workdir: Path | None = None,
 ) -> dict[str, Any]:
     import torch
@@ -125,6 +129,7 @@ def run_benchmark(
                 every=every,
                 preset=preset,
                 local_every=local_every,
+                overrides=overrides,
             )
             # The next mode must not find its disk full of this one's checkpoints (gpu-1b: 12 GB each).
             shutil.rmtree(root / mode / "checkpoints", ignore_errors=True)
@@ -138,6 +143,7 @@ def run_benchmark(
         "steps": steps,
         "nproc": nproc,
         "preset": preset,
+        "overrides": list(overrides),
         "local_every_steps": build_config(preset).checkpoint.local_every_steps
         if local_every is None
         else local_every,
@@ -190,6 +196,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="fast checkpoint tier interval in steps for every mode but off, 0 = none (default: the trainer's)",
     )
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for every mode, e.g. resilience.soft_timeout_s=300 (repeatable)",
+    )
     parser.add_argument("--json", dest="json_path", help="also write the results as JSON to this file")
 
 
@@ -207,5 +220,6 @@ def main(args: argparse.Namespace) -> int:
         every=args.every,
         preset=args.preset,
         local_every=args.local_every,
+        overrides=args.override,
     )
     return report(result, args.json_path, format_table)

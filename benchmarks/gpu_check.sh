@@ -1,190 +1,162 @@
 #!/usr/bin/env bash
-# GPU check: runs on a CUDA machine whose Python already has torch >= 2.6 (e.g. an H200 with
-# Python 3.12 and torch 2.11), in under 8 minutes, and writes JSON under $OUT:
+# GPU check: the benchmarks at GPU scale on one CUDA GPU, within ${RTP_GPU_CHECK_BUDGET_S:-480} s
+# (run it after gpu_smoke.sh). Parts, async first, each its own `rtp bench` run under its
+# own time limit; a part that would start with under 40 s of the budget left is skipped:
 #
-#   gpu-checkpoint.json  checkpoint efficiency at ~1B parameters (preset gpu-1b, ~12 GB of
-#                        fp32 weights + AdamW state): off vs sync vs torch-async vs NVRx async
-#   gpu-recovery.json    in-process restart time on NCCL (exception@N:0, one rank)
-#   gpu-throughput.json  bf16 throughput and MFU of gpu-1b: the rtp stack vs a bare FSDP loop
-#   gpu-check.json       torch/CUDA/device, and each part's exit code and seconds
+#   checkpoint-async        rtp bench checkpoint --preset gpu-1b --modes async (~1B params, ~12 GB state)
+#   throughput              rtp bench throughput --preset gpu-1b: bf16 tokens/s and MFU, rtp vs bare FSDP
+#   recovery                rtp bench recovery --mechanisms inprocess --deterministic: exception@8,14 on NCCL
+#   checkpoint-off|sync|torch-async   the other modes, as checkpoint-async
 #
-# Torch is never installed or replaced. The project is installed with --no-deps; of its
-# runtime modules only the missing ones are installed, with --no-deps, from the wheels in
-# ${RTP_WHEELS:-benchmarks/wheels} (git-ignored; e.g. nvidia-resiliency-ext 0.4.1 for cp312 and
-# whatever of pyyaml, psutil, defusedxml, nvidia-ml-py the machine lacks: `pip download
-# --no-deps --python-version 3.12 --only-binary=:all: -d benchmarks/wheels ...` on a machine
-# with network access; keep it under 64 MiB). Nothing is downloaded here. kfp and mlflow
-# are not needed: the trainer and these benchmarks do not import them (checked below).
+# The 1B runs take the GPU timeout table (trainer/gpu_defaults.py, as `--override` items);
+# recovery keeps the trainer's soft/hard timeouts and a collective timeout above the hard
+# one (required on CUDA), so its faults recover in seconds.
 #
-# `gpu_check.sh --dry-run` does everything up to the benchmarks without a GPU and without
-# installing: checks torch, lists what would be installed from which wheel, checks the
-# imports with kfp and mlflow made unimportable, and parses every benchmark command line.
-# `--install-only` installs as on the GPU machine and runs those checks, without a GPU
-# and without the benchmarks (to try the install path in a throwaway venv).
+#   $OUT/gpu-check.json          torch/CUDA/device, settings, each part's exit code, seconds and JSON
+#   $OUT/gpu-check-logs.tar.gz   each part's log
+#
+# Readies the machine first (benchmarks/gpu_setup.sh). `--dry-run`: no GPU, nothing installed;
+# lists what would be installed, checks the imports and parses every part's command line and
+# checks its config against the CUDA timeout rules. `--install-only`: installs as on the GPU
+# machine and runs those checks, no GPU and no benchmarks.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
-WHEELS=${RTP_WHEELS:-benchmarks/wheels}
-OUT_DIR=${OUT:-/tmp/rtp-gpu-check}
-DRY_RUN=0
-INSTALL_ONLY=0
+TAG=gpu_check
+SETUP_MODE=run
 case "${1:-}" in
-  --dry-run) DRY_RUN=1 ;;
-  --install-only) INSTALL_ONLY=1 ;;
+  --dry-run) SETUP_MODE=dry ;;
+  --install-only) SETUP_MODE=install ;;
   "") ;;
   *) echo "usage: $0 [--dry-run | --install-only]" >&2; exit 2 ;;
 esac
-mkdir -p "$OUT_DIR"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # works even where the editable install cannot
+OUT_DIR=${OUT:-/tmp/rtp-gpu-check}
+WORK=${RTP_GPU_CHECK_WORK:-/tmp/rtp-gpu-check-work}
+BUDGET_S=${RTP_GPU_CHECK_BUDGET_S:-480}
 STARTED=$(date +%s)
+# shellcheck source=benchmarks/gpu_setup.sh
+. benchmarks/gpu_setup.sh
+gpu_setup || exit 2
+[ "$SETUP_READY" = 1 ] || exit 0
 
-# 1. torch: already there, >= 2.6, with CUDA (not needed for a dry run).
-"$PYTHON" - "$((DRY_RUN + INSTALL_ONLY))" <<'PY' || exit 2
-import sys
-try:
-    import torch
-except ImportError:
-    sys.exit("gpu_check: this Python has no torch: it needs torch >= 2.6 with CUDA installed (the check never installs torch)")
-version = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
-if version < (2, 6):
-    sys.exit(f"gpu_check: torch {torch.__version__} is older than 2.6 (FSDP2 fully_shard and MixedPrecisionPolicy)")
-if not torch.cuda.is_available() and sys.argv[1] == "0":
-    sys.exit(f"gpu_check: torch {torch.__version__} sees no CUDA device (use --dry-run to check the install path only)")
-device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device (dry run)"
-print(f"gpu_check: python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}, {device}")
-PY
-
-# 2. Missing runtime modules -> wheels to install (module:distribution).
-MISSING=$("$PYTHON" - <<'PY'
-import importlib.util
-needed = {
-    "nvidia_resiliency_ext": "nvidia-resiliency-ext==0.4.1",
-    "numpy": "numpy",
-    "safetensors": "safetensors",
-    "yaml": "pyyaml",
-    "psutil": "psutil",
-    "defusedxml": "defusedxml",
-    "pynvml": "nvidia-ml-py",
-    "packaging": "packaging",
-}
-print(" ".join(dist for module, dist in needed.items() if importlib.util.find_spec(module) is None))
-PY
-)
-echo "gpu_check: missing runtime packages: ${MISSING:-none}"
-if [ "$DRY_RUN" = 1 ]; then
-  for dist in $MISSING; do
-    name=$(echo "${dist%%==*}" | tr '-' '_')
-    found=$(ls "$WHEELS"/"${name}"-*.whl 2>/dev/null | head -1)
-    echo "gpu_check: would install ${dist} --no-deps from ${found:-NOTHING (no wheel in $WHEELS)}"
-  done
-  echo "gpu_check: would run: $PYTHON -m pip install --no-deps --no-build-isolation -e ."
-else
-  if [ -n "$MISSING" ]; then
-    # shellcheck disable=SC2086  # one argument per distribution
-    "$PYTHON" -m pip install --no-index --find-links "$WHEELS" --no-deps $MISSING || {
-      echo "gpu_check: could not install $MISSING from $WHEELS (see the header)" >&2
-      exit 2
-    }
-  fi
-  "$PYTHON" -m pip install --no-deps --no-build-isolation -e . >"$OUT_DIR/pip-editable.log" 2>&1 ||
-    echo "gpu_check: the editable install failed (see $OUT_DIR/pip-editable.log; old setuptools need the wheel package); running from the checkout (PYTHONPATH)" >&2
-fi
-
-# 3. The trainer and the benchmarks below import neither kfp nor mlflow; their flags parse.
-if [ "$DRY_RUN" = 1 ] && [ -n "$MISSING" ]; then
-  echo "gpu_check: dry run: imports not checked (packages missing; --install-only installs them)"
-  exit 0
-fi
-"$PYTHON" - <<'PY' || exit 2
-import importlib, importlib.abc, sys
-
-class Absent(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("kfp", "mlflow"):
-            raise ImportError(f"{name} must not be needed on the GPU machine")
-        return None
-
-sys.meta_path.insert(0, Absent())
-for module in ("trainer.launch", "trainer.loop", "trainer.resilience", "trainer.__main__",
-               "benchmarks.throughput", "benchmarks.bare_fsdp", "benchmarks.checkpoint",
-               "benchmarks.recovery", "nvidia_resiliency_ext.inprocess",
-               "nvidia_resiliency_ext.fault_tolerance", "nvidia_resiliency_ext.checkpointing.async_ckpt"):
-    importlib.import_module(module)
-from rtp_cli.main import build_parser
-parser = build_parser()
-for argv in (
-    ["bench", "checkpoint", "--preset", "gpu-1b", "--modes", "off,sync,torch-async,async", "--nproc", "1", "--steps", "8", "--every", "4"],
-    ["bench", "checkpoint", "--preset", "gpu-1b", "--modes", "off,sync,torch-async", "--nproc", "1", "--steps", "8", "--every", "4", "--local-every", "0"],
-    ["bench", "recovery", "--mechanisms", "inprocess", "--nproc", "1", "--steps", "20", "--every", "5", "--fault-steps", "8,14"],
-    ["bench", "throughput", "--preset", "gpu-1b", "--steps", "30", "--every", "15", "--nproc", "1"],
-    ["bench", "throughput", "--preset", "gpu-1b", "--steps", "30", "--every", "15", "--nproc", "1", "--override", "checkpoint.local_every_steps=0"],
-):
-    parser.parse_args(argv)
-print("gpu_check: imports without kfp/mlflow and benchmark flags: ok")
-PY
-
-if [ "$DRY_RUN" = 1 ] || [ "$INSTALL_ONLY" = 1 ]; then
-  echo "gpu_check: checks done in $(($(date +%s) - STARTED)) s (no benchmarks run)"
-  exit 0
-fi
-
-# 4. The measurements, each under its own time limit (all together < 8 minutes).
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
-declare -A RC SECONDS_TAKEN
-run_part() {  # name, time limit in seconds, rtp arguments...
-  local name=$1 limit=$2 start
-  shift 2
-  start=$(date +%s)
-  timeout --kill-after=10 "$limit" "$PYTHON" -m rtp_cli.main "$@" --json "$OUT_DIR/gpu-$name.json" \
-    >"$OUT_DIR/gpu-$name.log" 2>&1
-  RC[$name]=$?
-  SECONDS_TAKEN[$name]=$(($(date +%s) - start))
-  echo "gpu_check: $name exit ${RC[$name]} after ${SECONDS_TAKEN[$name]} s"
-  tail -8 "$OUT_DIR/gpu-$name.log"
-}
-
-# The async mode's host snapshot lives in /dev/shm (~12 GB for gpu-1b), and so do the fast
-# tier's two slot files (~12 GB each); containers often mount 64 MB there. Without room for
-# both, the fast tier is turned off for the 1B runs, and without room for the snapshot the
-# async mode is left out (each said so) rather than failing.
-MODES=off,sync,torch-async,async
-TIER=()
+GPU_TABLE=$("$PYTHON" -c "from trainer.gpu_defaults import resilience_overrides as r; print(' '.join('--override ' + o for o in r()))") || exit 2
+# The async snapshot of gpu-1b lives in /dev/shm (~12 GB), and so do the fast tier's two slot
+# files (~12 GB each); containers often mount 64 MB there. Without room for both the 1B runs
+# go without the fast tier, without room for the snapshot async is left out (each said).
+MODES="async off sync torch-async"
+CKPT_TIER="" TPUT_TIER=""
 SHM_KB=$(df -k --output=avail /dev/shm 2>/dev/null | tail -1 | tr -d ' ')
 if [ "${SHM_KB:-0}" -lt $((40 * 1024 * 1024)) ]; then
-  echo "gpu_check: /dev/shm has $((${SHM_KB:-0} / 1024)) MB free, the fast tier's two slots and the async snapshot need ~36 GB: fast tier off for the 1B runs" >&2
-  TIER=(--override checkpoint.local_every_steps=0)
+  echo "$TAG: /dev/shm has $((${SHM_KB:-0} / 1024)) MB free; the fast tier's slots and the async snapshot need ~36 GB: fast tier off in the 1B runs" >&2
+  CKPT_TIER="--local-every 0" TPUT_TIER="--override checkpoint.local_every_steps=0"
 fi
 if [ "${SHM_KB:-0}" -lt $((14 * 1024 * 1024)) ]; then
-  echo "gpu_check: /dev/shm has $((${SHM_KB:-0} / 1024)) MB free, the async snapshot needs ~12 GB: async left out" >&2
-  MODES=off,sync,torch-async
+  echo "$TAG: /dev/shm has $((${SHM_KB:-0} / 1024)) MB free; the async snapshot needs ~12 GB: async left out" >&2
+  MODES="off sync torch-async"
 fi
-CKPT_TIER=()
-[ ${#TIER[@]} -gt 0 ] && CKPT_TIER=(--local-every 0)
-run_part checkpoint 220 bench checkpoint --preset gpu-1b --modes "$MODES" --nproc 1 --steps 8 --every 4 "${CKPT_TIER[@]}"
-run_part recovery 90 bench recovery --mechanisms inprocess --nproc 1 --steps 20 --every 5 --fault-steps 8,14
-run_part throughput 140 bench throughput --preset gpu-1b --steps 30 --every 15 --nproc 1 "${TIER[@]}"
+# name, time limit in seconds, `rtp` arguments (no argument holds a space).
+PARTS=()
+case " $MODES " in
+  *" async "*) PARTS+=("checkpoint-async 110 bench checkpoint --preset gpu-1b --modes async --nproc 1 --steps 8 --every 4 $CKPT_TIER $GPU_TABLE") ;;
+esac
+PARTS+=("throughput 130 bench throughput --preset gpu-1b --steps 30 --every 15 --nproc 1 $TPUT_TIER $GPU_TABLE")
+PARTS+=("recovery 80 bench recovery --mechanisms inprocess --nproc 1 --steps 20 --every 5 --fault-steps 8,14 --collective-timeout 60 --deterministic")
+for mode in $MODES; do
+  [ "$mode" = async ] && continue
+  PARTS+=("checkpoint-$mode 100 bench checkpoint --preset gpu-1b --modes $mode --nproc 1 --steps 8 --every 4 $CKPT_TIER $GPU_TABLE")
+done
 
-"$PYTHON" - "$OUT_DIR" "${RC[checkpoint]}" "${RC[recovery]}" "${RC[throughput]}" \
-  "${SECONDS_TAKEN[checkpoint]}" "${SECONDS_TAKEN[recovery]}" "${SECONDS_TAKEN[throughput]}" "$MODES" \
-  "${#TIER[@]}" <<'PY'
+if [ "$SETUP_MODE" != run ]; then
+  "$PYTHON" - "$TAG" "${PARTS[@]}" <<'PY' || exit 2
+import sys
+from rtp_cli.main import build_parser
+from trainer.config import build_config
+from trainer.gpu_defaults import check_timeouts
+
+parser = build_parser()
+for part in sys.argv[2:]:
+    name, _limit, *argv = part.split()
+    args = parser.parse_args(argv)
+    print(f"{sys.argv[1]}: {name}: rtp {' '.join(argv)}")
+    # The config each part's ranks would check on CUDA (the benchmark adds only its own run settings).
+    if args.benchmark == "recovery":
+        given = args.collective_timeout
+        config = build_config("tiny-cpu", [] if given is None else [f"resilience.collective_timeout_s={given:g}"])
+    else:
+        config = build_config(args.preset, args.override)
+    check_timeouts(config.resilience, "cuda")
+print(f"{sys.argv[1]}: every part's command line parses and its config passes the CUDA timeout check: ok")
+PY
+  echo "$TAG: checks done in $(($(date +%s) - STARTED)) s (no benchmarks run)"
+  exit 0
+fi
+
+# The parts, each under its own limit and what is left of the budget.
+rm -rf "$WORK" && mkdir -p "$WORK/logs" "$OUT_DIR"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+RESULTS=()
+for part in "${PARTS[@]}"; do
+  read -r name limit args <<<"$part"
+  left=$((BUDGET_S - ($(date +%s) - STARTED)))
+  if [ "$left" -lt 40 ]; then
+    echo "$TAG: $name skipped: $left s of the budget left"
+    RESULTS+=("$name skipped 0")
+    continue
+  fi
+  [ "$limit" -gt $((left - 10)) ] && limit=$((left - 10))
+  start=$(date +%s)
+  # shellcheck disable=SC2086  # one word per argument
+  RTP_GPU_CHECK_PART=$name timeout --kill-after=10 "$limit" "$PYTHON" -m rtp_cli.main $args \
+    --json "$WORK/gpu-$name.json" >"$WORK/logs/$name.log" 2>&1
+  rc=$?
+  # ft_launcher's ranks run in sessions of their own: end whatever of this part outlived it.
+  "$PYTHON" - "$name" <<'PY'
+import sys, psutil
+for process in psutil.process_iter():
+    try:
+        if process.environ().get("RTP_GPU_CHECK_PART") == sys.argv[1]:
+            process.kill()
+    except (psutil.Error, OSError):
+        continue
+PY
+  RESULTS+=("$name $rc $(($(date +%s) - start))")
+  echo "$TAG: $name exit $rc after $(($(date +%s) - start)) s (limit $limit s)"
+  tail -8 "$WORK/logs/$name.log"
+done
+
+# gpu-check.json from the parts' results ("name exit-code seconds" each) and their JSON.
+"$PYTHON" - "$OUT_DIR" "$WORK" "$BUDGET_S" "$MODES" "$CKPT_TIER" "$GPU_TABLE" "${RESULTS[@]}" <<'PY'
 import json, sys
 from pathlib import Path
 import torch
-out, rc_c, rc_r, rc_t, s_c, s_r, s_t, modes, tier_off = sys.argv[1:]
+out, work, budget, modes, tier, table, *results = sys.argv[1:]
+parts = {}
+for line in results:
+    name, rc, seconds = line.split()
+    path = Path(work, f"gpu-{name}.json")
+    result = json.loads(path.read_text()) if path.is_file() else None
+    status = "skipped" if rc == "skipped" else ("pass" if rc == "0" and result is not None else "fail")
+    parts[name] = {"status": status, "exit_code": None if rc == "skipped" else int(rc), "seconds": int(seconds), "result": result}
+walls = {n.split("-", 1)[1]: p["result"]["modes"][n.split("-", 1)[1]]["wall_s"]
+         for n, p in parts.items() if n.startswith("checkpoint-") and p["result"]}
 check = {
     "torch": torch.__version__,
     "cuda": torch.version.cuda,
-    "device": torch.cuda.get_device_name(0),
+    "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
     "python": sys.version.split()[0],
-    "checkpoint_modes": modes.split(","),
-    "fast_tier_in_1b_runs": tier_off == "0",
-    "parts": {
-        name: {"exit_code": int(rc), "seconds": int(s), "json": f"gpu-{name}.json"}
-        for name, rc, s in (("checkpoint", rc_c, s_c), ("recovery", rc_r, s_r), ("throughput", rc_t, s_t))
-    },
+    "budget_s": int(budget),
+    "checkpoint_modes": modes.split(),
+    "fast_tier_in_1b_runs": not tier,
+    "gpu_resilience_overrides": table.replace("--override ", "").split(),
+    "checkpoint_wall_vs_off": {m: w / walls["off"] for m, w in walls.items()} if walls.get("off") else None,
+    "ok": all(p["status"] == "pass" for p in parts.values()),
+    "parts": parts,
 }
 Path(out, "gpu-check.json").write_text(json.dumps(check, indent=2) + "\n")
-print(json.dumps(check, indent=2))
+for name, p in parts.items():
+    print(f"gpu_check: {name:<24} {p['status']:<8} exit {p['exit_code']!s:>4} {p['seconds']:>5} s")
+sys.exit(0 if check["ok"] else 1)
 PY
-echo "gpu_check: done in $(($(date +%s) - STARTED)) s; JSON under $OUT_DIR"
-[ "${RC[checkpoint]}" = 0 ] && [ "${RC[recovery]}" = 0 ] && [ "${RC[throughput]}" = 0 ]
+RC=$?
+tar -czf "$OUT_DIR/gpu-check-logs.tar.gz" -C "$WORK" logs
+echo "$TAG: done in $(($(date +%s) - STARTED)) s; $OUT_DIR/gpu-check.json"
+exit $RC

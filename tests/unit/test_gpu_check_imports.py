@@ -23,6 +23,7 @@ CHECKED = (
     "benchmarks.bare_fsdp",
     "benchmarks.checkpoint",
     "benchmarks.recovery",
+    "benchmarks.gpu_smoke",
     "rtp_cli.main",
 )
 
@@ -75,12 +76,32 @@ def test_trainer_and_gpu_benchmarks_import_without_kfp_or_mlflow(started):
 
 
 def test_gpu_check_dry_run_passes_on_cpu(started):
-    """The script's checks before the benchmarks (torch, missing wheels, imports, flags)."""
+    """The script's checks before the benchmarks (torch, missing wheels, imports, flags, and
+    each part's config against the CUDA timeout ordering), async first."""
     process, env = started["dry-run"]
     result = _finish(process, timeout_s=100)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "missing runtime packages: none" in result.stdout
-    assert "imports without kfp/mlflow and benchmark flags: ok" in result.stdout
+    assert "imports without kfp/mlflow: ok" in result.stdout
+    assert (
+        "every part's command line parses and its config passes the CUDA timeout check: ok" in result.stdout
+    )
+    parts = [line.split()[1].rstrip(":") for line in result.stdout.splitlines() if ": rtp bench " in line]
+    assert parts[0] == "checkpoint-async" and set(parts) == {
+        "checkpoint-async",
+        "throughput",
+        "recovery",
+        "checkpoint-off",
+        "checkpoint-sync",
+        "checkpoint-torch-async",
+    }
+    # The 1B runs train with the GPU timeout table, not the CPU defaults.
+    assert all(
+        "--override resilience.hard_timeout_s=600" in line
+        for line in result.stdout.splitlines()
+        if "gpu-1b" in line
+    )
+    assert not list(Path(env["OUT"]).iterdir())  # a dry run writes nothing under $OUT
     bad = subprocess.run(
         ["bash", str(GPU_CHECK), "--bogus"], capture_output=True, text=True, timeout=30, env=env
     )
