@@ -216,7 +216,7 @@ class ResilienceConfig:
     heartbeat_floor_s: float = 15.0
     """ft_launcher learns heartbeat timeouts from observed step times; learned values are
     never set below this floor (a busy shared CPU makes step times jumpy)."""
-    blocking_work_limit_s: float = 600.0
+    blocking_work_limit_s: float = 120.0
     """Longest a blocking piece of checkpoint work (a sync save, the wait for an async write,
     the final save, the resume load, the end-of-run fingerprint) keeps the in-process
     watchdog and ft_launcher's heartbeats alive; past it they see no progress, so a hung

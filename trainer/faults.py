@@ -22,11 +22,14 @@ Kinds:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -153,6 +156,7 @@ class FaultInjector:
         world_size: int,
         wait_for_prefork: bool = False,
         slow_save_s: float = 0.0,
+        keepalive: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
     ) -> None:
         for spec in specs:
             if spec.rank >= world_size:
@@ -163,6 +167,7 @@ class FaultInjector:
         self.specs = [spec for spec in specs if spec.rank == rank]
         self.wait_for_prefork = wait_for_prefork
         self.slow_save_s = slow_save_s
+        self.keepalive = keepalive  # the wait for the zygote must not look like a hang
         self.folder = faults_dir(workdir)
         self.rank = rank
 
@@ -196,7 +201,8 @@ class FaultInjector:
             # once training runs. It waits only while that process is starting.
             from trainer.prefork import wait_until_serving
 
-            wait_until_serving()
+            with self.keepalive():
+                wait_until_serving()
         for spec in self.specs:
             if spec.step == step and spec.kind not in _AT_SAVE and self._claim(spec):
                 self._fire(spec)

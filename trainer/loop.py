@@ -152,6 +152,7 @@ def train(
         world,
         wait_for_prefork=config.resilience.prefork_workers,
         slow_save_s=2 * config.resilience.soft_timeout_s,
+        keepalive=hooks.keepalive,
     )
 
     mark = time.perf_counter()

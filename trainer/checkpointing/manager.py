@@ -155,8 +155,7 @@ class CheckpointManager:
         `background`: let it warm up while training runs (a restart needs its first step soon)."""
         _LIVE.append(self)
         started = time.perf_counter()
-        with self.hooks.keepalive():  # a foreground warm-up waits for the writer process
-            self.writer.start(background)
+        self.writer.start(background)
         self.start_s = time.perf_counter() - started
 
     def before_optimizer_step(self) -> SaveRecord | None:
