@@ -3,10 +3,11 @@
 Started by torchrun (`python -m torch.distributed.run -m benchmarks.bare_fsdp CONFIG OUT`),
 it trains the same model as the trainer — built by the model registry, sharded by
 `trainer.parallelize.parallelize` with the same mixed precision, activation checkpointing
-and compile settings — on the same batches (`StepSampler`) with the same AdamW, schedule
-and gradient clipping, and nothing else: no launcher monitor, no in-process restart
-wrapper, no checkpoints, no event log, no per-step loss all-reduce. Rank 0 writes the
-timings as JSON to OUT. It imports nothing the trainer's loop does not.
+and compile settings — on the same batches (`StepSampler`, with the same gradient
+accumulation) with the same AdamW, schedule and gradient clipping, and nothing else:
+no launcher monitor, no in-process restart wrapper, no checkpoints, no event log, no
+per-step loss all-reduce. Rank 0 writes the timings as JSON to OUT. It imports nothing the
+trainer's loop does not.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from trainer.config import TrainConfig
 from trainer.data import StepSampler, load_tokens, split_files
@@ -51,7 +53,13 @@ def train_bare(config: TrainConfig) -> dict[str, Any]:
     )
     train_files, _ = split_files(config.data.dataset_dir, config.data.holdout_fraction)
     sampler = StepSampler(
-        load_tokens(train_files), config.model.seq_len, config.data.batch_size, config.run.seed, rank
+        load_tokens(train_files),
+        config.model.seq_len,
+        config.data.batch_size,
+        config.run.seed,
+        rank,
+        world_size=dist.get_world_size(),
+        global_batch=config.data.global_batch,
     )
     dist.barrier()
     startup_s = time.perf_counter() - started
@@ -61,9 +69,14 @@ def train_bare(config: TrainConfig) -> dict[str, Any]:
     loss = torch.zeros(())
     for step in range(1, config.run.steps + 1):
         step_start = time.perf_counter()
-        batch = sampler.batch(step).to(device)
-        loss = spec.loss(model, batch)
-        loss.backward()
+        micro_batches = sampler.micro_batches(step)
+        loss = torch.zeros((), device=device)
+        for index, micro_batch in enumerate(micro_batches):
+            # As the trainer: one reduce-scatter, after the last micro-batch.
+            cast(FSDPModule, model).set_requires_gradient_sync(index == len(micro_batches) - 1)
+            micro_loss = spec.loss(model, micro_batch.to(device)) / len(micro_batches)
+            micro_loss.backward()
+            loss += micro_loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip_norm)
         optimizer.step()
         scheduler.step()

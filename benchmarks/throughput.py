@@ -236,7 +236,9 @@ def run_benchmark(
         rtp_config = bench_config(preset, model_source, dataset, root / "rtp", steps, every, overrides)
         meta_model = model_spec(rtp_config.model.kind).build(rtp_config.model, torch.device("meta"))
         params = sum(p.numel() for p in meta_model.parameters())
-        tokens_per_step = rtp_config.data.batch_size * rtp_config.model.seq_len * nproc
+        tokens_per_step = (
+            rtp_config.data.global_batch or rtp_config.data.batch_size * nproc
+        ) * rtp_config.model.seq_len
         for index in range(repeats):
             run_root = root if repeats == 1 else root / f"repeat{index}"
             rtp_config = bench_config(

@@ -3,9 +3,11 @@
 A snapshot is a folder with `manifest.json` (written by the stage step) listing the files
 copied from S3. Files are split into train and holdout by a hash of their S3 key, so the
 split is deterministic, independent of listing order, and the same in every step of the
-pipeline. The sampler draws batch `step` of rank `rank` from a generator seeded by
-`(seed, step, rank)`: the loader's position is the step number, so resuming at step N
-replays exactly the batches an uninterrupted run would have seen.
+pipeline. The sampler draws the global batch of step `step` from a generator seeded by
+`(seed, step)` and splits it over ranks and micro-batches: the loader's position is the step
+number and the data does not depend on the world size, so resuming at step N, on any number of
+ranks with the same `data.global_batch`, replays exactly the batches an uninterrupted run would
+have seen.
 
 Files are bytes (raw text, or byte shards of `rtp prepare-data`) unless the snapshot holds
 an `index.json` of token shards (trainer/tokenized_data.py): then each file is an array of
@@ -27,9 +29,12 @@ import mmap
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+
+from trainer.config import ConfigError
 
 MANIFEST_NAME = "manifest.json"
 SHARD_INDEX_NAME = "index.json"  # written by `rtp prepare-data` beside the shards; not training text
@@ -252,31 +257,90 @@ def as_token_stream(tokens: TokenStream | torch.Tensor | np.ndarray) -> TokenStr
 
 
 class StepSampler:
-    """Random windows of `seq_len + 1` bytes; batch for (step, rank) is a pure function."""
+    """Random windows of `seq_len + 1` tokens; the global batch of a step is a pure function of
+    (seed, step), whatever the world size.
+
+    Step `step` draws `global_batch` window starts from a generator seeded by (seed, step); rank
+    `rank` of `world_size` takes the contiguous rows [rank * G / W, (rank + 1) * G / W) and runs
+    them as `accum_steps` micro-batches of `batch_size` rows, so a run resumed on another world
+    size (with the same global batch) trains on exactly the same data."""
 
     def __init__(
-        self, tokens: TokenStream | torch.Tensor, seq_len: int, batch_size: int, seed: int, rank: int
+        self,
+        tokens: TokenStream | torch.Tensor,
+        seq_len: int,
+        batch_size: int,
+        seed: int,
+        rank: int,
+        world_size: int = 1,
+        global_batch: int = 0,
     ) -> None:
         tokens = as_token_stream(tokens)
         if tokens.numel() < seq_len + 2:
             raise DataError(
                 f"dataset has {tokens.numel()} tokens; need more than seq_len + 1 = {seq_len + 1}"
             )
+        self.global_batch = global_batch or batch_size * world_size
+        self.accum_steps = accumulation_steps(self.global_batch, batch_size, world_size)
         self.tokens = tokens
         self.window = seq_len + 1
         self.batch_size = batch_size
         self.seed = seed
         self.rank = rank
+        self.world_size = world_size
+
+    def global_starts(self, step: int) -> list[int]:
+        """The window starts of step `step`'s global batch, in row order (the same on every rank)."""
+        # An explicit mix (not hash()) so the stream is the same in every Python process; the
+        # factor 1_009 keeps one-rank runs on the windows the per-rank sampler drew for rank 0.
+        mixed = ((self.seed * 1_000_003 + step) * 1_009) % (2**63)
+        generator = torch.Generator().manual_seed(mixed)
+        starts = torch.randint(
+            0, self.tokens.numel() - self.window, (self.global_batch,), generator=generator
+        )
+        return starts.tolist()
 
     def batch(self, step: int) -> torch.Tensor:
-        # An explicit mix (not hash()) so the stream is the same in every Python process.
-        mixed = ((self.seed * 1_000_003 + step) * 1_009 + self.rank) % (2**63)
-        generator = torch.Generator().manual_seed(mixed)
-        starts = torch.randint(0, self.tokens.numel() - self.window, (self.batch_size,), generator=generator)
-        return self.tokens.gather(starts.tolist(), self.window)
+        """This rank's rows of step `step`'s global batch: (global_batch / world_size, seq_len + 1)."""
+        rows = self.global_batch // self.world_size
+        return self.tokens.gather(
+            self.global_starts(step)[self.rank * rows : (self.rank + 1) * rows], self.window
+        )
+
+    def micro_batches(self, step: int) -> list[torch.Tensor]:
+        """`batch(step)` as `accum_steps` micro-batches of `batch_size` rows, in row order."""
+        return list(self.batch(step).split(self.batch_size))
 
     def state_dict(self, next_step: int) -> dict[str, int]:
-        return {"next_step": next_step, "seed": self.seed, "rank": self.rank}
+        return {
+            "next_step": next_step,
+            "seed": self.seed,
+            "rank": self.rank,
+            "global_batch": self.global_batch,
+        }
+
+    def check_resumable(self, saved: dict[str, Any], source: str) -> None:
+        """DataError, in one line, when a checkpoint's sampler state drew another global batch."""
+        saved_batch = int(saved.get("global_batch", self.global_batch))
+        if saved_batch != self.global_batch:
+            raise DataError(
+                f"{source} was trained with a global batch of {saved_batch} sequences but this run's is "
+                f"{self.global_batch} (data.batch_size {self.batch_size} x {self.world_size} ranks x "
+                f"{self.accum_steps} accumulation steps): its data would differ; set "
+                f"data.global_batch={saved_batch} or use a new checkpoint dir"
+            )
+
+
+def accumulation_steps(global_batch: int, batch_size: int, world_size: int) -> int:
+    """Micro-batches per rank per step; ConfigError when the global batch does not split evenly."""
+    per_step = batch_size * world_size
+    if global_batch < 1 or global_batch % per_step:
+        raise ConfigError(
+            f"data.global_batch {global_batch} is not a multiple of data.batch_size {batch_size} x "
+            f"{world_size} ranks = {per_step}: set data.global_batch to a multiple of {per_step} "
+            "(or 0 for batch_size x world size)"
+        )
+    return global_batch // per_step
 
 
 def holdout_batches(

@@ -28,7 +28,9 @@ class Progress:
         self.config = config
         self.enabled = rank == 0
         self.every = max(1, config.run.log_every_steps)
-        self.tokens_per_step = config.data.batch_size * config.model.seq_len * world_size
+        self.tokens_per_step = (
+            config.data.global_batch or config.data.batch_size * world_size
+        ) * config.model.seq_len
         self._window_s = 0.0
         self._window_steps = 0
         self._started = time.monotonic()

@@ -266,7 +266,9 @@ def test_hf_checkpoint_reshards_from_two_ranks_to_one(
     assert saved["world_size"] == 2 and saved["checkpoint"].endswith("step_6")
     shutil.copytree(hf_full_workdir, tmp_path, dirs_exist_ok=True)
     # Resuming at the target step runs no step: the weights are exactly what was loaded.
-    loaded = train(snapshot, tmp_path, nproc=1, steps=6, every=3, overrides=[*overrides, *FAST], **named)
+    # The 2-rank run's global batch (8 x 2), else the resume is refused: its data would differ.
+    fixed = [*overrides, *FAST, "data.global_batch=16"]
+    loaded = train(snapshot, tmp_path, nproc=1, steps=6, every=3, overrides=fixed, **named)
     assert loaded["world_size"] == 1 and loaded["steps_run"] == 0
     assert loaded["resumed_from"].endswith("step_6")
     assert loaded["model_sha256"] == saved["model_sha256"]

@@ -1,14 +1,18 @@
-"""Two ranks over gloo: stop-and-resume is bit-identical in every checkpoint mode, and
-checkpoints reshard between world sizes."""
+"""Two ranks over gloo: stop-and-resume is bit-identical in every checkpoint mode, checkpoints
+reshard between world sizes, and a run resumed on one rank with gradient accumulation ends with
+the two-rank run's weights."""
 
 import json
+import shutil
 import subprocess
 
 import pytest
+import torch
 
 from tests.distributed.conftest import events, run_config, train, train_local_command
-from trainer.checkpointing import latest_committed_checkpoint
+from trainer.checkpointing import latest_committed_checkpoint, load_model_weights
 from trainer.launch import TrainingFailed, run_local_training
+from trainer.models import model_spec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -61,9 +65,11 @@ def test_stopped_and_resumed_run_matches_uninterrupted(mode, dataset_dir, tmp_pa
 
 @pytest.mark.parametrize(("saved_with", "loaded_with"), [(2, 1), (1, 2)])
 def test_checkpoint_reshards_between_world_sizes(saved_with, loaded_with, dataset_dir, tmp_path):
-    saved = train(dataset_dir, tmp_path, nproc=saved_with, stop_after=4)
+    # One global batch on both world sizes (8 sequences x 2 ranks), else the resume is refused.
+    fixed = ("data.global_batch=16",)
+    saved = train(dataset_dir, tmp_path, nproc=saved_with, stop_after=4, overrides=fixed)
     # Resuming at the target step runs no step: the weights are exactly what was loaded.
-    loaded = train(dataset_dir, tmp_path, nproc=loaded_with, steps=4)
+    loaded = train(dataset_dir, tmp_path, nproc=loaded_with, steps=4, overrides=fixed)
     assert loaded["world_size"] == loaded_with and loaded["steps_run"] == 0
     assert loaded["resumed_from"].endswith("step_4")
     assert loaded["model_sha256"] == saved["model_sha256"]
@@ -74,3 +80,52 @@ def test_rank_failure_surfaces_with_the_log(dataset_dir, tmp_path):
     config = run_config(tmp_path / "empty", tmp_path, steps=2, every=1)
     with pytest.raises(TrainingFailed, match=r"train\.log"):
         run_local_training(2, config, echo=False)
+
+
+ACCUM_STEPS, ACCUM_RESUME_AT = 6, 3
+ACCUM_OVERRIDES = ("data.batch_size=2", "data.global_batch=4")
+# fp32 sums in another order (one rank's two micro-batches added, not two ranks' reduced) leave
+# the weights (|w| <= ~1) ulps apart (docs/data.md); other data would move them by ~lr = 3e-3.
+ACCUM_TOLERANCE = 1e-6
+
+
+def _weights(folder, config) -> dict:
+    model = model_spec(config.model.kind).build(config.model, torch.device("cpu"))
+    load_model_weights(folder, model)
+    return model.state_dict()
+
+
+def test_a_run_resumed_on_one_rank_with_accumulation_ends_with_the_weights_of_the_two_rank_run(
+    dataset_dir, tmp_path
+):
+    """2 ranks x 2 sequences to step 6, against 2 ranks to step 3 then 1 rank x 2 micro-batches of
+    2 from its checkpoint: the same data, so the same weights to within the reduction order."""
+    whole = train(dataset_dir, tmp_path / "whole", steps=ACCUM_STEPS, every=ACCUM_RESUME_AT,
+                  overrides=ACCUM_OVERRIDES, checkpoint_mode="sync")  # fmt: skip
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(
+        tmp_path / "whole" / "checkpoints" / f"step_{ACCUM_RESUME_AT}",
+        resumed_dir / "checkpoints" / f"step_{ACCUM_RESUME_AT}",
+    )
+    resumed = train(dataset_dir, resumed_dir, nproc=1, steps=ACCUM_STEPS, every=ACCUM_RESUME_AT,
+                    overrides=ACCUM_OVERRIDES, checkpoint_mode="sync")  # fmt: skip
+    assert resumed["world_size"] == 1 and resumed["steps_run"] == ACCUM_STEPS - ACCUM_RESUME_AT
+    assert resumed["resumed_from"].endswith(f"step_{ACCUM_RESUME_AT}")
+    config = run_config(dataset_dir, tmp_path, overrides=ACCUM_OVERRIDES)
+    expected = _weights(tmp_path / "whole" / "checkpoints" / f"step_{ACCUM_STEPS}", config)
+    got = _weights(resumed_dir / "checkpoints" / f"step_{ACCUM_STEPS}", config)
+    start = _weights(resumed_dir / "checkpoints" / f"step_{ACCUM_RESUME_AT}", config)
+    max_diff = max((got[name] - expected[name]).abs().max().item() for name in expected)
+    trained = max((start[name] - expected[name]).abs().max().item() for name in expected)
+    largest = max(w.abs().max().item() for w in expected.values())
+    print(f"max |w_resumed - w_whole| = {max_diff:.3g} (largest |w| {largest:.3g}); "
+          f"the resumed steps moved a weight by up to {trained:.3g}")  # fmt: skip
+    assert max_diff <= ACCUM_TOLERANCE < trained / 100
+    losses = {entry["step"]: entry["loss"] for entry in whole["losses"]}
+    for entry in resumed["losses"]:  # the same data: the same losses, the mean over the global batch
+        assert entry["loss"] == pytest.approx(losses[entry["step"]], rel=1e-5)
+
+    # Another global batch would train on other data: the checkpoint is refused, in one line.
+    with pytest.raises(TrainingFailed, match=r"global batch of 4 sequences but this run's is 2"):
+        train(dataset_dir, resumed_dir, nproc=1, steps=ACCUM_STEPS + 1, overrides=("data.batch_size=2",),
+              checkpoint_mode="sync")  # fmt: skip

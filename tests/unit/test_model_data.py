@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from trainer.config import ModelConfig
+from trainer.config import ConfigError, ModelConfig, TrainConfig, validate
 from trainer.data import DataError, StepSampler, holdout_batches, load_tokens, split_files
 from trainer.models import model_spec
 from trainer.models.byte_lm import generate, next_token_loss
@@ -34,13 +34,59 @@ def test_split_is_deterministic_disjoint_and_complete(dataset_dir):
 
 def test_sampler_batch_depends_only_on_step_and_rank(dataset_dir):
     tokens = load_tokens(split_files(dataset_dir, 0.1)[0])
-    a = StepSampler(tokens, seq_len=16, batch_size=4, seed=1, rank=0)
-    b = StepSampler(tokens, seq_len=16, batch_size=4, seed=1, rank=0)
-    other_rank = StepSampler(tokens, seq_len=16, batch_size=4, seed=1, rank=1)
+    a = StepSampler(tokens, seq_len=16, batch_size=4, seed=1, rank=0, world_size=2)
+    b = StepSampler(tokens, seq_len=16, batch_size=4, seed=1, rank=0, world_size=2)
+    other_rank = StepSampler(tokens, seq_len=16, batch_size=4, seed=1, rank=1, world_size=2)
     assert torch.equal(a.batch(5), b.batch(5))  # a resumed loader replays the same batch
     assert not torch.equal(a.batch(5), a.batch(6))
     assert not torch.equal(a.batch(5), other_rank.batch(5))
     assert a.batch(5).shape == (4, 17)
+    assert a.global_batch == 8 and a.accum_steps == 1  # auto: batch_size x world size
+
+
+def test_the_global_batch_and_its_micro_batches_are_the_same_on_1_2_and_4_ranks(dataset_dir):
+    tokens = load_tokens(split_files(dataset_dir, 0.1)[0])
+    for step in (1, 2, 7):
+        per_world = {}
+        for world in (1, 2, 4):
+            ranks = [StepSampler(tokens, 16, 2, seed=3, rank=r, world_size=world, global_batch=8)
+                     for r in range(world)]  # fmt: skip
+            assert {s.accum_steps for s in ranks} == {8 // (2 * world)}
+            micro = [m for s in ranks for m in s.micro_batches(step)]
+            assert all(m.shape == (2, 17) for m in micro)
+            per_world[world] = torch.cat(micro)
+            assert torch.equal(per_world[world], torch.cat([s.batch(step) for s in ranks]))
+        assert torch.equal(per_world[1], per_world[2]) and torch.equal(per_world[1], per_world[4])
+        assert len({tuple(row.tolist()) for row in per_world[1]}) > 1  # 8 different windows, not one
+
+
+def test_a_global_batch_that_does_not_split_over_the_ranks_names_the_numbers(dataset_dir):
+    tokens = load_tokens(split_files(dataset_dir, 0.1)[0])
+    with pytest.raises(
+        ConfigError, match=r"data.global_batch 6 is not a multiple of data.batch_size 2 x 2 ranks = 4: set"
+    ):
+        StepSampler(tokens, 16, 2, seed=0, rank=0, world_size=2, global_batch=6)
+    config = TrainConfig()
+    config.data.batch_size, config.data.global_batch = 4, 6
+    with pytest.raises(
+        ConfigError, match=r"data.global_batch \(6\) must be 0 .* multiple of data.batch_size \(4\)"
+    ):
+        validate(config)
+    config.data.global_batch = 8
+    validate(config)
+
+
+def test_a_checkpoint_of_another_global_batch_is_refused(dataset_dir):
+    tokens = load_tokens(split_files(dataset_dir, 0.1)[0])
+    saved = StepSampler(tokens, 16, 2, seed=0, rank=0, world_size=2).state_dict(next_step=4)
+    assert saved["global_batch"] == 4
+    StepSampler(tokens, 16, 2, seed=0, rank=0, world_size=1, global_batch=4).check_resumable(saved, "ckpt")
+    StepSampler(tokens, 16, 2, seed=0, rank=0).check_resumable({}, "ckpt")  # saved before global_batch
+    with pytest.raises(
+        DataError,
+        match=r"ckpt was trained with a global batch of 4 sequences but this run's is 2 .*data.global_batch=4",
+    ):
+        StepSampler(tokens, 16, 2, seed=0, rank=0, world_size=1).check_resumable(saved, "ckpt")
 
 
 def test_holdout_batches_cover_the_holdout_evenly():

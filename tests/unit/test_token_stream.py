@@ -3,6 +3,8 @@
 The reference is the old whole-file loader (`benchmarks.scale_data.legacy_*`, kept verbatim):
 every exactness and resume test compares runs with each other, so a sampler that drew other
 windows, or the same windows from a different sequence, would silently change every run's data.
+A step's global batch is the old loader's rank-0 batch of `global_batch` rows, so one-rank runs
+keep their data; on more ranks each rank takes its slice of it.
 """
 
 import json
@@ -51,7 +53,7 @@ def crosses_a_boundary(files, starts: list[int], window: int, separator: bool) -
 
 
 @pytest.mark.parametrize("kind", ["bytes", "uint16", "uint32"])
-def test_batches_equal_the_whole_file_loader_for_every_seed_step_and_rank(tmp_path, kind):
+def test_batches_equal_the_whole_file_loader_for_every_seed_step_and_world_size(tmp_path, kind):
     contents = byte_files() if kind == "bytes" else token_files(kind)
     root = snapshot(tmp_path, contents, None if kind == "bytes" else kind)
     train, holdout = split_files(root, 0.2)
@@ -61,17 +63,20 @@ def test_batches_equal_the_whole_file_loader_for_every_seed_step_and_rank(tmp_pa
     assert torch.equal(stream.gather([0], stream.numel())[0], legacy.long())
     crossed = False
     for seed in (0, 3):
-        for rank in (0, 1, 2):
-            new = StepSampler(stream, seq_len=16, batch_size=8, seed=seed, rank=rank)
-            old = LegacyStepSampler(legacy, seq_len=16, batch_size=8, seed=seed, rank=rank)
-            for step in range(30):
+        # the global batch is the old loader's rank-0 batch of all 12 rows; ranks take slices of it
+        old = LegacyStepSampler(legacy, seq_len=16, batch_size=12, seed=seed, rank=0)
+        samplers = [StepSampler(stream, 16, 2, seed, rank, world, global_batch=12) for world in (1, 2, 3)
+                    for rank in range(world)]  # fmt: skip
+        for step in range(30):
+            expected = old.batch(step)
+            for new in samplers:
+                rows = 12 // new.world_size
                 batch = new.batch(step)
-                assert batch.dtype == torch.int64 and torch.equal(batch, old.batch(step))
-                mixed = ((seed * 1_000_003 + step) * 1_009 + rank) % (2**63)
-                starts = torch.randint(
-                    0, stream.numel() - 17, (8,), generator=torch.Generator().manual_seed(mixed)
-                )
-                crossed |= crosses_a_boundary(train, starts.tolist(), 17, kind == "bytes")
+                assert batch.dtype == torch.int64
+                assert torch.equal(batch, expected[new.rank * rows : (new.rank + 1) * rows])
+            starts = samplers[0].global_starts(step)
+            assert torch.equal(stream.gather(starts, 17), expected)
+            crossed |= crosses_a_boundary(train, starts, 17, kind == "bytes")
     assert crossed, "no window spanned two files: the test does not exercise the boundary"
     for seq_len in (4, 16):
         expected = legacy_holdout_batches(legacy_load_tokens(holdout), seq_len, max_windows=9, batch_size=4)

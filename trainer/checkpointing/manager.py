@@ -140,6 +140,7 @@ class CheckpointManager:
             raise storage.CheckpointError(
                 f"{latest} was trained with a different model config; use a new checkpoint dir"
             )
+        self.sampler.check_resumable(meta.get("sampler", {}), str(latest))  # the same data, or refused
         self.scheduler.load_state_dict(meta["scheduler"])
         self.hooks.restore_launcher_state(meta.get("launcher", {}))
         step = int(meta["step"])
@@ -195,6 +196,7 @@ class CheckpointManager:
             "scheduler": self.scheduler.state_dict(),
             "loss": loss_value,
             "launcher": self.hooks.launcher_state(),
+            "sampler": self.sampler.state_dict(next_step=step + 1),  # read by every rank's resume
         }
         rank_extra = {"sampler": self.sampler.state_dict(next_step=step + 1)}
         # Waits for the previous write, writes a sync save whole: the progress signals go on.
