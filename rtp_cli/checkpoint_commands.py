@@ -19,9 +19,10 @@ def add_validate_parser(sub: argparse._SubParsersAction) -> None:
         "validate",
         help="check a checkpoint and score it on the holdout split",
         description="Verify a committed checkpoint (manifest, SHA-256, tensor shapes, optimizer state, "
-        "loadable on one CPU process, finite), compute its holdout loss and compare it with the current "
-        "champion in MLflow (--champion-model, on the same holdout). Prints the report; exit code 1 when "
-        "the decision is reject.",
+        "every tensor finite, read from the shards a few at a time), take its holdout loss from the "
+        "training's eval.json when it scored these weights (else score a small model in this process) "
+        "and compare it with the current champion in MLflow (--champion-model, on the same holdout). "
+        "Prints the report; exit code 1 when the decision is reject.",
     )
     p.add_argument(
         "--checkpoint", required=True, help="a step_<N> folder, or a checkpoints folder (its latest is used)"

@@ -62,7 +62,7 @@ __all__ = [
 ]
 
 MIB = 2**20
-TENSOR_BUDGET_BYTES = 256 * MIB
+TENSOR_BUDGET_BYTES = 64 * MIB
 """Model tensors read from the shards at once (a larger single tensor is read alone)."""
 MAX_IN_PROCESS_BYTES = 4 * 2**30
 """Largest model (stored bytes) scored in this process when no eval record of the training fits."""
