@@ -4,6 +4,7 @@
     <mount>/rtp/datasets/<dataset>/current -> snapshots/<id>   switched atomically
     <mount>/rtp/datasets/<dataset>/.staging/<id>/              in progress, resumable
     <mount>/rtp/runs/<run>/checkpoints/step_<N>/               committed DCP checkpoints
+    <mount>/rtp/runs/<run>/export/step_<N>/                    that checkpoint in Hugging Face format (register)
     <mount>/rtp/runs/<run>/steps/<step>.json                   each step's record
 
 `<run>` is the run name when one is given, else the KFP run id, so a retried train task

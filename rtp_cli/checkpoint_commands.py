@@ -115,6 +115,18 @@ def add_register_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--dataset-dir", default="", help="the dataset snapshot trained on (recorded as lineage)")
     p.add_argument("--mlflow-uri", default="", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI)")
+    p.add_argument(
+        "--export-dtype",
+        default="auto",
+        choices=["auto", "fp32", "bf16", "fp16"],
+        help="dtype of a Hugging Face model's exported safetensors; auto: the source model's "
+        "config.json dtype (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="largest safetensors file of a Hugging Face model's export, e.g. 5GB or 500MB (default: %(default)s)",
+    )
     p.set_defaults(handler=_cmd_register)
 
 
@@ -133,6 +145,13 @@ def _cmd_register(args: argparse.Namespace) -> int:
         # the validate step's record in the same run folder, when the pipeline wrote one
         validation_figures=validation_figures(Path(checkpoint_dir).parent.parent / "steps" / "validate.json"),
     )
-    result = register_checkpoint(checkpoint_dir, args.model_name, args.alias, lineage)
+    result = register_checkpoint(
+        checkpoint_dir,
+        args.model_name,
+        args.alias,
+        lineage,
+        export_dtype=args.export_dtype,
+        max_shard_size=args.max_shard_size,
+    )
     print(json.dumps(result.as_dict(), indent=2))
     return 0

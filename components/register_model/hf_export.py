@@ -1,26 +1,26 @@
 """Registering a Hugging Face model (`model.kind` hf): the checkpoint in Hugging Face format,
 logged with MLflow's transformers flavor.
 
-The validated checkpoint (already loaded into a plain module by the registry's spec) is
-exported by `spec.export` as config.json + model.safetensors + generation_config.json +
-the tokenizer files, loaded back with transformers, and logged with
-`mlflow.transformers.log_model` (task text-generation). The logged model holds
-`model/` (config, safetensors, generation config: `AutoModelForCausalLM.from_pretrained`
-reads it) and `components/tokenizer/` (`AutoTokenizer.from_pretrained` reads it), so
+The validated checkpoint is exported tensor by tensor (`streamed_export.py`: safetensors
+in the source model's dtype, sharded with an index above `max_shard_size`, config.json,
+generation_config.json, tokenizer files) onto the shared volume, and that folder is logged
+by its path with `mlflow.transformers.log_model` (task text-generation): MLflow copies the
+files and loads only the tokenizer, never the model. The logged model holds `model/`
+(config, safetensors, generation config: `AutoModelForCausalLM.from_pretrained` reads it)
+and `components/tokenizer/` (`AutoTokenizer.from_pretrained` reads it), so
 `mlflow.transformers.load_model`, `mlflow.pyfunc.load_model(...).predict` and plain
 transformers all load it. The byte LM's pyfunc lives in `bundle.py` / `serving_model.py`.
 """
 
 from __future__ import annotations
 
-import tempfile
+import contextlib
+import importlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from torch import nn
-
-from trainer.config import ModelConfig
-from trainer.models import model_spec
+import torch
 
 MODEL_FOLDER = "model"
 """Where the flavor puts config.json and the safetensors inside the logged model."""
@@ -59,27 +59,41 @@ def signature() -> Any:
     )
 
 
-def log_hf_model(model: nn.Module, config: ModelConfig) -> Any:
-    """Export `model` (the checkpoint's weights in a plain module) and log it in the active
-    MLflow run; returns the ModelInfo."""
-    import mlflow
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+@contextlib.contextmanager
+def _pipeline_classes_for_mlflow() -> Iterator[None]:
+    """MLflow 3.17.2 logs a folder by path with `check_task(task)[1]["impl"].__name__`, but
+    transformers 5 gives `impl` as the class's dotted name (a str: AttributeError '__name__');
+    for the duration of the call `check_task` answers with the class itself."""
+    from transformers import pipelines
 
-    with tempfile.TemporaryDirectory(prefix="rtp-hf-export-") as tmp:
-        folder = model_spec(config.kind).export(model.state_dict(), config, Path(tmp) / "model")
-        # Logged as loaded components, not as the folder's path: MLflow 3.17.2's path route
-        # fails with transformers 5.23 (AttributeError: 'str' object has no attribute '__name__'
-        # in build_flavor_config_from_local_checkpoint). Loading the export back also proves
-        # that from_pretrained reads it.
-        exported = AutoModelForCausalLM.from_pretrained(
-            str(folder), local_files_only=True, dtype=torch.float32
-        )
-        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    original = pipelines.check_task
+
+    def check_task(task: str) -> tuple[str, dict[str, Any], Any]:
+        name, meta, options = original(task)
+        impl = meta.get("impl")
+        if isinstance(impl, str):
+            module, _, cls = impl.rpartition(".")
+            meta = {**meta, "impl": getattr(importlib.import_module(module), cls)}
+        return name, meta, options
+
+    pipelines.check_task = check_task  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        pipelines.check_task = original  # type: ignore[assignment]
+
+
+def log_hf_model(folder: Path, dtype: torch.dtype) -> Any:
+    """Log the exported Hugging Face folder in the active MLflow run without loading its
+    weights; returns the ModelInfo. `dtype` is what loaders of the logged model use."""
+    import mlflow
+
+    with _pipeline_classes_for_mlflow():
         return mlflow.transformers.log_model(
-            {"model": exported.eval(), "tokenizer": tokenizer},
+            str(folder),
             name="model",
             task=TASK,
+            torch_dtype=dtype,
             signature=signature(),
             input_example=["def "],
             pip_requirements=pip_requirements(),

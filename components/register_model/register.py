@@ -4,8 +4,11 @@ What is logged depends on the model's kind:
 - byte-lm: an MLflow pyfunc that generates text (`serving_model.py`), with the consolidated
   weights (safetensors), the model config and the tokenizer description as artifacts
   (`bundle.py`), a signature and an input example;
-- hf: the checkpoint in Hugging Face format through MLflow's transformers flavor
-  (`hf_export.py`), loadable by `mlflow.transformers`, `mlflow.pyfunc` and transformers.
+- hf: the checkpoint exported to Hugging Face format tensor by tensor, in the source
+  model's dtype, onto the shared volume next to the run's checkpoints (`streamed_export.py`),
+  and that folder logged by path through MLflow's transformers flavor (`hf_export.py`),
+  loadable by `mlflow.transformers`, `mlflow.pyfunc` and transformers; the model is never
+  held in memory whole.
 Either version carries lineage tags (`lineage.py`), what the model is (`rtp.model_kind`,
 `rtp.model_seq_len`, `rtp.tokenizer`) and, when the validate step's record is given, its
 holdout scores (`rtp.validate.*`, also the run's metrics), which the champion lookup reads.
@@ -37,9 +40,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+import torch
+
 import trainer
 from components.mlflow_access import RetryPolicy, call_with_retries, check_model_name, step_deadline
-from components.register_model import hf_export
+from components.register_model import hf_export, streamed_export
 from components.register_model.bundle import WEIGHTS_FILE, pip_requirements, write_bundle
 from components.register_model.lineage import (
     KIND_TAG,
@@ -51,7 +56,9 @@ from components.register_model.lineage import (
     training_config_sha256,
 )
 from components.validate_checkpoint.validate import load_validated_model
+from trainer.checkpointing import storage
 from trainer.checkpointing.storage import manifest_sha256
+from trainer.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -235,9 +242,10 @@ def _log_model(
     lineage: Lineage | None = None,
     training_run_id: str = "",
 ) -> Any:
-    """The pyfunc model (and the training report) in an MLflow run: the run that holds the
+    """The model (and the training report) in an MLflow run: the run that holds the
     training's live metrics when `training_run_id` is given (so the version points at the run
-    that trained it), else a new one. Returns its ModelInfo."""
+    that trained it), else a new one. `model` is the byte LM's module, or the ExportResult of a
+    Hugging Face model's export. Returns its ModelInfo."""
     import mlflow
     import pandas as pd
 
@@ -263,7 +271,8 @@ def _log_model(
         if lineage and lineage.training_report and Path(lineage.training_report).is_file():
             mlflow.log_artifact(lineage.training_report, artifact_path="reports")
         if config.model.kind == "hf":
-            info = hf_export.log_hf_model(model, config.model)
+            mlflow.set_tags({"rtp.export.dtype": model.dtype, "rtp.export.files": str(len(model.files))})
+            info = hf_export.log_hf_model(model.folder, getattr(torch, model.dtype))
             log.info("logged model %s in MLflow run %s", info.model_uri, run.info.run_id)
             return info
         artifacts = write_bundle(model, tmp, metadata={"step": str(meta["step"]), SHA_TAG: tags[SHA_TAG]})
@@ -280,6 +289,33 @@ def _log_model(
     return info
 
 
+def _verified_model(
+    checkpoint_dir: str,
+    published_manifest_sha256: str | None,
+    sha: str,
+    export_settings: tuple[str, str | int],
+) -> tuple[Any, TrainConfig, dict[str, Any]]:
+    """The byte LM loaded after validate's checks; a Hugging Face model exported (streamed,
+    hashes verified first, shapes and finiteness checked tensor by tensor) and checked."""
+    if published_manifest_sha256 is not None:
+        storage.verify_published(checkpoint_dir, published_manifest_sha256)
+    else:
+        storage.verify_checkpoint(checkpoint_dir, verify_hashes=True)
+    meta = storage.read_meta(checkpoint_dir)
+    config = TrainConfig.from_dict(meta["config"])
+    if config.model.kind != "hf":
+        return load_validated_model(checkpoint_dir, published_manifest_sha256=published_manifest_sha256)
+    export_dtype, max_shard_size = export_settings
+    result = streamed_export.export_checkpoint(
+        checkpoint_dir, config.model, sha, export_dtype=export_dtype, max_shard_size=max_shard_size
+    )
+    if result.parameters <= streamed_export.LOAD_CHECK_MAX_PARAMETERS:
+        streamed_export.check_export_loads(
+            result.folder, checkpoint_dir, config.model, getattr(torch, result.dtype)
+        )
+    return result, config, meta
+
+
 def register_checkpoint(
     checkpoint_dir: str,
     model_name: str,
@@ -288,11 +324,15 @@ def register_checkpoint(
     retry: RetryPolicy | None = None,
     published_manifest_sha256: str | None = None,
     training_run_id: str = "",
+    export_dtype: str = streamed_export.DEFAULT_EXPORT_DTYPE,
+    max_shard_size: str | int = streamed_export.DEFAULT_MAX_SHARD_SIZE,
 ) -> RegisterResult:
     """Register `checkpoint_dir` as a version of `model_name` with the alias `decision`.
     With `published_manifest_sha256` (the train step's output) the checkpoint must be the
     one the train step published before anything is loaded from it. `training_run_id` is the
     MLflow run of the training's live metrics; the model is logged into it.
+    `export_dtype` (auto = the source model's dtype, fp32, bf16, fp16) and `max_shard_size`
+    (bytes or e.g. "5GB" per safetensors file) shape a Hugging Face model's export.
 
     `lineage` supplies what the checkpoint cannot tell (KFP run, dataset, training figures);
     the checkpoint's own step, URI, SHA-256 and config hash are always filled in here.
@@ -300,9 +340,21 @@ def register_checkpoint(
     if decision not in ALIASES:
         raise ValueError(f"decision {decision!r} cannot be registered; expected one of {', '.join(ALIASES)}")
     check_model_name(model_name)
+    if export_dtype not in streamed_export.EXPORT_DTYPES:
+        raise ValueError(
+            f"export_dtype {export_dtype!r} is not one of {', '.join(streamed_export.EXPORT_DTYPES)}"
+        )
+    streamed_export.parse_max_shard_size(max_shard_size)
     with step_deadline(retry):
         return _register(
-            checkpoint_dir, model_name, decision, lineage, retry, published_manifest_sha256, training_run_id
+            checkpoint_dir,
+            model_name,
+            decision,
+            lineage,
+            retry,
+            published_manifest_sha256,
+            training_run_id,
+            (export_dtype, max_shard_size),
         )
 
 
@@ -314,6 +366,7 @@ def _register(
     retry: RetryPolicy | None,
     published_manifest_sha256: str | None,
     training_run_id: str,
+    export_settings: tuple[str, str | int],
 ) -> RegisterResult:
     import mlflow
 
@@ -349,11 +402,9 @@ def _register(
             (existing.tags or {}).get(KIND_TAG, "byte-lm"),
         )
 
-    # Loaded and checked again here: the register step must not trust a checkpoint that
-    # changed on the shared volume since validation.
-    model, config, meta = load_validated_model(
-        checkpoint_dir, published_manifest_sha256=published_manifest_sha256
-    )
+    # Checked again here: the register step must not trust a checkpoint that changed on the
+    # shared volume since validation.
+    model, config, meta = _verified_model(checkpoint_dir, published_manifest_sha256, sha, export_settings)
     base = lineage or Lineage()
     tags = lineage_tags(
         Lineage(
