@@ -160,7 +160,7 @@ def run(
     vocab: int = 8192,
     max_shard_size: str = "5GB",
 ) -> dict[str, Any]:
-    sizes = []
+    sizes: list[dict[str, Any]] = []
     for depth in layers:
         root = workdir / f"layers-{depth}"
         model_dir = write_model_folder(root / "model", depth, hidden, intermediate, vocab)
@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", nargs=3, metavar=("MODE", "CHECKPOINT", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        _child(*args.child, args.max_shard_size)
+        mode, checkpoint, out = args.child
+        _child(mode, checkpoint, out, args.max_shard_size)
         return 0
     with tempfile.TemporaryDirectory(prefix="rtp-scale-register-") as tmp:
         report = run(Path(args.workdir or tmp), tuple(args.layers), max_shard_size=args.max_shard_size)

@@ -65,8 +65,9 @@ _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 
 
-class ExportError(RuntimeError):
-    """The checkpoint cannot be exported, or an export does not hold what it should; the message says why."""
+class ExportError(CheckpointError):
+    """The checkpoint cannot be exported, or an export does not hold what it should; the message says why
+    (a CheckpointError: `rtp register` shows it as one line)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,7 +312,7 @@ def write_weights(
                         )
                     cast = value.to(tensor.dtype).contiguous()
                     del value
-                    handle.write(memoryview(cast.view(torch.uint8).numpy()))
+                    handle.write(cast.view(torch.uint8).numpy().data)
                     del cast
             handle.flush()
             os.fsync(handle.fileno())

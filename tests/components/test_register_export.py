@@ -60,7 +60,7 @@ def _checkpoint(root: Path, *, tie: bool, dtype: str | None, poison: bool = Fals
     optimizer.step()
     if poison:
         with torch.no_grad():
-            model.model.layers[1].mlp.up_proj.weight[0, 0] = float("nan")
+            model.get_parameter("model.layers.1.mlp.up_proj.weight")[0, 0] = float("nan")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         save_checkpoint(
