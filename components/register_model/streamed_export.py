@@ -21,12 +21,15 @@ a complete export of the same checkpoint with the same settings is already there
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import shutil
 import struct
+import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -381,8 +384,9 @@ def export_checkpoint(
         return result
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.with_name(f".{target.name}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
+    _remove_stale_staging(target)
+    # Unique per attempt: pods of two concurrent registrations may share a pid.
+    staging = target.with_name(f".{target.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     staging.mkdir()
     try:
         write_weights(staging, files, _dcp_reader(checkpoint_dir), checkpoint_dir)
@@ -399,6 +403,10 @@ def export_checkpoint(
             shutil.copyfile(path, staging / path.name)
         check_export_headers(staging, tensors)
         (staging / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")  # last: marks it complete
+        if target.is_dir() and _read_marker(target) == marker:
+            # A concurrent registration published the same export first: keep it (it may be uploading it).
+            shutil.rmtree(staging, ignore_errors=True)
+            return result
         _publish(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -407,6 +415,17 @@ def export_checkpoint(
     return ExportResult(
         result.folder, result.dtype, result.files, result.total_bytes, parameters, reused=False
     )
+
+
+STALE_STAGING_S = 6 * 3600
+"""A staging folder untouched this long belongs to an export that was killed."""
+
+
+def _remove_stale_staging(target: Path) -> None:
+    for leftover in target.parent.glob(f".{target.name}.partial-*"):
+        with contextlib.suppress(OSError):
+            if time.time() - leftover.stat().st_mtime > STALE_STAGING_S:
+                shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _publish(staging: Path, target: Path) -> None:

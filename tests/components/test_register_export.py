@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -241,6 +243,14 @@ def test_an_export_is_reused_on_a_retry_and_replaced_for_other_settings(bf16_tie
     (folder / streamed_export.MARKER_FILE).unlink()
     assert not export_checkpoint(*args, export_dtype="fp32").reused
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging folders left
+    # a killed export's staging folder is removed once stale, a recent one (maybe live) kept
+    stale, live = tmp_path / ".out.partial-1-dead", tmp_path / ".out.partial-2-live"
+    for folder_ in (stale, live):
+        folder_.mkdir()
+    old = time.time() - streamed_export.STALE_STAGING_S - 60
+    os.utime(stale, (old, old))
+    export_checkpoint(*args, export_dtype="bf16")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "out"]
 
 
 def test_a_non_finite_tensor_fails_the_export_and_leaves_no_folder(tmp_path):
