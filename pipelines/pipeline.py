@@ -257,6 +257,8 @@ def build_pipeline(
                 platform.use_mlflow_secret(register, mlflow_secret_name)
             # Validate scores the current champion from MLflow: it needs the same credentials.
             platform.use_mlflow_secret(validate, mlflow_secret_name)
+            platform.size_model_step(validate, "validate", options)
+            platform.size_model_step(register, "register", options)
             for task in (stage, base_model, train, validate, register):
                 platform.mount_fsx(task, fsx_pvc_name, options)
                 platform.apply_common(task, options)

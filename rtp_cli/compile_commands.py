@@ -84,6 +84,13 @@ def add_platform_arguments(p: argparse.ArgumentParser) -> None:
         help="GPUs of the train pod, for launcher inpod (default: %(default)s)",
     )
     p.add_argument("--shm-size", default="", help="size limit of the trainer's /dev/shm (default: none)")
+    p.add_argument(
+        "--model-params",
+        type=float,
+        default=defaults.model_params,
+        help="parameters of the largest model trained, e.g. 8e9: sizes the validate and register "
+        "pods' memory (docs/eks.md, Pod sizes; default: sized for the CPU presets)",
+    )
 
 
 def platform_options_from_args(args: argparse.Namespace) -> PlatformOptions:
@@ -95,4 +102,5 @@ def platform_options_from_args(args: argparse.Namespace) -> PlatformOptions:
         train_pod_memory=args.train_pod_memory,
         train_pod_gpus=args.train_pod_gpus,
         shm_size=args.shm_size,
+        model_params=args.model_params,
     ).check()

@@ -313,3 +313,22 @@ def test_the_preset_help_lists_every_preset_of_the_trainer(compiled):
     assert all(name in help_text for name in PRESETS), help_text
     component = pipeline["components"]["comp-train-model"]["inputDefinitions"]["parameters"]["preset"]
     assert all(name in component["description"] for name in PRESETS), component
+
+
+def _memory(pipeline: dict, executor: str) -> tuple[str, str]:
+    resources = pipeline["deploymentSpec"]["executors"][executor]["container"]["resources"]
+    return resources["resourceMemoryRequest"], resources["resourceMemoryLimit"]
+
+
+def test_validate_and_register_pods_are_sized_for_the_model(tmp_path, compiled):
+    """No memory request used to let an 8B validate or register land on any node; the size
+    comes from `--model-params` by the documented formula (request = limit)."""
+    pipeline, _, _ = compiled  # the CPU presets
+    assert _memory(pipeline, "exec-validate-checkpoint") == ("3Gi", "3Gi")
+    assert _memory(pipeline, "exec-register-model") == ("2Gi", "2Gi")
+    large, _, _ = _compile(tmp_path, options=PlatformOptions(model_params=8e9))
+    # validate: 2 + 2 x 0.25 + 3 x min(4, 29.8) GiB; register: 2 + 3 x 4 B x 0.08 x 8e9.
+    assert _memory(large, "exec-validate-checkpoint") == ("15Gi", "15Gi")
+    assert _memory(large, "exec-register-model") == ("10Gi", "10Gi")
+    with pytest.raises(ValueError, match="model parameters must be 0 or more"):
+        PlatformOptions(model_params=-1).check()
