@@ -296,7 +296,9 @@ def train(
     with hooks.keepalive():  # gathers every tensor: minutes at 8B+
         fingerprint = model_sha256(model)
     final_step = losses[-1][0] if losses else last_step
-    if config.data.eval_windows > 0:  # scored where the model already is, for the validate step
+    # Scored where the model already is, for the validate step; not in a SIGTERM's grace period
+    # (the run resumes later and scores its last step then).
+    if config.data.eval_windows > 0 and not stopped_by_signal:
         from trainer.evaluation import write_eval_record
 
         with hooks.keepalive():

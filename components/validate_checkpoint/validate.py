@@ -376,13 +376,10 @@ def validate_checkpoint(
         f"snapshot manifest (holdout_fraction {config.data.holdout_fraction}); never trained on"
     )
     score, scored_by = None, "validate"
-    paths = (
-        []
-        if eval_record == ""
-        else [Path(eval_record)]
-        if eval_record
-        else _record_candidates(checkpoint_dir, config)
-    )
+    if eval_record is None:
+        paths = _record_candidates(checkpoint_dir, config)
+    else:
+        paths = [Path(eval_record)] if eval_record else []
     why_not = f"no {EVAL_RECORD} in {' or '.join(str(p.parent) for p in paths)}" if paths else "not asked for"
     for path in paths:
         record = read_eval_record(path)

@@ -231,3 +231,20 @@ def test_two_training_ranks_score_the_sharded_model_as_one_process_scores_the_ch
     assert here.evaluated_tokens == result.evaluated_tokens == 12 * config.model.seq_len
     # each rank runs the full forward on every window: the same sums as one process, to rounding
     assert here.holdout_loss == pytest.approx(result.holdout_loss, rel=1e-6)
+
+
+def test_without_eval_windows_the_training_writes_no_record_and_validate_scores_in_process(
+    dataset_dir, tmp_path
+):
+    from trainer.config import resolve_config
+    from trainer.launch import run_local_training
+
+    config = resolve_config(
+        named={"dataset_dir": str(dataset_dir), "workdir": str(tmp_path), "steps": 2, "seed": 1},
+        overrides=["data.eval_windows=0"],
+    )
+    summary = run_local_training(1, config, echo=False).to_dict()
+    assert not (tmp_path / "eval.json").exists()
+    result = validate_checkpoint(summary["checkpoint"], str(dataset_dir), 10.0)
+    assert result.scored_by == "validate"
+    assert any(f"no eval.json in {tmp_path}" in check for check in result.checks)

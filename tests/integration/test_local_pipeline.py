@@ -114,6 +114,18 @@ def test_one_mlflow_run_goes_from_the_first_step_to_the_registered_version(local
     assert run.data.metrics["restarts"] == 1
 
 
+def test_validate_decided_from_the_training_ranks_record_of_the_final_weights(local_run):
+    _, _, summary = local_run
+    run_folder = Path(summary["checkpoint"]).parents[1]
+    record = json.loads((run_folder / "train" / "eval.json").read_text())  # the train workdir
+    validate = json.loads((run_folder / "steps" / "validate.json").read_text())
+    train = json.loads((run_folder / "steps" / "train.json").read_text())
+    assert validate["scored_by"] == "training", validate["checks"]
+    assert record["model_sha256"] == validate["weights_sha256"] == train["model_sha256"]
+    assert record["step"] == validate["step"] == summary["steps"] == 12
+    assert validate["holdout_loss"] == record["loss"]
+
+
 def test_the_same_run_name_again_resumes_from_its_checkpoint(local_run, mlflow_server, local_tmpdir):
     """`rtp local --run-name e2e` a second time, two steps further, resumes from the first
     run's last checkpoint instead of starting over. Last in this module: it adds two steps to

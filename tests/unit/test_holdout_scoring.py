@@ -134,3 +134,10 @@ def test_an_unreadable_or_foreign_record_is_no_record(tmp_path):
     assert read_eval_record(tmp_path / "torn.json") is None
     (tmp_path / "other.json").write_text(json.dumps({"version": 99}))
     assert read_eval_record(tmp_path / "other.json") is None
+
+
+def test_a_negative_number_of_eval_windows_is_refused_in_one_line():
+    from trainer.config import ConfigError, resolve_config
+
+    with pytest.raises(ConfigError, match=r"data\.eval_windows must be >= 0"):
+        resolve_config(named={"dataset_dir": "/nonexistent"}, overrides=["data.eval_windows=-1"])
