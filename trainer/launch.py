@@ -230,8 +230,7 @@ def run_local_training(
     summary_path = work / "summary.json"
     summary_path.unlink(missing_ok=True)
     env = dict(os.environ)
-    # One intra-op thread per rank: on a 2-core machine two ranks with default threading
-    # oversubscribe the cores and run several times slower.
+    # One intra-op thread per rank: ranks with torch's default threading oversubscribe the cores.
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
     command = build_launch_command(nproc, trainer_args, settings=settings, cpu=not _has_cuda())

@@ -2,9 +2,9 @@
 
 A gloo collective cannot be aborted (pytorch issue 130345), and `destroy_process_group`
 does not close its connections while anything (the FSDP model, the optimizer's DTensors,
-a writer's group) still references the group. A rank waiting on a failed peer therefore
-sat in its collective until the collective timeout, which made the in-process restart on
-CPU as slow as that timeout (15 s by default).
+a writer's group) still references the group. A rank waiting on a failed peer would
+therefore sit in its collective until the collective timeout, making the in-process restart
+on CPU as slow as that timeout (15 s by default).
 
 What does release it at once is its TCP connections going down: gloo's pair sees the end
 of stream and fails the pending operation ("Connection closed by peer"), on the peer and,
@@ -107,8 +107,8 @@ def tracking() -> Iterator[None]:
 def _not_inherited(fds: dict[int, int]) -> None:
     """Mark sockets close-on-exec. gloo's and the stores' are inheritable, so a helper that
     torch execs later (torch_shm_manager, started on the first tensor shared by file name)
-    held copies of them: closing them here then sent no end of stream, and the peer waited
-    out the collective timeout; the copies also kept dead connections open."""
+    would hold copies: closing ours would send no end of stream, the peer would wait out the
+    collective timeout, and the copies would keep dead connections open."""
     for fd in fds:
         with contextlib.suppress(OSError):
             os.set_inheritable(fd, False)

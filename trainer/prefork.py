@@ -2,8 +2,7 @@
 
 A hard fault (a rank killed, OOM-killed, or exited) makes ft_launcher stop the worker group
 and start `python -m trainer` again for every local rank. Half of such a start is importing
-torch, NVRx and the trainer (2.3 s of 4.3 s on the development machine), the same work
-every time. So the first worker group's local rank 0 starts one *zygote* per node as its
+torch, NVRx and the trainer (docs/fault-tolerance.md), the same work every time. So the first worker group's local rank 0 starts one *zygote* per node as its
 own start-up begins (after its imports, beside its store, process group, model build and
 writer warm-up): a process that imports all of it once, freezes it out
 of the garbage collector's passes, then waits on a Unix socket. A rank started

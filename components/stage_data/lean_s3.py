@@ -1,9 +1,9 @@
 """A lean S3 reader for staging: SigV4-signed LIST, HEAD and GET over a urllib3 pool.
 
-botocore spends about 1.2 ms of CPU on every request before and after the bytes move
-(endpoint rules, a dozen event hooks, header parsing into a modelled response, dateutil
-timestamps), and its client takes 0.2-0.4 s to build (it loads the whole S3 model). For a
-prefix of thousands of small objects, on the same cores as everything else, that overhead
+botocore spends CPU on every request before and after the bytes move (endpoint rules, a
+dozen event hooks, header parsing into a modelled response, dateutil timestamps), and its
+client is slow to build (it loads the whole S3 model); docs/staging.md has the figures. For
+a prefix of thousands of small objects, on the same cores as everything else, that overhead
 *is* the stage. This client answers only the three calls staging makes, with botocore's
 own credential chain (IRSA, environment, profile, instance role; refreshed as botocore
 refreshes them) and its SigV4 signer, so authentication is botocore's; only the request

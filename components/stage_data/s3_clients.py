@@ -6,7 +6,7 @@ path-style). `kind` picks how much of the AWS SDK stands behind it:
 
 - `"boto3"` (the default): a full boto3 client, for writing (`create_bucket`, `upload_file`
   in prepare-data, the demo's embedded S3, tests and benchmarks);
-- `"botocore"`: botocore alone (no boto3/s3transfer import, ~0.15 s less start-up) with a
+- `"botocore"`: botocore alone (no boto3/s3transfer import: a shorter start-up) with a
   fast timestamp parser: `rtp stage --s3-client botocore`;
 - `"lean"`: `LeanS3Client` (lean_s3.py), botocore's credentials and signer over a urllib3
   pool: what `rtp stage` reads with by default.
@@ -74,8 +74,8 @@ def parse_s3_timestamp(value: str) -> datetime:
     """S3's two timestamp spellings, parsed without dateutil; anything else goes to botocore's parser.
 
     botocore parses every timestamp (each listed object's LastModified, each GET's
-    Last-Modified header) with dateutil, about 0.15 ms each: for thousands of small objects
-    that was the largest single CPU cost of a stage after the HTTP exchange itself.
+    Last-Modified header) with dateutil: for thousands of small objects, the largest CPU cost
+    of a stage after the HTTP exchange itself (docs/staging.md).
     """
     try:
         if value.endswith("Z") and "T" in value:  # 2026-11-30T01:42:00.123Z (XML listings)

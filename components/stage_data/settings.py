@@ -58,8 +58,8 @@ def default_max_workers() -> int:
     """Four requests in flight per usable CPU, 8 to 32.
 
     The downloads run in Python threads: past a few per core they add no throughput (each
-    request needs the GIL for its headers and bookkeeping) but cost CPU in GIL hand-offs,
-    measured on 2 cores at 3000 small objects: 8 workers 4.9 s, 32 workers 8.0 s.
+    request needs the GIL for its headers and bookkeeping) but cost CPU in GIL hand-offs
+    (docs/staging.md).
     """
     return min(32, max(8, 4 * usable_cpus()))
 
