@@ -4,11 +4,36 @@ import pytest
 
 from trainer.config import PRESETS, ConfigError, TrainConfig, build_config, parse_overrides
 
+# What sets each preset apart: model shape (seq_len, d_model, n_layers, n_heads), batch size,
+# learning rate and warm-up, checkpoint interval, and the byte LM's architecture hash, pinned so
+# a change to how a config is hashed cannot silently orphan existing checkpoints.
+PRESET_VALUES = {
+    "tiny-cpu": ((64, 64, 2, 4), 8, (3e-3, 5), 10, "477aa9c49448a063"),
+    "small-cpu": ((128, 128, 4, 4), 8, (3e-3, 5), 10, "5d2afb00d0a3d3d7"),
+    "bench-cpu": ((64, 640, 5, 8), 2, (3e-3, 5), 10, "97a7e315e3d464be"),
+    "gpu-1b": ((1024, 2048, 20, 16), 4, (3e-4, 100), 500, "3ae6d2ce67847037"),
+    "gpu-125m": ((1024, 768, 12, 12), 16, (6e-4, 200), 500, "017f22ab66a45c0a"),
+}
+
 
 def test_every_preset_builds_and_validates():
-    for name in PRESETS:
+    assert set(PRESETS) == set(PRESET_VALUES), "a preset was added or removed: list its values here"
+    for name, (shape, batch_size, (lr, warmup_steps), every_steps, model_hash) in PRESET_VALUES.items():
         config = build_config(name)
-        assert config.model.d_model % config.model.n_heads == 0
+        model = config.model
+        assert (model.kind, model.vocab_size) == ("byte-lm", 256), name
+        assert (model.seq_len, model.d_model, model.n_layers, model.n_heads) == shape, name
+        assert config.data.batch_size == batch_size, name
+        assert (config.optimizer.lr, config.optimizer.warmup_steps) == (lr, warmup_steps), name
+        assert config.checkpoint.every_steps == every_steps, name
+        assert config.run.steps == 40, name
+        assert config.model_hash() == model_hash, name
+        # Written to <run>/train/config.json and passed to job pods as --config=<compact JSON>.
+        assert TrainConfig.from_json(config.to_json()) == config, name
+        assert TrainConfig.from_json(config.to_compact_json()) == config, name
+        assert TrainConfig.from_json(config.to_json()).to_json() == config.to_json(), name
+    hashes = [values[-1] for values in PRESET_VALUES.values()]
+    assert len(set(hashes)) == len(hashes), "two presets share an architecture"
 
 
 def test_overrides_set_typed_values():
