@@ -1,28 +1,11 @@
-import itertools
-import json
+"""The local launcher (trainer/launch.py): the ft_launcher command, a temporary folder per launch,
+the root cause picked from a failed launch's log."""
+
 from pathlib import Path
 
 import pytest
 
-from components.layout import check_name, dataset_root, record_step, run_dir
-from rtp_cli.local_run import LocalOptions, build_summary, format_summary
-from trainer.events import EventLog, write_json_atomic
 from trainer.launch import LauncherSettings, build_launch_command, launch_tempdir, trainer_arguments
-from trainer.loop import lr_factor
-
-
-def test_run_dir_prefers_run_name_then_job_id(tmp_path):
-    assert run_dir(tmp_path, "nightly", "123") == tmp_path / "rtp/runs/nightly"
-    assert run_dir(tmp_path, "", "123") == tmp_path / "rtp/runs/123"
-    with pytest.raises(ValueError, match="run name"):
-        run_dir(tmp_path, "", "")
-    assert dataset_root(tmp_path, "corpus") == tmp_path / "rtp/datasets/corpus"
-
-
-@pytest.mark.parametrize("name", ["../x", "a/b", "", ".hidden", "x" * 200, "nightly\n"])
-def test_unsafe_folder_names_are_refused(name):
-    with pytest.raises(ValueError, match="safe folder name"):
-        check_name("run name", name)
 
 
 def test_launch_command_runs_the_trainer_module_under_ft_launcher():
@@ -71,63 +54,6 @@ def test_a_launch_gets_a_temporary_folder_of_its_own_that_goes_with_it(tmp_path,
     with launch_tempdir(env) as folder:
         assert folder.parent == Path("/tmp") and len(str(folder / "_ft_launcher4194304_rmon127.socket")) < 108
     assert not folder.exists() and list(deep.iterdir()) == []
-
-
-def test_lr_schedule_warms_up_then_decays_to_the_floor():
-    factors = [lr_factor(step, 20, 5, 0.1) for step in range(21)]
-    assert factors[0] == pytest.approx(0.2) and factors[4] == pytest.approx(1.0)
-    assert factors[5] == pytest.approx(1.0)
-    assert all(a >= b for a, b in itertools.pairwise(factors[5:]))
-    assert factors[20] == pytest.approx(0.1)
-
-
-def test_events_and_atomic_json(tmp_path):
-    log = EventLog(tmp_path, enabled=True)
-    log.emit("step", step=1, loss=2.0)
-    EventLog(tmp_path / "other", enabled=False).emit("step", step=1)
-    assert json.loads((tmp_path / "events.jsonl").read_text())["loss"] == 2.0
-    assert not (tmp_path / "other").exists()
-    write_json_atomic(tmp_path / "s.json", {"a": 1})
-    assert json.loads((tmp_path / "s.json").read_text()) == {"a": 1}
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
-
-
-def test_summary_collects_each_step_record(tmp_path):
-    import time
-
-    folder = run_dir(tmp_path, "r1")
-    start = time.time()
-    record_step(folder, "stage", start, snapshot_dir="/snap")
-    record_step(folder, "train", start, steps=12, final_loss=2.5, checkpoint="/ck/step_12", model_sha256="ab")
-    record_step(folder, "validate", start, holdout_loss=2.4, decision="champion", step=12)
-    record_step(
-        folder, "register", start, model_name="m", version="3", alias="champion", model_uri="models:/m/3"
-    )
-    summary = build_summary(LocalOptions(), folder, "sqlite:///x.db", "s3://b/p/", 9.5)
-    assert summary["steps"] == 12 and summary["checkpoint"] == "/ck/step_12"
-    assert summary["mlflow"]["version"] == "3" and summary["decision"] == "champion"
-    assert set(summary["elapsed_s"]) == {"stage", "train", "validate", "register"}
-    text = format_summary(summary, str(tmp_path))
-    assert "m version 3" in text and "mlflow ui --backend-store-uri sqlite:///x.db" in text
-
-
-def test_summary_of_a_rejected_run_says_so(tmp_path):
-    import time
-
-    folder = run_dir(tmp_path, "r2")
-    record_step(folder, "train", time.time(), steps=2, final_loss=5.0, checkpoint="/c", model_sha256="x")
-    record_step(folder, "validate", time.time(), holdout_loss=5.0, decision="reject", step=2)
-    summary = build_summary(LocalOptions(), folder, "http://mlflow", "s3://b/", 1.0)
-    assert summary["mlflow"]["version"] is None
-    assert "not registered" in format_summary(summary, str(tmp_path))
-
-
-def test_efficiency_follows_the_aws_definition():
-    from trainer.checkpointing import efficiency_pct
-
-    assert efficiency_pct(0.0, 10.0) == 100.0
-    assert efficiency_pct(1.0, 10.0) == pytest.approx(90.0)
-    assert efficiency_pct(0.0, 0.0) == 100.0
 
 
 def test_root_cause_is_the_first_rank_error_without_launcher_noise():
