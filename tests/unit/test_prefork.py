@@ -142,12 +142,17 @@ def test_the_launchers_sigterm_reaches_the_rank(zygote):
 
 
 def test_a_sigkilled_stand_in_takes_its_rank_along(zygote):
-    pid_file = zygote["folder"] / "pid-killed"
-    process = stand_in(zygote, "wait-for-sigterm", str(pid_file), str(zygote["folder"] / "unused"))
+    pid_file, term_file = zygote["folder"] / "pid-killed", zygote["folder"] / "term-killed"
+    process = stand_in(zygote, "wait-for-sigterm", str(pid_file), str(term_file))
     rank = psutil.Process(int(_wait_for(pid_file)))
-    process.kill()
+    assert rank.pid != process.pid and rank.is_running()
+    process.kill()  # what the launcher does to a rank that ignores SIGTERM
+    # The rank would sleep 120 s on its own; the waiter must kill it once the stand-in is gone.
+    _, alive = psutil.wait_procs([rank], timeout=30)
+    assert alive == [], f"rank {rank.pid} outlived its SIGKILLed stand-in"
+    assert not term_file.exists(), "the rank was stopped with SIGTERM, not killed"
     process.communicate(timeout=60)
-    rank.wait(timeout=30)  # raises TimeoutExpired while the rank lives
+    assert process.returncode == -signal.SIGKILL
 
 
 def test_without_a_zygote_or_a_launcher_the_rank_starts_the_usual_way(zygote):
