@@ -210,6 +210,8 @@ def build_pipeline(
                 job_pending_timeout_s=job_pending_timeout_s,
                 # A training job's pods read the same secret (by name: its values stay in it).
                 mlflow_secret_name=mlflow_secret_name,
+                # The training ranks score this model's champion sharded, so validate need not load it.
+                model_name=model_name,
             ).set_display_name("Train the model with FSDP and checkpoints")
             # Rank 0 logs live metrics to MLflow: in this pod with launcher inpod, else in a job pod.
             platform.use_mlflow_secret(train, mlflow_secret_name)

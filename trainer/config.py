@@ -98,6 +98,10 @@ class DataConfig:
     """Holdout windows the training ranks score after the last step, written to <workdir>/eval.json
     for the validate step (which then never loads the whole model); 0: no record, validate scores
     the checkpoint in one process (small models only)."""
+    eval_champion: str = ""
+    """A registered model name: the training ranks also score its MLflow `champion` (a Hugging
+    Face version, loaded sharded) on the same windows, into eval.json, so the validate step
+    never loads it whole; empty: off (validate scores the champion in its process)."""
 
 
 @dataclass(kw_only=True, slots=True)

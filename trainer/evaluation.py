@@ -10,14 +10,24 @@ score does not depend on the world size), and rank 0 writes `<workdir>/eval.json
 the weights it scored (`model_sha256`), the step and the holdout's identity (its files and a
 digest of the scored windows). The validate step then decides from that record instead of
 loading the whole model into one process (components/validate_checkpoint/validate.py).
+
+With `data.eval_champion` (a registered model name), the ranks also score that model's MLflow
+`champion` on the same windows: rank 0 resolves the alias and downloads the version's Hugging
+Face files next to the run, every rank loads them sharded as `model.init=pretrained` loads a
+base model, and the record gains the champion's score, version, run id and files' SHA-256.
+A champion the training cannot score (no MLflow, no champion, a byte LM, a failed download)
+is recorded with the reason; the validate step then scores it itself.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,12 +38,20 @@ from torch import nn
 
 from trainer.models.spec import Tokenizer
 
+log = logging.getLogger(__name__)
+
 __all__ = [
+    "CHAMPION_ALIAS",
     "EVAL_RECORD",
+    "ChampionFiles",
     "HoldoutScore",
+    "champion_windows",
     "decoded_bytes",
+    "fetch_champion",
     "holdout_identity",
     "read_eval_record",
+    "retokenized_windows",
+    "score_champion",
     "score_windows",
     "write_eval_record",
 ]
@@ -41,6 +59,13 @@ __all__ = [
 EVAL_RECORD = "eval.json"
 BYTES_IDENTITY = "bytes"
 RECORD_VERSION = 1
+CHAMPION_ALIAS = "champion"
+CHAMPION_DIR = "champion"
+"""Folder under the run's workdir the champion's files are downloaded to (shared volume)."""
+# Tags the register step writes on a version (components/register_model/lineage.py).
+KIND_TAG, SEQ_LEN_TAG, TOKENIZER_TAG = "rtp.model_kind", "rtp.model_seq_len", "rtp.tokenizer"
+CHAMPION_WAIT_S = 4 * 3600.0
+"""How long the other ranks wait for rank 0's download of the champion (a few GB per billion parameters)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +120,54 @@ def score_windows(
     return HoldoutScore(nats_total=nats, tokens=tokens, bytes=byte_count)
 
 
+def _documents(ids: list[int], tokenizer: Tokenizer) -> list[str]:
+    """The text of a window; split at EOS for a tokenizer whose EOS is not text itself."""
+    if tokenizer.identity == BYTES_IDENTITY:  # its EOS is the newline: part of the text
+        return [tokenizer.decode(ids)]
+    parts: list[list[int]] = [[]]
+    for token in ids:
+        if token == tokenizer.eos_id:
+            parts.append([])
+        else:
+            parts[-1].append(token)
+    return [tokenizer.decode(part) for part in parts]
+
+
+def retokenized_windows(
+    batches: Sequence[torch.Tensor], source: Tokenizer, target: Tokenizer, seq_len: int
+) -> list[torch.Tensor]:
+    """The text of every window in `batches` (tokens of `source`) as `target`'s tokens, in
+    windows of at most seq_len + 1 tokens (one row each: their lengths differ)."""
+    windows = []
+    for batch in batches:
+        for row in batch.tolist():
+            ids: list[int] = []
+            for index, document in enumerate(_documents(row, source)):
+                if index:
+                    ids.append(target.eos_id)
+                ids.extend(target.encode(document))
+            for start in range(0, max(0, len(ids) - 1), seq_len):
+                chunk = ids[start : start + seq_len + 1]
+                if len(chunk) >= 2:
+                    windows.append(torch.tensor([chunk], dtype=torch.long))
+    return windows
+
+
+def champion_windows(
+    batches: Sequence[torch.Tensor],
+    candidate: Tokenizer,
+    champion: Tokenizer,
+    champion_identity: str,
+    champion_seq_len: int,
+    candidate_seq_len: int,
+) -> Sequence[torch.Tensor]:
+    """The candidate's holdout windows as the champion scores them: the same tokens when it has
+    the same tokenizer and window length, else their text encoded with its own tokenizer."""
+    if champion_identity != candidate.identity or champion_seq_len != candidate_seq_len:
+        return retokenized_windows(batches, candidate, champion, champion_seq_len)
+    return batches
+
+
 def holdout_identity(files: Sequence[Any], batches: Sequence[torch.Tensor], seq_len: int) -> dict[str, Any]:
     """What a score was computed on: the holdout files (key, size, dtype), the windows scored and
     a digest of their token ids, so a record is used only for exactly the same windows."""
@@ -113,12 +186,179 @@ def holdout_identity(files: Sequence[Any], batches: Sequence[torch.Tensor], seq_
     }
 
 
+@dataclass(frozen=True, slots=True)
+class ChampionFiles:
+    """A champion version's Hugging Face files, downloaded by rank 0 onto the shared volume."""
+
+    model_name: str
+    version: str
+    run_id: str
+    model_dir: str
+    tokenizer_dir: str
+    seq_len: int | None
+    """Its training window (the rtp.model_seq_len tag); None: the candidate's."""
+    tokenizer_identity: str
+    """Its tokenizer's identity (the rtp.tokenizer tag); empty: read from its tokenizer files."""
+    files_sha256: str
+    """SHA-256 over the model folder's files (trainer.models.spec.files_sha256)."""
+
+
+def fetch_champion(model_name: str, workdir: str | Path) -> ChampionFiles | str:
+    """Rank 0: resolve `models:/<model_name>@champion` and download a Hugging Face version's
+    files to `<workdir>/champion/v<version>` (kept: a resumed run reuses them). Returns the
+    files, or why the training does not score this champion (validate then does)."""
+    from trainer import env
+    from trainer.models.spec import files_sha256
+
+    if not env.mlflow_tracking_uri():
+        return f"MLflow is not configured ({env.MLFLOW_TRACKING_URI} is empty)"
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    try:
+        version = mlflow.MlflowClient().get_model_version_by_alias(model_name, CHAMPION_ALIAS)
+    except MlflowException as exc:  # no such model or alias; validate tells them apart
+        return f"no {CHAMPION_ALIAS} of {model_name} in MLflow ({exc.error_code})"
+    tags = dict(version.tags or {})
+    label = f"{model_name} v{version.version}"
+    if tags.get(KIND_TAG, "byte-lm") != "hf":  # versions without the tag are byte LMs
+        return f"{CHAMPION_ALIAS} {label} is a byte LM (small: validate scores it in its process)"
+    target = Path(workdir) / CHAMPION_DIR / f"v{version.version}"
+    if not (target / "model" / "config.json").is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".v{version.version}-", dir=target.parent))
+        try:
+            local = Path(
+                mlflow.artifacts.download_artifacts(
+                    artifact_uri=f"models:/{model_name}/{version.version}", dst_path=str(staging)
+                )
+            )
+            if not (local / "model" / "config.json").is_file():
+                return (
+                    f"{CHAMPION_ALIAS} {label} holds no model/config.json (not a Hugging Face version of rtp)"
+                )
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(local, target)  # complete or absent: a half download is never reused
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    model_dir = target / "model"
+    tokenizer_dir = target / "components" / "tokenizer"
+    seq_len = tags.get(SEQ_LEN_TAG, "")
+    return ChampionFiles(
+        model_name=model_name,
+        version=str(version.version),
+        run_id=str(version.run_id or ""),
+        model_dir=str(model_dir),
+        tokenizer_dir=str(tokenizer_dir if tokenizer_dir.is_dir() else model_dir),
+        seq_len=int(seq_len) if seq_len.isdigit() else None,
+        tokenizer_identity=tags.get(TOKENIZER_TAG, ""),
+        files_sha256=files_sha256(p for p in model_dir.iterdir() if p.is_file()),
+    )
+
+
+def _mesh_of(model: nn.Module, device: torch.device) -> Any:
+    """The device mesh the candidate is sharded over (a new 1-D mesh if it is not sharded)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    param = next(model.parameters())
+    if isinstance(param, DTensor):
+        return param.device_mesh
+    return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def score_champion(
+    files: ChampionFiles,
+    candidate: nn.Module,
+    config: Any,
+    batches: Sequence[torch.Tensor],
+    device: torch.device,
+) -> HoldoutScore:
+    """Collective: load the champion sharded over the candidate's mesh (each rank reads its
+    slices of the safetensors) and score it on the candidate's windows `batches`, in its own
+    tokenization."""
+    from trainer.config import ModelConfig
+    from trainer.models import hf_causal_lm, model_spec
+    from trainer.parallelize import apply_fsdp, compute_dtype
+
+    seq_len = files.seq_len or config.model.seq_len
+    champion_config = ModelConfig(kind="hf", model_dir=files.model_dir, init="pretrained", seq_len=seq_len)
+    spec = model_spec("hf")
+    model = spec.build(champion_config, torch.device("meta"))
+    apply_fsdp(
+        model, _mesh_of(candidate, device), spec.fsdp_units(model), compute_dtype(config.training, device)
+    )
+    spec.init_weights(model, champion_config, device, 0)
+    tokenizer = hf_causal_lm.HFTokenizer(Path(files.tokenizer_dir))
+    windows = champion_windows(
+        batches,
+        model_spec(config.model.kind).tokenizer(config.model),
+        tokenizer,
+        files.tokenizer_identity or tokenizer.identity,
+        seq_len,
+        config.model.seq_len,
+    )
+    try:
+        return score_windows(model, spec.loss, windows, tokenizer, device)
+    finally:
+        del model
+
+
+def _champion_entry(
+    model: nn.Module, config: Any, batches: Sequence[torch.Tensor], rank: int, device: torch.device
+) -> dict[str, Any]:
+    """Collective: the record's `champion` entry (its score, or why there is none)."""
+    import torch.distributed as dist
+
+    from trainer.parallelize import set_collective_timeout
+
+    name = config.data.eval_champion
+    fetched: list[Any] = [None]
+    if rank == 0:
+        try:
+            fetched[0] = fetch_champion(name, config.run.workdir)
+        except Exception as exc:  # the training's result stands; validate scores the champion then
+            fetched[0] = f"could not fetch the {CHAMPION_ALIAS} of {name}: {type(exc).__name__}: {exc}"
+    set_collective_timeout(max(CHAMPION_WAIT_S, config.resilience.collective_timeout_s))
+    try:  # the other ranks wait here while rank 0 downloads
+        dist.broadcast_object_list(fetched, src=0)
+    finally:
+        set_collective_timeout(config.resilience.collective_timeout_s)
+    files = fetched[0]
+    if isinstance(files, str):
+        if rank == 0:
+            log.info("no %s scored in training: %s", CHAMPION_ALIAS, files)
+        return {"scored": False, "model_name": name, "reason": files}
+    try:
+        score = score_champion(files, model, config, batches, device)
+    except Exception as exc:  # same: validate scores it in its process (or refuses a large one)
+        log.warning("could not score the %s %s v%s in training: %s", CHAMPION_ALIAS, name, files.version, exc)
+        return {"scored": False, "model_name": name, "reason": f"{type(exc).__name__}: {exc}"}
+    return {
+        "scored": True,
+        "model_name": files.model_name,
+        "version": files.version,
+        "run_id": files.run_id,
+        "files_sha256": files.files_sha256,
+        "kind": "hf",
+        "seq_len": files.seq_len,
+        "tokenizer": files.tokenizer_identity,
+        "loss": score.nats_per_token,
+        "bits_per_byte": score.bits_per_byte,
+        "nats_total": score.nats_total,
+        "tokens": score.tokens,
+        "bytes": score.bytes,
+    }
+
+
 def write_eval_record(
     model: nn.Module, config: Any, model_sha256: str, step: int, rank: int, device: torch.device
 ) -> Path | None:
     """Collective: score the (sharded) model on `config.data.eval_windows` holdout windows on
-    every rank, then rank 0 writes `<workdir>/eval.json` atomically. Returns its path (None
-    on other ranks). Every rank runs the same forwards, as FSDP's gathers require."""
+    every rank (and the champion of `config.data.eval_champion`, when set), then rank 0 writes
+    `<workdir>/eval.json` atomically. Returns its path (None on other ranks). Every rank runs
+    the same forwards, as FSDP's gathers require."""
     from trainer.data import holdout_batches, load_tokens, split_files
     from trainer.models import model_spec
 
@@ -131,6 +371,7 @@ def write_eval_record(
         score = score_windows(model, spec.loss, batches, spec.tokenizer(config.model), device)
     finally:
         model.train(was_training)
+    champion = _champion_entry(model, config, batches, rank, device) if config.data.eval_champion else None
     if rank != 0:
         return None
     record = {
@@ -146,6 +387,8 @@ def write_eval_record(
         "bytes": score.bytes,
         "device": device.type,
     }
+    if champion is not None:
+        record["champion"] = champion
     path = Path(config.run.workdir) / EVAL_RECORD
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_name(f".{EVAL_RECORD}.tmp")

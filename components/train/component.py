@@ -45,6 +45,7 @@ def train_model(
     job_pending_timeout_s: int = 900,
     mlflow_secret_name: str = "mlflow-credentials",
     pipeline_version: str = "",
+    model_name: str = "",
 ) -> None:
     """Train the language model with FSDP, in this pod or as a multi-node job; resume from the last checkpoint.
 
@@ -88,6 +89,7 @@ def train_model(
         job_pending_timeout_s: a job pod unschedulable, still creating its containers, or an init container waiting, this long fails the step (a volume that keeps failing to mount: sooner).
         mlflow_secret_name: secret (keys tracking_uri, username, password) the job's pods read as MLFLOW_TRACKING_* by reference, required like in this pod; empty = none.
         pipeline_version: version of the pipeline definition (a tag of the run's MLflow run).
+        model_name: registered model whose MLflow champion the training ranks score beside the model (data.eval_champion); empty = none.
 
     With MLFLOW_TRACKING_URI set, rank 0 logs live metrics to one MLflow run per run folder
     (experiment: the pipeline's name); validate and register log into the same run. This pod
@@ -110,7 +112,10 @@ def train_model(
         run_folder=folder,
         model_dir=base_model.metadata.get("model_dir", ""),
         preset=preset,
-        overrides=overrides,
+        # Before the user's overrides, so `data.eval_champion=` there still turns it off.
+        overrides=" ".join(
+            p for p in (f"data.eval_champion={model_name}" if model_name else "", overrides) if p
+        ),
         mlflow_experiment=PIPELINE_NAME,
         mlflow_tags={"rtp.kfp_run_id": run_id, "rtp.pipeline_version": pipeline_version},
         settings={

@@ -1,5 +1,10 @@
 """Fetch the model MLflow currently calls `champion`, so a candidate is scored against it.
 
+The validate step first resolves the alias (`champion_version`): when the training ranks
+already scored that version (trainer/evaluation.py, `data.eval_champion`), nothing is
+downloaded. Otherwise the version is loaded whole here, for a champion within the in-process
+bound (`champion_weight_bytes` reads its size from the artifact listing).
+
 The champion's files are downloaded and loaded into a plain model with its tokenizer:
 a byte LM version carries the safetensors bundle (`weights.safetensors` + `config.json`,
 the registry's byte-lm), a Hugging Face version the transformers flavor's `model/` folder
@@ -26,7 +31,7 @@ from torch import nn
 
 from components.mlflow_access import RetryPolicy, call_with_retries, check_model_name, step_deadline
 from components.register_model.bundle import WEIGHTS_FILE, BundleError, read_bundle
-from components.register_model.lineage import SEQ_LEN_TAG, TOKENIZER_TAG, VALIDATE_TAG_PREFIX
+from components.register_model.lineage import KIND_TAG, SEQ_LEN_TAG, TOKENIZER_TAG, VALIDATE_TAG_PREFIX
 from trainer.models.spec import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -100,6 +105,14 @@ def load_champion(
     `rtp.model_seq_len` tag. Raises BundleError when the champion exists but carries no
     readable model.
     """
+    version = champion_version(model_name, retry)
+    if version is None:
+        return None
+    return download_champion(model_name, version, retry, default_seq_len)
+
+
+def champion_version(model_name: str, retry: RetryPolicy | None = None) -> Any | None:
+    """The ModelVersion the `champion` alias of `model_name` points at, None when there is none."""
     import mlflow
 
     check_model_name(model_name)
@@ -110,10 +123,41 @@ def load_champion(
             lambda: _champion_version(client, model_name),
             retry,
         )
-        if version is None:
-            log.info("%s has no %s yet", model_name, CHAMPION_ALIAS)
-            return None
-        return _download_champion(model_name, version, retry, default_seq_len)
+    if version is None:
+        log.info("%s has no %s yet", model_name, CHAMPION_ALIAS)
+    return version
+
+
+def champion_weight_bytes(model_name: str, version: Any, retry: RetryPolicy | None = None) -> int:
+    """Bytes of a version's weight files (*.safetensors), from the artifact listing: nothing is downloaded."""
+    import mlflow
+
+    def walk(uri: str) -> int:
+        total = 0
+        for entry in mlflow.artifacts.list_artifacts(artifact_uri=uri):
+            name = Path(entry.path).name
+            if entry.is_dir:
+                total += walk(f"{uri}/{name}")
+            elif name.endswith(".safetensors"):
+                total += int(entry.file_size or 0)
+        return total
+
+    with step_deadline(retry):
+        return call_with_retries(
+            f"list the files of {model_name} version {version.version}",
+            lambda: walk(f"models:/{model_name}/{version.version}"),
+            retry,
+        )
+
+
+def version_tags(version: Any) -> dict[str, Any]:
+    """What a version's tags say about it: kind, tokenizer and what it scored when validated."""
+    tags = dict(version.tags or {})
+    return {
+        "kind": tags.get(KIND_TAG, "byte-lm"),
+        "tokenizer_identity": tags.get(TOKENIZER_TAG, ""),
+        "recorded_bits_per_byte": _float_tag(tags, BITS_PER_BYTE_TAG),
+    }
 
 
 def _champion_version(client: Any, model_name: str) -> Any | None:
@@ -136,9 +180,10 @@ def _champion_version(client: Any, model_name: str) -> Any | None:
     return client.get_model_version(model_name, str(aliases[CHAMPION_ALIAS]))
 
 
-def _download_champion(
-    model_name: str, version: Any, retry: RetryPolicy | None, default_seq_len: int
+def download_champion(
+    model_name: str, version: Any, retry: RetryPolicy | None = None, default_seq_len: int = 64
 ) -> Champion:
+    """Download `version` (from `champion_version`) and load it whole into this process."""
     import mlflow
 
     tags = dict(version.tags or {})

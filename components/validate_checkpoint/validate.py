@@ -13,8 +13,10 @@ never trained on). The training ranks score the model after the last step and wr
 checkpoint: the same weights SHA-256, step, model kind and holdout windows. Otherwise a small
 model is loaded into this process and scored here; a model above `max_in_process_bytes` is
 refused, naming what to do. The score is compared with `max_loss` and with the current MLflow
-`champion`, scored here by the same code on the same holdout windows, in bytes, so tokenizers
-may differ (the champion is loaded whole: `champion.py`).
+`champion` on the same holdout windows, in bytes, so tokenizers may differ. The record's
+champion score is used when it is of the version the alias points at now (the training ranks
+scored it sharded: `data.eval_champion`); otherwise the champion is loaded whole and scored
+here by the same code (`champion.py`), one above `max_in_process_bytes` refused.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from components.validate_checkpoint.checks import (
     optimizer_problems,
     shape_problems,
 )
-from components.validate_checkpoint.scoring import HoldoutScore, retokenized_windows, score_windows
+from components.validate_checkpoint.scoring import HoldoutScore, champion_windows, score_windows
 from trainer.checkpointing import storage
 from trainer.config import ModelConfig, TrainConfig
 from trainer.data import TokenStream, holdout_batches, load_tokens, split_files
@@ -97,6 +99,8 @@ class ValidationResult:
     """What the champion scored when it was validated (None: registered before rtp recorded it)."""
     scored_by: str = "validate"
     """training: the eval record the training ranks wrote; validate: scored in this process."""
+    champion_scored_by: str | None = None
+    """The same for the champion (None: no champion)."""
     weights_sha256: str = ""
     """SHA-256 of the checkpoint's model tensors (the train summary's `model_sha256`)."""
     checks: list[str] = field(default_factory=list)
@@ -325,9 +329,39 @@ def champion_score(champion: Champion, batches: list[torch.Tensor], config: Mode
     spec = model_spec(champion.kind)
     candidate_tokenizer = model_spec(config.kind).tokenizer(config)
     assert champion.tokenizer is not None
-    if champion.tokenizer_identity != candidate_tokenizer.identity or champion.seq_len != config.seq_len:
-        batches = retokenized_windows(batches, candidate_tokenizer, champion.tokenizer, champion.seq_len)
-    return score_windows(champion.model, spec.loss, batches, champion.tokenizer)
+    windows = champion_windows(
+        batches,
+        candidate_tokenizer,
+        champion.tokenizer,
+        champion.tokenizer_identity,
+        champion.seq_len,
+        config.seq_len,
+    )
+    return score_windows(champion.model, spec.loss, windows, champion.tokenizer)
+
+
+def _recorded_champion(
+    record: dict[str, Any] | None, model_name: str, version: Any
+) -> tuple[HoldoutScore | None, str]:
+    """The record's score of the champion `version`, or None and why it is not usable."""
+    entry = (record or {}).get("champion")
+    if record is None:
+        return None, "no eval record of the training is used"
+    if not isinstance(entry, dict):
+        return None, "the eval record holds no champion score (train with data.eval_champion=<model name>)"
+    if not entry.get("scored"):
+        return None, f"no champion scored in training: {entry.get('reason', 'no reason recorded')}"
+    if entry.get("model_name") != model_name or str(entry.get("version")) != str(version.version):
+        return None, (
+            f"the training scored {entry.get('model_name')} v{entry.get('version')}, "
+            f"but the {model_name} champion is v{version.version} now"
+        )
+    if entry.get("run_id") and version.run_id and entry["run_id"] != version.run_id:
+        return (
+            None,
+            f"the training scored v{entry['version']} of run {entry['run_id']}, not of run {version.run_id}",
+        )
+    return HoldoutScore(float(entry["nats_total"]), int(entry["tokens"]), int(entry["bytes"])), ""
 
 
 def _record_candidates(checkpoint_dir: str | Path, config: TrainConfig) -> list[Path]:
@@ -375,7 +409,7 @@ def validate_checkpoint(
         f"holdout split: {files} file(s), {tokens.numel()} tokens, chosen by key hash from the "
         f"snapshot manifest (holdout_fraction {config.data.holdout_fraction}); never trained on"
     )
-    score, scored_by = None, "validate"
+    score, scored_by, used_record = None, "validate", None
     if eval_record is None:
         paths = _record_candidates(checkpoint_dir, config)
     else:
@@ -395,6 +429,7 @@ def validate_checkpoint(
             HoldoutScore(float(record["nats_total"]), int(record["tokens"]), int(record["bytes"])),
             "training",
         )
+        used_record = record
         checks.append(
             f"holdout scored by the training ranks after step {record['step']} ({path}): the record's "
             "weights SHA-256, step, model kind and holdout windows are this checkpoint's"
@@ -419,30 +454,55 @@ def validate_checkpoint(
         f"scored on {score.tokens} predicted tokens = {score.bytes} UTF-8 bytes "
         f"({'one byte per token' if config.model.kind == 'byte-lm' else 'decoded with the model tokenizer'})"
     )
-    champion, champion_scored = None, None
+    champion, champion_scored, champion_version, champion_scored_by = None, None, None, None
+    champion_label, champion_recorded = "the champion", None
     if champion_model_name:
-        from components.validate_checkpoint.champion import load_champion
+        from components.validate_checkpoint import champion as registry
 
-        champion = load_champion(champion_model_name, retry, default_seq_len=config.model.seq_len)
-        if champion is None:
+        version = registry.champion_version(champion_model_name, retry)
+        if version is None:
             checks.append(f"MLflow: {champion_model_name} has no champion yet")
         else:
-            champion_scored = champion_score(champion, batches, config.model)
+            champion_version = str(version.version)
+            champion_label = f"champion {champion_model_name} v{champion_version}"
+            champion_recorded = registry.version_tags(version)["recorded_bits_per_byte"]
+            champion_scored, why_not_recorded = _recorded_champion(used_record, champion_model_name, version)
+        if champion_scored is not None:
+            champion_scored_by = "training"
+            entry = cast(dict[str, Any], used_record)["champion"]
+            checks.append(
+                f"MLflow: {champion_label} scored by the training ranks on the same holdout windows, "
+                f"loaded sharded from its files (SHA-256 {str(entry.get('files_sha256', ''))[:16]}…); "
+                "not downloaded here"
+            )
+        elif version is not None:
+            weight_bytes = registry.champion_weight_bytes(champion_model_name, version, retry)
+            if weight_bytes > max_in_process_bytes:
+                raise storage.CheckpointError(
+                    f"{champion_label}: {why_not_recorded}, and its {weight_bytes / 2**30:.1f} GiB of weights are "
+                    f"above the {max_in_process_bytes / 2**30:.1f} GiB bound for scoring in one process: train "
+                    f"with data.eval_champion={champion_model_name} so the training ranks score it, then validate again"
+                )
+            log.info("scoring %s in this process: %s", champion_label, why_not_recorded)
+            champion = registry.download_champion(
+                champion_model_name, version, retry, default_seq_len=config.model.seq_len
+            )
+            champion_scored, champion_scored_by = champion_score(champion, batches, config.model), "validate"
             recorded = (
                 f"{champion.recorded_bits_per_byte:.4f} bits/byte at its own validation"
                 if champion.recorded_bits_per_byte is not None
                 else "no bits per byte recorded at its registration (an older rtp): scored here only"
             )
             checks.append(
-                f"MLflow: {champion.label} ({champion.kind}) scored with the same code on the same "
-                f"holdout text ({recorded})"
+                f"MLflow: {champion.label} ({champion.kind}) scored in this process with the same code on "
+                f"the same holdout text ({recorded}; {why_not_recorded})"
             )
     verdict = decide(
         score.nats_per_byte,
         max_loss,
         None if champion_scored is None else champion_scored.nats_per_byte,
         min_improvement,
-        champion.label if champion else "the champion",
+        champion_label,
     )
     return ValidationResult(
         checkpoint_dir=str(checkpoint_dir),
@@ -458,11 +518,12 @@ def validate_checkpoint(
         evaluated_tokens=score.tokens,
         evaluated_bytes=score.bytes,
         model_kind=config.model.kind,
-        champion_version=champion.version if champion else None,
+        champion_version=champion_version,
         champion_loss=None if champion_scored is None else champion_scored.nats_per_token,
         champion_bits_per_byte=None if champion_scored is None else champion_scored.bits_per_byte,
-        champion_recorded_bits_per_byte=champion.recorded_bits_per_byte if champion else None,
+        champion_recorded_bits_per_byte=champion_recorded,
         scored_by=scored_by,
+        champion_scored_by=champion_scored_by,
         weights_sha256=weights_sha256,
         checks=checks,
         reasons=verdict.reasons,

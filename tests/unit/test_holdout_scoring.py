@@ -12,6 +12,7 @@ import torch
 from components.register_model.lineage import Lineage, lineage_tags, validation_figures
 from components.validate_checkpoint.scoring import (
     HoldoutScore,
+    champion_windows,
     decoded_bytes,
     retokenized_windows,
     score_windows,
@@ -141,3 +142,25 @@ def test_a_negative_number_of_eval_windows_is_refused_in_one_line():
 
     with pytest.raises(ConfigError, match=r"data\.eval_windows must be >= 0"):
         resolve_config(named={"dataset_dir": "/nonexistent"}, overrides=["data.eval_windows=-1"])
+
+
+def test_the_champion_scores_the_candidates_windows_retokenized_only_when_its_tokens_differ(bpe):
+    byte = ByteTokenizer()
+    batches = [torch.tensor([list(b"def add(a, b):\n    return a + b\n")])]
+    same = champion_windows(batches, byte, byte, byte.identity, 64, 64)
+    assert same is batches  # the same tokens: no re-encoding
+    other = champion_windows(batches, byte, bpe, bpe.identity, 8, 64)
+    assert [w.tolist() for w in other] == [w.tolist() for w in retokenized_windows(batches, byte, bpe, 8)]
+    assert sum(decoded_bytes(bpe, w[0, 1:].tolist()) for w in other) < len(
+        batches[0][0]
+    )  # first tokens not predicted
+    # the same tokenizer with another window length is re-windowed too
+    assert next(w.shape[1] for w in champion_windows(batches, byte, byte, byte.identity, 8, 64)) == 9
+
+
+def test_without_mlflow_the_training_scores_no_champion_and_says_why(tmp_path, monkeypatch):
+    from trainer.evaluation import fetch_champion
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert fetch_champion("m", tmp_path) == "MLflow is not configured (MLFLOW_TRACKING_URI is empty)"
+    assert not (tmp_path / "champion").exists()
