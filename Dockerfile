@@ -46,12 +46,13 @@ ENV PYTHONUNBUFFERED=1 \
 WORKDIR /opt/rtp
 # Metadata first, so a code-only change does not reinstall the dependencies.
 COPY setup.cfg pyproject.toml README.md ./
-RUN mkdir -p pipelines rtp_cli components trainer benchmarks \
- && touch pipelines/__init__.py rtp_cli/__init__.py components/__init__.py trainer/__init__.py benchmarks/__init__.py \
+RUN mkdir -p pipelines rtp_cli rtp_support components trainer benchmarks \
+ && touch pipelines/__init__.py rtp_cli/__init__.py rtp_support/__init__.py components/__init__.py trainer/__init__.py benchmarks/__init__.py \
  && python -m pip install . \
  && python -m pip uninstall -y rtp
 COPY pipelines pipelines
 COPY rtp_cli rtp_cli
+COPY rtp_support rtp_support
 COPY components components
 COPY trainer trainer
 COPY benchmarks benchmarks

@@ -12,7 +12,7 @@ DEMO_ARGS ?=
 help:
 	@echo "make demo   - set up .venv and run the whole pipeline locally (rtp local)"
 	@echo "make test   - set up .venv and run the test suite"
-	@echo "make lint   - ruff + mypy"
+	@echo "make lint   - ruff + mypy + lint-imports (the layering in pyproject.toml)"
 	@echo "make golden - regenerate the compiled-pipeline golden file and the job examples after an intended change"
 	@echo "make clean  - remove .venv and rtp-work"
 
@@ -37,6 +37,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 format: $(STAMP)
 	$(BIN)/ruff format .

@@ -19,7 +19,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import cast
 
-from rtp_cli.embedded_s3 import free_port
+from rtp_support.embedded_s3 import free_port
 
 BINARIES = ("ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", "monmaptool", "ceph")
 ACCESS_KEY = "rtp-test-access"

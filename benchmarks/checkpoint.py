@@ -108,7 +108,7 @@ def run_benchmark(
 ) -> dict[str, Any]:
     import torch
 
-    from rtp_cli.demo_data import write_local_dataset
+    from rtp_support.demo_data import write_local_dataset
     from trainer.models import model_spec
 
     config = build_config(preset)

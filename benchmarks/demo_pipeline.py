@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
-
-from rtp_cli.local_run import LocalOptions, run_local
 
 STEP_ORDER = ("stage", "train", "validate", "register")
 
@@ -24,7 +24,16 @@ def measure(nproc: int, steps: int, repeats: int) -> dict:
     runs = []
     for _ in range(repeats):
         with tempfile.TemporaryDirectory(prefix="rtp-bench-") as workdir:
-            summary = run_local(LocalOptions(workdir=workdir, nproc=nproc, training={"steps": steps}))
+            command = [
+                "-m",
+                "rtp_cli.main",
+                "local",
+                f"--workdir={workdir}",
+                f"--nproc={nproc}",
+                f"--steps={steps}",
+            ]
+            subprocess.run([sys.executable, *command], check=True)  # `rtp local`, as `make demo` runs it
+            summary = json.loads((Path(workdir) / "summary.json").read_text())
             runs.append(
                 {
                     "elapsed_s": summary["elapsed_s"],

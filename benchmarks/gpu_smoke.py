@@ -132,11 +132,14 @@ def train_args(run: SmokeRun, root: Path, dataset: Path, *, cpu: bool, determini
 def resolve(args: list[str], *, cpu: bool) -> Any:
     """The config `rtp train-local` would train with for `args` (the GPU table first unless
     `cpu`, as train-local does on CUDA), checked as a rank checks it on that device."""
-    from rtp_cli.main import build_parser
     from trainer import gpu_defaults
-    from trainer.arguments import config_from_args
+    from trainer.arguments import add_training_arguments, config_from_args
 
-    parsed = build_parser().parse_args(args)
+    parser = argparse.ArgumentParser(prog="rtp train-local")
+    add_training_arguments(parser)
+    parsed, launcher_args = parser.parse_known_args(args)
+    if launcher_args[:1] != ["train-local"] or any(not a.startswith("--nproc=") for a in launcher_args[1:]):
+        raise ValueError(f"not a train-local command line with trainer flags only: {launcher_args}")
     if not cpu:
         parsed.override = [*gpu_defaults.resilience_overrides(), *parsed.override]
     config = config_from_args(parsed)
@@ -652,7 +655,7 @@ def main(argv: Sequence[str] | None = None, launcher: Launch = launch) -> int:
                 file=sys.stderr,
             )
             return 2
-        from rtp_cli.demo_data import write_local_dataset
+        from rtp_support.demo_data import write_local_dataset
 
         write_local_dataset(dataset, budget_bytes=300_000)
         checks = run_all(

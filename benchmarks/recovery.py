@@ -200,7 +200,7 @@ def run_benchmark(
     deterministic: bool = False,
     workdir: Path | None = None,
 ) -> dict[str, Any]:
-    from rtp_cli.demo_data import write_local_dataset
+    from rtp_support.demo_data import write_local_dataset
     from trainer.config import TrainConfig
 
     extra = []

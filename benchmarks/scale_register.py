@@ -36,7 +36,7 @@ def write_model_folder(folder: Path, layers: int, hidden: int, intermediate: int
     """config.json (bf16, untied) + tokenizer files of a Llama; no weights (model.init=random)."""
     from transformers import AutoConfig
 
-    from rtp_cli.tiny_models import train_bpe_tokenizer
+    from rtp_support.tiny_models import train_bpe_tokenizer
 
     train_bpe_tokenizer(folder, TEXTS, 300)
     config = AutoConfig.for_model(

@@ -68,8 +68,8 @@ def build_inputs(root: Path) -> dict[str, Any]:
     import torch.distributed as dist
     from transformers import AutoConfig
 
-    from rtp_cli.demo_data import write_local_manifest
-    from rtp_cli.tiny_models import train_bpe_tokenizer
+    from rtp_support.demo_data import write_local_manifest
+    from rtp_support.tiny_models import train_bpe_tokenizer
     from trainer.checkpointing import model_sha256
     from trainer.checkpointing.storage import save_checkpoint
     from trainer.config import resolve_config

@@ -105,13 +105,13 @@ def bench_config(
 def write_dataset(root: Path, model_source: str) -> Path:
     """The demo corpus as a dataset snapshot: bytes for the byte LM, token shards made with
     the model folder's tokenizer for a Hugging Face model."""
-    from rtp_cli.demo_data import write_local_dataset
+    from rtp_support.demo_data import write_local_dataset
 
     if not model_source:
         return write_local_dataset(root / "dataset", budget_bytes=500_000)
     import shutil
 
-    from rtp_cli.demo_data import demo_corpus, write_local_manifest
+    from rtp_support.demo_data import demo_corpus, write_local_manifest
     from trainer.tokenized_data import write_token_shards
 
     corpus = root / "corpus"

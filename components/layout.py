@@ -20,6 +20,9 @@ from typing import Any
 
 from trainer.events import write_json_atomic
 
+PIPELINE_NAME = "rtp-resilient-training"
+"""The pipeline's name, also the MLflow experiment its train step logs to."""
+
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 

@@ -18,6 +18,7 @@ from kfp import dsl
 from components import DEFAULT_IMAGE, as_component
 from components.check_run.component import check_run
 from components.cleanup_jobs.component import cleanup_training_jobs
+from components.layout import PIPELINE_NAME
 from components.register_model.component import register_model
 from components.stage_data.component import stage_data
 from components.stage_model.component import stage_model
@@ -31,7 +32,6 @@ from pipelines import platform
 from pipelines.platform import PlatformOptions
 from trainer.config import DEFAULT_PRESET, PRESETS, named_settings
 
-PIPELINE_NAME = "rtp-resilient-training"
 CHECKED_PARAMETERS = tuple(name for name in inspect.signature(check_run).parameters if name != "report")
 DEFAULT_SOURCE = "s3://rtp-demo/corpus/"
 DEFAULT_MODEL_NAME = "rtp-byte-lm"

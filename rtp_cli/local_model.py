@@ -90,7 +90,7 @@ def upload_demo_tokens(client: Any, bucket: str, prefix: str, tokenizer_dir: Pat
     """The demo corpus tokenized with the folder's tokenizer, uploaded as `rtp prepare-data
     --tokenizer` would; returns the shard index."""
     from components.stage_data.prepare_data import upload_shards
-    from rtp_cli.demo_data import DEMO_SHARD_BYTES, demo_corpus
+    from rtp_support.demo_data import DEMO_SHARD_BYTES, demo_corpus
     from trainer.tokenized_data import tokenize_files
 
     files = [path for _, path in demo_corpus()]

@@ -116,7 +116,7 @@ def run_local(options: LocalOptions) -> dict[str, Any]:
     source, endpoint = options.source, options.s3_endpoint_url
     model_source, dataset_name = options.model_source, options.dataset_name
     if not source:
-        from rtp_cli.embedded_s3 import DEMO_CREDENTIALS, EmbeddedS3
+        from rtp_support.embedded_s3 import DEMO_CREDENTIALS, EmbeddedS3
 
         embedded = EmbeddedS3().start()
         os.environ.update(DEMO_CREDENTIALS)
@@ -195,7 +195,7 @@ def mlflow_run_url(tracking_uri: str, run_id: str) -> str:
 
 def _seed_byte_corpus(endpoint: str) -> str:
     from components.stage_data.stage import s3_client
-    from rtp_cli.demo_data import upload_demo_corpus
+    from rtp_support.demo_data import upload_demo_corpus
 
     count = upload_demo_corpus(s3_client(endpoint), DEMO_BUCKET, DEMO_PREFIX)
     source = f"s3://{DEMO_BUCKET}/{DEMO_PREFIX}"

@@ -1,6 +1,6 @@
 """`rtp make-tiny-model`: a tiny Hugging Face model folder built offline, to try the pipeline with.
 
-The folder (rtp_cli/tiny_models.py) is what a user brings for a real model: config.json,
+The folder (rtp_support/tiny_models.py) is what a user brings for a real model: config.json,
 model.safetensors and tokenizer files. `rtp local --model-source FOLDER` then sends it
 through stage, train, validate and register.
 """
@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from rtp_cli.errors import UserError
-from rtp_cli.tiny_models import ARCHITECTURES, DEFAULT_TOKENIZER_VOCAB
+from rtp_support.tiny_models import ARCHITECTURES, DEFAULT_TOKENIZER_VOCAB
 
 
 def add_make_tiny_model_parser(sub: argparse._SubParsersAction) -> None:
@@ -41,8 +41,8 @@ def add_make_tiny_model_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from rtp_cli.demo_data import demo_corpus
-    from rtp_cli.tiny_models import write_tiny_model
+    from rtp_support.demo_data import demo_corpus
+    from rtp_support.tiny_models import write_tiny_model
 
     out = Path(args.out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

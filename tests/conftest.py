@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from rtp_cli.demo_data import write_local_dataset
-from rtp_cli.embedded_s3 import free_port
+from rtp_support.demo_data import write_local_dataset
+from rtp_support.embedded_s3 import free_port
 from trainer.launch import launch_tempdir
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""Tiny Hugging Face model folders for tests (rtp_cli/tiny_models.py builds them offline)
+"""Tiny Hugging Face model folders for tests (rtp_support/tiny_models.py builds them offline)
 with a tokenizer trained on a small fixed text, plus a corpus in all three accepted forms
 and a tokenized snapshot of it. No hub is contacted."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rtp_cli import tiny_models
-from rtp_cli.tiny_models import ARCHITECTURES, train_bpe_tokenizer
+from rtp_support import tiny_models
+from rtp_support.tiny_models import ARCHITECTURES, train_bpe_tokenizer
 
 __all__ = [
     "ARCHITECTURES",
@@ -49,7 +49,7 @@ def write_token_snapshot(corpus: Path, model_dir: Path, snapshot: Path, shard_by
     """`corpus` tokenized with the model folder's tokenizer, laid out as a staged snapshot
     (the stage step's manifest.json beside the shards and index.json)."""
 
-    from rtp_cli.demo_data import write_local_manifest
+    from rtp_support.demo_data import write_local_manifest
     from trainer.tokenized_data import write_token_shards
 
     write_token_shards(corpus, snapshot / "files", model_dir, shard_bytes=shard_bytes, workers=2)

@@ -21,7 +21,7 @@ import inspect
 import itertools
 import json
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -51,6 +51,11 @@ class ConfigError(ValueError):
     """A configuration value a user supplied is wrong; the message says how to fix it."""
 
 
+MODEL_RULES: dict[str, Callable[..., Any]] = {}
+"""How a model kind is checked (`require_kind`) and identified (`architecture`): set by
+trainer.models, which trainer/__init__.py imports, so this module never imports model code."""
+
+
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
     kind: str = "byte-lm"
@@ -76,9 +81,7 @@ class ModelConfig:
 
     def architecture(self) -> dict[str, Any]:
         """What identifies the architecture (hashed into model_hash); the registry entry says."""
-        from trainer.models import model_spec  # the registry imports this module
-
-        return model_spec(self.kind).architecture(self)
+        return MODEL_RULES["architecture"](self)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -546,9 +549,7 @@ def apply_overrides(config: TrainConfig, overrides: Sequence[str]) -> None:
 
 def validate(config: TrainConfig) -> None:
     m = config.model
-    from trainer.models import require_kind  # the registry imports this module
-
-    require_kind(m.kind)  # a ModelError is a ConfigError
+    MODEL_RULES["require_kind"](m.kind)  # a ModelError is a ConfigError
     if m.init not in typing.get_args(ModelInit):
         raise ConfigError(f"model.init {m.init!r} is not one of {', '.join(typing.get_args(ModelInit))}")
     if m.kind == "hf" and not m.model_dir:

@@ -101,9 +101,8 @@ def train_model(
     import shutil
     import time
 
-    from components.layout import record_step, run_dir
+    from components.layout import PIPELINE_NAME, record_step, run_dir
     from components.train.train import TrainRequest, train_in_pod
-    from pipelines.pipeline import PIPELINE_NAME
 
     started = time.time()
     folder = run_dir(fsx_mount_path, run_name, run_id)

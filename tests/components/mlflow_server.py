@@ -17,7 +17,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from rtp_cli.embedded_s3 import free_port
+from rtp_support.embedded_s3 import free_port
 
 
 class RestartableMlflowServer:

@@ -208,7 +208,7 @@ def test_nan_weights_are_never_registered(tracking, single_rank_group, dataset_d
 
 
 def test_server_down_fails_clearly_after_retries(monkeypatch, fast_mlflow_client, trained_run):
-    from rtp_cli.embedded_s3 import free_port
+    from rtp_support.embedded_s3 import free_port
 
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens here
     _point_at(monkeypatch, url)

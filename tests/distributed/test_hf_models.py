@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from rtp_cli.embedded_s3 import free_port
+from rtp_support.embedded_s3 import free_port
 from tests.hf_tiny import write_tiny_model
 from trainer.checkpointing import state_dict_sha256
 from trainer.config import ModelConfig

@@ -445,7 +445,7 @@ def test_token_from_file_and_namespace_from_environment_work(
 
 
 def test_unreachable_host_is_a_clear_message(package, capsys):
-    from rtp_cli.embedded_s3 import free_port
+    from rtp_support.embedded_s3 import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     code, _, err = rtp(capsys, "runs", "--host", url)

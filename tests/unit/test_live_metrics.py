@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rtp_cli.embedded_s3 import free_port
+from rtp_support.embedded_s3 import free_port
 from trainer.live_metrics import LiveMetrics, RunIdentity
 
 pytestmark = pytest.mark.timeout(120)

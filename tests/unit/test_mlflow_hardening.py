@@ -27,7 +27,7 @@ from components.mlflow_access import (
 )
 from components.register_model.register import register_checkpoint
 from components.validate_checkpoint.champion import load_champion
-from rtp_cli.embedded_s3 import free_port
+from rtp_support.embedded_s3 import free_port
 
 pytestmark = pytest.mark.timeout(60)
 

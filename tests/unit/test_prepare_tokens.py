@@ -187,7 +187,7 @@ def test_model_source_plans(tiny_llama, tmp_path):
 
 
 def test_a_tiny_models_vocabulary_is_the_tokenizers_rounded_up(tmp_path):
-    from rtp_cli.tiny_models import write_tiny_model as write_model
+    from rtp_support.tiny_models import write_tiny_model as write_model
 
     folder = write_model(tmp_path / "tiny-qwen2", "qwen2", texts=CORPUS, tokenizer_vocab_size=300)
     config = json.loads((folder / "config.json").read_text())

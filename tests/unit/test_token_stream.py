@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from benchmarks.scale_data import LegacyStepSampler, legacy_holdout_batches, legacy_load_tokens
-from rtp_cli.demo_data import write_local_manifest
+from rtp_support.demo_data import write_local_manifest
 from trainer.data import DataError, StepSampler, TokenStream, holdout_batches, load_tokens, split_files
 
 pytestmark = pytest.mark.timeout(120)

@@ -10,14 +10,15 @@ An entry's module is imported when its spec is first asked for, so checking a co
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from trainer.config import ConfigError
+from trainer.config import MODEL_RULES, ConfigError
 
 if TYPE_CHECKING:
+    from trainer.config import ModelConfig
     from trainer.models.spec import ModelSpec
 
-__all__ = ["REGISTRY", "ModelError", "model_spec", "require_kind"]
+__all__ = ["REGISTRY", "ModelError", "architecture", "model_spec", "require_kind"]
 
 REGISTRY: dict[str, str] = {"byte-lm": "trainer.models.byte_lm", "hf": "trainer.models.hf_causal_lm"}
 """kind -> the module whose `SPEC` it is. A new architecture adds its module and one line here."""
@@ -38,3 +39,11 @@ def model_spec(kind: str) -> ModelSpec:
     """The registry entry for `kind`; ModelError lists the known kinds."""
     spec: ModelSpec = importlib.import_module(REGISTRY[require_kind(kind)]).SPEC
     return spec
+
+
+def architecture(config: ModelConfig) -> dict[str, Any]:
+    """What identifies `config`'s architecture (hashed into model_hash), as its kind's entry says."""
+    return model_spec(config.kind).architecture(config)
+
+
+MODEL_RULES.update(require_kind=require_kind, architecture=architecture)
