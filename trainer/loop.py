@@ -5,7 +5,8 @@ created inside `train()`, so a restart (a new call) starts from a clean slate an
 latest committed checkpoint. The loop is deterministic on CPU for a given seed and world
 size: a run stopped after a checkpoint and resumed reaches the same weights as one that
 never stopped, whatever the checkpoint mode. Checkpoint policy (resume, when to save, what
-a save holds) is `trainer.checkpointing.CheckpointManager`'s; the loop only calls it.
+a save holds) is `trainer.checkpointing.CheckpointManager`'s; the loop makes its four calls:
+`load()`, `maybe_wait_for_staging()` and `save()` every step, `close()`.
 
 SIGTERM (pod eviction, preemption, `kubectl delete`) does not kill the loop: the ranks
 agree on it at the next step, write a final checkpoint, and exit cleanly, so the
@@ -14,7 +15,6 @@ Kubernetes grace period is spent saving instead of losing the steps since the la
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import logging
@@ -36,6 +36,7 @@ from trainer.determinism import apply_determinism
 from trainer.events import EventLog
 from trainer.faults import FaultInjector, parse_faults
 from trainer.gpu_defaults import check_timeouts
+from trainer.hooks import TrainHooks
 from trainer.models import model_spec
 from trainer.parallelize import (
     compute_dtype,
@@ -74,27 +75,6 @@ def _report_restart(workdir: Path, progress: Progress) -> None:
     restarts = goodput.analyze_run(workdir, time.time())["restarts"]
     if restarts:
         progress.on_restart(restarts[-1], len(restarts))
-
-
-class TrainHooks:
-    """What the fault-tolerance layers (trainer/resilience.py) plug into the loop; no-ops here."""
-
-    def attempt_info(self) -> dict[str, Any]:
-        return {"inprocess_iteration": 0, "launcher_restart": 0, "inprocess_enabled": False}
-
-    def step_done(self, step: int) -> None:
-        """Progress signal after every step (in-process watchdog ping, launcher heartbeat)."""
-
-    def keepalive(self) -> contextlib.AbstractContextManager[None]:
-        """Around blocking checkpoint work: the progress signals go on meanwhile (bounded)."""
-        return contextlib.nullcontext()
-
-    def launcher_state(self) -> dict[str, Any]:
-        """State the launcher wants back after a restart (ft_launcher's learned timeouts)."""
-        return {}
-
-    def restore_launcher_state(self, state: dict[str, Any]) -> None:
-        """Receives `launcher_state()` as stored in the checkpoint being resumed."""
 
 
 class _StopRequest:
@@ -191,12 +171,12 @@ def train(
         sampler=sampler,
         hooks=hooks,
         events=events,
+        states=hooks.checkpoint_states(),
+        on_queued=injector.after_checkpoint_queued,
         during_save=injector.during_save,
     )
-    mark = time.perf_counter()
-    last_step = checkpoints.load_latest()
-    phases["checkpoint_load_s"] = time.perf_counter() - mark
-    checkpoints.start(background=is_restart)  # a restart needs its first step soon
+    last_step = checkpoints.load(background=is_restart)  # a restart needs its first step soon
+    phases["checkpoint_load_s"] = checkpoints.load_s
     phases["checkpointer_start_s"] = checkpoints.start_s
     stop = _StopRequest()
     stop.install()
@@ -246,9 +226,7 @@ def train(
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), opt_cfg.grad_clip_norm)
             # An async save's snapshot copy ran beside this forward and backward; it must be
             # complete before the optimizer changes the weights in place.
-            queued = checkpoints.before_optimizer_step()
-            if queued is not None:
-                injector.after_checkpoint_queued(queued.step)
+            checkpoints.maybe_wait_for_staging()
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -272,10 +250,7 @@ def train(
             progress.on_step(step, loss_value, lr, step_duration_s, norm)
 
             stopped_by_signal = reduced[1].item() > 0
-            queued = checkpoints.maybe_save(step, loss_value, final=stopped_by_signal or step == stop_at)
-            if queued is not None:
-                injector.after_checkpoint_queued(queued.step)
-            checkpoints.after_step()
+            checkpoints.save(step, last_step=stopped_by_signal or step == stop_at, loss=loss_value)
             hooks.step_done(step)
             if stopped_by_signal:
                 if rank == 0:
@@ -285,7 +260,7 @@ def train(
             if step >= stop_at:
                 break
         loop_wall_s = time.perf_counter() - loop_start
-        checkpoints.finish()  # the last checkpoint is committed: the run's result is durable
+        checkpoints.close()  # the last checkpoint is committed: the run's result is durable
     except BaseException:
         # The pending save never commits; its writer process must not keep this one alive.
         checkpoints.abandon()

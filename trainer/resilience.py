@@ -40,10 +40,10 @@ import torch
 import torch.distributed as dist
 
 from trainer import peer_abort, prefork
-from trainer.checkpointing import abandon_all
 from trainer.config import TrainConfig
 from trainer.faults import record_fatal_error
-from trainer.loop import TrainHooks, train
+from trainer.hooks import Abandonable, Stateful, TrainHooks
+from trainer.loop import train
 from trainer.summary import TrainSummary
 
 log = logging.getLogger(__name__)
@@ -169,6 +169,7 @@ class _Hooks(TrainHooks):
         self.detected_at = detected_at
         self.pinged_at: float | None = None
         self._keepalive_depth = 0
+        self.checkpoints: list[Abandonable] = []  # started, not yet closed or abandoned
 
     def attempt_info(self) -> dict[str, Any]:
         return {
@@ -230,11 +231,20 @@ class _Hooks(TrainHooks):
                 self.pinged_at = now
             self.launcher.keepalive_beat()
 
-    def launcher_state(self) -> dict[str, Any]:
-        return self.launcher.state_dict()
+    def checkpoint_states(self) -> dict[str, Stateful]:
+        return {"launcher": self.launcher}  # ft_launcher's learned timeouts
 
-    def restore_launcher_state(self, state: dict[str, Any]) -> None:
-        self.launcher.load_state_dict(state)
+    def track(self, work: Abandonable) -> None:
+        self.checkpoints.append(work)
+
+    def untrack(self, work: Abandonable) -> None:
+        if work in self.checkpoints:
+            self.checkpoints.remove(work)
+
+    def abandon_checkpoints(self) -> None:
+        """Not collective: abandon the attempt's checkpoint work still live (each untracks itself)."""
+        for work in list(self.checkpoints):
+            work.abandon()
 
 
 def _wait_until_listening(port: int, timeout_s: float = 60.0) -> None:
@@ -299,26 +309,18 @@ def run_training(config: TrainConfig, process_started_at: float | None = None) -
         prefork.start_zygote(config.to_compact_json(), Path(config.run.workdir) / "logs" / "prefork.log")
     try:
         if config.resilience.inprocess_restarts == 0:
-            return _attempt(config, store, launcher, None, None)
+            return _attempt(config, store, _Hooks(config, launcher, None, 0, None))
         return _run_inprocess(config, store, launcher)
     finally:
         launcher.close()
 
 
-def _attempt(
-    config: TrainConfig,
-    store: dist.Store,
-    launcher: _LauncherClient,
-    call_wrapper: Any,
-    detected_at: float | None,
-) -> TrainSummary:
-    attempt = call_wrapper.iteration if call_wrapper is not None else 0
-    hooks = _Hooks(config, launcher, call_wrapper, attempt, detected_at)
+def _attempt(config: TrainConfig, store: dist.Store, hooks: _Hooks) -> TrainSummary:
     try:
-        return train(config, store=dist.PrefixStore(f"attempt{attempt}", store), hooks=hooks)
+        return train(config, store=dist.PrefixStore(f"attempt{hooks.attempt}", store), hooks=hooks)
     except _fatal_errors() as exc:
         message = record_fatal_error(config.run.workdir, exc)
-        if call_wrapper is not None:
+        if hooks.call_wrapper is not None:
             from nvidia_resiliency_ext.inprocess.exception import RestartAbort
 
             # RestartAbort (a BaseException) is how the wrapper is told to stop restarting.
@@ -331,6 +333,7 @@ def _run_inprocess(config: TrainConfig, store: dist.Store, launcher: _LauncherCl
 
     r = config.resilience
     detected: dict[str, float] = {}
+    attempts: list[_Hooks] = []  # whose checkpoint work a restart may still have to abandon
 
     class _AbortPeers(inprocess.abort.Abort):
         """NVRx's abort (destroys the process groups; aborts NCCL communicators) preceded by
@@ -350,7 +353,10 @@ def _run_inprocess(config: TrainConfig, store: dist.Store, launcher: _LauncherCl
 
         def __call__(self, state: Any) -> Any:
             detected["at"] = time.time()
-            abandon_all()  # again: the loop's own abandon may have been cut short
+            for hooks in list(attempts):  # again: the loop's own abandon may have been cut short
+                hooks.abandon_checkpoints()
+                if not hooks.checkpoints:
+                    attempts.remove(hooks)
             return state
 
     def wrapped(config: TrainConfig, call_wrapper: inprocess.CallWrapper | None = None) -> TrainSummary:
@@ -358,7 +364,10 @@ def _run_inprocess(config: TrainConfig, store: dist.Store, launcher: _LauncherCl
             log.warning(
                 "in-process restart %d: resuming from the latest committed checkpoint", call_wrapper.iteration
             )
-        return _attempt(config, store, launcher, call_wrapper, detected.pop("at", None))
+        attempt = call_wrapper.iteration if call_wrapper is not None else 0
+        hooks = _Hooks(config, launcher, call_wrapper, attempt, detected.pop("at", None))
+        attempts.append(hooks)
+        return _attempt(config, store, hooks)
 
     _wait_until_listening(int(os.environ[MASTER_PORT]) + 2)  # the wrapper's store, hosted by rank 0
     wrapper = inprocess.Wrapper(

@@ -192,12 +192,12 @@ def test_importing_checkpointing_does_not_import_nvrx():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def _manager(tmp_path, mode, model, optimizer, events=None, hooks=None, extra=()):
+def _manager(tmp_path, mode, model, optimizer, events=None, hooks=None, extra=(), states=None):
     from trainer.checkpointing import CheckpointManager
     from trainer.config import build_config
     from trainer.data import StepSampler
     from trainer.events import EventLog
-    from trainer.loop import TrainHooks
+    from trainer.hooks import TrainHooks
 
     config = build_config(
         "tiny-cpu",
@@ -214,6 +214,7 @@ def _manager(tmp_path, mode, model, optimizer, events=None, hooks=None, extra=()
         sampler=sampler,
         hooks=hooks or TrainHooks(),
         events=events or EventLog(tmp_path, enabled=True),
+        states=states,
     )
 
 
@@ -221,15 +222,13 @@ def _manager(tmp_path, mode, model, optimizer, events=None, hooks=None, extra=()
 def test_manager_saves_at_every_nth_and_final_step_and_resumes_from_the_latest(tmp_path, mode):
     model, optimizer = _trained_model()
     manager = _manager(tmp_path, mode, model, optimizer)
-    assert manager.load_latest() == 0
-    manager.start(background=False)
+    assert manager.load() == 0
     saved = []
     for step in range(1, 6):
-        manager.before_optimizer_step()
-        if manager.maybe_save(step, 1.0, final=step == 5) is not None:
+        manager.maybe_wait_for_staging()
+        if manager.save(step, last_step=step == 5, loss=1.0) is not None:
             saved.append(step)
-        manager.after_step()
-    manager.finish()
+    manager.close()
     assert saved == [3, 5]
     summary = manager.summary(loop_wall_s=10.0)
     assert [save["step"] for save in summary["checkpoint_saves"]] == [3, 5]
@@ -238,17 +237,18 @@ def test_manager_saves_at_every_nth_and_final_step_and_resumes_from_the_latest(t
 
     other_model, other_optimizer = _trained_model(seed=1)
     resumed = _manager(tmp_path, mode, other_model, other_optimizer)
-    assert resumed.load_latest() == 5
+    assert resumed.load() == 5
     assert torch.equal(other_model.blocks[0].qkv.weight, model.blocks[0].qkv.weight)
     assert resumed.summary(loop_wall_s=1.0)["resumed_from"] == str(tmp_path / "checkpoints" / "step_5")
+    resumed.close()
 
 
 def test_manager_in_off_mode_never_saves(tmp_path):
     model, optimizer = _trained_model()
     manager = _manager(tmp_path, "off", model, optimizer, extra=["checkpoint.local_every_steps=0"])
-    manager.start(background=False)
-    assert manager.maybe_save(3, 1.0, final=True) is None
-    manager.finish()
+    manager.load()
+    assert manager.save(3, last_step=True, loss=1.0) is None
+    manager.close()
     assert not (tmp_path / "checkpoints").exists()
     assert manager.summary(loop_wall_s=1.0)["efficiency_pct"] == 100.0
 
@@ -274,28 +274,26 @@ def test_a_rank_state_file_that_would_run_code_is_refused(tmp_path, monkeypatch)
 
 
 def test_the_launchers_learned_timeouts_are_stored_in_checkpoints_and_restored(tmp_path):
-    from trainer.loop import TrainHooks
-
     learned = {"current_timeouts": {"heartbeat": {"initial": 120.0, "subsequent": 17.5}}}
 
-    class Hooks(TrainHooks):
+    class Launcher:
         restored: dict | None = None
 
-        def launcher_state(self):
+        def state_dict(self):
             return learned
 
-        def restore_launcher_state(self, state):
-            Hooks.restored = state
+        def load_state_dict(self, state):
+            Launcher.restored = state
 
     model, optimizer = _trained_model()
-    manager = _manager(tmp_path, "sync", model, optimizer, hooks=Hooks())
-    manager.start(background=False)
-    manager.before_optimizer_step()
-    manager.maybe_save(3, 1.0, final=True)
-    manager.finish()
+    manager = _manager(tmp_path, "sync", model, optimizer, states={"launcher": Launcher()})
+    manager.load()
+    manager.maybe_wait_for_staging()
+    manager.save(3, last_step=True, loss=1.0)
+    manager.close()
     assert storage.read_meta(tmp_path / "checkpoints" / "step_3")["launcher"] == learned
-    _manager(tmp_path, "sync", *_trained_model(seed=1), hooks=Hooks()).load_latest()
-    assert Hooks.restored == learned
+    _manager(tmp_path, "sync", *_trained_model(seed=1), states={"launcher": Launcher()}).load()
+    assert Launcher.restored == learned
 
 
 def test_learned_heartbeat_timeouts_never_go_below_the_floor(monkeypatch):
@@ -361,8 +359,8 @@ def _train_and_capture(manager, model, optimizer, steps) -> None:
     """Steps as the loop runs them, each offered to the fast tier; its last copy waited for."""
     for step in steps:
         _step(model, optimizer)
-        manager.before_optimizer_step()
-        manager.maybe_save(step, 1.0, final=False)
+        manager.maybe_wait_for_staging()
+        manager.save(step, last_step=False, loss=1.0)
     manager.local.wait_copy()
 
 
@@ -375,7 +373,7 @@ def _resumed_at(tmp_path, step, expected):
     parameters `expected`; returns it with its model and optimizer."""
     model, optimizer = _trained_model(seed=1)
     resumed = _manager(tmp_path, "off", model, optimizer)
-    assert resumed.load_latest() == step
+    assert resumed.load() == step
     for saved, restored in zip(expected, model.parameters(), strict=True):
         assert torch.equal(saved, restored)
     return resumed, model, optimizer
@@ -386,18 +384,17 @@ def test_a_restarted_attempt_resumes_from_the_fast_tier_newer_than_the_durable_c
 
     model, optimizer = _trained_model()
     manager = _manager(tmp_path, "sync", model, optimizer)
-    manager.start(background=False)
+    manager.load()
     for step in range(1, 5):  # durable at 3, fast tier at every step
         _step(model, optimizer)
-        manager.before_optimizer_step()
-        manager.maybe_save(step, 1.0, final=False)
-        manager.after_step()
+        manager.maybe_wait_for_staging()
+        manager.save(step, last_step=False, loss=1.0)
     manager.local.close()  # the newest capture's header is written
     manager.abandon()  # a fault: no final save; the copy of step 4 lives on in this process
     try:
         other_model, other_optimizer = _trained_model(seed=1)
         resumed = _manager(tmp_path, "sync", other_model, other_optimizer)
-        assert resumed.load_latest() == 4
+        assert resumed.load() == 4
         assert resumed.summary(loop_wall_s=1.0)["resumed_from"] == "local:4"
         for mine, theirs in zip(model.parameters(), other_model.parameters(), strict=True):
             assert torch.equal(mine, theirs)
@@ -416,7 +413,7 @@ def test_a_restarted_attempt_resumes_from_the_fast_tier_newer_than_the_durable_c
         assert len(list(resumed.local.folder.glob("rank_0_slot_*.data"))) == 2
         third_model, third_optimizer = _trained_model(seed=2)
         from_files = _manager(tmp_path, "sync", third_model, third_optimizer)
-        assert from_files.load_latest() == 4
+        assert from_files.load() == 4
         for mine, theirs in zip(model.parameters(), third_model.parameters(), strict=True):
             assert torch.equal(mine, theirs)
     finally:
@@ -432,13 +429,13 @@ def test_a_periodic_save_is_skipped_while_a_restarted_writer_starts_but_a_final_
     monkeypatch.setattr(SyncWriter, "warming_up", property(lambda self: starting["now"]))
     model, optimizer = _trained_model()
     manager = _manager(tmp_path, "sync", model, optimizer)
-    manager.start(background=True)
+    manager.load(background=True)
     starting["now"] = True
-    assert manager.maybe_save(3, 1.0, final=False) is not None  # no durable checkpoint yet: never skipped
-    assert manager.maybe_save(6, 1.0, final=False) is None  # skipped: the writer is starting
-    assert manager.maybe_save(9, 1.0, final=False) is not None  # never two in a row
-    assert manager.maybe_save(10, 1.0, final=True) is not None  # a final save always waits
-    manager.finish()
+    assert manager.save(3, last_step=False, loss=1.0) is not None  # no durable checkpoint yet: never skipped
+    assert manager.save(6, last_step=False, loss=1.0) is None  # skipped: the writer is starting
+    assert manager.save(9, last_step=False, loss=1.0) is not None  # never two in a row
+    assert manager.save(10, last_step=True, loss=1.0) is not None  # a final save always waits
+    manager.close()
     assert manager.deferred_saves == [6]
     assert sorted(c.name for c in (tmp_path / "checkpoints").iterdir()) == ["step_10", "step_3", "step_9"]
     logged = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
@@ -501,8 +498,8 @@ def test_a_rank_killed_while_capturing_still_has_the_previous_capture(tmp_path, 
 
         monkeypatch.setattr(LocalTier, "_copy_into", killed_mid_copy)
         _step(model, optimizer)
-        manager.before_optimizer_step()
-        manager.maybe_save(4, 1.0, final=False)
+        manager.maybe_wait_for_staging()
+        manager.save(4, last_step=False, loss=1.0)
         with pytest.raises(RuntimeError, match="killed"):
             manager.local.wait_copy()
         assert heads_while_copying == [["rank_0_step_3_slot_0.head"]]
@@ -517,7 +514,7 @@ def test_a_rank_killed_while_capturing_still_has_the_previous_capture(tmp_path, 
             handle.write(b"\0" * 64)  # not what the header describes
         local_tier._memory.clear()
         third = _manager(tmp_path, "off", *_trained_model(seed=2))
-        assert third.load_latest() == 0  # nothing usable, no durable checkpoint
+        assert third.load() == 0  # nothing usable, no durable checkpoint
         third.abandon()
     finally:
         forget_run("", tmp_path / "checkpoints")
@@ -549,10 +546,10 @@ def test_large_slots_are_made_ahead_without_the_loop_waiting_and_keep_an_earlier
     folder = manager.local.folder
     try:
         _step(model, optimizer)
-        manager.maybe_save(1, 1.0, final=False)  # starts the preparation, captures nothing
+        manager.save(1, last_step=False, loss=1.0)  # starts the preparation, captures nothing
         _step(model, optimizer)
         assert manager.local.before_optimizer_step() == 0.0  # nothing to wait for
-        manager.maybe_save(2, 1.0, final=False)  # still preparing: skipped too
+        manager.save(2, last_step=False, loss=1.0)  # still preparing: skipped too
         assert manager.local.captures == 0 and not list(folder.glob("*.head"))
         release.set()
         manager.local._preparing.result(timeout=30)
@@ -567,7 +564,7 @@ def test_large_slots_are_made_ahead_without_the_loop_waiting_and_keep_an_earlier
         release.clear()
         resumed, other_model, other_optimizer = _resumed_at(tmp_path, 5, expected)
         _step(other_model, other_optimizer)
-        resumed.maybe_save(6, 1.0, final=False)  # preparing
+        resumed.save(6, last_step=False, loss=1.0)  # preparing
         release.set()
         resumed.local._preparing.result(timeout=30)
         # Mapped again, nothing overwritten yet: both captures and their headers stand.
@@ -664,17 +661,16 @@ def test_an_async_save_whose_writer_process_died_fails_instead_of_waiting_foreve
     error the loop sees at the next finalize (NVRx's own check would have waited forever)."""
     model, optimizer = _trained_model()
     manager = _manager(tmp_path, "async", model, optimizer, extra=["checkpoint.local_every_steps=0"])
-    manager.start(background=False)
+    manager.load()
     try:
         worker = manager.writer._calls.persistent_caller.process
         worker.kill()
         worker.join(timeout=30)
         for step in (1, 2, 3):  # the save is at step 3
             _step(model, optimizer)
-            manager.before_optimizer_step()
-            manager.maybe_save(step, 1.0, final=False)
-            manager.after_step()
-        manager.before_optimizer_step()  # hands the save to its finisher
+            manager.maybe_wait_for_staging()
+            manager.save(step, last_step=False, loss=1.0)
+        manager.maybe_wait_for_staging()  # hands the save to its finisher
         with pytest.raises(CheckpointError, match="writer process died"):
             manager.writer.finalize()
         assert not list((tmp_path / "checkpoints").glob("step_*[0-9]"))  # nothing committed
@@ -693,18 +689,18 @@ def test_a_capture_after_the_optimizer_state_was_replaced_copies_the_new_tensors
     try:
         for step in (1, 2):
             _step(model, optimizer)
-            manager.before_optimizer_step()
-            manager.maybe_save(step, 1.0, final=False)
+            manager.maybe_wait_for_staging()
+            manager.save(step, last_step=False, loss=1.0)
         manager.local.wait_copy()
         first = next(iter(optimizer.state.values()))
         first["exp_avg"] = torch.full_like(first["exp_avg"], 3.0)  # a new object, new values
-        manager.maybe_save(3, 1.0, final=False)
+        manager.save(3, last_step=False, loss=1.0)
         manager.local.wait_copy()
         manager.abandon()
         local_tier._memory.clear()  # from the files
         other_model, other_optimizer = _trained_model(seed=1)
         resumed = _manager(tmp_path, "off", other_model, other_optimizer)
-        assert resumed.load_latest() == 3
+        assert resumed.load() == 3
         restored = next(iter(other_optimizer.state.values()))
         assert torch.equal(restored["exp_avg"], first["exp_avg"])
         resumed.abandon()

@@ -11,7 +11,7 @@ import torch
 
 from tests.unit.test_checkpoint import _manager, _trained_model
 from trainer.checkpointing import nvrx_compat, nvrx_writer, storage
-from trainer.loop import TrainHooks
+from trainer.hooks import TrainHooks
 
 pytestmark = pytest.mark.usefixtures("single_rank_group")
 
@@ -32,10 +32,10 @@ def test_the_async_last_save_of_device_tensors_is_written_from_host_copies(tmp_p
     monkeypatch.setattr(state_dict_saver, "save_state_dict_async_plan", recording_plan)
     model, optimizer = _trained_model()
     manager = _manager(tmp_path, "async", model, optimizer)
-    manager.start(background=False)
-    manager.before_optimizer_step()
-    manager.maybe_save(1, 1.0, final=True)  # the attempt's last save: written by finish()
-    manager.finish()
+    manager.load()
+    manager.maybe_wait_for_staging()
+    manager.save(1, last_step=True, loss=1.0)  # the attempt's last save: written by close()
+    manager.close()
     live = {p.data_ptr() for p in model.parameters()}
     [written] = [state for state in planned if "model" in state]  # not the writer's warm-up
     written_ptrs = {tensor.data_ptr() for tensor in written["model"].values()}
@@ -44,8 +44,10 @@ def test_the_async_last_save_of_device_tensors_is_written_from_host_copies(tmp_p
         storage.latest_committed_checkpoint(tmp_path / "checkpoints") == tmp_path / "checkpoints" / "step_1"
     )
     other, other_optimizer = _trained_model(seed=1)
-    assert _manager(tmp_path, "async", other, other_optimizer).load_latest() == 1
+    resumed = _manager(tmp_path, "async", other, other_optimizer)
+    assert resumed.load() == 1
     assert torch.equal(other.blocks[0].qkv.weight, model.blocks[0].qkv.weight)
+    resumed.close()
 
 
 class _RecordingHooks(TrainHooks):
@@ -81,14 +83,13 @@ def test_blocking_checkpoint_work_runs_inside_the_keepalive(tmp_path, monkeypatc
     monkeypatch.setattr(storage_module, "load_checkpoint", load)
     model, optimizer = _trained_model()
     manager = _manager(tmp_path, "sync", model, optimizer, hooks=hooks)
-    manager.start(background=False)
+    manager.load()
     for step in range(1, 5):
-        manager.before_optimizer_step()
-        manager.maybe_save(step, 1.0, final=step == 4)
-        manager.after_step()
-    manager.finish()
+        manager.maybe_wait_for_staging()
+        manager.save(step, last_step=step == 4, loss=1.0)
+    manager.close()
     resumed = _manager(tmp_path, "sync", *_trained_model(seed=1), hooks=hooks)
-    assert resumed.load_latest() == 4
+    assert resumed.load() == 4
     assert seen == {"save 3": 1, "save 4": 1, "load": 1}
     assert hooks.depth == 0
 

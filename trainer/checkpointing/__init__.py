@@ -1,7 +1,8 @@
 """Checkpointing: policy (`manager`), one writer per `checkpoint.mode`, and storage.
 
-- `manager`: `CheckpointManager`, all the training loop calls — resume, when to save,
-  the metadata a save holds, the wait before `optimizer.step()`, the summary's figures.
+- `manager`: `CheckpointManager`, all the training loop calls, four calls — `load()`,
+  `maybe_wait_for_staging()` before `optimizer.step()`, `save()` after every step,
+  `close()` (or `abandon()` on the error path) — and the summary's figures.
 - `writer`: the `CheckpointWriter` interface and the `off` writer; `torch_writers`: `sync`
   and `torch-async`; `nvrx_writer`: `async` (NVRx's persistent worker).
 - `nvrx_compat`: what NVRx 0.4.1 needs on a CPU build of torch; `snapshot`: host copies
@@ -14,7 +15,7 @@ Importing this package does not import NVRx.
 """
 
 from trainer.checkpointing.fingerprint import model_sha256, state_dict_sha256
-from trainer.checkpointing.manager import WRITERS, CheckpointManager, abandon_all, efficiency_pct
+from trainer.checkpointing.manager import WRITERS, CheckpointManager, efficiency_pct
 from trainer.checkpointing.storage import (
     CheckpointError,
     latest_committed_checkpoint,
@@ -30,7 +31,6 @@ __all__ = [
     "CheckpointManager",
     "CheckpointWriter",
     "SaveRecord",
-    "abandon_all",
     "efficiency_pct",
     "latest_committed_checkpoint",
     "load_model_weights",

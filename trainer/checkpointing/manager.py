@@ -1,21 +1,23 @@
 """Checkpoint policy for the training loop: resume, when to save, what a save holds.
 
-`CheckpointManager` is all the loop sees of checkpointing. It resumes from the latest
-committed checkpoint (`load_latest`), saves at every `checkpoint.every_steps`-th step and
-at an attempt's last step (`maybe_save`), with the metadata a resume needs (config, model
-hash, scheduler, loss, the launcher's learned timeouts) and each rank's loader position,
-lets an asynchronous save finish its copy before the weights change
-(`before_optimizer_step`), commits finished saves (`after_step`), and reports what saving
-cost (`summary`). How a save is written is the `checkpoint.mode`'s writer class, picked
-from `WRITERS`; the events `resume`, `checkpoint_queued` and `checkpoint_committed` are
-emitted here.
+`CheckpointManager` is all the loop sees of checkpointing, four calls: `load()` resumes
+from the latest committed checkpoint (or the fast tier) and starts the writer;
+`maybe_wait_for_staging()`, right before every `optimizer.step()`, lets an asynchronous
+save finish copying the weights before they change; `save(step, last_step, loss)`, after
+every step, saves at every `checkpoint.every_steps`-th step and at an attempt's last step,
+with the metadata a resume needs (config, model hash, scheduler, loss, the registered
+`states`) and each rank's loader position, and commits finished saves; `close()` makes
+the last save durable and stops the writer (`abandon()` instead, when the process group
+is gone). `summary` reports what saving cost. How a save is written is the
+`checkpoint.mode`'s writer class, picked from `WRITERS`; the events `resume`,
+`checkpoint_queued`, `checkpoint_deferred` and `checkpoint_committed` are emitted here.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +37,7 @@ from trainer.data import StepSampler
 from trainer.events import EventLog
 
 if TYPE_CHECKING:
-    from trainer.loop import TrainHooks
+    from trainer.hooks import Stateful, TrainHooks
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +49,17 @@ WRITERS: dict[str, type[CheckpointWriter]] = {
 }
 """`checkpoint.mode` -> the class that writes its saves."""
 
+_META_KEYS = frozenset({"config", "model_hash", "scheduler", "loss", "sampler", "step"})
+"""What a save's metadata holds already: not a name for `states`."""
+
 
 class CheckpointManager:
-    """Collective object: every rank creates one per attempt and calls it at the same steps."""
+    """Collective object: every rank creates one per attempt and calls it at the same steps.
+
+    `states`: more state saved in every durable checkpoint's metadata under its name and
+    restored on resume (anything with `state_dict()`/`load_state_dict()`). `on_queued`:
+    called with a save's step once the writer has it (the fault drills' hook).
+    `during_save`: called inside every save (a drill's slow file system)."""
 
     def __init__(
         self,
@@ -61,11 +71,17 @@ class CheckpointManager:
         sampler: StepSampler,
         hooks: TrainHooks,
         events: EventLog,
+        states: Mapping[str, Stateful] | None = None,
+        on_queued: Callable[[int], None] | None = None,
         during_save: Callable[[int], None] | None = None,
     ) -> None:
         settings = config.checkpoint
         if settings.mode not in WRITERS:
             raise ValueError(f"checkpoint mode {settings.mode!r} is not one of {', '.join(WRITERS)}")
+        self.states = dict(states or {})
+        clashing = sorted(self.states.keys() & _META_KEYS)
+        if clashing:
+            raise ValueError(f"checkpoint states {clashing} clash with the metadata's own keys; rename them")
         self.config = config
         self.settings = settings
         self.root = Path(config.checkpoint_dir())
@@ -75,16 +91,23 @@ class CheckpointManager:
         self.sampler = sampler
         self.hooks = hooks
         self.events = events
-        self.during_save = during_save  # a drill's slow file system (faults.FaultInjector)
+        self.on_queued = on_queued
+        self.during_save = during_save
         self.rank = dist.get_rank()
+        self._queued: list[SaveRecord] = []  # queued by the writer, not yet told to `on_queued`
         self.writer = WRITERS[settings.mode](
-            self.root, settings.keep_last, settings.keep_every_steps, self._on_commit
+            self.root,
+            settings.keep_last,
+            settings.keep_every_steps,
+            self._on_commit,
+            on_queued=self._queued.append,
+            keepalive=hooks.keepalive,
         )
         self.records: list[SaveRecord] = []
         self.durable_step = 0  # the newest committed durable checkpoint this attempt knows of
         self.resumed_durable_step = 0
         self.local_tier_s = 0.0
-        self._prepared = False  # `after_step()` has offered the writer the state's layout
+        self._prepared = False  # `save()` has offered the writer the state's layout
         self.deferred_saves: list[int] = []
         self.local = LocalTier(
             every_steps=settings.local_every_steps,
@@ -101,15 +124,28 @@ class CheckpointManager:
             replicas=settings.local_replicas,
         )
         self.resumed_from: str | None = None
+        self.load_s = 0.0
         self.start_s = 0.0
         self.final_drain_s = 0.0
         self.teardown_s = 0.0
 
-    def load_latest(self) -> int:
-        """Collective: restore model, optimizer, scheduler, RNG and launcher state from the
-        latest committed checkpoint; returns its step (0 when there is none)."""
+    def load(self, background: bool = False) -> int:
+        """Collective, before the first step: restore model, optimizer, scheduler, RNG and
+        `states` from the latest committed checkpoint (or a newer fast-tier capture), then
+        start the writer (its worker, group, warm-up); returns the step resumed at (0 when
+        there is none).
+
+        `background`: let the writer warm up while training runs (a restart needs its first
+        step soon)."""
+        started = time.perf_counter()
         with self.hooks.keepalive():
-            return self._load_latest()
+            step = self._load_latest()
+        self.load_s = time.perf_counter() - started
+        self.hooks.track(self)  # from here on a restart must abandon it
+        started = time.perf_counter()
+        self.writer.start(background)
+        self.start_s = time.perf_counter() - started
+        return step
 
     def _load_latest(self) -> int:
         latest = storage.latest_committed_checkpoint(self.root, self.settings.verify_hashes)
@@ -117,8 +153,8 @@ class CheckpointManager:
         self.durable_step = self.resumed_durable_step = int(durable_meta.get("step", 0))
         local_step = self.local.restore(self.durable_step)
         if local_step is not None:
-            # The launcher's learned timeouts travel with the durable checkpoint only.
-            self.hooks.restore_launcher_state(durable_meta.get("launcher", {}))
+            # The registered states (the launcher's learned timeouts) travel with the durable checkpoint only.
+            self._restore_states(durable_meta)
             self.resumed_from = f"local:{local_step}"
             # Ranks whose state came from a peer's replica: {rank: the peer that held it}.
             from_peers = {str(owner): peer for owner, peer in self.local.restored_from.items()}
@@ -142,7 +178,7 @@ class CheckpointManager:
             )
         self.sampler.check_resumable(meta.get("sampler", {}), str(latest))  # the same data, or refused
         self.scheduler.load_state_dict(meta["scheduler"])
-        self.hooks.restore_launcher_state(meta.get("launcher", {}))
+        self._restore_states(meta)
         step = int(meta["step"])
         self.resumed_from = str(latest)
         self.events.emit("resume", step=step, checkpoint=self.resumed_from)
@@ -150,43 +186,40 @@ class CheckpointManager:
             log.info("resumed from %s at step %d", latest, step)
         return step
 
-    def start(self, background: bool) -> None:
-        """Collective: start the writer (its worker, group, warm-up) before the first step.
+    def _restore_states(self, meta: dict[str, Any]) -> None:
+        for name, state in self.states.items():
+            state.load_state_dict(meta.get(name, {}))
 
-        `background`: let it warm up while training runs (a restart needs its first step soon)."""
-        _LIVE.append(self)
-        started = time.perf_counter()
-        self.writer.start(background)
-        self.start_s = time.perf_counter() - started
-
-    def before_optimizer_step(self) -> SaveRecord | None:
-        """Collective; call right before every `optimizer.step()`. Returns the record of a save
-        queued now (an async save's snapshot copy ran beside forward and backward and must be
-        complete before the optimizer changes the weights in place), else None."""
+    def maybe_wait_for_staging(self) -> None:
+        """Collective; call right before every `optimizer.step()`: an async save's snapshot
+        copy (and the fast tier's) ran beside forward and backward and must be complete
+        before the optimizer changes the weights in place."""
         self.local_tier_s += self.local.before_optimizer_step()
-        if not self.writer.awaiting_handoff:
-            return self.writer.wait_before_optimizer_step()
-        with self.hooks.keepalive():  # may wait for a snapshot copy of the whole state
-            return self.writer.wait_before_optimizer_step()
+        self.writer.wait_for_staging()
+        self._report_queued()
 
-    def maybe_save(self, step: int, loss_value: float, final: bool) -> SaveRecord | None:
-        """Collective, after step `step`: save if it is a checkpoint step or `final` (the
-        attempt's last step, or a stop was requested). Returns the save's record if it is
-        queued with the writer now; an async save is queued by `before_optimizer_step()`."""
+    def save(self, step: int, last_step: bool, loss: float) -> SaveRecord | None:
+        """Collective, after every step `step`: capture it in the fast tier, save it if it
+        is a checkpoint step or `last_step` (the attempt's last step, or a stop was
+        requested), and commit a finished save as soon as all ranks agree. Returns the
+        record of a save begun now, else None."""
+        record = self._maybe_save(step, loss, last_step)
+        self.writer.poll()
+        if not self._prepared:
+            # After the attempt's first step: the writer may allocate for the state ahead.
+            self._prepared = True
+            self.writer.prepare(self._state_dict)
+        return record
+
+    def _maybe_save(self, step: int, loss_value: float, final: bool) -> SaveRecord | None:
         started = time.perf_counter()
         due = (final or step % self.settings.every_steps == 0) and self.writer.writes_checkpoints
         if self.local.capture(step, self.durable_step):
             self.local_tier_s += time.perf_counter() - started
         if not due:
             return None
-        if not final and self.writer.warming_up and self._may_defer(step):
-            # A restarted attempt's writer starts in the background (1-2 s, more on a busy
-            # machine); waiting for it here blocked the loop for that long and could trip the
-            # in-process watchdog. The fast tier covers recovery meanwhile: this periodic
-            # save is skipped and the next one is written. Never two in a row, never before
-            # the run's first durable checkpoint, and a final save always waits. Every rank
-            # decides alike: the warm-up ends in a collective, and the steps compared are
-            # the ones every rank resumed from or queued.
+        previous = max(self.resumed_durable_step, self.records[-1].step if self.records else 0)
+        if self.writer.defers(step, final, previous, self.settings.every_steps):
             self.deferred_saves.append(step)
             self.events.emit("checkpoint_deferred", step=step, reason="writer starting")
             return None
@@ -195,7 +228,7 @@ class CheckpointManager:
             "model_hash": self.config.model_hash(),
             "scheduler": self.scheduler.state_dict(),
             "loss": loss_value,
-            "launcher": self.hooks.launcher_state(),
+            **{name: state.state_dict() for name, state in self.states.items()},
             "sampler": self.sampler.state_dict(next_step=step + 1),  # read by every rank's resume
         }
         rank_extra = {"sampler": self.sampler.state_dict(next_step=step + 1)}
@@ -208,23 +241,14 @@ class CheckpointManager:
         self.events.emit(
             "checkpoint_queued", step=step, mode=record.mode, blocked_s=record.blocked_s, **fields
         )
-        return None if self.writer.awaiting_handoff else record
-
-    def _may_defer(self, step: int) -> bool:
-        """Only right after a durable save this attempt resumed from or queued: one interval."""
-        last = max(self.resumed_durable_step, self.records[-1].step if self.records else 0)
-        return last > 0 and step - last <= self.settings.every_steps
+        self._report_queued()
+        return record
 
     def _save(self, step: int, meta: dict[str, Any], rank_extra: dict[str, Any], last: bool) -> SaveRecord:
         started = time.perf_counter()
         self.writer.finalize()  # the previous save commits first: snapshot buffers are reused
         previous_wait_s = time.perf_counter() - started
-        if self.writer.stages_itself:  # its RNG state is taken now, its folder made later
-            staging, final = storage.staging_paths(self.root, step)
-            state_of_rank: dict[str, Any] | None = storage.rank_state(rank_extra)
-        else:
-            staging, final = storage.prepare_staging(self.root, step, rank_extra)
-            state_of_rank = None
+        staging, final, state_of_rank = self.writer.stage(step, rank_extra)
         state = self._state_dict()
         if self.during_save is not None:
             self.during_save(step)
@@ -249,19 +273,19 @@ class CheckpointManager:
         self.records.append(record)
         return record
 
-    def after_step(self) -> None:
-        """Collective, cheap, every step: commit a finished save as soon as all ranks agree.
-        After the attempt's first step, also lets the writer allocate for the state ahead."""
-        self.writer.poll()
-        if not self._prepared:
-            self._prepared = True
-            self.writer.prepare(self._state_dict)
+    def _report_queued(self) -> None:
+        """Tells `on_queued` of the saves the writer queued, after their event is logged."""
+        queued = list(self._queued)
+        self._queued.clear()  # the writer holds its `append`
+        if self.on_queued is not None:
+            for record in queued:
+                self.on_queued(record.step)
 
     def _state_dict(self) -> dict[str, Any]:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         return {"model": model_state, "optim": optim_state}
 
-    def finish(self) -> None:
+    def close(self) -> None:
         """Collective, at the end of the loop: the last checkpoint is committed (the run's
         result is durable), then the writer is stopped."""
         started = time.perf_counter()
@@ -270,23 +294,18 @@ class CheckpointManager:
             self.final_drain_s = time.perf_counter() - started
             # The last step's durable checkpoint is committed: the fast tier is of no more use.
             self.local.close(discard=self.writer.writes_checkpoints)
-            self.close()
+            self.local.close()
+            self.writer.close()
+            self.hooks.untrack(self)
         self.teardown_s = time.perf_counter() - started - self.final_drain_s
 
-    def close(self) -> None:
-        """Collective: commit what is pending and stop the writer (safe to call twice)."""
-        self.local.close()
-        self.writer.close()
-        if self in _LIVE:
-            _LIVE.remove(self)
-
     def abandon(self) -> None:
-        """Not collective: drop pending work (its process group is gone, e.g. before an
-        in-process restart); the save in progress is never committed."""
+        """Not collective, the error path instead of `close()`: drop pending work (its
+        process group is gone, e.g. before an in-process restart); the save in progress is
+        never committed. Safe to call again if interrupted."""
         self.local.close(flush=False)
         self.writer.abandon()
-        if self in _LIVE:
-            _LIVE.remove(self)
+        self.hooks.untrack(self)
 
     def summary(self, loop_wall_s: float) -> dict[str, Any]:
         """The summary's checkpoint fields (rank 0 writes them to summary.json)."""
@@ -318,16 +337,6 @@ class CheckpointManager:
                 record.blocked_s,
                 record.write_s or 0.0,
             )
-
-
-_LIVE: list[CheckpointManager] = []
-"""Started managers not yet closed: what `abandon_all` releases before a restart."""
-
-
-def abandon_all() -> None:
-    """Abandon every live checkpoint manager of this process (the in-process restart's Finalize)."""
-    for manager in list(_LIVE):
-        manager.abandon()
 
 
 def efficiency_pct(blocked_s_total: float, wall_s: float) -> float:

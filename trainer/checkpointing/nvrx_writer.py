@@ -3,7 +3,7 @@
 NVRx 0.4.1's persistent writer process with the DCP plan / background write / finalize
 split of `FileSystemWriterAsync`. The state is copied to host buffers (`snapshot`), planned
 and sent to the worker by a background thread while the next step's forward and backward
-run; the loop's `wait_before_optimizer_step()`, before every `optimizer.step()`, waits for
+run; `wait_for_staging()`, before every `optimizer.step()`, waits for
 that thread if it is still running and then starts the save's *finisher* thread. The
 finisher waits for the worker to report the write done, gathers every rank's write results
 over the writer's own gloo group (NVRx's finalize, with the request numbers compared), and
@@ -32,13 +32,14 @@ import threading
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from trainer import lifecycle, peer_abort
 from trainer.checkpointing import storage
-from trainer.checkpointing.writer import CheckpointWriter, PendingSave, SaveRecord
+from trainer.checkpointing.writer import CheckpointWriter, PendingSave
 
 # nvidia_resiliency_ext (and `nvrx_compat`, which imports it) is imported inside the methods:
 # the other modes never pay for it.
@@ -48,7 +49,6 @@ class NvrxAsyncWriter(CheckpointWriter):
     """`async`: returns from `start_save()` once the snapshot copy started."""
 
     mode = "async"
-    stages_itself = True  # in the snapshot's thread, or `_write_last()`
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -156,22 +156,25 @@ class NvrxAsyncWriter(CheckpointWriter):
     def warming_up(self) -> bool:
         return self._warming_up
 
-    @property
-    def awaiting_handoff(self) -> bool:
-        return self._handoff is not None
+    def stage(self, step: int, rank_extra: dict[str, Any]) -> tuple[Path, Path, dict[str, Any] | None]:
+        """The RNG state is taken now; the folder is made later, by the snapshot's thread
+        or `_write_last()` (`_stage`)."""
+        staging, final = storage.staging_paths(self.root, step)
+        return staging, final, storage.rank_state(rank_extra)
 
-    def wait_before_optimizer_step(self) -> SaveRecord | None:
+    def wait_for_staging(self) -> None:
         """Completes the hand-off of a save whose snapshot was copied while forward and
-        backward ran (waiting for the copy if needed) and returns its record."""
+        backward ran (waiting for the copy if needed), then reports it queued."""
         pending = self._handoff
         if pending is None:
-            return None
-        started = time.perf_counter()
-        self._hand_off()
-        elapsed = time.perf_counter() - started
-        pending.record.handoff_s += elapsed
-        pending.record.blocked_s += elapsed
-        return pending.record
+            return
+        with self.keepalive():  # may wait for a snapshot copy of the whole state
+            started = time.perf_counter()
+            self._hand_off()
+            elapsed = time.perf_counter() - started
+            pending.record.handoff_s += elapsed
+            pending.record.blocked_s += elapsed
+        self._queued(pending.record)
 
     def _stage(self, pending: PendingSave) -> None:
         """The staging folder and this rank's RNG/loader file; a barrier over the writer's

@@ -33,6 +33,7 @@ class SyncWriter(CheckpointWriter):
         # Every rank hashes its own shards at once, so rank 0's commit reads only their sidecars.
         storage.write_hash_sidecars(pending.staging, dist.get_rank())
         self._commit(pending, loop_waited_for_write=True)
+        self._queued(pending.record)
 
     def finalize(self) -> None:
         pass  # nothing is ever pending
@@ -63,6 +64,7 @@ class TorchAsyncWriter(CheckpointWriter):
         pending.queued_at = time.perf_counter()
         self._pending = pending
         pending.record.queue_s = pending.record.blocked_s = time.perf_counter() - pending.started_at
+        self._queued(pending.record)
 
     def poll(self) -> None:
         """Its time (the agreement all-reduce, and the commit once agreed) blocks the loop, so

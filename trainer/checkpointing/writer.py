@@ -17,6 +17,7 @@ save record, the collective commit with background retention.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -74,40 +75,67 @@ class PendingSave:
     """torch-async: the background write and shard hashing."""
     rank_state: dict[str, Any] | None = None
     """This rank's RNG and loader state at the save's step, for its file in the staging
-    folder; set when the writer prepares the staging folder itself (`stages_itself`)."""
+    folder; set when the writer's `stage()` leaves making the folder to `start_save()`."""
     last: bool = False
     """The attempt's last save (its last step, or a stop was requested): no optimizer step
     follows it, so the live state stays as saved until `finalize()`."""
 
 
 OnCommit = Callable[[SaveRecord], None]
+KeepAlive = Callable[[], contextlib.AbstractContextManager[None]]
 
 
 class CheckpointWriter(ABC):
     """How one `checkpoint.mode` writes a save. Collective: call on every rank, same steps.
 
-    The manager calls, in order: `start()` once; per save `finalize()` (the previous save
-    must be committed first) then `start_save()`; `wait_before_optimizer_step()` before
-    every optimizer step; `poll()` after every step; `close()` at the end, or `abandon()`
-    when the process group is gone."""
+    The manager calls, in order: `start()` once; per due save `defers()`, then
+    `finalize()` (the previous save must be committed first), `stage()` and `start_save()`;
+    `wait_for_staging()` before every optimizer step; `poll()` after every step; `close()`
+    at the end, or `abandon()` when the process group is gone. A save handed to the
+    background (or written) is reported to `on_queued`, a committed one to `on_commit`."""
 
     mode: ClassVar[str]
     writes_checkpoints: ClassVar[bool] = True
-    stages_itself: ClassVar[bool] = False
-    """`start_save()` prepares the staging folder (`storage.prepare_staging` with
-    `pending.rank_state`), e.g. in a background thread; else the manager does, before."""
 
-    def __init__(self, root: Path, keep_last: int, keep_every: int, on_commit: OnCommit) -> None:
+    def __init__(
+        self,
+        root: Path,
+        keep_last: int,
+        keep_every: int,
+        on_commit: OnCommit,
+        *,
+        on_queued: OnCommit | None = None,
+        keepalive: KeepAlive = contextlib.nullcontext,
+    ) -> None:
         self.root = root
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.on_commit = on_commit
+        self.on_queued = on_queued
+        self.keepalive = keepalive  # around blocking waits the writer decides on itself
         self._retention: threading.Thread | None = None
 
     def start(self, background: bool) -> None:  # noqa: B027 (optional: a default that does nothing)
         """Collective: create what the mode needs up front, so the first save is not slower.
 
         `background`: may finish warming up while training runs (after a restart)."""
+
+    def defers(self, step: int, last_step: bool, previous_save: int, interval: int) -> bool:
+        """Whether the periodic save due at `step` is skipped because the writer is still
+        warming up (a restart's writer starts in the background; waiting for it would block
+        the loop for seconds). The fast tier covers recovery meanwhile. Never the attempt's
+        last save, never before a first durable save (`previous_save`: the newest one this
+        attempt resumed from or queued, 0 for none), never two in a row (at most
+        `interval` steps after it). Every rank decides alike: the warm-up ends in a
+        collective, and the steps compared are the ones every rank resumed from or queued."""
+        return not last_step and self.warming_up and previous_save > 0 and step - previous_save <= interval
+
+    def stage(self, step: int, rank_extra: dict[str, Any]) -> tuple[Path, Path, dict[str, Any] | None]:
+        """Collective: (staging, final, rank_state) for step `step`'s save. Here the staging
+        folder is made now with this rank's RNG/loader file; a writer that makes it later
+        (in a background thread) returns the rank state taken now instead of None."""
+        staging, final = storage.prepare_staging(self.root, step, rank_extra)
+        return staging, final, None
 
     @abstractmethod
     def start_save(self, state: dict[str, Any], pending: PendingSave) -> None:
@@ -124,15 +152,9 @@ class CheckpointWriter(ABC):
         same on every rank at the same step (it turns ready in a collective `poll()`)."""
         return False
 
-    @property
-    def awaiting_handoff(self) -> bool:
-        """A save was started but is queued only by the next `wait_before_optimizer_step()`."""
-        return False
-
-    def wait_before_optimizer_step(self) -> SaveRecord | None:
-        """Collective: the optimizer is about to change the weights in place. Returns the
-        record of a save queued now (it was waiting for that point), else None."""
-        return None
+    def wait_for_staging(self) -> None:  # noqa: B027 (optional: a default that does nothing)
+        """Collective: the optimizer is about to change the weights in place; a save still
+        copying them is waited for here (and reported to `on_queued` once queued)."""
 
     def poll(self) -> None:  # noqa: B027 (optional: a default that does nothing)
         """Collective, cheap, every step: commit the pending save if every rank's write finished."""
@@ -169,6 +191,11 @@ class CheckpointWriter(ABC):
             )
             self._retention.start()
         self.on_commit(record)
+
+    def _queued(self, record: SaveRecord) -> None:
+        """The save is handed to the background (or written): tell `on_queued`."""
+        if self.on_queued is not None:
+            self.on_queued(record)
 
 
 class NoCheckpoints(CheckpointWriter):
