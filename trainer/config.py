@@ -351,10 +351,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         "checkpoint": {"every_steps": 500},
     },
 }
-"""Named starting points. tiny-cpu trains in seconds on 2 cores (demo and tests); bench-cpu
-holds ~300 MB of checkpoint state (25M parameters + AdamW) and computes little per step
-(2 sequences), so that on 2 cores a synchronous save costs about as much as two steps:
-the case asynchronous checkpointing is for (`rtp bench checkpoint`)."""
+"""Named starting points. tiny-cpu trains in seconds on a small CPU machine (demo and
+tests); bench-cpu holds ~300 MB of checkpoint state (25M parameters + AdamW) and computes
+little per step (2 sequences), so a synchronous save costs about two steps there
+(docs/checkpointing.md): the case asynchronous checkpointing is for (`rtp bench checkpoint`)."""
 
 
 def _set(config: TrainConfig, dotted_key: str, value: Any) -> None:

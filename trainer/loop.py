@@ -107,7 +107,7 @@ def train(
     apply_determinism(config.training, cuda=training_device().type == "cuda")  # before NCCL and cuBLAS start
     # An in-process restart interrupts the previous attempt with an asynchronous exception,
     # which can land inside a `torch.no_grad()` block before its exit restores grad mode
-    # (seen: the next attempt's backward failed with "does not require grad"). Grad mode is
+    # (the next attempt's backward would then fail with "does not require grad"). Grad mode is
     # per thread and part of the clean slate each attempt starts from.
     torch.set_grad_enabled(True)
     attempt = hooks.attempt_info()
@@ -187,13 +187,12 @@ def train(
     step_seconds = 0.0
     steps_run = 0
     # What start-up built (modules, tensors, imported libraries: millions of objects) lives
-    # for the whole attempt; the garbage collector's full passes scanned all of it, a
-    # 0.2-0.3 s pause in the loop every few hundred thousand allocations (seen inside the
-    # unpickling of a checkpoint's write results). Frozen, it is left out of every pass.
+    # for the whole attempt; the garbage collector's full passes would scan all of it and
+    # pause the loop. Frozen, it is left out of every pass.
     # After an in-process restart it is unfrozen first, so the previous attempt's cyclic
     # garbage is freed. Not on a process's first attempt: a rank forked from the zygote
     # (trainer/prefork.py) shares the zygote's frozen objects, and a pass over them would
-    # copy every page they live on (0.6-0.7 s here, against 0.2 s in a new process).
+    # copy every page they live on.
     mark = time.perf_counter()
     if attempt.get("inprocess_iteration", 0) > 0:
         gc.unfreeze()

@@ -304,8 +304,7 @@ def run_training(config: TrainConfig, process_started_at: float | None = None) -
         # This node's pre-imported process for restarted ranks (first worker group, local
         # rank 0; a no-op elsewhere), started now so that its imports, at the lowest CPU
         # priority, overlap this rank's start-up (store, process group, model, writer)
-        # rather than its first steps: started after the first step, they slowed the next
-        # ~20 steps of a 2-core machine by 3 ms each (docs/performance.md).
+        # rather than its first steps (docs/performance.md).
         prefork.start_zygote(config.to_compact_json(), Path(config.run.workdir) / "logs" / "prefork.log")
     try:
         if config.resilience.inprocess_restarts == 0:
@@ -394,9 +393,9 @@ def _run_inprocess(config: TrainConfig, store: dist.Store, launcher: _LauncherCl
         last_call_wait=datetime.timedelta(seconds=LAST_CALL_WAIT_S),
         # NVRx 0.4.1's monitor process checks the soft and hard timeouts only when no
         # message arrived for a whole monitor interval, and the progress watchdog sends one
-        # every watchdog interval: with both at 1 s (the defaults) the checks were starved
-        # at random, a hang was noticed seconds late or only at the hard timeout, and the
-        # rank was killed and restarted by ft_launcher instead of in-process. A shorter
+        # every watchdog interval: with both at 1 s (the defaults) the checks starve at
+        # random: a hang is noticed seconds late or only at the hard timeout, and the rank
+        # is killed and restarted by ft_launcher instead of in-process. A shorter
         # monitor interval leaves a silent gap after every watchdog message.
         monitor_process_interval=datetime.timedelta(seconds=MONITOR_PROCESS_INTERVAL_S),
         progress_watchdog_interval=datetime.timedelta(seconds=PROGRESS_WATCHDOG_INTERVAL_S),

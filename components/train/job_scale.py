@@ -58,7 +58,7 @@ class JobScale:
 
 _CPU_TRAINER = ResilienceConfig()
 CPU_SCALE = JobScale(
-    # The trainer's own defaults: tuned for gloo on a busy 2-core machine (trainer/config.py).
+    # The trainer's own defaults: tuned for gloo on a small, busy CPU machine (trainer/config.py).
     collective_timeout_s=_CPU_TRAINER.collective_timeout_s,
     soft_timeout_s=_CPU_TRAINER.soft_timeout_s,
     hard_timeout_s=_CPU_TRAINER.hard_timeout_s,

@@ -2,7 +2,7 @@
 in process memory and in a node-local folder.
 
 The durable DCP checkpoint on the shared volume is written every `checkpoint.every_steps`
-steps; a fault used to throw away every step since. The fast tier keeps, every
+steps; without it, a fault throws away every step since. The fast tier keeps, every
 `checkpoint.local_every_steps` steps, a copy of what this rank needs to continue exactly:
 its local shards of the parameters and of the optimizer state, the optimizer's
 hyper-parameters, the scheduler, the RNG state and the step. It is a host copy of the
@@ -22,10 +22,8 @@ copies every step.
   is removed before the slot is overwritten, so a rank killed while copying leaves the
   other slot's capture, which still has its header.
 
-A copy and then a file of the whole state every step (the first version) moved twice the
-bytes and spent a core on the file beside the loop and the durable saves' writer; on a
-2-core machine that made async saves wait for their previous write and cost about 1% of
-checkpoint efficiency (docs/fault-tolerance.md).
+A capture copies straight into a mapped slot: the state's bytes move once per step, with no
+file thread beside the loop and the durable writer (docs/fault-tolerance.md).
 
 On resume the ranks agree (one all-gather) on the newest step every rank holds; it is used
 only when it is newer than the latest committed durable checkpoint, belongs to the same
@@ -388,8 +386,8 @@ class LocalTier:
         if self._copier is None:
             self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rtp-local-copy")
         self.wait_copy()  # the previous capture's header is written (it runs in the same thread)
-        # The walk over the state runs here, between steps: in the copy thread it competed
-        # with the training thread for the interpreter lock (1-4 ms per capture measured).
+        # The walk over the state runs here, between steps: in the copy thread it would
+        # compete with the training thread for the interpreter lock.
         plan = self._plan_for(meta)
         if not self._slots_ready(plan):
             with self._lock:
@@ -896,10 +894,9 @@ def _load_bytes(payload: bytes | bytearray | None, where: str) -> tuple[dict[str
 # ---- the file format ------------------------------------------------------------------
 #
 # A capture's bytes are raw tensor bytes (copied into a mapped slot; `write_snapshot_file`
-# writes them with plain file writes, which release the GIL: torch.save holds it while it
-# writes tensor bytes, and a thread saving 300 MB in a loop cut a pure-Python loop beside it
-# to 41% of its speed, with stalls of 57 ms). Everything else is in a header of two sections
-# saved with torch.save and read back with `weights_only=True`:
+# writes them with plain file writes, which release the GIL: torch.save holds the GIL while
+# it writes tensor bytes, stalling the training thread). Everything else is in a header of
+# two sections saved with torch.save and read back with `weights_only=True`:
 #
 #   MAGIC | static section | capture section | padding | tensor bytes, each at a 64-byte boundary
 #

@@ -15,11 +15,11 @@ the writer itself (`nvrx_writer`) reads the same on CPU and GPU:
    point 3, already is the device-to-host copy), and the worker sees only its rank's GPU.
 3. Torn checkpoints. CPU tensors are handed to the worker in place (moved to shared
    memory) and written while the optimizer keeps changing them, so a saved step would mix
-   weights from later steps (11 tensors of a saved step differed, measured). Every save is
+   weights from later steps. Every save is
    therefore a copy into host buffers first (`snapshot`, on CUDA as well, where it
    replaces NVRx's preload), taken beside the next forward and backward.
 4. Warm-up. 0.4.1 has no warm-up API: the first save pays for spawning the worker and the
-   write-results Manager (1.6-2.3 s measured), and the first real write for the worker's
+   write-results Manager, and the first real write for the worker's
    first fork of writer processes. `warm_up` writes a one-tensor DCP checkpoint into a
    scratch folder at start-up (all ranks, like a real save), then deletes it.
 One more point holds on CPU and GPU alike:
@@ -27,16 +27,16 @@ One more point holds on CPU and GPU alike:
 5. Stale write results after a restart. Writers report their results through one
    process-wide queue (`filesystem_async._results_queue`). A save abandoned by an
    in-process restart may already have posted its results; the next save's finalize would
-   read them instead of its own and commit metadata that lacks this rank's shards (seen
-   here: a checkpoint whose `.metadata` named only rank 1's chunks). `discard_stale_results`
+   read them instead of its own and commit metadata that lacks this rank's shards (its
+   `.metadata` would name only the other ranks' chunks). `discard_stale_results`
    empties the queue once the abandoned writer is dead.
 7. Orphans. That queue lives in a Manager process NVRx spawns on first use; a rank killed
    with SIGKILL leaves it (and multiprocessing's resource tracker) running forever. The
    queue is created here first, by a Manager that asks to die with its rank. The persistent
-   worker is started here too, not by NVRx, so that it asks the same as its first act: it
-   used to ask when it ran its first save, and a worker still importing torch when its
-   rank was killed (a restart's background warm-up, seconds long on a busy machine) waited
-   for requests forever, holding the resource tracker, torch_shm_manager and /dev/shm.
+   worker is started here too, not by NVRx, so that it asks the same as its first act: a
+   worker still importing torch when its rank is killed (during a restart's background
+   warm-up) then does not wait for requests forever, holding the resource tracker,
+   torch_shm_manager and /dev/shm.
    Each asks with its rank's pid, so a rank that died before the request still counts.
 """
 

@@ -12,9 +12,8 @@ ended, and reports the commit from the loop. The next save or `finalize()` joins
 
 NVRx's own finalizing (`AsyncCallsQueue.maybe_finalize_async_calls`) runs on the loop: an
 all-reduce on every step while a write is in flight, then the gather and the metadata, each
-waiting for a CPU beside the background write (measured here, 1 rank, 2 cores: 5-14 ms of
-every save's blocked time). It is used for the start-up warm-up only. What 0.4.1 needs on a
-CPU build lives in `nvrx_compat`.
+waiting for a CPU beside the background write (its cost: docs/checkpointing.md). It is
+used for the start-up warm-up only. What 0.4.1 needs on a CPU build lives in `nvrx_compat`.
 
 The attempt's last save (its last step, or a stop was requested) is the exception: no step
 follows it to hide a background write behind, and the loop waits for it in `finalize()`
@@ -178,7 +177,7 @@ class NvrxAsyncWriter(CheckpointWriter):
 
     def _stage(self, pending: PendingSave) -> None:
         """The staging folder and this rank's RNG/loader file; a barrier over the writer's
-        group (on the loop it took 2-5 ms per save here)."""
+        group."""
         assert pending.rank_state is not None
         storage.prepare_staging(
             self.root, pending.record.step, {}, state=pending.rank_state, group=self._group
@@ -364,8 +363,8 @@ class NvrxAsyncWriter(CheckpointWriter):
     def _wait_for_writer(self) -> None:
         """Finalize every queued NVRx request, checking every 5 ms.
 
-        `maybe_finalize_async_calls(blocking=True)` sleeps 0.1 s between checks, which showed
-        up as waits for the previous save quantized to 100 ms. Each check is one all-reduce
+        `maybe_finalize_async_calls(blocking=True)` sleeps 0.1 s between checks, which would
+        round every wait for the previous save up to 100 ms. Each check is one all-reduce
         on every rank with the same result everywhere, so the ranks leave together."""
         while self._calls.get_num_unfinalized_calls():
             if not self._calls.maybe_finalize_async_calls(blocking=False):

@@ -9,11 +9,10 @@ just before the next `optimizer.step()`, is the only point where the loop may wa
 copy. The copy reads exactly the tensors the optimizer mutates: with FSDP2 the state dict's
 DTensors wrap the sharded parameters' local tensors and the optimizer's state tensors.
 
-- CPU: a background thread (one per snapshot object, started once: starting a thread per
-  save made the loop wait for the interpreter lock the new thread took, 3-6 ms per save
-  on 2 busy cores) copies the tensors (tensor copies release the GIL, so the
-  thread runs beside forward and backward). It runs no collectives, so it cannot interleave
-  with the loop's.
+- CPU: a background thread (one per snapshot object, started once: a thread started per
+  save would make the loop wait for the interpreter lock it takes) copies the tensors
+  (tensor copies release the GIL, so the thread runs beside forward and backward). It runs
+  no collectives, so it cannot interleave with the loop's.
 - CUDA: the background thread queues device-to-host copies into pinned host buffers on a
   side stream that first waits for an event recorded after the step's kernels, and waits
   for them. The training thread only records that event.
@@ -47,8 +46,8 @@ def share_snapshots_by_file_name() -> None:
 
     With torch's default `file_descriptor` strategy every storage of every save travels as
     a file descriptor through a socket served by a thread of the training process; with
-    `file_system` the writer opens the shared memory by name. Measured here (191 MB state, 1
-    rank): background write 0.71 s -> 0.46 s per save. Set when the async mode starts.
+    `file_system` the writer opens the shared memory by name, which makes the background
+    write faster (docs/checkpointing.md). Set when the async mode starts.
     """
     torch.multiprocessing.set_sharing_strategy("file_system")
 

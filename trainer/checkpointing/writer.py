@@ -122,12 +122,13 @@ class CheckpointWriter(ABC):
 
     def defers(self, step: int, last_step: bool, previous_save: int, interval: int) -> bool:
         """Whether the periodic save due at `step` is skipped because the writer is still
-        warming up (a restart's writer starts in the background; waiting for it would block
-        the loop for seconds). The fast tier covers recovery meanwhile. Never the attempt's
-        last save, never before a first durable save (`previous_save`: the newest one this
-        attempt resumed from or queued, 0 for none), never two in a row (at most
-        `interval` steps after it). Every rank decides alike: the warm-up ends in a
-        collective, and the steps compared are the ones every rank resumed from or queued."""
+        warming up (a restart's writer warms up in the background; waiting here would block
+        the loop for seconds and could trip the in-process watchdog). The fast tier covers
+        recovery meanwhile. Never the attempt's last save, never before a first durable save
+        (`previous_save`: the newest one this attempt resumed from or queued, 0 for none),
+        never two in a row (at most `interval` steps after it). Every rank decides alike: the
+        warm-up ends in a collective, and the steps compared are the ones every rank resumed
+        from or queued."""
         return not last_step and self.warming_up and previous_save > 0 and step - previous_save <= interval
 
     def stage(self, step: int, rank_extra: dict[str, Any]) -> tuple[Path, Path, dict[str, Any] | None]:
