@@ -17,15 +17,14 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
 from trainer.config import TrainConfig
 from trainer.data import StepSampler, load_tokens, split_files
-from trainer.loop import lr_factor
+from trainer.loop import accumulate_gradients, lr_factor
 from trainer.models import model_spec
 from trainer.parallelize import (
     init_distributed,
@@ -69,14 +68,7 @@ def train_bare(config: TrainConfig) -> dict[str, Any]:
     loss = torch.zeros(())
     for step in range(1, config.run.steps + 1):
         step_start = time.perf_counter()
-        micro_batches = sampler.micro_batches(step)
-        loss = torch.zeros((), device=device)
-        for index, micro_batch in enumerate(micro_batches):
-            # As the trainer: one reduce-scatter, after the last micro-batch.
-            cast(FSDPModule, model).set_requires_gradient_sync(index == len(micro_batches) - 1)
-            micro_loss = spec.loss(model, micro_batch.to(device)) / len(micro_batches)
-            micro_loss.backward()
-            loss += micro_loss.detach()
+        loss = accumulate_gradients(spec, model, sampler.micro_batches(step), device)  # as the trainer
         torch.nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip_norm)
         optimizer.step()
         scheduler.step()

@@ -61,6 +61,22 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float) 
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def accumulate_gradients(
+    spec: Any, model: torch.nn.Module, micro_batches: list[torch.Tensor], device: torch.device
+) -> torch.Tensor:
+    """Forward and backward over a step's micro-batches; returns this rank's mean loss.
+
+    Reduce-scatter once, after the last micro-batch: its gradient (averaged over the ranks
+    by FSDP) is then the mean over the global batch."""
+    loss = torch.zeros((), device=device)
+    for index, micro_batch in enumerate(micro_batches):
+        cast(FSDPModule, model).set_requires_gradient_sync(index == len(micro_batches) - 1)
+        micro_loss = spec.loss(model, micro_batch.to(device)) / len(micro_batches)
+        micro_loss.backward()
+        loss += micro_loss.detach()
+    return loss
+
+
 def _gathered_norm(norm: torch.Tensor) -> float:
     """The total grad norm as a number. Under FSDP2 it may be a DTensor: every rank calls
     this on the same steps, so gathering it is a collective all ranks take part in."""
@@ -213,15 +229,7 @@ def train(
         for step in range(last_step + 1, config.run.steps + 1):
             step_start = time.perf_counter()
             injector.at_step(step)
-            micro_batches = sampler.micro_batches(step)
-            loss = torch.zeros((), device=device)
-            for index, micro_batch in enumerate(micro_batches):
-                # Reduce-scatter once, after the last micro-batch: its gradient (averaged over
-                # the ranks by FSDP) is then the mean over the global batch.
-                cast(FSDPModule, model).set_requires_gradient_sync(index == len(micro_batches) - 1)
-                micro_loss = spec.loss(model, micro_batch.to(device)) / len(micro_batches)
-                micro_loss.backward()
-                loss += micro_loss.detach()
+            loss = accumulate_gradients(spec, model, sampler.micro_batches(step), device)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), opt_cfg.grad_clip_norm)
             # An async save's snapshot copy ran beside this forward and backward; it must be
             # complete before the optimizer changes the weights in place.
