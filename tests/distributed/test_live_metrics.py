@@ -123,7 +123,7 @@ def test_mlflow_failing_at_the_start_loses_nothing_but_what_the_buffer_could_not
     for key, steps in histories.items():
         counts = collections.Counter(steps)
         assert all(n == 1 for n in counts.values()), key
-        assert steps and sorted(steps) == list(range(1, len(steps) + 1)), (
-            key
-        )  # what was kept: the first steps
+        # Kept: the first steps, buffered while MLflow failed; which later steps also made it
+        # depends on when it answered again and how often the flusher ran.
+        assert sorted(steps)[:2] == [1, 2], (key, sorted(steps))
     assert len(histories["loss"]) < STEPS  # the buffer filled while MLflow failed: later steps were dropped

@@ -601,8 +601,9 @@ class FakeKubernetes:
                     )
                     fake.jobs[key] = _Job(resource, body, fake.scenarios.get(name, fake.default_scenario))
                     fake.created.append(body)
-                    self._send(201, body)
+                    # Collected before the answer, so a caller sees the outcome without racing the fake.
                     fake._collect_garbage()
+                    self._send(201, body)
 
             def do_DELETE(self) -> None:
                 parts, _ = self._route()
