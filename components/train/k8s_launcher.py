@@ -326,18 +326,35 @@ class _LogFollower:
         self.printed = max(self.printed, len(lines))
 
 
+class _SigtermFlag:
+    """Set by SIGTERM while a job is watched; the loop looks at it between API calls. A handler
+    that raised instead would unwind whatever the main thread was in (a lock half taken, an
+    HTTP answer half read) and could leave, e.g., the logging module's lock held for good."""
+
+    def __init__(self) -> None:
+        self.arrived = False
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to `seconds`, less once SIGTERM arrives; True when it has."""
+        deadline = time.monotonic() + seconds
+        while not self.arrived and (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(left, 0.1))
+        return self.arrived
+
+
 @contextlib.contextmanager
-def _sigterm_raises() -> Iterator[None]:
+def _sigterm_flag() -> Iterator[_SigtermFlag]:
+    flag = _SigtermFlag()
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield flag
         return
 
     def on_term(signum: int, frame: Any) -> None:
-        raise _Terminated()
+        flag.arrived = True  # no lock, no raise: safe wherever the main thread is
 
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
-        yield
+        yield flag
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -451,8 +468,8 @@ def run_job(
     failing_since: float | None = None
     failed_reads = 0
     try:
-        with _sigterm_raises():
-            while True:
+        with _sigterm_flag() as terminated:
+            while not terminated.arrived:
                 try:
                     job = custom.get_namespaced_custom_object(
                         ref.group, ref.version, ref.namespace, ref.plural, ref.name
@@ -474,7 +491,7 @@ def run_job(
                         ) from exc
                     failed_reads += 1
                     log.warning("reading %s %s failed (%s); retrying", ref.kind, ref.name, _api_error(exc))
-                    time.sleep(min(30.0, poll_interval_s * 2 ** min(failed_reads - 1, 5)))  # backoff
+                    terminated.wait(min(30.0, poll_interval_s * 2 ** min(failed_reads - 1, 5)))  # backoff
                     continue
                 follower.poll()
                 outcome, message = job_outcome(ref.kind, job.get("status"))
@@ -495,7 +512,8 @@ def run_job(
                         f"{ref.kind} {ref.namespace}/{ref.name} did not finish within {timeout_s:.0f} s "
                         "(job_timeout_s); it was deleted. Raise job_timeout_s or look at its pods' logs"
                     )
-                time.sleep(poll_interval_s)
+                terminated.wait(poll_interval_s)
+            raise _Terminated()
     except _Terminated:
         delete_on_exit = True
         write(f"SIGTERM: deleting {ref.kind} {ref.name}")

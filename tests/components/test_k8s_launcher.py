@@ -109,6 +109,26 @@ def test_sigterm_while_watching_deletes_the_job(fake):
     assert signal.getsignal(signal.SIGTERM) == previous
 
 
+def test_sigterm_inside_any_code_of_the_step_interrupts_nothing_and_still_deletes_the_job(fake):
+    """The handler runs wherever the main thread is: here inside a lock taken without `with`
+    (as logging takes its module lock). It only notes the signal; the watch loop ends at its
+    next wait, so the lock is released and the job is still deleted."""
+    fake.default_scenario = Scenario(outcome="hang", log_lines=["step 1 loss 5.1"])
+    lock = threading.Lock()
+
+    def write(line: str) -> None:
+        if line.startswith("step 1"):
+            lock.acquire()
+            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)  # SIGTERM arrives here
+            lock.release()
+
+    with pytest.raises(JobFailed, match="terminated"):
+        run_job(job_manifest("pytorchjob", settings()), api_client=api_client(fake), timeout_s=20,
+                poll_interval_s=0.02, write=write)  # fmt: skip
+    assert not lock.locked()
+    assert fake.deleted == ["rtp-train-test"]
+
+
 def test_a_manifest_the_schema_rejects_fails_with_the_servers_reason(fake):
     manifest = job_manifest("pytorchjob", settings())
     manifest["spec"]["runPolicy"]["restartEverything"] = True
