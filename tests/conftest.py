@@ -3,6 +3,7 @@ MLflow server on loopback, and the upstream schemas the fakes validate against (
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -160,3 +161,32 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
         log_file.close()
+
+
+@pytest.fixture(scope="session")
+def plain_two_rank_run(dataset_dir, tmp_path_factory) -> dict:
+    """One fault-free run shared by the modules that compare against it, trained through the
+    user's command, `rtp train-local`: 2 ranks, seed 7, PLAIN_STEPS steps, asynchronous
+    checkpoints (the default) every PLAIN_EVERY, low restart timeouts and metrics every step,
+    no MLflow. None of these settings changes a weight. Its summary.
+
+    tests/distributed: test_resume checks the run itself and resumes against it, test_faults and
+    test_live_metrics compare runs with faults against it, test_training_modes runs with
+    activation checkpointing and bf16 compute; tests/components/test_validate scores its
+    checkpoint in one process against the training ranks' record."""
+    from tests.distributed.conftest import PLAIN_EVERY, PLAIN_OVERRIDES, PLAIN_STEPS, train_local_command
+
+    workdir = tmp_path_factory.mktemp("plain-two-rank")
+    overrides = [arg for override in PLAIN_OVERRIDES for arg in ("--override", override)]
+    command = train_local_command(dataset_dir, workdir, PLAIN_STEPS, PLAIN_EVERY, *overrides)
+    env = {
+        k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"
+    }  # "no MLflow", whatever ran before
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=500, stdin=subprocess.DEVNULL, env=env
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((workdir / "summary.json").read_text())
+    # The command prints the summary as its last output.
+    assert json.loads(result.stdout[result.stdout.rindex("{") :])["model_sha256"] == summary["model_sha256"]
+    return summary

@@ -215,20 +215,18 @@ def test_tensors_are_read_in_groups_within_the_byte_budget(trained_run, dataset_
 
 
 def test_two_training_ranks_score_the_sharded_model_as_one_process_scores_the_checkpoint(
-    dataset_dir, tmp_path
+    plain_two_rank_run, dataset_dir
 ):
-    from trainer.config import resolve_config
-    from trainer.launch import run_local_training
+    from trainer.checkpointing.storage import read_meta
+    from trainer.config import TrainConfig
 
-    config = resolve_config(
-        named={"dataset_dir": str(dataset_dir), "workdir": str(tmp_path), "steps": 3, "seed": 5},
-        overrides=["data.eval_windows=12"],
-    )
-    summary = run_local_training(2, config, echo=False).to_dict()
+    summary = plain_two_rank_run  # 2 ranks, the default eval windows
+    config = TrainConfig.from_dict(read_meta(summary["checkpoint"])["config"])
+    assert summary["world_size"] == 2 and config.data.eval_windows > 0
     result = validate_checkpoint(summary["checkpoint"], str(dataset_dir), 10.0)
     assert result.scored_by == "training" and result.weights_sha256 == summary["model_sha256"]
     here = validate_checkpoint(summary["checkpoint"], str(dataset_dir), 10.0, eval_record="")
-    assert here.evaluated_tokens == result.evaluated_tokens == 12 * config.model.seq_len
+    assert here.evaluated_tokens == result.evaluated_tokens == config.data.eval_windows * config.model.seq_len
     # each rank runs the full forward on every window: the same sums as one process, to rounding
     assert here.holdout_loss == pytest.approx(result.holdout_loss, rel=1e-6)
 

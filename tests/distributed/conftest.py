@@ -2,8 +2,6 @@ import json
 import sys
 from pathlib import Path
 
-import pytest
-
 from trainer.config import TrainConfig, resolve_config
 from trainer.launch import LauncherSettings, run_local_training
 
@@ -79,24 +77,3 @@ PLAIN_OVERRIDES = (
     "resilience.hard_timeout_s=30",
     "run.log_every_steps=1",
 )
-
-
-@pytest.fixture(scope="session")
-def plain_two_rank_run(dataset_dir, tmp_path_factory) -> dict:
-    """One fault-free run shared by the modules that compare against it: 2 ranks, seed 7,
-    PLAIN_STEPS steps, synchronous checkpoints every PLAIN_EVERY (cheaper to start than
-    NVRx's asynchronous writer), low restart timeouts and metrics every step, no MLflow.
-    None of these settings changes a weight. Its summary.
-
-    test_live_metrics compares runs with MLflow and faults (asynchronous saves) against it,
-    test_training_modes runs with activation checkpointing and bf16 compute."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.delenv("MLFLOW_TRACKING_URI", raising=False)  # "no MLflow", whatever ran before
-        return train(
-            dataset_dir,
-            tmp_path_factory.mktemp("plain-two-rank"),
-            steps=PLAIN_STEPS,
-            every=PLAIN_EVERY,
-            overrides=PLAIN_OVERRIDES,
-            checkpoint_mode="sync",
-        )

@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from tests.conftest import PROJECT_ROOT
-from tests.distributed.conftest import events, run_config, train
+from tests.distributed.conftest import PLAIN_EVERY, PLAIN_OVERRIDES, PLAIN_STEPS, events, run_config, train
 from trainer.checkpointing import latest_committed_checkpoint, verify_checkpoint
 from trainer.launch import LauncherSettings, TrainingFailed, launch_tempdir, run_local_training
 
@@ -81,8 +81,11 @@ def assert_nothing_left(mark: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def fault_free(dataset_dir, tmp_path_factory) -> dict:
-    return train(dataset_dir, tmp_path_factory.mktemp("fault-free"), steps=STEPS, every=EVERY, overrides=FAST)
+def fault_free(plain_two_rank_run) -> dict:
+    """The fault-free twin: the session's plain run (the same steps, seed and timeouts; its
+    per-step metrics change no weight)."""
+    assert (STEPS, EVERY, tuple(FAST)) == (PLAIN_STEPS, PLAIN_EVERY, PLAIN_OVERRIDES[:3])
+    return plain_two_rank_run
 
 
 MECHANISM = {

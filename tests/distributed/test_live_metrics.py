@@ -29,8 +29,7 @@ STEP_METRICS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s")
 
 @pytest.fixture(scope="module")
 def reference(plain_two_rank_run) -> dict:
-    """The same run without MLflow and without faults (shared with test_training_modes; its
-    saves are synchronous, which changes no weight)."""
+    """The same run without MLflow and without faults (the session's plain run)."""
     assert (STEPS, EVERY, tuple(FAST)) == (PLAIN_STEPS, PLAIN_EVERY, PLAIN_OVERRIDES)
     return plain_two_rank_run
 

@@ -2,33 +2,28 @@
 reshard between world sizes, and a run resumed on one rank with gradient accumulation ends with
 the two-rank run's weights."""
 
-import json
 import shutil
-import subprocess
 
 import pytest
 import torch
 
-from tests.distributed.conftest import events, run_config, train, train_local_command
-from trainer.checkpointing import latest_committed_checkpoint, load_model_weights
+from tests.distributed.conftest import PLAIN_EVERY, PLAIN_STEPS, events, run_config, train
+from trainer.checkpointing import latest_committed_checkpoint, load_model_weights, state_dict_sha256
+from trainer.checkpointing.storage import committed_steps, read_meta
+from trainer.config import TrainConfig
 from trainer.launch import TrainingFailed, run_local_training
 from trainer.models import model_spec
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
-STEPS = 12
+STEPS, EVERY = PLAIN_STEPS, PLAIN_EVERY
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(dataset_dir, tmp_path_factory):
-    """Trained through the user's command, `rtp train-local` (default mode: async)."""
-    workdir = tmp_path_factory.mktemp("uninterrupted")
-    command = train_local_command(dataset_dir, workdir, STEPS, 4)
-    result = subprocess.run(command, capture_output=True, text=True, timeout=500, stdin=subprocess.DEVNULL)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    summary = json.loads((workdir / "summary.json").read_text())
-    assert json.loads(result.stdout[result.stdout.rindex("{") :])["model_sha256"] == summary["model_sha256"]
-    return summary
+def uninterrupted(plain_two_rank_run):
+    """Trained through the user's command, `rtp train-local` (default mode: async): the
+    session's plain run (its restart timeouts and metrics interval change no weight)."""
+    return plain_two_rank_run
 
 
 def test_uninterrupted_run_trains_and_checkpoints(uninterrupted):
@@ -37,14 +32,33 @@ def test_uninterrupted_run_trains_and_checkpoints(uninterrupted):
     losses = [entry["loss"] for entry in uninterrupted["losses"]]
     assert losses[-1] < losses[0] - 0.5  # it learns
     saves = uninterrupted["checkpoint_saves"]
-    assert [save["step"] for save in saves] == [4, 8, 12]
+    assert [save["step"] for save in saves] == list(range(EVERY, STEPS + 1, EVERY))
     assert all(save["write_s"] is not None and save["bytes_total"] > 0 for save in saves)
     assert 0 < uninterrupted["efficiency_pct"] <= 100
 
 
+# Asynchronous saves record the weights they were taken from, so each checkpoint can be checked
+# against the step it is named after (a torn save would hold weights of a later step).
+RECORDED = ("checkpoint.keep_last=100", "checkpoint.record_weight_hashes=true")
+
+
+def assert_saves_hold_the_weights_of_their_step(workdir) -> None:
+    at_save = {e["step"]: e["weights_sha256"] for e in events(workdir) if e["kind"] == "checkpoint_queued"}
+    committed = committed_steps(workdir / "checkpoints")
+    assert sorted(step for step, _ in committed) == sorted(at_save)
+    for step, folder in committed:
+        model = model_spec("byte-lm").build(
+            TrainConfig.from_dict(read_meta(folder)["config"]).model, torch.device("cpu")
+        )
+        load_model_weights(folder, model)
+        assert state_dict_sha256(model.state_dict()) == at_save[step], f"step {step} checkpoint is torn"
+
+
 @pytest.mark.parametrize("mode", ["sync", "torch-async", "async"])
 def test_stopped_and_resumed_run_matches_uninterrupted(mode, dataset_dir, tmp_path, uninterrupted):
-    first = train(dataset_dir, tmp_path, checkpoint_mode=mode, stop_after=6)
+    overrides = RECORDED if mode != "sync" else ()
+    first = train(dataset_dir, tmp_path, steps=STEPS, every=EVERY, overrides=overrides, checkpoint_mode=mode,
+                  stop_after=6)  # fmt: skip
     assert first["steps"] == 6 and not first["completed"]
     assert first["checkpoint"].endswith("step_6")
     assert first["model_sha256"] != uninterrupted["model_sha256"]
@@ -54,13 +68,17 @@ def test_stopped_and_resumed_run_matches_uninterrupted(mode, dataset_dir, tmp_pa
     torn.mkdir()
     (torn / "__0_0.distcp").write_bytes(b"partial")
 
-    resumed = train(dataset_dir, tmp_path, checkpoint_mode=mode)
+    resumed = train(
+        dataset_dir, tmp_path, steps=STEPS, every=EVERY, overrides=overrides, checkpoint_mode=mode
+    )
     assert resumed["resumed_from"].endswith("step_6")
     assert resumed["steps_run"] == STEPS - 6
     assert resumed["model_sha256"] == uninterrupted["model_sha256"]
     assert resumed["final_loss"] == uninterrupted["final_loss"]
     assert latest_committed_checkpoint(tmp_path / "checkpoints") == tmp_path / "checkpoints" / f"step_{STEPS}"
     assert any(e["kind"] == "resume" and e["step"] == 6 for e in events(tmp_path))
+    if mode != "sync":  # steps 4, 8 and 12 were written in the background; 6 and 16 are last saves
+        assert_saves_hold_the_weights_of_their_step(tmp_path)
 
 
 @pytest.mark.parametrize(("saved_with", "loaded_with"), [(2, 1), (1, 2)])

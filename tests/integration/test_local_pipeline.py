@@ -131,7 +131,10 @@ def test_the_same_run_name_again_resumes_from_its_checkpoint(local_run, mlflow_s
     run's last checkpoint instead of starting over. Last in this module: it adds two steps to
     the run the tests above read (and registers under another name)."""
     workdir, _, first = local_run
-    _rtp_local(workdir, mlflow_server, 14, 2, "rtp-e2e-resumed", tmpdir=local_tmpdir)
+    # Synchronous saves: the resume is the point here, and they start no writer processes.
+    _rtp_local(
+        workdir, mlflow_server, 14, 2, "rtp-e2e-resumed", "--checkpoint-mode", "sync", tmpdir=local_tmpdir
+    )
     trained = json.loads((workdir / "fsx/rtp/runs/e2e/train/summary.json").read_text())
     assert trained["resumed_from"] == first["checkpoint"]  # step_12 of the first run
     assert trained["steps"] == 14 and trained["lost_steps"] == 0
