@@ -6,7 +6,7 @@ from trainer.launch import run_local_training
 
 @pytest.fixture(scope="session")
 def trained_run(dataset_dir, tmp_path_factory):
-    """A real (one-rank) training run with committed checkpoints at steps 10 and 20."""
+    """A real (one-rank) training run with committed (synchronous) checkpoints at steps 10 and 20."""
     workdir = tmp_path_factory.mktemp("trained")
     config = resolve_config(
         named={
@@ -15,6 +15,7 @@ def trained_run(dataset_dir, tmp_path_factory):
             "steps": 20,
             "checkpoint_every": 10,
             "seed": 3,
+            "checkpoint_mode": "sync",  # what validate and register read is the same in every mode
         }
     )
     return run_local_training(1, config, echo=False).to_dict()

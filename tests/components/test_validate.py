@@ -238,7 +238,13 @@ def test_without_eval_windows_the_training_writes_no_record_and_validate_scores_
     from trainer.launch import run_local_training
 
     config = resolve_config(
-        named={"dataset_dir": str(dataset_dir), "workdir": str(tmp_path), "steps": 2, "seed": 1},
+        named={
+            "dataset_dir": str(dataset_dir),
+            "workdir": str(tmp_path),
+            "steps": 2,
+            "seed": 1,
+            "checkpoint_mode": "sync",
+        },
         overrides=["data.eval_windows=0"],
     )
     summary = run_local_training(1, config, echo=False).to_dict()

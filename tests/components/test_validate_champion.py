@@ -49,7 +49,13 @@ def _train(dataset_dir, workdir, name, nproc):
     from trainer.launch import run_local_training
 
     config = resolve_config(
-        named={"dataset_dir": str(dataset_dir), "workdir": str(workdir), "steps": 2, "seed": 3},
+        named={
+            "dataset_dir": str(dataset_dir),
+            "workdir": str(workdir),
+            "steps": 2,
+            "seed": 3,
+            "checkpoint_mode": "sync",
+        },  # the record, not the writer, is tested here
         overrides=["data.eval_windows=6", f"data.eval_champion={name}"],
     )
     return run_local_training(nproc, config, echo=False).to_dict()

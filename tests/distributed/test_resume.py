@@ -85,9 +85,12 @@ def test_stopped_and_resumed_run_matches_uninterrupted(mode, dataset_dir, tmp_pa
 def test_checkpoint_reshards_between_world_sizes(saved_with, loaded_with, dataset_dir, tmp_path):
     # One global batch on both world sizes (8 sequences x 2 ranks), else the resume is refused.
     fixed = ("data.global_batch=16",)
-    saved = train(dataset_dir, tmp_path, nproc=saved_with, stop_after=4, overrides=fixed)
+    # Synchronous saves: every mode writes the same layout (test_hf_models reshards an async one).
+    saved = train(
+        dataset_dir, tmp_path, nproc=saved_with, stop_after=4, overrides=fixed, checkpoint_mode="sync"
+    )
     # Resuming at the target step runs no step: the weights are exactly what was loaded.
-    loaded = train(dataset_dir, tmp_path, nproc=loaded_with, steps=4, overrides=fixed)
+    loaded = train(dataset_dir, tmp_path, nproc=loaded_with, steps=4, overrides=fixed, checkpoint_mode="sync")
     assert loaded["world_size"] == loaded_with and loaded["steps_run"] == 0
     assert loaded["resumed_from"].endswith("step_4")
     assert loaded["model_sha256"] == saved["model_sha256"]
