@@ -243,6 +243,57 @@ def test_manager_saves_at_every_nth_and_final_step_and_resumes_from_the_latest(t
     resumed.close()
 
 
+def test_the_default_async_writer_saves_each_steps_weights_while_training_moves_on_and_resumes(tmp_path):
+    """`async` (the default) behind the manager's four calls, in one process: step 3's save is
+    written in the background while steps 4 and 5 change the weights, yet holds step 3's; the
+    last save holds step 5's; a new manager resumes from it, optimizer state included."""
+    from trainer.checkpointing import load_model_weights, state_dict_sha256
+
+    model, optimizer = _trained_model()
+    manager = _manager(tmp_path, "async", model, optimizer, extra=["checkpoint.local_every_steps=0"])
+    assert manager.load() == 0
+    at_step = {}
+    try:
+        for step in range(1, 6):  # in the loop's order
+            next_token_loss(model, torch.randint(0, 256, (2, 17))).backward()
+            manager.maybe_wait_for_staging()  # the previous save's copy is done: weights may change
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            manager.save(step, last_step=step == 5, loss=float(step))
+            at_step[step] = state_dict_sha256(model.state_dict())
+        manager.close()
+    except BaseException:
+        manager.abandon()
+        raise
+    summary = manager.summary(loop_wall_s=10.0)
+    assert [(save["step"], save["mode"]) for save in summary["checkpoint_saves"]] == [
+        (3, "async"),
+        (5, "async"),
+    ]
+    assert at_step[3] != at_step[5]
+    for step in (3, 5):
+        folder = tmp_path / "checkpoints" / f"step_{step}"
+        storage.verify_checkpoint(folder, verify_hashes=True)
+        assert storage.read_meta(folder)["loss"] == float(step)
+        written, _ = _trained_model(seed=2)
+        load_model_weights(folder, written)
+        assert state_dict_sha256(written.state_dict()) == at_step[step], f"step {step} holds other weights"
+
+    other_model, other_optimizer = _trained_model(seed=1)
+    # Loading is the same in every mode; a sync manager starts no writer process.
+    resumed = _manager(
+        tmp_path, "sync", other_model, other_optimizer, extra=["checkpoint.local_every_steps=0"]
+    )
+    try:
+        assert resumed.load() == 5
+        assert state_dict_sha256(other_model.state_dict()) == at_step[5]
+        assert torch.equal(
+            other_optimizer.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"]
+        )
+    finally:
+        resumed.close()
+
+
 def test_manager_in_off_mode_never_saves(tmp_path):
     model, optimizer = _trained_model()
     manager = _manager(tmp_path, "off", model, optimizer, extra=["checkpoint.local_every_steps=0"])
