@@ -664,7 +664,7 @@ def test_a_slot_file_that_does_not_fit_keeps_the_captures_in_memory_and_says_wha
 def test_a_fast_tier_file_holds_its_snapshot_exactly_and_a_torn_or_foreign_one_is_refused(
     tmp_path, monkeypatch
 ):
-    from trainer.checkpointing.local_tier import _load_bytes, _read_bytes, write_snapshot_file
+    from trainer.checkpointing.tier_format import load_bytes, read_bytes, write_snapshot_file
 
     snapshot = {
         "step": 3,
@@ -677,7 +677,7 @@ def test_a_fast_tier_file_holds_its_snapshot_exactly_and_a_torn_or_foreign_one_i
     }
     path = tmp_path / "rank_0_step_3.pt"
     write_snapshot_file(path, snapshot)
-    loaded, problem = _load_bytes(_read_bytes(path), str(path))
+    loaded, problem = load_bytes(read_bytes(path), str(path))
     assert problem is None and loaded is not None
     assert loaded["groups"][0]["betas"] == (0.9, 0.95) and loaded["scheduler"] == snapshot["scheduler"]
     for saved, back in zip(
@@ -694,16 +694,16 @@ def test_a_fast_tier_file_holds_its_snapshot_exactly_and_a_torn_or_foreign_one_i
     assert loaded["optim"][1:] == [{}, {"step": 2}]
 
     payload = path.read_bytes()
-    torn, problem = _load_bytes(payload[:-1], "torn")
+    torn, problem = load_bytes(payload[:-1], "torn")
     assert torn is None and "torn" in problem
-    foreign, problem = _load_bytes(b"not a snapshot at all", "foreign")
+    foreign, problem = load_bytes(b"not a snapshot at all", "foreign")
     assert foreign is None and "not a fast-tier file" in problem
     # The header is read with weights_only: a file that would run code when loaded is refused.
     marker = tmp_path / "pwned"
     monkeypatch.setenv("RTP_TEST_PWNED", str(marker))
     evil = tmp_path / "evil.pt"
     write_snapshot_file(evil, {"x": _RunsCodeWhenUnpickled()})
-    refused, problem = _load_bytes(_read_bytes(evil), "evil")
+    refused, problem = load_bytes(read_bytes(evil), "evil")
     assert refused is None and problem and not marker.exists()
 
 

@@ -31,7 +31,7 @@ run (same checkpoint folder, model and world size) and was taken after that chec
 step. Otherwise the durable checkpoint is loaded, as before. The durable checkpoint stays
 the recovery point for losing the whole job or a node, and the only thing validate and
 register read. A header file followed by its slot's bytes is the single-file format of
-`write_snapshot_file` (raw tensor bytes after a header read with
+`tier_format.write_snapshot_file` (raw tensor bytes after a header read with
 `torch.load(weights_only=True)`): what replicas are sent as and what `read_snapshot_bytes` reads.
 
 - A rank whose **node is gone** (a pod rescheduled elsewhere, /dev/shm empty) resumes
@@ -44,14 +44,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import itertools
 import logging
 import math
 import mmap
 import operator
 import os
-import pickle
 import re
 import shutil
 import statistics
@@ -67,6 +65,8 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.checkpointing import replicas as peer_copies
+from trainer.checkpointing import tier_format as fmt
+from trainer.checkpointing import tier_restore
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class _Slot:
                     os.posix_fallocate(handle.fileno(), 0, size)
                 data = mmap.mmap(handle.fileno(), max(size, 1), mmap.MAP_SHARED) if size else bytearray(1)
         self.data = data
-        self.tensors = [_view(data, dtype, shape, place, nbytes) for dtype, shape, place, nbytes in layout]
+        self.tensors = [fmt.view(data, dtype, shape, place, nbytes) for dtype, shape, place, nbytes in layout]
 
     def pin(self) -> None:
         """Page-lock the mapping, so that device-to-host copies into it are asynchronous."""
@@ -195,14 +195,6 @@ class _Slot:
 
         if self.size:
             pin_host_range(self, ctypes.addressof(ctypes.c_char.from_buffer(self.data)), self.size)
-
-
-def _view(data: Any, dtype: str, shape: list[int], place: int, nbytes: int) -> torch.Tensor:
-    kind = getattr(torch, dtype)
-    if not nbytes:
-        return torch.empty(shape, dtype=kind)
-    count = nbytes // torch.empty((), dtype=kind).element_size()
-    return torch.frombuffer(data, dtype=kind, count=count, offset=place).reshape(shape)
 
 
 class LocalTier:
@@ -429,7 +421,7 @@ class LocalTier:
     def _capture_into(self, slot: int, meta: dict[str, Any], plan: _Plan, step_done: Any) -> None:
         """The copy thread: copy the state into `slot`, then write its header."""
         dynamic = {k: v for k, v in meta.items() if k not in plan.dynamic_index}
-        dynamic.update({k: {_TENSOR_KEY: i} for k, i in plan.dynamic_index.items()})
+        dynamic.update({k: {fmt.TENSOR_KEY: i} for k, i in plan.dynamic_index.items()})
         try:
             with self._lock:
                 if _newest_slot.get(self.key) == slot:  # only after a failed capture
@@ -452,8 +444,8 @@ class LocalTier:
             with self._lock:
                 self._copy_seconds.append(copy_s)
         if target.filled is None:
-            target.filled = _fill(plan.skeleton, target.tensors)
-        captured = {**_fill(dynamic, target.tensors), **target.filled}
+            target.filled = fmt.fill(plan.skeleton, target.tensors)
+        captured = {**fmt.fill(dynamic, target.tensors), **target.filled}
         if target.path is not None:
             try:
                 target.head = self._write_head(slot, plan, dynamic)
@@ -493,10 +485,10 @@ class LocalTier:
             return plan
         index = iter(range(len(sources)))
         skeleton = {
-            "params": [{_TENSOR_KEY: next(index)} for _ in self.params],
+            "params": [{fmt.TENSOR_KEY: next(index)} for _ in self.params],
             "optim": [
                 {
-                    k: {_TENSOR_KEY: next(index)} if torch.is_tensor(v) else v
+                    k: {fmt.TENSOR_KEY: next(index)} if torch.is_tensor(v) else v
                     for k, v in state.get(p, {}).items()
                 }
                 for p in self.params
@@ -504,9 +496,11 @@ class LocalTier:
         }
         names = [k for k, v in meta.items() if torch.is_tensor(v)]
         dynamic_index = {k: len(sources) + i for i, k in enumerate(names)}
-        layout = _layout([*sources, *(meta[k] for k in names)])
-        size = _aligned(layout[-1][2] + layout[-1][3]) if layout else 0
-        plan = _Plan(sources, skeleton, dynamic_index, layout, size, _static_section(skeleton, layout, size))
+        layout = fmt.layout_of([*sources, *(meta[k] for k in names)])
+        size = fmt.aligned(layout[-1][2] + layout[-1][3]) if layout else 0
+        plan = _Plan(
+            sources, skeleton, dynamic_index, layout, size, fmt.static_section(skeleton, layout, size)
+        )
         if stable:
             self._plan = plan
         return plan
@@ -598,7 +592,7 @@ class LocalTier:
     def _write_head(self, slot: int, plan: _Plan, dynamic: dict[str, Any]) -> Path:
         final = self.folder / head_name(self.rank, int(dynamic["step"]), slot)
         temporary = final.with_name(f".{final.name}.tmp")
-        temporary.write_bytes(_header_bytes(plan.static, dynamic))
+        temporary.write_bytes(fmt.header_bytes(plan.static, dynamic))
         os.replace(temporary, final)
         return final
 
@@ -751,20 +745,7 @@ class LocalTier:
         dist.all_gather_object(gathered, info)
         self._start_replication(gathered)
         world = len(gathered)
-
-        def holders(owner: int, step: int) -> list[int]:
-            return [r for r in range(world) if step in gathered[r]["held"].get(owner, ())]
-
-        steps = {s for g in gathered for s in g["own"]}
-        steps |= {s for g in gathered for held_steps in g["held"].values() for s in held_steps}
-        usable = sorted(
-            (
-                s
-                for s in steps
-                if s > durable_step and all(s in gathered[o]["own"] or holders(o, s) for o in range(world))
-            ),
-            reverse=True,
-        )
+        usable = tier_restore.restorable_steps(gathered, durable_step)
         for step in usable:
             snapshot, problem = self._read(mine[step]) if step in mine else (None, None)
             ok = problem is None and snapshot is not None and self._matches(snapshot, durable_step)
@@ -773,16 +754,16 @@ class LocalTier:
             # A rank whose own copy is missing or unreadable takes a peer's replica.
             source: int | None = None
             for owner in range(world):
-                peers = holders(owner, step)
+                peers = tier_restore.replica_holders(gathered, owner, step)
                 if own_ok[owner] or not peers:
                     continue
                 if self.rank == peers[0]:
-                    payload = _read_bytes(held[owner][step])
+                    payload = fmt.read_bytes(held[owner][step])
                     dist.send_object_list([payload], dst=owner)
                 elif self.rank == owner:
                     received: list[Any] = [None]
                     dist.recv_object_list(received, src=peers[0])
-                    snapshot, problem = _load_bytes(received[0], f"rank {peers[0]}'s replica")
+                    snapshot, problem = fmt.load_bytes(received[0], f"rank {peers[0]}'s replica")
                     ok = problem is None and snapshot is not None and self._matches(snapshot, durable_step)
                     source = peers[0]
             verdicts: list[Any] = [None] * world
@@ -819,8 +800,8 @@ class LocalTier:
         head = Path(where)
         match = _HEAD.match(head.name)
         assert match is not None
-        data = _read_bytes(head, head.with_name(slot_name(self.rank, int(match.group(3)))))
-        return _load_bytes(data, where)
+        data = fmt.read_bytes(head, head.with_name(slot_name(self.rank, int(match.group(3)))))
+        return fmt.load_bytes(data, where)
 
     def _matches(self, snapshot: dict[str, Any], durable_step: int) -> bool:
         if snapshot.get("identity") != self.identity:
@@ -864,53 +845,6 @@ class LocalTier:
             torch.cuda.set_rng_state(snapshot["cuda_rng"])
 
 
-def _read_bytes(*paths: Path) -> bytearray | None:
-    """The files' bytes, one after the other (None if one cannot be read)."""
-    try:
-        sizes = [path.stat().st_size for path in paths]
-        data = bytearray(sum(sizes))
-        view = memoryview(data)
-        offset = 0
-        for path, size in zip(paths, sizes, strict=True):
-            with path.open("rb", buffering=0) as handle:
-                got = handle.readinto(view[offset : offset + size])
-            if got != size:
-                return None  # changed while read
-            offset += size
-        return data
-    except OSError:
-        return None
-
-
-def _load_bytes(payload: bytes | bytearray | None, where: str) -> tuple[dict[str, Any] | None, str | None]:
-    if payload is None:
-        return None, f"{where} could not be read"
-    try:
-        return read_snapshot_bytes(payload), None
-    except (OSError, RuntimeError, ValueError, pickle.UnpicklingError, EOFError) as exc:
-        return None, f"{where}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
-
-
-# ---- the file format ------------------------------------------------------------------
-#
-# A capture's bytes are raw tensor bytes (copied into a mapped slot; `write_snapshot_file`
-# writes them with plain file writes, which release the GIL: torch.save holds the GIL while
-# it writes tensor bytes, stalling the training thread). Everything else is in a header of
-# two sections saved with torch.save and read back with `weights_only=True`:
-#
-#   MAGIC | static section | capture section | padding | tensor bytes, each at a 64-byte boundary
-#
-# where a section is its length (8 bytes) and its torch.save bytes. The static section (the
-# skeleton of parameters and optimizer state over tensor indices, each tensor's dtype, shape
-# and place, the total size) stays the same while the layout does and is made once; the
-# capture section (step, scheduler, hyper-parameters, the RNG states' indices, ...) is the
-# only part pickled at every capture. A file of another length (torn, or not ours) is refused.
-
-_MAGIC = b"RTPTIER2"
-_TENSOR_KEY = "__rtp_tensor__"
-_ALIGN = 64
-
-
 def _gib(n: int | None) -> str:
     return "an unknown amount" if n is None else f"{n / 2**30:.2f} GiB"
 
@@ -922,99 +856,3 @@ def _free_bytes(folder: Path) -> int | None:
         except OSError:
             continue
     return None
-
-
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def _layout(tensors: list[torch.Tensor]) -> list[tuple[str, list[int], int, int]]:
-    """(dtype, shape, place, bytes) of each tensor, each place at a 64-byte boundary."""
-    layout = []
-    offset = 0
-    for tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        layout.append((str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, nbytes))
-        offset = _aligned(offset + nbytes)
-    return layout
-
-
-def _section(value: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return len(buffer.getvalue()).to_bytes(8, "little") + buffer.getvalue()
-
-
-def _static_section(
-    skeleton: dict[str, Any], layout: list[tuple[str, list[int], int, int]], size: int
-) -> bytes:
-    """The header's part that stays the same while the layout does (made once per layout)."""
-    return _section({"skeleton": skeleton, "tensors": layout, "size": size})
-
-
-def _header_bytes(static: bytes, dynamic: dict[str, Any]) -> bytes:
-    """Everything of a file before its tensor bytes (which start at a 64-byte boundary)."""
-    prefix = _MAGIC + static + _section(dynamic)
-    return prefix + bytes(_aligned(len(prefix)) - len(prefix))
-
-
-def _fill(value: Any, tensors: list[torch.Tensor]) -> Any:
-    """The skeleton with each tensor index replaced by its tensor."""
-    if isinstance(value, dict):
-        if len(value) == 1 and _TENSOR_KEY in value:
-            return tensors[value[_TENSOR_KEY]]
-        return {k: _fill(v, tensors) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_fill(v, tensors) for v in value)
-    return value
-
-
-def write_snapshot_file(path: Path, snapshot: dict[str, Any]) -> None:
-    tensors: list[torch.Tensor] = []
-
-    def strip(value: Any) -> Any:
-        if torch.is_tensor(value):
-            tensors.append(value.detach().contiguous())
-            return {_TENSOR_KEY: len(tensors) - 1}
-        if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(strip(v) for v in value)
-        return value
-
-    skeleton = strip(snapshot)
-    layout = _layout(tensors)
-    size = _aligned(layout[-1][2] + layout[-1][3]) if layout else 0
-    header = _header_bytes(_static_section(skeleton, layout, size), {})
-    with path.open("wb", buffering=0) as handle:
-        handle.write(header)
-        for tensor, (_, _, place, nbytes) in zip(tensors, layout, strict=True):
-            if nbytes:
-                handle.seek(len(header) + place)
-                handle.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
-        handle.truncate(len(header) + size)
-
-
-def read_snapshot_bytes(payload: bytes | bytearray) -> dict[str, Any]:
-    if payload[: len(_MAGIC)] != _MAGIC:
-        raise ValueError("not a fast-tier file")
-    sections = []
-    place = len(_MAGIC)
-    for _ in range(2):  # the static section, then the capture's own
-        length = int.from_bytes(payload[place : place + 8], "little")
-        if place + 8 + length > len(payload):
-            raise ValueError("the header is cut short: torn")
-        sections.append(torch.load(io.BytesIO(payload[place + 8 : place + 8 + length]), weights_only=True))
-        place += 8 + length
-    static, dynamic = sections
-    start = _aligned(place)
-    if len(payload) != start + int(static["size"]):
-        raise ValueError(f"{len(payload)} bytes where the header says {start + int(static['size'])}: torn")
-    data = payload if isinstance(payload, bytearray) else bytearray(payload)  # the tensors share it
-    tensors = [
-        _view(data, dtype, shape, start + at, nbytes) for dtype, shape, at, nbytes in static["tensors"]
-    ]
-    snapshot = _fill({**dynamic, **static["skeleton"]}, tensors)
-    if not isinstance(snapshot, dict):
-        raise ValueError("not a fast-tier snapshot")
-    return snapshot

@@ -1,0 +1,157 @@
+"""The fast tier's single-file format (pure: bytes in, state out; no process group).
+
+A capture's bytes are raw tensor bytes (copied into a mapped slot; `write_snapshot_file`
+writes them with plain file writes, which release the GIL: torch.save holds the GIL while
+it writes tensor bytes, stalling the training thread). Everything else is in a header of
+two sections saved with torch.save and read back with `weights_only=True`:
+
+  MAGIC | static section | capture section | padding | tensor bytes, each at a 64-byte boundary
+
+where a section is its length (8 bytes) and its torch.save bytes. The static section (the
+skeleton of parameters and optimizer state over tensor indices, each tensor's dtype, shape
+and place, the total size) stays the same while the layout does and is made once; the
+capture section (step, scheduler, hyper-parameters, the RNG states' indices, ...) is the
+only part pickled at every capture. A file of another length (torn, or not ours) is refused.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_MAGIC = b"RTPTIER2"
+TENSOR_KEY = "__rtp_tensor__"
+_ALIGN = 64
+
+
+def aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def layout_of(tensors: list[torch.Tensor]) -> list[tuple[str, list[int], int, int]]:
+    """(dtype, shape, place, bytes) of each tensor, each place at a 64-byte boundary."""
+    layout = []
+    offset = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        layout.append((str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, nbytes))
+        offset = aligned(offset + nbytes)
+    return layout
+
+
+def _section(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return len(buffer.getvalue()).to_bytes(8, "little") + buffer.getvalue()
+
+
+def static_section(
+    skeleton: dict[str, Any], layout: list[tuple[str, list[int], int, int]], size: int
+) -> bytes:
+    """The header's part that stays the same while the layout does (made once per layout)."""
+    return _section({"skeleton": skeleton, "tensors": layout, "size": size})
+
+
+def header_bytes(static: bytes, dynamic: dict[str, Any]) -> bytes:
+    """Everything of a file before its tensor bytes (which start at a 64-byte boundary)."""
+    prefix = _MAGIC + static + _section(dynamic)
+    return prefix + bytes(aligned(len(prefix)) - len(prefix))
+
+
+def fill(value: Any, tensors: list[torch.Tensor]) -> Any:
+    """The skeleton with each tensor index replaced by its tensor."""
+    if isinstance(value, dict):
+        if len(value) == 1 and TENSOR_KEY in value:
+            return tensors[value[TENSOR_KEY]]
+        return {k: fill(v, tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(fill(v, tensors) for v in value)
+    return value
+
+
+def write_snapshot_file(path: Path, snapshot: dict[str, Any]) -> None:
+    tensors: list[torch.Tensor] = []
+
+    def strip(value: Any) -> Any:
+        if torch.is_tensor(value):
+            tensors.append(value.detach().contiguous())
+            return {TENSOR_KEY: len(tensors) - 1}
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(strip(v) for v in value)
+        return value
+
+    skeleton = strip(snapshot)
+    layout = layout_of(tensors)
+    size = aligned(layout[-1][2] + layout[-1][3]) if layout else 0
+    header = header_bytes(static_section(skeleton, layout, size), {})
+    with path.open("wb", buffering=0) as handle:
+        handle.write(header)
+        for tensor, (_, _, place, nbytes) in zip(tensors, layout, strict=True):
+            if nbytes:
+                handle.seek(len(header) + place)
+                handle.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+        handle.truncate(len(header) + size)
+
+
+def read_snapshot_bytes(payload: bytes | bytearray) -> dict[str, Any]:
+    if payload[: len(_MAGIC)] != _MAGIC:
+        raise ValueError("not a fast-tier file")
+    sections = []
+    place = len(_MAGIC)
+    for _ in range(2):  # the static section, then the capture's own
+        length = int.from_bytes(payload[place : place + 8], "little")
+        if place + 8 + length > len(payload):
+            raise ValueError("the header is cut short: torn")
+        sections.append(torch.load(io.BytesIO(payload[place + 8 : place + 8 + length]), weights_only=True))
+        place += 8 + length
+    static, dynamic = sections
+    start = aligned(place)
+    if len(payload) != start + int(static["size"]):
+        raise ValueError(f"{len(payload)} bytes where the header says {start + int(static['size'])}: torn")
+    data = payload if isinstance(payload, bytearray) else bytearray(payload)  # the tensors share it
+    tensors = [view(data, dtype, shape, start + at, nbytes) for dtype, shape, at, nbytes in static["tensors"]]
+    snapshot = fill({**dynamic, **static["skeleton"]}, tensors)
+    if not isinstance(snapshot, dict):
+        raise ValueError("not a fast-tier snapshot")
+    return snapshot
+
+
+def view(data: Any, dtype: str, shape: list[int], place: int, nbytes: int) -> torch.Tensor:
+    kind = getattr(torch, dtype)
+    if not nbytes:
+        return torch.empty(shape, dtype=kind)
+    count = nbytes // torch.empty((), dtype=kind).element_size()
+    return torch.frombuffer(data, dtype=kind, count=count, offset=place).reshape(shape)
+
+
+def read_bytes(*paths: Path) -> bytearray | None:
+    """The files' bytes, one after the other (None if one cannot be read)."""
+    try:
+        sizes = [path.stat().st_size for path in paths]
+        data = bytearray(sum(sizes))
+        view = memoryview(data)
+        offset = 0
+        for path, size in zip(paths, sizes, strict=True):
+            with path.open("rb", buffering=0) as handle:
+                got = handle.readinto(view[offset : offset + size])
+            if got != size:
+                return None  # changed while read
+            offset += size
+        return data
+    except OSError:
+        return None
+
+
+def load_bytes(payload: bytes | bytearray | None, where: str) -> tuple[dict[str, Any] | None, str | None]:
+    if payload is None:
+        return None, f"{where} could not be read"
+    try:
+        return read_snapshot_bytes(payload), None
+    except (OSError, RuntimeError, ValueError, pickle.UnpicklingError, EOFError) as exc:
+        return None, f"{where}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
