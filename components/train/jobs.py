@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -525,9 +526,70 @@ def trainjob_manifest(settings: JobSettings) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class JobKind:
+    """What differs between the job types: the API, the condition that means success, the
+    engine that runs it, how its pods are labelled and how its manifest is built."""
+
+    launcher: str  # the train step's `launcher` value
+    kind: str
+    api_version: str
+    plural: str
+    success_condition: str
+    engine: str
+    job_label: str  # every pod of the job carries it, with the job's name
+    rank0_labels: str  # with job_label, selects node 0's pod (whose ranks include rank 0)
+    container: str
+    build: Callable[[JobSettings], dict[str, Any]]
+
+    @property
+    def group_version(self) -> tuple[str, str]:
+        group, version = self.api_version.split("/")
+        return group, version
+
+    def pods_selector(self, name: str) -> str:
+        return f"{self.job_label}={name}"
+
+    def rank0_pod_selector(self, name: str) -> str:
+        return f"{self.pods_selector(name)},{self.rank0_labels}"
+
+
+JOB_KINDS = {
+    "pytorchjob": JobKind(
+        launcher="pytorchjob",
+        kind="PyTorchJob",
+        api_version=PYTORCHJOB_API_VERSION,
+        plural=PYTORCHJOB_PLURAL,
+        success_condition="Succeeded",
+        engine="Kubeflow Training Operator",
+        job_label="training.kubeflow.org/job-name",
+        rank0_labels="training.kubeflow.org/replica-type=master,training.kubeflow.org/replica-index=0",
+        container=PYTORCHJOB_CONTAINER,
+        build=pytorchjob_manifest,
+    ),
+    "trainjob": JobKind(
+        launcher="trainjob",
+        kind="TrainJob",
+        api_version=TRAINJOB_API_VERSION,
+        plural=TRAINJOB_PLURAL,
+        success_condition="Complete",
+        engine="Kubeflow Trainer v2",
+        job_label="jobset.sigs.k8s.io/jobset-name",
+        rank0_labels=f"jobset.sigs.k8s.io/replicatedjob-name={TRAINJOB_REPLICATED_JOB},"
+        "batch.kubernetes.io/job-completion-index=0",
+        container=TRAINJOB_CONTAINER,
+        build=trainjob_manifest,
+    ),
+}
+"""By launcher name; `job_kind_of` finds one by a manifest's `kind`."""
+assert tuple(JOB_KINDS) == JOB_LAUNCHERS
+
+
+def job_kind_of(kind: str) -> JobKind | None:
+    return next((job_kind for job_kind in JOB_KINDS.values() if job_kind.kind == kind), None)
+
+
 def job_manifest(launcher: str, settings: JobSettings) -> dict[str, Any]:
-    if launcher == "pytorchjob":
-        return pytorchjob_manifest(settings)
-    if launcher == "trainjob":
-        return trainjob_manifest(settings)
-    raise JobSettingsError(f"launcher {launcher!r} creates no job: use one of {', '.join(JOB_LAUNCHERS)}")
+    if launcher not in JOB_KINDS:
+        raise JobSettingsError(f"launcher {launcher!r} creates no job: use one of {', '.join(JOB_LAUNCHERS)}")
+    return JOB_KINDS[launcher].build(settings)

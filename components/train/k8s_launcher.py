@@ -36,16 +36,12 @@ from components.train.job_scale import job_scale
 from components.train.jobs import (
     GPU_RESOURCE,
     ISTIO_INJECT_ANNOTATION,
+    JOB_KINDS,
     MANAGED_BY_LABEL,
     MANAGED_BY_RTP,
-    PYTORCHJOB_API_VERSION,
-    PYTORCHJOB_CONTAINER,
-    PYTORCHJOB_PLURAL,
     RUN_ID_LABEL,
-    TRAINJOB_API_VERSION,
-    TRAINJOB_CONTAINER,
-    TRAINJOB_PLURAL,
-    TRAINJOB_REPLICATED_JOB,
+    JobKind,
+    job_kind_of,
     run_id_label_value,
 )
 from components.train.pod_health import DEFAULT_PENDING_TIMEOUT_S, stuck_reason
@@ -57,11 +53,6 @@ SERVICE_ACCOUNT_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceacc
 POD_NAME_ENV, POD_NAMESPACE_ENV, POD_UID_ENV = "POD_NAME", "POD_NAMESPACE", "POD_UID"
 """The train step's own pod, from the downward API (the compiled pipeline sets them:
 pipelines.pipeline); KFP's own KFP_POD_NAME/KFP_POD_UID and HOSTNAME are the fallbacks."""
-_SUCCESS = {"PyTorchJob": "Succeeded", "TrainJob": "Complete"}
-_PLURALS = {
-    "PyTorchJob": (PYTORCHJOB_API_VERSION, PYTORCHJOB_PLURAL),
-    "TrainJob": (TRAINJOB_API_VERSION, TRAINJOB_PLURAL),
-}
 
 
 class JobFailed(TrainingFailed):
@@ -91,13 +82,19 @@ class JobRef:
 
     @classmethod
     def of(cls, manifest: dict[str, Any]) -> JobRef:
-        kind = manifest["kind"]
-        if kind not in _PLURALS:
-            raise JobFailed(f"cannot run a {kind}: only {', '.join(_PLURALS)} are supported")
-        api_version, plural = _PLURALS[kind]
-        group, version = api_version.split("/")
+        job_kind = job_kind_of(manifest["kind"])
+        if job_kind is None:
+            supported = ", ".join(k.kind for k in JOB_KINDS.values())
+            raise JobFailed(f"cannot run a {manifest['kind']}: only {supported} are supported")
+        group, version = job_kind.group_version
         meta = manifest["metadata"]
-        return cls(kind, group, version, plural, meta["namespace"], meta["name"])
+        return cls(job_kind.kind, group, version, job_kind.plural, meta["namespace"], meta["name"])
+
+    @property
+    def job_kind(self) -> JobKind:
+        job_kind = job_kind_of(self.kind)
+        assert job_kind is not None  # checked in `of`
+        return job_kind
 
 
 def job_outcome(kind: str, status: dict[str, Any] | None) -> tuple[str | None, str]:
@@ -105,27 +102,23 @@ def job_outcome(kind: str, status: dict[str, Any] | None) -> tuple[str | None, s
     for condition in (status or {}).get("conditions") or []:
         if condition.get("status") != "True":
             continue
-        if condition.get("type") == _SUCCESS[kind]:
+        if condition.get("type") == _success_condition(kind):
             return "succeeded", condition.get("message", "")
         if condition.get("type") == "Failed":
             return "failed", condition.get("message") or condition.get("reason", "")
     return None, ""
 
 
+def _success_condition(kind: str) -> str:
+    job_kind = job_kind_of(kind)
+    if job_kind is None:
+        raise JobFailed(f"no job type has kind {kind!r}")
+    return job_kind.success_condition
+
+
 def rank0_pod_selector(ref: JobRef) -> tuple[str, str]:
     """(label selector, container) of the pod that runs node 0, whose ranks include rank 0."""
-    if ref.kind == "PyTorchJob":
-        selector = (
-            f"training.kubeflow.org/job-name={ref.name},"
-            "training.kubeflow.org/replica-type=master,training.kubeflow.org/replica-index=0"
-        )
-        return selector, PYTORCHJOB_CONTAINER
-    selector = (
-        f"jobset.sigs.k8s.io/jobset-name={ref.name},"
-        f"jobset.sigs.k8s.io/replicatedjob-name={TRAINJOB_REPLICATED_JOB},"
-        "batch.kubernetes.io/job-completion-index=0"
-    )
-    return selector, TRAINJOB_CONTAINER
+    return ref.job_kind.rank0_pod_selector(ref.name), ref.job_kind.container
 
 
 def in_cluster_api_client() -> Any:
@@ -163,9 +156,7 @@ def _api_error(exc: Exception) -> str:
 
 def job_pods_selector(ref: JobRef) -> str:
     """The label selector of every pod of the job (all replicas, all nodes)."""
-    if ref.kind == "PyTorchJob":
-        return f"training.kubeflow.org/job-name={ref.name}"
-    return f"jobset.sigs.k8s.io/jobset-name={ref.name}"
+    return ref.job_kind.pods_selector(ref.name)
 
 
 def _allowed_crash_restarts(manifest: dict[str, Any]) -> int:
@@ -389,7 +380,7 @@ def _create(custom: Any, ref: JobRef, manifest: dict[str, Any], api_client: Any)
         if exc.status == 404:
             raise JobFailed(
                 f"the cluster has no {ref.kind} resource ({ref.group}/{ref.version}): install the "
-                f"{'Kubeflow Training Operator' if ref.kind == 'PyTorchJob' else 'Kubeflow Trainer v2'} "
+                f"{ref.job_kind.engine} "
                 "or pick another launcher (docs/eks.md)"
             ) from exc
         if exc.status != 409:
@@ -535,8 +526,9 @@ def delete_run_jobs(api_client: Any, namespace: str, run_id: str) -> list[str]:
     custom = client.CustomObjectsApi(api_client)
     selector = f"{MANAGED_BY_LABEL}={MANAGED_BY_RTP},{RUN_ID_LABEL}={run_id_label_value(run_id)}"
     deleted = []
-    for kind, (api_version, plural) in _PLURALS.items():
-        group, version = api_version.split("/")
+    for job_kind in JOB_KINDS.values():
+        kind, plural = job_kind.kind, job_kind.plural
+        group, version = job_kind.group_version
         try:
             items = custom.list_namespaced_custom_object(
                 group, version, namespace, plural, label_selector=selector

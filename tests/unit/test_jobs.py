@@ -382,3 +382,15 @@ def test_a_bad_mlflow_secret_name_is_refused_before_any_pod_would_fail(name):
     with pytest.raises(JobSettingsError, match=r"mlflow_secret_name .* must be a Kubernetes secret name"):
         pytorchjob_manifest(settings(mlflow_secret_name=name))
     assert pytorchjob_manifest(settings(mlflow_secret_name="mlflow.credentials-2"))
+
+
+@pytest.mark.parametrize("launcher", ["pytorchjob", "trainjob"])
+def test_each_job_kind_builds_its_own_kind_and_is_found_by_it(launcher):
+    from components.train.jobs import JOB_KINDS, job_kind_of
+
+    job_kind = JOB_KINDS[launcher]
+    manifest = job_manifest(launcher, settings())
+    assert (manifest["kind"], manifest["apiVersion"]) == (job_kind.kind, job_kind.api_version)
+    assert job_kind_of(manifest["kind"]) is job_kind and job_kind_of("MPIJob") is None
+    # node 0's pod is one of the job's pods: its selector narrows the job's
+    assert job_kind.rank0_pod_selector("j").startswith(job_kind.pods_selector("j") + ",")
