@@ -67,10 +67,6 @@ class PodStuck(JobFailed):
     """A pod of the job cannot start or run (see `pod_health`); the job has been deleted."""
 
 
-class _Terminated(BaseException):
-    """SIGTERM arrived while watching a job (the KFP run was terminated)."""
-
-
 @dataclass(frozen=True)
 class JobRef:
     kind: str
@@ -443,76 +439,105 @@ def run_job(
     `crash_restarts`, by default the job's own allowance), timed out, or the step was terminated;
     transient errors reading its status are retried with backoff for up to `status_read_grace_s`."""
     from kubernetes import client
-    from kubernetes.client.exceptions import ApiException
 
     write = write or (lambda line: print(line, file=sys.stdout, flush=True))
     ref = JobRef.of(manifest)
     custom = client.CustomObjectsApi(api_client)
     core = client.CoreV1Api(api_client)
-    follower = _LogFollower(core, ref, write)
     allowed = crash_restarts if crash_restarts is not None else _allowed_crash_restarts(manifest)
-    watcher = _PodWatcher(core, ref, pending_timeout_s, allowed)
-    deadline = time.monotonic() + timeout_s
+    watch = _JobWatch(
+        custom, ref, _LogFollower(core, ref, write), _PodWatcher(core, ref, pending_timeout_s, allowed),
+        timeout_s, poll_interval_s, status_read_grace_s,
+    )  # fmt: skip
     _create(custom, ref, manifest, api_client)
     write(f"created {ref.kind} {ref.namespace}/{ref.name}; waiting up to {timeout_s:.0f} s")
-    delete_on_exit = False  # set only once the job is known to be failed, late or cancelled
-    failing_since: float | None = None
-    failed_reads = 0
     try:
         with _sigterm_flag() as terminated:
-            while not terminated.arrived:
-                try:
-                    job = custom.get_namespaced_custom_object(
-                        ref.group, ref.version, ref.namespace, ref.plural, ref.name
-                    )
-                    failing_since, failed_reads = None, 0
-                except Exception as exc:
-                    if isinstance(exc, ApiException) and exc.status == 404:
-                        raise JobFailed(f"{ref.kind} {ref.name} was deleted while it ran") from exc
-                    if not is_transient(exc):
-                        delete_on_exit = True
-                        raise JobFailed(f"could not read {ref.kind} {ref.name}: {_api_error(exc)}") from exc
-                    now = time.monotonic()
-                    failing_since = failing_since if failing_since is not None else now
-                    if now - failing_since >= status_read_grace_s:
-                        raise StatusUnknown(
-                            f"could not read {ref.kind} {ref.namespace}/{ref.name} for {now - failing_since:.0f} s "
-                            f"({_api_error(exc)}); the job was left running: check it with kubectl, the "
-                            "exit handler deletes it if the run fails"
-                        ) from exc
-                    failed_reads += 1
-                    log.warning("reading %s %s failed (%s); retrying", ref.kind, ref.name, _api_error(exc))
-                    terminated.wait(min(30.0, poll_interval_s * 2 ** min(failed_reads - 1, 5)))  # backoff
-                    continue
-                follower.poll()
-                outcome, message = job_outcome(ref.kind, job.get("status"))
-                if outcome == "succeeded":
+            while True:
+                job, wait_s = watch.tick()
+                if job is not None:
                     write(f"{ref.kind} {ref.name} succeeded")
                     return job
-                if outcome == "failed":
-                    delete_on_exit = True
-                    raise JobFailed(f"{ref.kind} {ref.namespace}/{ref.name} failed: {message}")
-                try:
-                    watcher.check()
-                except PodStuck:
-                    delete_on_exit = True
-                    raise
-                if time.monotonic() >= deadline:
-                    delete_on_exit = True
-                    raise JobTimedOut(
-                        f"{ref.kind} {ref.namespace}/{ref.name} did not finish within {timeout_s:.0f} s "
-                        "(job_timeout_s); it was deleted. Raise job_timeout_s or look at its pods' logs"
-                    )
-                terminated.wait(poll_interval_s)
-            raise _Terminated()
-    except _Terminated:
-        delete_on_exit = True
-        write(f"SIGTERM: deleting {ref.kind} {ref.name}")
-        raise JobFailed(f"terminated while {ref.kind} {ref.name} ran; the job was deleted") from None
-    finally:
-        if delete_on_exit:
-            with contextlib.suppress(JobFailed):
-                delete_job(api_client, ref)
+                if terminated.wait(wait_s):
+                    write(f"SIGTERM: deleting {ref.kind} {ref.name}")
+                    raise JobFailed(f"terminated while {ref.kind} {ref.name} ran; the job was deleted")
+    except _KEEP_THE_JOB:
+        raise
+    except JobFailed:  # the one clean-up rule: failed, stuck, late, unreadable or cancelled
+        with contextlib.suppress(JobFailed):
+            delete_job(api_client, ref)
+        raise
+
+
+class JobGone(JobFailed):
+    """The job was deleted while it ran (by someone else): nothing is left to clean up."""
+
+
+_KEEP_THE_JOB = (JobGone, StatusUnknown)
+"""How a watch may end, besides success, without deleting the job."""
+
+
+class _JobWatch:
+    """The state of one job's watch: `tick()` reads it once and says what happens next."""
+
+    def __init__(
+        self, custom: Any, ref: JobRef, follower: _LogFollower, pods: _PodWatcher,
+        timeout_s: float, poll_interval_s: float, status_read_grace_s: float,
+    ) -> None:  # fmt: skip
+        self.custom, self.ref, self.follower, self.pods = custom, ref, follower, pods
+        self.timeout_s, self.poll_interval_s, self.grace_s = timeout_s, poll_interval_s, status_read_grace_s
+        self.deadline = time.monotonic() + timeout_s
+        self.failing_since: float | None = None
+        self.failed_reads = 0
+
+    def tick(self) -> tuple[dict[str, Any] | None, float]:
+        """(the job once it succeeded, else None and the seconds to wait before the next
+        tick); raises JobFailed (or a subclass) when the watch must end."""
+        ref = self.ref
+        job = self._read()
+        if job is None:  # a transient read error: back off
+            return None, min(30.0, self.poll_interval_s * 2 ** min(self.failed_reads - 1, 5))
+        self.follower.poll()
+        outcome, message = job_outcome(ref.kind, job.get("status"))
+        if outcome == "succeeded":
+            return job, 0.0
+        if outcome == "failed":
+            raise JobFailed(f"{ref.kind} {ref.namespace}/{ref.name} failed: {message}")
+        self.pods.check()  # PodStuck
+        if time.monotonic() >= self.deadline:
+            raise JobTimedOut(
+                f"{ref.kind} {ref.namespace}/{ref.name} did not finish within {self.timeout_s:.0f} s "
+                "(job_timeout_s); it was deleted. Raise job_timeout_s or look at its pods' logs"
+            )
+        return None, self.poll_interval_s
+
+    def _read(self) -> dict[str, Any] | None:
+        """The job, or None after a transient error within the grace period."""
+        from kubernetes.client.exceptions import ApiException
+
+        ref = self.ref
+        try:
+            job: dict[str, Any] = self.custom.get_namespaced_custom_object(
+                ref.group, ref.version, ref.namespace, ref.plural, ref.name
+            )
+        except Exception as exc:
+            if isinstance(exc, ApiException) and exc.status == 404:
+                raise JobGone(f"{ref.kind} {ref.name} was deleted while it ran") from exc
+            if not is_transient(exc):
+                raise JobFailed(f"could not read {ref.kind} {ref.name}: {_api_error(exc)}") from exc
+            now = time.monotonic()
+            self.failing_since = self.failing_since if self.failing_since is not None else now
+            if now - self.failing_since >= self.grace_s:
+                raise StatusUnknown(
+                    f"could not read {ref.kind} {ref.namespace}/{ref.name} for {now - self.failing_since:.0f} s "
+                    f"({_api_error(exc)}); the job was left running: check it with kubectl, the "
+                    "exit handler deletes it if the run fails"
+                ) from exc
+            self.failed_reads += 1
+            log.warning("reading %s %s failed (%s); retrying", ref.kind, ref.name, _api_error(exc))
+            return None
+        self.failing_since, self.failed_reads = None, 0
+        return job
 
 
 def delete_run_jobs(api_client: Any, namespace: str, run_id: str) -> list[str]:

@@ -298,6 +298,33 @@ def test_train_with_job_without_a_summary_names_the_volume(fake, tmp_path):
         )  # fmt: skip
 
 
+def test_a_job_deleted_by_someone_else_ends_the_watch_without_a_delete(fake, monkeypatch):
+    from components.train import k8s_launcher
+
+    fake.default_scenario = Scenario(outcome="hang", log_lines=["step 1 loss 5.1"])
+    deletes: list[str] = []
+    monkeypatch.setattr(k8s_launcher, "delete_job", lambda api, ref: deletes.append(ref.name))
+
+    def write(line: str) -> None:
+        if line.startswith("step 1"):
+            with fake._lock:
+                fake.jobs.clear()  # kubectl delete, meanwhile
+
+    with pytest.raises(k8s_launcher.JobGone, match="was deleted while it ran"):
+        run_job(job_manifest("pytorchjob", settings()), api_client=api_client(fake), timeout_s=20,
+                poll_interval_s=0.01, write=write)  # fmt: skip
+    assert deletes == []
+
+
+def test_a_status_read_the_step_may_not_make_deletes_the_job(fake):
+    fake.default_scenario = Scenario(outcome="hang")
+    fake.failing_reads = [403]  # not transient: no point in waiting for it to pass
+    with pytest.raises(JobFailed, match="could not read"):
+        run_job(job_manifest("pytorchjob", settings()), api_client=api_client(fake), timeout_s=20,
+                poll_interval_s=0.01, write=lambda line: None)  # fmt: skip
+    assert fake.deleted == ["rtp-train-test"]
+
+
 @pytest.mark.parametrize(
     ("launcher", "state", "deleted"),
     [
