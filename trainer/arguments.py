@@ -2,7 +2,7 @@
 
 `python -m trainer`, `rtp train-local`, `rtp local` and `rtp render-job` all take their
 training flags from here, so a flag's name, type, choices and help come from the field
-that declares it in trainer/config.py (its `named(...)` parameter, Literal type and
+that declares it in trainer/config_sections.py (its `named(...)` parameter, Literal type and
 docstring) and nowhere else. `config_from_args` is the matching reader: it resolves the
 flags through `resolve_config`, the one function every entry point uses.
 """
@@ -26,7 +26,7 @@ from trainer.config import (
 
 PIPELINE_SETTINGS = tuple(param for param, setting in named_settings().items() if setting.pipeline)
 """The named settings a pipeline run exposes as parameters (besides preset and overrides),
-declared `named(..., pipeline=True)` in trainer/config.py."""
+declared `named(..., pipeline=True)` in trainer/config_sections.py."""
 
 
 def add_named_arguments(

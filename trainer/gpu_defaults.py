@@ -15,7 +15,7 @@ restart needs on NCCL (`NCCL_ENV`). Which layer catches what on a GPU:
   `blocking_work_limit_s` (an 8B final save to FSx takes minutes; a hung file system does not
   hide forever).
 
-On CPU (gloo) the trainer's own defaults apply (trainer/config.py): a gloo collective cannot
+On CPU (gloo) the trainer's own defaults apply (trainer/config_sections.py): a gloo collective cannot
 be aborted, so there the collective timeout stays below the hard timeout instead.
 """
 

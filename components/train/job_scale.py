@@ -1,6 +1,6 @@
 """Timeouts, restart budgets and pod sizes of a training job, chosen in one place by GPU count.
 
-The trainer's resilience defaults (trainer/config.py) are tuned for gloo on a shared CPU:
+The trainer's resilience defaults (trainer/config_sections.py) are tuned for gloo on a shared CPU:
 15 s collectives, 30/45 s in-process soft/hard timeouts. On GPUs those turn an FSx stall
 or a slow first step after a restart into abort-and-restart loops, and the few restarts
 of a CPU run are spent on noise. `job_scale(gpus_per_node)` is the one table a job's
@@ -58,7 +58,7 @@ class JobScale:
 
 _CPU_TRAINER = ResilienceConfig()
 CPU_SCALE = JobScale(
-    # The trainer's own defaults: tuned for gloo on a small, busy CPU machine (trainer/config.py).
+    # The trainer's own defaults: tuned for gloo on a small, busy CPU machine (trainer/config_sections.py).
     collective_timeout_s=_CPU_TRAINER.collective_timeout_s,
     soft_timeout_s=_CPU_TRAINER.soft_timeout_s,
     hard_timeout_s=_CPU_TRAINER.hard_timeout_s,
