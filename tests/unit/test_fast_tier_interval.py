@@ -18,14 +18,9 @@ import pytest
 import torch
 
 from tests.unit.test_checkpoint import _heads, _manager, _step, _trained_model
-from trainer.checkpointing import local_tier
-from trainer.checkpointing.local_tier import (
-    CALIBRATION_STEPS,
-    LocalTier,
-    budget_interval,
-    forget_run,
-    uses_copy_budget,
-)
+from trainer.checkpointing import local_tier, tier_interval
+from trainer.checkpointing.local_tier import LocalTier, forget_run
+from trainer.checkpointing.tier_interval import CALIBRATION_STEPS, budget_interval, uses_copy_budget
 from trainer.config import CheckpointConfig, ConfigError, TrainConfig, build_config, validate
 from trainer.summary import TrainSummary
 
@@ -48,7 +43,8 @@ class _FakeClock:
 def _install_clock(patch: pytest.MonkeyPatch, copy_s: float) -> _FakeClock:
     """The tier's clock, and every copy taking `copy_s` on it (as a large state's would)."""
     clock = _FakeClock()
-    patch.setattr(local_tier, "time", clock)
+    patch.setattr(local_tier, "time", clock)  # the copies' times
+    patch.setattr(tier_interval, "time", clock)  # the steps' times
     copy = LocalTier._copy_into
 
     def slow(self, target, sources, step_done):
@@ -126,7 +122,7 @@ def test_budget_captures_less_often_when_copies_are_expensive_against_the_step(
     and times its copies and the steps without one; then it captures at the shortest
     interval whose copies take at most COPY_BUDGET_PCT of the loop's time: a 10 ms copy
     per 60 ms step is 1/6 of the loop, under 5% from every 4th step on."""
-    monkeypatch.setattr(local_tier, "COPY_BUDGET_PCT", 5.0)
+    monkeypatch.setattr(tier_interval, "COPY_BUDGET_PCT", 5.0)
     clock = _install_clock(monkeypatch, copy_s)
     model, optimizer = _trained_model()
     manager = _manager(tmp_path, "off", model, optimizer, extra=["checkpoint.local_every_steps=budget"])
@@ -212,7 +208,7 @@ def test_the_interval_is_chosen_once_a_copy_was_timed(tmp_path, monkeypatch):
     chooses nothing, and the tier measures another window."""
     import threading
 
-    monkeypatch.setattr(local_tier, "COPY_BUDGET_PCT", 5.0)
+    monkeypatch.setattr(tier_interval, "COPY_BUDGET_PCT", 5.0)
     monkeypatch.setattr(local_tier, "PREPARE_AHEAD_BYTES", 0)  # this tiny state counts as large
     release = threading.Event()
     prepared = LocalTier._prepare_slots
@@ -275,7 +271,7 @@ def _budget_rank(rank: int, store_path: str, folder: str) -> None:
     tier = None
     try:
         with pytest.MonkeyPatch.context() as patch:
-            local_tier.COPY_BUDGET_PCT = 5.0
+            tier_interval.COPY_BUDGET_PCT = 5.0
             clock = _install_clock(patch, 0.01 if rank == 1 else 0.001)
             collectives: list[int] = []
             reduce = dist.all_reduce

@@ -44,15 +44,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import logging
-import math
 import mmap
 import operator
 import os
 import re
 import shutil
-import statistics
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -67,6 +64,7 @@ from torch import nn
 from trainer.checkpointing import replicas as peer_copies
 from trainer.checkpointing import tier_format as fmt
 from trainer.checkpointing import tier_restore
+from trainer.checkpointing.tier_interval import CaptureInterval
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +75,6 @@ PREPARE_AHEAD_BYTES = 64 << 20
 """Slots this large or larger are made by the copy thread while the loop goes on (reserving
 and, on CUDA, page-locking GBs takes seconds); captures are skipped until both exist.
 Smaller ones are made by the first capture into them (milliseconds)."""
-CALIBRATION_STEPS = 10
-"""Budget mode: the steps of an attempt over which the tier times its copies and the loop's
-steps (capturing every other step) before the ranks agree on its interval."""
-COPY_BUDGET_PCT = 1.0
-"""Budget mode: the share of the loop's time, in percent, the tier's copies may take."""
 _memory: dict[str, dict[str, Any]] = {}
 """Per run key: this process's newest capture (survives an in-process restart)."""
 _newest_slot: dict[str, int] = {}
@@ -122,20 +115,6 @@ def forget_run(local_dir: str, checkpoint_dir: str | Path) -> None:
     shutil.rmtree(local_folder(local_dir, checkpoint_dir), ignore_errors=True)
     _memory.pop(run_key(checkpoint_dir), None)
     _newest_slot.pop(run_key(checkpoint_dir), None)
-
-
-def uses_copy_budget(setting: int | str, on_cuda: bool) -> bool:
-    """Whether `checkpoint.local_every_steps` asks for an interval chosen from the copy budget:
-    `budget`, or `auto` on CUDA (on CPU `auto` is every step)."""
-    return setting == "budget" or (setting == "auto" and on_cuda)
-
-
-def budget_interval(copy_s: float, step_s: float, budget_pct: float = COPY_BUDGET_PCT) -> int:
-    """The shortest interval, in steps, at which one copy of `copy_s` seconds per interval
-    takes at most `budget_pct` percent of the loop's time at `step_s` seconds a step."""
-    if copy_s <= 0 or step_s <= 0:
-        return 1
-    return max(1, math.ceil(copy_s / (budget_pct / 100 * step_s) - 1e-9))
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -214,24 +193,9 @@ class LocalTier:
         copy_budget_pct: float | None = None,
     ) -> None:
         self.params = list(model.parameters())
-        self.setting = every_steps  # checkpoint.local_every_steps: a step count, auto or budget
-        self.copy_budget_pct = COPY_BUDGET_PCT if copy_budget_pct is None else copy_budget_pct
-        self._device = "CUDA" if self.params and self.params[0].is_cuda else "CPU"
-        self._measuring = uses_copy_budget(every_steps, self._device == "CUDA")
-        if self._measuring:
-            self.interval = 2  # while measuring: a step after one without a capture is a clean step
-            label = "budget" if every_steps == "budget" else "auto on CUDA"
-            self._budget_label = f"{label}: copies within {self.copy_budget_pct:g}% of the loop's time"
-            self.interval_reason = f"{self._budget_label}, still measuring (a capture every other step)"
-        elif every_steps == "auto":
-            self.interval, self.interval_reason = 1, "auto on CPU: every step"
-        else:
-            self.interval = int(every_steps)
-            self.interval_reason = f"checkpoint.local_every_steps={every_steps}"
-        self._window_start: int | None = None  # the step the current measuring window began at
-        self._marks: list[tuple[float, bool]] = []  # per step measured: capture()'s time, whether it copied
-        self._copy_seconds: list[float] = []  # the copy's own time per capture, while measuring
-        self.measured: dict[str, float] = {}  # this rank's copy_s, step_s and the interval it wanted
+        self.schedule = CaptureInterval(
+            every_steps, bool(self.params and self.params[0].is_cuda), copy_budget_pct
+        )
         self.key = run_key(checkpoint_dir)
         self.folder = local_folder(local_dir, checkpoint_dir)
         self.identity = identity
@@ -274,16 +238,23 @@ class LocalTier:
 
     @property
     def enabled(self) -> bool:
-        return self.interval > 0
+        return self.schedule.interval > 0
+
+    @property
+    def interval(self) -> int:
+        return self.schedule.interval
+
+    @property
+    def interval_reason(self) -> str:
+        return self.schedule.reason
+
+    @property
+    def measured(self) -> dict[str, float]:
+        return self.schedule.measured
 
     def summary(self) -> dict[str, Any]:
         """The summary's fields of the interval: what it is, why, and what it was chosen on."""
-        return {
-            "local_tier_interval": self.interval,
-            "local_tier_interval_reason": self.interval_reason,
-            "local_tier_copy_s": self.measured.get("copy_s"),
-            "local_tier_step_s": self.measured.get("step_s"),
-        }
+        return self.schedule.summary()
 
     # ---- capture ---------------------------------------------------------------------
 
@@ -294,62 +265,9 @@ class LocalTier:
         calls it at every step)."""
         if not self.enabled:
             return False
-        if self._measuring:
-            return self._capture_while_measuring(step, durable_step)
+        if self.schedule.measuring:
+            return self.schedule.measure(step, lambda: self._capture(step, durable_step), self.wait_copy)
         return step % self.interval == 0 and self._capture(step, durable_step)
-
-    def _capture_while_measuring(self, step: int, durable_step: int) -> bool:
-        """Budget mode: a capture every other step for `CALIBRATION_STEPS` steps, timing
-        each copy and each step after a step without one (a capture slows the next step:
-        its optimizer step waits for the copy); then the agreement (`_agree_on_interval`)."""
-        now = time.perf_counter()
-        if self._window_start is None:
-            self._window_start = step
-        elif step - self._window_start >= CALIBRATION_STEPS:
-            self._agree_on_interval(step, now)
-            if not self._measuring:
-                return step % self.interval == 0 and self._capture(step, durable_step)
-        copied = (step - self._window_start) % 2 == 0 and self._capture(step, durable_step)
-        self._marks.append((now, copied))
-        return copied
-
-    def _agree_on_interval(self, step: int, now: float) -> None:
-        """Collective (one all-reduce, at the same step on every rank): the longest interval
-        any rank needs for its copies to fit the budget. While no rank has timed a copy yet
-        (large slots are still being made), another window is measured."""
-        self.wait_copy()  # the newest copy's time is in
-        with self._lock:
-            copies = self._copy_seconds[2:]  # the first copy into each slot also faults its pages in
-        marks = [*self._marks, (now, False)]
-        steps = [b - a for (a, copied), (b, _) in itertools.pairwise(marks) if not copied]
-        wanted = 0
-        if copies and steps:
-            copy_s, step_s = statistics.median(copies), statistics.median(steps)
-            wanted = budget_interval(copy_s, step_s, self.copy_budget_pct)
-            self.measured = {"copy_s": copy_s, "step_s": step_s, "wanted": float(wanted)}
-        agreed = torch.tensor([wanted], dtype=torch.int64)  # a CPU tensor: gloo's side of the group
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        self._marks = []
-        if int(agreed.item()) == 0:
-            self._window_start = step
-            return
-        self.interval = int(agreed.item())
-        self._measuring = False
-        self.interval_reason = self._budget_label
-        if self.rank == 0:
-            copy_ms = 1e3 * self.measured["copy_s"] if self.measured else float("nan")
-            step_ms = 1e3 * self.measured["step_s"] if self.measured else float("nan")
-            log.info(
-                "fast checkpoint tier: a capture every %d step(s), the longest interval any rank needs "
-                "for its copies to take at most %g%% of the loop's time (checkpoint.local_every_steps=%s "
-                "on %s; rank 0: a copy %.1f ms, a step %.1f ms)",
-                self.interval,
-                self.copy_budget_pct,
-                self.setting,
-                self._device,
-                copy_ms,
-                step_ms,
-            )
 
     def _capture(self, step: int, durable_step: int) -> bool:
         """Queue the copy of this rank's state after step `step` (False: skipped)."""
@@ -440,9 +358,8 @@ class LocalTier:
         if self._cuda_copied is not None:
             self._cuda_copied.synchronize()
             copy_s = self._cuda_copy_began.elapsed_time(self._cuda_copied) / 1e3  # the transfer itself
-        if self._measuring:
-            with self._lock:
-                self._copy_seconds.append(copy_s)
+        if self.schedule.measuring:
+            self.schedule.record_copy(copy_s)
         if target.filled is None:
             target.filled = fmt.fill(plan.skeleton, target.tensors)
         captured = {**fmt.fill(dynamic, target.tensors), **target.filled}
