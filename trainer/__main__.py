@@ -52,10 +52,11 @@ def main(argv: list[str] | None = None) -> int:
             return forked
     from trainer.data import DataError  # torch imports only once arguments are valid
     from trainer.parallelize import shutdown_distributed
-    from trainer.resilience import run_training
+    from trainer.resilience import fault_tolerance
 
     try:
-        summary = run_training(config, process_started_at)
+        with fault_tolerance(config, process_started_at) as train:
+            summary = train()
     except (DataError, ConfigError) as exc:
         print(f"trainer: error: {exc}", file=sys.stderr)
         return 2

@@ -14,7 +14,7 @@ each off, in the rank, before the process group and the model are built:
   `NCCL_PROTO` are read when a communicator is created.
 
 A value a user already put in the environment is kept. Switched off, torch's flags return to
-their defaults (a restart of `train()` in the same process starts from the config, not from
+their defaults (a new `Trainer` in the same process starts from the config, not from
 the previous attempt); environment variables, read once by the libraries, stay.
 """
 

@@ -1,15 +1,63 @@
 """What the fault-tolerance layers plug into the training loop and its checkpointing.
 
 A leaf module: `trainer.loop` and `trainer.checkpointing.manager` both use `TrainHooks`,
-and `trainer.resilience` subclasses it, without importing each other. `Stateful` is what
-a checkpoint can hold beside the model (`CheckpointManager(states=...)`); `Abandonable`
-is what the hooks hold for an in-process restart to release.
+and `trainer.resilience` subclasses it, without importing each other. `Attempt` says which
+attempt of the run this is; `StepResult` is what a `Callback` gets after every step;
+`Stateful` is what a checkpoint can hold beside the model (`CheckpointManager(states=...)`);
+`Abandonable` is what the hooks hold for an in-process restart to release.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Protocol
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Attempt:
+    """Which attempt of the run a `Trainer` is: recorded in the `attempt_start` event (the
+    restart accounting of trainer/goodput.py reads it back)."""
+
+    inprocess_iteration: int = 0
+    """In-process restarts before this attempt, in this process."""
+    launcher_restart: int = 0
+    """Worker-group restarts by the launcher before this process (TORCHELASTIC_RESTART_COUNT)."""
+    inprocess_enabled: bool = False
+    launcher: str = "other"
+    """"ft_launcher" when its rank monitor watches this rank."""
+    fault_detected_at: float | None = None
+    """When the wrapper tore the previous attempt down (epoch seconds)."""
+    process_started_at: float | None = None
+    preforked: bool = False
+    """This rank was forked from the node's pre-imported zygote."""
+
+    @property
+    def is_restart(self) -> bool:
+        return self.inprocess_iteration > 0 or self.launcher_restart > 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """One finished step as every rank saw it (the loss is the mean over the ranks)."""
+
+    step: int
+    loss: float
+    lr: float
+    duration_s: float
+    grad_norm: float | None
+    """Gathered on logging steps only (`Progress.wants_detail`), else None."""
+    stop_requested: bool
+    """Some rank got SIGTERM: this step is the attempt's last."""
+
+
+class Callback(Protocol):
+    """Called on every rank after each step, once the step's checkpoint work was offered."""
+
+    def on_step_end(self, result: StepResult) -> None: ...
 
 
 class Stateful(Protocol):
@@ -30,10 +78,10 @@ class TrainHooks:
     """The progress and restart callbacks of one attempt; no-ops here (trainer/resilience.py
     overrides them)."""
 
-    def attempt_info(self) -> dict[str, Any]:
-        return {"inprocess_iteration": 0, "launcher_restart": 0, "inprocess_enabled": False}
+    def attempt(self) -> Attempt:
+        return Attempt()
 
-    def step_done(self, step: int) -> None:
+    def on_step_end(self, result: StepResult) -> None:
         """Progress signal after every step (in-process watchdog ping, launcher heartbeat)."""
 
     def keepalive(self) -> contextlib.AbstractContextManager[None]:

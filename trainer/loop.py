@@ -1,12 +1,17 @@
-"""The training loop of one rank: build, resume, step, checkpoint, summarize.
+"""The training loop of one rank: `Trainer`, built per attempt, with `train()`, `train_step()`
+and `close()`.
 
 Everything distributed — model shards, optimizer, sampler, the checkpoint writer — is
-created inside `train()`, so a restart (a new call) starts from a clean slate and the
+created by `Trainer(...)`, so a restart (a new Trainer) starts from a clean slate and the
 latest committed checkpoint. The loop is deterministic on CPU for a given seed and world
 size: a run stopped after a checkpoint and resumed reaches the same weights as one that
 never stopped, whatever the checkpoint mode. Checkpoint policy (resume, when to save, what
 a save holds) is `trainer.checkpointing.CheckpointManager`'s; the loop makes its four calls:
-`load()`, `maybe_wait_for_staging()` and `save()` every step, `close()`.
+`load()` at start-up, `maybe_wait_for_staging()` and `save()` every step, `close()`.
+What is not the step's math plugs in around it: `Callback.on_step_end` after each step (the
+resilience layers' watchdog pings and heartbeats), `Progress` (log line, live metrics),
+`FaultInjector` (drills), `_StartupClock` (start-up phases), `_publish` (rank 0's summary,
+goodput report and MLflow figures).
 
 SIGTERM (pod eviction, preemption, `kubectl delete`) does not kill the loop: the ranks
 agree on it at the next step, write a final checkpoint, and exit cleanly, so the
@@ -15,12 +20,14 @@ Kubernetes grace period is spent saving instead of losing the steps since the la
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
 import math
 import signal
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -36,7 +43,7 @@ from trainer.determinism import apply_determinism
 from trainer.events import EventLog
 from trainer.faults import FaultInjector, parse_faults
 from trainer.gpu_defaults import check_timeouts
-from trainer.hooks import TrainHooks
+from trainer.hooks import Attempt, Callback, StepResult, TrainHooks
 from trainer.models import model_spec
 from trainer.parallelize import (
     compute_dtype,
@@ -84,15 +91,6 @@ def _gathered_norm(norm: torch.Tensor) -> float:
     return float(full.detach().float().cpu().item())
 
 
-def _report_restart(workdir: Path, progress: Progress) -> None:
-    """Rank 0 of a restarted attempt: what the restart cost, for the log and MLflow."""
-    from trainer import goodput
-
-    restarts = goodput.analyze_run(workdir, time.time())["restarts"]
-    if restarts:
-        progress.on_restart(restarts[-1], len(restarts))
-
-
 class _StopRequest:
     """Remembers a SIGTERM until the ranks agree to act on it at a step boundary."""
 
@@ -109,212 +107,302 @@ class _StopRequest:
     def restore(self) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
 
 
-def train(
-    config: TrainConfig, store: dist.Store | None = None, hooks: TrainHooks | None = None
-) -> TrainSummary:
-    """Run (or resume) training to `config.run.steps`; returns the summary (rank 0's view).
+class _StartupClock:
+    """Seconds of each start-up phase, for the `resumed` event (goodput's start-up split)."""
 
-    `store` and `hooks` come from trainer/resilience.py: the rendezvous store of this
-    attempt and the progress/launcher callbacks. Called again after an in-process restart."""
-    hooks = hooks or TrainHooks()
-    check_timeouts(config.resilience, training_device().type)
-    apply_determinism(config.training, cuda=training_device().type == "cuda")  # before NCCL and cuBLAS start
-    # An in-process restart interrupts the previous attempt with an asynchronous exception,
-    # which can land inside a `torch.no_grad()` block before its exit restores grad mode
-    # (the next attempt's backward would then fail with "does not require grad"). Grad mode is
-    # per thread and part of the clean slate each attempt starts from.
-    torch.set_grad_enabled(True)
-    attempt = hooks.attempt_info()
-    is_restart = attempt.get("inprocess_iteration", 0) > 0 or attempt.get("launcher_restart", 0) > 0
-    attempt_started_at = time.time()
-    wall_start = time.perf_counter()
-    phases: dict[str, float] = {}
-    mark = time.perf_counter()
-    with peer_abort.tracking():  # an in-process restart shuts these connections down at once
-        mesh = init_distributed(config.resilience.collective_timeout_s, store)
-    phases["process_group_s"] = time.perf_counter() - mark
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = training_device()
-    workdir = Path(config.run.workdir)
-    progress = Progress(config, rank, world)
-    events = EventLog(workdir, enabled=rank == 0, listener=progress.on_event)
-    events.emit("attempt_start", at=attempt_started_at, world_size=world, **attempt)
-    injector = FaultInjector(
-        parse_faults(config.run.faults),
-        workdir,
-        rank,
-        world,
-        wait_for_prefork=config.resilience.prefork_workers,
-        slow_save_s=2 * config.resilience.soft_timeout_s,
-        keepalive=hooks.keepalive,
-    )
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.phases: dict[str, float] = {}
 
-    mark = time.perf_counter()
-    spec = model_spec(config.model.kind)
-    model = spec.build_for_training(config.model, device, config.run.seed)
-    parallelize(model, mesh, spec.fsdp_units(model), config.training, device)
-    if rank == 0:
-        log.info("compute dtype %s", str(compute_dtype(config.training, device)).removeprefix("torch."))
-    spec.init_weights(model, config.model, device, config.run.seed)
-    opt_cfg = config.optimizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=opt_cfg.lr, weight_decay=opt_cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: lr_factor(s, config.run.steps, opt_cfg.warmup_steps, opt_cfg.min_lr_ratio),
-    )
-    phases["model_build_s"] = time.perf_counter() - mark
-    mark = time.perf_counter()
-    check_tokenizer(config.data.dataset_dir, spec.tokenizer(config.model).identity)
-    train_files, _ = split_files(config.data.dataset_dir, config.data.holdout_fraction)
-    sampler = StepSampler(
-        load_tokens(train_files),
-        config.model.seq_len,
-        config.data.batch_size,
-        config.run.seed,
-        rank,
-        world_size=world,
-        global_batch=config.data.global_batch,
-    )
-    phases["loader_s"] = time.perf_counter() - mark
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        mark = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] = time.perf_counter() - mark
 
-    checkpoints = CheckpointManager(
-        config,
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        sampler=sampler,
-        hooks=hooks,
-        events=events,
-        states=hooks.checkpoint_states(),
-        on_queued=injector.after_checkpoint_queued,
-        during_save=injector.during_save,
-    )
-    last_step = checkpoints.load(background=is_restart)  # a restart needs its first step soon
-    phases["checkpoint_load_s"] = checkpoints.load_s
-    phases["checkpointer_start_s"] = checkpoints.start_s
-    stop = _StopRequest()
-    stop.install()
 
-    losses: list[tuple[int, float]] = []
-    stop_at = config.run.stop_after_steps or config.run.steps
-    stopped_by_signal = False
-    step_seconds = 0.0
-    steps_run = 0
-    # What start-up built (modules, tensors, imported libraries: millions of objects) lives
-    # for the whole attempt; the garbage collector's full passes would scan all of it and
-    # pause the loop. Frozen, it is left out of every pass.
-    # After an in-process restart it is unfrozen first, so the previous attempt's cyclic
-    # garbage is freed. Not on a process's first attempt: a rank forked from the zygote
-    # (trainer/prefork.py) shares the zygote's frozen objects, and a pass over them would
-    # copy every page they live on.
-    mark = time.perf_counter()
-    if attempt.get("inprocess_iteration", 0) > 0:
+def _freeze_startup_objects(attempt: Attempt) -> None:
+    """Leave what start-up built (millions of objects, alive for the whole attempt) out of
+    the garbage collector's full passes, which would pause the loop to scan it.
+
+    After an in-process restart, unfreeze first so the previous attempt's cyclic garbage is
+    freed; not on a process's first attempt: a rank forked from the zygote shares its frozen
+    objects, and a pass over them would copy every page they live on."""
+    if attempt.inprocess_iteration > 0:
         gc.unfreeze()
     gc.collect()
     gc.freeze()
-    phases["gc_s"] = time.perf_counter() - mark
-    mark = time.perf_counter()
-    dist.barrier()  # start-up took different times on each rank; the short timeout starts even
-    phases["barrier_s"] = time.perf_counter() - mark
-    set_collective_timeout(config.resilience.collective_timeout_s)
-    loop_start = time.perf_counter()
-    events.emit("resumed", step=last_step, startup_s=loop_start - wall_start, phases=phases)
-    if rank == 0 and last_step > 0:
-        progress.backfill(workdir, last_step)
-    if is_restart and rank == 0:
-        _report_restart(workdir, progress)
-    try:
-        for step in range(last_step + 1, config.run.steps + 1):
-            step_start = time.perf_counter()
-            injector.at_step(step)
-            loss = accumulate_gradients(spec, model, sampler.micro_batches(step), device)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), opt_cfg.grad_clip_norm)
-            # An async save's snapshot copy ran beside this forward and backward; it must be
-            # complete before the optimizer changes the weights in place.
-            checkpoints.maybe_wait_for_staging()
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            # One collective per step carries the mean loss and whether any rank got SIGTERM.
-            # On the training device: NCCL on a GPU (the group's gloo part serves host tensors).
-            reduced = torch.stack(
-                [loss.detach().float(), torch.tensor(float(stop.requested), device=loss.device)]
+
+
+class Trainer:
+    """One attempt of one rank; collective: every rank builds one and calls `train()`.
+
+    `store`: the rendezvous store of this attempt (trainer/resilience.py gives each attempt a
+    fresh key prefix); `hooks`: the resilience layers' callbacks; `callbacks`: more
+    `on_step_end` listeners, called before the hooks'. Use as a context manager: `close()`
+    releases the checkpoint writer when the attempt ends by an exception."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        store: dist.Store | None = None,
+        hooks: TrainHooks | None = None,
+        callbacks: Sequence[Callback] = (),
+    ) -> None:
+        self.config = config
+        self.hooks = hooks or TrainHooks()
+        self.callbacks: list[Callback] = [*callbacks, self.hooks]
+        self.attempt = self.hooks.attempt()
+        self.clock = _StartupClock()
+        self.checkpoints: CheckpointManager | None = None
+        self._checkpoints_open = False
+        self._stop = _StopRequest()
+        device = training_device()
+        check_timeouts(config.resilience, device.type)
+        apply_determinism(config.training, cuda=device.type == "cuda")  # before NCCL and cuBLAS start
+        # An in-process restart interrupts the previous attempt with an asynchronous exception,
+        # which can land inside a `torch.no_grad()` block before its exit restores grad mode;
+        # grad mode is per thread and part of the clean slate each attempt starts from.
+        torch.set_grad_enabled(True)
+        attempt_started_at = time.time()
+        with self.clock.phase("process_group_s"), peer_abort.tracking():  # a restart shuts these down at once
+            mesh = init_distributed(config.resilience.collective_timeout_s, store)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = device
+        self.workdir = Path(config.run.workdir)
+        self.progress = Progress(config, self.rank, self.world)
+        self.events = EventLog(self.workdir, enabled=self.rank == 0, listener=self.progress.on_event)
+        self.events.emit(
+            "attempt_start", at=attempt_started_at, world_size=self.world, **self.attempt.as_dict()
+        )
+        self.injector = FaultInjector(
+            parse_faults(config.run.faults),
+            self.workdir,
+            self.rank,
+            self.world,
+            wait_for_prefork=config.resilience.prefork_workers,
+            slow_save_s=2 * config.resilience.soft_timeout_s,
+            keepalive=self.hooks.keepalive,
+        )
+        with self.clock.phase("model_build_s"):
+            self._build_model(mesh)
+        with self.clock.phase("loader_s"):
+            self._build_sampler()
+        self.losses: list[tuple[int, float]] = []
+        self.steps_run = 0
+        self.step_seconds = 0.0
+        try:
+            self.checkpoints = CheckpointManager(
+                config,
+                model=self.model,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                sampler=self.sampler,
+                hooks=self.hooks,
+                events=self.events,
+                states=self.hooks.checkpoint_states(),
+                on_queued=self.injector.after_checkpoint_queued,
+                during_save=self.injector.during_save,
             )
-            dist.all_reduce(reduced)
-            loss_value = reduced[0].item() / world
-            if not math.isfinite(loss_value):
-                raise FloatingPointError(f"loss became {loss_value} at step {step}; lower optimizer.lr")
-            step_duration_s = time.perf_counter() - step_start
-            step_seconds += step_duration_s
-            steps_run += 1
-            losses.append((step, loss_value))
-            lr = float(scheduler.get_last_lr()[0])
-            norm = _gathered_norm(grad_norm) if progress.wants_detail(step) else None
-            detail = {} if norm is None else {"grad_norm": norm}
-            events.emit("step", step=step, loss=loss_value, lr=lr, duration_s=step_duration_s, **detail)
-            progress.on_step(step, loss_value, lr, step_duration_s, norm)
+            self._checkpoints_open = True
+            self.last_step = self.checkpoints.load(
+                background=self.attempt.is_restart
+            )  # a restart needs its first step soon
+        except BaseException:
+            self.close()
+            raise
+        self.clock.phases["checkpoint_load_s"] = self.checkpoints.load_s
+        self.clock.phases["checkpointer_start_s"] = self.checkpoints.start_s
 
-            stopped_by_signal = reduced[1].item() > 0
-            checkpoints.save(step, last_step=stopped_by_signal or step == stop_at, loss=loss_value)
-            hooks.step_done(step)
-            if stopped_by_signal:
-                if rank == 0:
-                    log.warning("SIGTERM received: saved step %d, stopping", step)
-                events.emit("stopped_by_signal", step=step)
-                break
-            if step >= stop_at:
-                break
-        loop_wall_s = time.perf_counter() - loop_start
-        checkpoints.close()  # the last checkpoint is committed: the run's result is durable
-    except BaseException:
-        # The pending save never commits; its writer process must not keep this one alive.
-        checkpoints.abandon()
-        raise
-    finally:
-        stop.restore()
+    def _build_model(self, mesh: Any) -> None:
+        config, device = self.config, self.device
+        self.spec = model_spec(config.model.kind)
+        self.model = self.spec.build_for_training(config.model, device, config.run.seed)
+        parallelize(self.model, mesh, self.spec.fsdp_units(self.model), config.training, device)
+        if self.rank == 0:
+            log.info("compute dtype %s", str(compute_dtype(config.training, device)).removeprefix("torch."))
+        self.spec.init_weights(self.model, config.model, device, config.run.seed)
+        opt = config.optimizer
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda s: lr_factor(s, config.run.steps, opt.warmup_steps, opt.min_lr_ratio),
+        )
 
-    with hooks.keepalive():  # gathers every tensor: minutes at 8B+
-        fingerprint = model_sha256(model)
-    final_step = losses[-1][0] if losses else last_step
-    # Scored where the model already is, for the validate step; not in a SIGTERM's grace period
-    # (the run resumes later and scores its last step then).
-    if config.data.eval_windows > 0 and not stopped_by_signal:
-        from trainer.evaluation import write_eval_record
+    def _build_sampler(self) -> None:
+        data = self.config.data
+        check_tokenizer(data.dataset_dir, self.spec.tokenizer(self.config.model).identity)
+        train_files, _ = split_files(data.dataset_dir, data.holdout_fraction)
+        self.sampler = StepSampler(
+            load_tokens(train_files),
+            self.config.model.seq_len,
+            data.batch_size,
+            self.config.run.seed,
+            self.rank,
+            world_size=self.world,
+            global_batch=data.global_batch,
+        )
 
-        with hooks.keepalive():
-            write_eval_record(model, config, fingerprint, final_step, rank, device)
-    summary = TrainSummary(
-        steps=final_step,
-        target_steps=config.run.steps,
-        completed=final_step >= config.run.steps,
-        stopped_by_signal=stopped_by_signal,
-        steps_run=steps_run,
-        final_loss=losses[-1][1] if losses else None,
-        losses=[{"step": s, "loss": v} for s, v in losses],
-        **checkpoints.summary(loop_wall_s),
-        loop_wall_s=loop_wall_s,
-        world_size=world,
-        device=device.type,
-        model_sha256=fingerprint,
-        train_seconds=step_seconds,
-        wall_seconds=time.perf_counter() - wall_start,
-        peak_mem_bytes=peak_memory_bytes(device),
-    )
-    if rank == 0:
-        from trainer import goodput, report
-        from trainer.faults import fired_faults
+    def __enter__(self) -> Trainer:
+        return self
 
-        summary = dataclasses.replace(summary, **goodput.analyze_run(workdir, time.time()))
-        report_path = report.write_goodput_report(
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def train(self) -> TrainSummary:
+        """Run (or resume) to `run.steps` (or `run.stop_after_steps`, or a SIGTERM); returns
+        the summary (rank 0's view), the last checkpoint committed."""
+        checkpoints = cast(CheckpointManager, self.checkpoints)
+        self._stop.install()
+        try:
+            loop_start = self._start_loop()
+            stop_at = self.config.run.stop_after_steps or self.config.run.steps
+            stopped_by_signal = False
+            for step in range(self.last_step + 1, self.config.run.steps + 1):
+                result = self.train_step(step)
+                self._record(result)
+                stopped_by_signal = result.stop_requested
+                checkpoints.save(step, last_step=stopped_by_signal or step == stop_at, loss=result.loss)
+                for callback in self.callbacks:
+                    callback.on_step_end(result)
+                if stopped_by_signal:
+                    if self.rank == 0:
+                        log.warning("SIGTERM received: saved step %d, stopping", step)
+                    self.events.emit("stopped_by_signal", step=step)
+                    break
+                if step >= stop_at:
+                    break
+            loop_wall_s = time.perf_counter() - loop_start
+            checkpoints.close()  # the last checkpoint is committed: the run's result is durable
+            self._checkpoints_open = False
+        finally:
+            self._stop.restore()
+        return self._finish(loop_wall_s, stopped_by_signal)
+
+    def train_step(self, step: int) -> StepResult:
+        """One optimizer step over the global batch; collective (one all-reduce at its end)."""
+        step_start = time.perf_counter()
+        self.injector.at_step(step)
+        loss = accumulate_gradients(self.spec, self.model, self.sampler.micro_batches(step), self.device)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.config.optimizer.grad_clip_norm
+        )
+        # An async save's snapshot copy ran beside this forward and backward; it must be
+        # complete before the optimizer changes the weights in place.
+        cast(CheckpointManager, self.checkpoints).maybe_wait_for_staging()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        # One collective per step carries the mean loss and whether any rank got SIGTERM.
+        # On the training device: NCCL on a GPU (the group's gloo part serves host tensors).
+        reduced = torch.stack(
+            [loss.detach().float(), torch.tensor(float(self._stop.requested), device=loss.device)]
+        )
+        dist.all_reduce(reduced)
+        loss_value = reduced[0].item() / self.world
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"loss became {loss_value} at step {step}; lower optimizer.lr")
+        norm = _gathered_norm(grad_norm) if self.progress.wants_detail(step) else None
+        return StepResult(
+            step=step,
+            loss=loss_value,
+            lr=float(self.scheduler.get_last_lr()[0]),
+            duration_s=time.perf_counter() - step_start,
+            grad_norm=norm,
+            stop_requested=reduced[1].item() > 0,
+        )
+
+    def close(self) -> None:
+        """Idempotent. After an exception: the pending save never commits, and its writer
+        process must not keep this one alive."""
+        self._stop.restore()
+        if self._checkpoints_open and self.checkpoints is not None:
+            self._checkpoints_open = False
+            self.checkpoints.abandon()
+
+    def _start_loop(self) -> float:
+        """Collective: the loop's start (perf_counter) once every rank is ready."""
+        with self.clock.phase("gc_s"):
+            _freeze_startup_objects(self.attempt)
+        with self.clock.phase("barrier_s"):
+            dist.barrier()  # start-up took different times on each rank; the short timeout starts even
+        set_collective_timeout(self.config.resilience.collective_timeout_s)
+        loop_start = time.perf_counter()
+        startup_s = loop_start - self.clock.started
+        self.events.emit("resumed", step=self.last_step, startup_s=startup_s, phases=self.clock.phases)
+        if self.rank == 0 and self.last_step > 0:
+            self.progress.backfill(self.workdir, self.last_step)
+        if self.rank == 0 and self.attempt.is_restart:
+            from trainer import goodput
+
+            restarts = goodput.analyze_run(self.workdir, time.time())["restarts"]
+            if restarts:  # what the restart cost, for the log and MLflow
+                self.progress.on_restart(restarts[-1], len(restarts))
+        return loop_start
+
+    def _record(self, result: StepResult) -> None:
+        self.step_seconds += result.duration_s
+        self.steps_run += 1
+        self.losses.append((result.step, result.loss))
+        detail = {} if result.grad_norm is None else {"grad_norm": result.grad_norm}
+        self.events.emit(
+            "step", step=result.step, loss=result.loss, lr=result.lr, duration_s=result.duration_s, **detail
+        )
+        self.progress.on_step(result.step, result.loss, result.lr, result.duration_s, result.grad_norm)
+
+    def _finish(self, loop_wall_s: float, stopped_by_signal: bool) -> TrainSummary:
+        config = self.config
+        with self.hooks.keepalive():  # gathers every tensor: minutes at 8B+
+            fingerprint = model_sha256(self.model)
+        final_step = self.losses[-1][0] if self.losses else self.last_step
+        # Scored where the model already is, for the validate step; not in a SIGTERM's grace
+        # period (the run resumes later and scores its last step then).
+        if config.data.eval_windows > 0 and not stopped_by_signal:
+            from trainer.evaluation import write_eval_record
+
+            with self.hooks.keepalive():
+                write_eval_record(self.model, config, fingerprint, final_step, self.rank, self.device)
+        summary = TrainSummary(
+            steps=final_step,
+            target_steps=config.run.steps,
+            completed=final_step >= config.run.steps,
+            stopped_by_signal=stopped_by_signal,
+            steps_run=self.steps_run,
+            final_loss=self.losses[-1][1] if self.losses else None,
+            losses=[{"step": s, "loss": v} for s, v in self.losses],
+            **cast(CheckpointManager, self.checkpoints).summary(loop_wall_s),
+            loop_wall_s=loop_wall_s,
+            world_size=self.world,
+            device=self.device.type,
+            model_sha256=fingerprint,
+            train_seconds=self.step_seconds,
+            wall_seconds=time.perf_counter() - self.clock.started,
+            peak_mem_bytes=peak_memory_bytes(self.device),
+        )
+        return _publish(summary, self.workdir, self.progress) if self.rank == 0 else summary
+
+
+def _publish(summary: TrainSummary, workdir: Path, progress: Progress) -> TrainSummary:
+    """Rank 0: add the run's goodput, write goodput.html, send the final figures to MLflow,
+    then write summary.json."""
+    from trainer import goodput, report
+    from trainer.faults import fired_faults
+
+    summary = dataclasses.replace(summary, **goodput.analyze_run(workdir, time.time()))
+    summary.goodput_report = str(
+        report.write_goodput_report(
             workdir / "goodput.html",
             summary.to_dict(),
             goodput.read_events(workdir),
             fired_faults(workdir),
             progress.tokens_per_step,
         )
-        summary.goodput_report = str(report_path)
-        summary.mlflow_run_id = progress.finish(summary.to_dict())
-        summary.write(workdir / "summary.json")
+    )
+    summary.mlflow_run_id = progress.finish(summary.to_dict())
+    summary.write(workdir / "summary.json")
     return summary

@@ -1,4 +1,4 @@
-"""The two fault-tolerance layers around `trainer.loop.train`, as `python -m trainer` runs it.
+"""The two fault-tolerance layers around `trainer.loop.Trainer`, as `python -m trainer` runs it.
 
 Layer 1, in-process restart (NVRx `inprocess.Wrapper`): a soft fault on any rank — an
 exception, or a hang the progress watchdog notices — aborts the process group on every
@@ -32,18 +32,19 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from nvidia_resiliency_ext.inprocess import CallWrapper
 
 from trainer import peer_abort, prefork
 from trainer.config import TrainConfig
 from trainer.faults import record_fatal_error
-from trainer.hooks import Abandonable, Stateful, TrainHooks
-from trainer.loop import train
+from trainer.hooks import Abandonable, Attempt, Stateful, StepResult, TrainHooks
+from trainer.loop import Trainer
 from trainer.summary import TrainSummary
 
 log = logging.getLogger(__name__)
@@ -159,30 +160,30 @@ class _Hooks(TrainHooks):
         config: TrainConfig,
         launcher: _LauncherClient,
         call_wrapper: Any,
-        attempt: int,
+        iteration: int,
         detected_at: float | None,
     ) -> None:
         self.config = config
         self.launcher = launcher
         self.call_wrapper = call_wrapper
-        self.attempt = attempt
+        self.iteration = iteration
         self.detected_at = detected_at
         self.pinged_at: float | None = None
         self._keepalive_depth = 0
         self.checkpoints: list[Abandonable] = []  # started, not yet closed or abandoned
 
-    def attempt_info(self) -> dict[str, Any]:
-        return {
-            "inprocess_iteration": self.attempt,
-            "launcher_restart": int(os.environ.get(RESTART_COUNT, "0")),
-            "inprocess_enabled": self.call_wrapper is not None,
-            "launcher": "ft_launcher" if self.launcher.client is not None else "other",
-            "fault_detected_at": self.detected_at,
-            "process_started_at": self.launcher.process_started_at,
-            "preforked": prefork.PREFORKED_ENV in os.environ,  # forked from the node's zygote
-        }
+    def attempt(self) -> Attempt:
+        return Attempt(
+            inprocess_iteration=self.iteration,
+            launcher_restart=int(os.environ.get(RESTART_COUNT, "0")),
+            inprocess_enabled=self.call_wrapper is not None,
+            launcher="ft_launcher" if self.launcher.client is not None else "other",
+            fault_detected_at=self.detected_at,
+            process_started_at=self.launcher.process_started_at,
+            preforked=prefork.PREFORKED_ENV in os.environ,
+        )
 
-    def step_done(self, step: int) -> None:
+    def on_step_end(self, result: StepResult) -> None:
         if self.call_wrapper is not None:
             now = time.monotonic()
             if self.pinged_at is None or now - self.pinged_at >= PING_INTERVAL_S:
@@ -249,11 +250,9 @@ class _Hooks(TrainHooks):
 
 def _wait_until_listening(port: int, timeout_s: float = 60.0) -> None:
     """On ranks other than 0: return once rank 0's store at MASTER_ADDR:`port` accepts
-    connections (or after `timeout_s`; the store's own timeout then applies).
-
-    A store client that connects before the server listens is refused and retries after a
-    back-off of its own: ranks that start together (a restarted group) lost 0.3-0.5 s at
-    each of the two stores rank 0 hosts. Polling every 10 ms costs nothing."""
+    connections (or after `timeout_s`; the store's own timeout then applies). A store client
+    that connects before the server listens retries after a back-off of its own, which a
+    restarted group would wait at each of rank 0's two stores; polling costs nothing."""
     if int(os.environ["RANK"]) == 0:
         return
     host = os.environ[MASTER_ADDR]
@@ -290,8 +289,12 @@ def _fatal_errors() -> tuple[type[BaseException], ...]:
     return (DataError, ConfigError, CheckpointError, FaultSpecError, FloatingPointError)
 
 
-def run_training(config: TrainConfig, process_started_at: float | None = None) -> TrainSummary | None:
-    """Train to the end through both layers; returns rank 0's summary (others: their view).
+@contextlib.contextmanager
+def fault_tolerance(
+    config: TrainConfig, process_started_at: float | None = None
+) -> Iterator[Callable[[], TrainSummary | None]]:
+    """This process's side of both layers, for the time of the block; yields the call that
+    trains to the end through them and returns rank 0's summary (others: their view).
 
     An error no restart can fix (`_fatal_errors`) is recorded in the workdir and ends the
     in-process layer at once; worker groups the launcher restarts afterwards stop before
@@ -307,32 +310,58 @@ def run_training(config: TrainConfig, process_started_at: float | None = None) -
         # rather than its first steps (docs/performance.md).
         prefork.start_zygote(config.to_compact_json(), Path(config.run.workdir) / "logs" / "prefork.log")
     try:
-        if config.resilience.inprocess_restarts == 0:
-            return _attempt(config, store, _Hooks(config, launcher, None, 0, None))
-        return _run_inprocess(config, store, launcher)
+        yield _attempts(config, store, launcher)
     finally:
         launcher.close()
 
 
-def _attempt(config: TrainConfig, store: dist.Store, hooks: _Hooks) -> TrainSummary:
-    try:
-        return train(config, store=dist.PrefixStore(f"attempt{hooks.attempt}", store), hooks=hooks)
-    except _fatal_errors() as exc:
-        message = record_fatal_error(config.run.workdir, exc)
-        if hooks.call_wrapper is not None:
-            from nvidia_resiliency_ext.inprocess.exception import RestartAbort
+def _attempts(
+    config: TrainConfig, store: dist.Store, launcher: _LauncherClient
+) -> Callable[[], TrainSummary | None]:
+    """One attempt (`resilience.inprocess_restarts` = 0) or NVRx's wrapper restarting it;
+    an attempt is a `Trainer` on a fresh key prefix of `store`."""
+    restarts = _Restarts()
 
-            # RestartAbort (a BaseException) is how the wrapper is told to stop restarting.
-            raise RestartAbort(message) from exc
-        raise
+    def attempt(call_wrapper: CallWrapper | None = None) -> TrainSummary:
+        if call_wrapper is not None and call_wrapper.iteration > 0:
+            log.warning(
+                "in-process restart %d: resuming from the latest committed checkpoint", call_wrapper.iteration
+            )
+        iteration = call_wrapper.iteration if call_wrapper is not None else 0
+        hooks = _Hooks(config, launcher, call_wrapper, iteration, restarts.detected_at.pop("at", None))
+        restarts.attempts.append(hooks)
+        try:
+            with Trainer(
+                config, store=dist.PrefixStore(f"attempt{iteration}", store), hooks=hooks
+            ) as trainer:
+                return trainer.train()
+        except _fatal_errors() as exc:
+            message = record_fatal_error(config.run.workdir, exc)
+            if call_wrapper is not None:
+                from nvidia_resiliency_ext.inprocess.exception import RestartAbort
+
+                # RestartAbort (a BaseException) is how the wrapper is told to stop restarting.
+                raise RestartAbort(message) from exc
+            raise
+
+    if config.resilience.inprocess_restarts == 0:
+        return attempt
+    return cast(Callable[[], TrainSummary | None], _wrapper(config, restarts)(attempt))  # None: a spare rank
 
 
-def _run_inprocess(config: TrainConfig, store: dist.Store, launcher: _LauncherClient) -> TrainSummary | None:
+class _Restarts:
+    """What one attempt leaves for the next: when the fault was detected, and the hooks
+    whose checkpoint work a restart may still have to abandon."""
+
+    def __init__(self) -> None:
+        self.detected_at: dict[str, float] = {}
+        self.attempts: list[_Hooks] = []
+
+
+def _wrapper(config: TrainConfig, restarts: _Restarts) -> Any:
     from nvidia_resiliency_ext import inprocess
 
     r = config.resilience
-    detected: dict[str, float] = {}
-    attempts: list[_Hooks] = []  # whose checkpoint work a restart may still have to abandon
 
     class _AbortPeers(inprocess.abort.Abort):
         """NVRx's abort (destroys the process groups; aborts NCCL communicators) preceded by
@@ -351,25 +380,15 @@ def _run_inprocess(config: TrainConfig, store: dist.Store, launcher: _LauncherCl
         A plain Finalize: NVRx's ThreadedFinalize needs CUDA."""
 
         def __call__(self, state: Any) -> Any:
-            detected["at"] = time.time()
-            for hooks in list(attempts):  # again: the loop's own abandon may have been cut short
+            restarts.detected_at["at"] = time.time()
+            for hooks in list(restarts.attempts):  # again: the attempt's own abandon may have been cut short
                 hooks.abandon_checkpoints()
                 if not hooks.checkpoints:
-                    attempts.remove(hooks)
+                    restarts.attempts.remove(hooks)
             return state
 
-    def wrapped(config: TrainConfig, call_wrapper: inprocess.CallWrapper | None = None) -> TrainSummary:
-        if call_wrapper is not None and call_wrapper.iteration > 0:
-            log.warning(
-                "in-process restart %d: resuming from the latest committed checkpoint", call_wrapper.iteration
-            )
-        attempt = call_wrapper.iteration if call_wrapper is not None else 0
-        hooks = _Hooks(config, launcher, call_wrapper, attempt, detected.pop("at", None))
-        attempts.append(hooks)
-        return _attempt(config, store, hooks)
-
     _wait_until_listening(int(os.environ[MASTER_PORT]) + 2)  # the wrapper's store, hosted by rank 0
-    wrapper = inprocess.Wrapper(
+    return inprocess.Wrapper(
         store_kwargs={"port": int(os.environ[MASTER_PORT]) + 2},
         # A rank that died (SIGKILL, OOM) is the launcher's to handle: never go on with a
         # smaller world; give up so ft_launcher restarts the whole group.
@@ -400,5 +419,3 @@ def _run_inprocess(config: TrainConfig, store: dist.Store, launcher: _LauncherCl
         monitor_process_interval=datetime.timedelta(seconds=MONITOR_PROCESS_INTERVAL_S),
         progress_watchdog_interval=datetime.timedelta(seconds=PROGRESS_WATCHDOG_INTERVAL_S),
     )
-    result = wrapper(wrapped)(config)
-    return result if isinstance(result, TrainSummary) else None

@@ -127,7 +127,7 @@ def test_off_costs_a_new_rank_no_import_of_inductor():
 
 
 def _train_one_rank(dataset_dir, workdir, deterministic: bool):
-    from trainer.loop import train
+    from trainer.loop import Trainer
 
     config = build_config(
         "tiny-cpu",
@@ -141,7 +141,8 @@ def _train_one_rank(dataset_dir, workdir, deterministic: bool):
             f"training.deterministic={str(deterministic).lower()}",
         ],
     )
-    return train(config)
+    with Trainer(config) as trainer:
+        return trainer.train()
 
 
 @pytest.mark.timeout(120)

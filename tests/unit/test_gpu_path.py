@@ -14,6 +14,7 @@ from components.train.job_scale import GPU_SCALE, trainer_overrides
 from trainer import gpu_defaults, resilience
 from trainer.config import ConfigError, ResilienceConfig, build_config
 from trainer.gpu_defaults import GPU_RESILIENCE, NCCL_ENV, apply_nccl_environment, check_timeouts
+from trainer.hooks import StepResult
 from trainer.parallelize import process_group_backend
 
 
@@ -77,6 +78,9 @@ class _Monitor:
         self.beats.append(time.monotonic())
 
 
+_STEP_1 = StepResult(step=1, loss=1.0, lr=1e-3, duration_s=0.01, grad_norm=None, stop_requested=False)
+
+
 def _hooks(limit_s: float = 60.0) -> tuple[resilience._Hooks, _Wrapper, _Monitor]:
     launcher = resilience._LauncherClient(floor_s=15.0)
     monitor = _Monitor()
@@ -90,7 +94,7 @@ def test_blocking_work_keeps_the_watchdog_and_the_launcher_alive(monkeypatch):
     monkeypatch.setattr(resilience, "KEEPALIVE_INTERVAL_S", 0.05)
     monkeypatch.setattr(resilience, "HEARTBEAT_INTERVAL_S", 0.1)
     hooks, wrapper, monitor = _hooks()
-    hooks.step_done(1)  # the attempt's first ping starts the watchdog's manual timeout
+    hooks.on_step_end(_STEP_1)  # the attempt's first ping starts the watchdog's manual timeout
     pinged, beaten = len(wrapper.pings), len(monitor.beats)
     with hooks.keepalive(), hooks.keepalive():  # nested work shares the outer thread
         time.sleep(0.6)
@@ -109,7 +113,7 @@ def test_no_ping_before_the_attempts_first_step_and_none_past_the_limit(monkeypa
     with hooks.keepalive():  # a resume before any step: heartbeats only
         time.sleep(0.2)
     assert wrapper.pings == [] and monitor.beats
-    hooks.step_done(1)
+    hooks.on_step_end(_STEP_1)
     with hooks.keepalive():
         time.sleep(0.8)  # a hung file system: signals stop at the limit
     last = wrapper.pings[-1]
