@@ -531,7 +531,6 @@ class JobKind:
     """What differs between the job types: the API, the condition that means success, the
     engine that runs it, how its pods are labelled and how its manifest is built."""
 
-    launcher: str  # the train step's `launcher` value
     kind: str
     api_version: str
     plural: str
@@ -556,7 +555,6 @@ class JobKind:
 
 JOB_KINDS = {
     "pytorchjob": JobKind(
-        launcher="pytorchjob",
         kind="PyTorchJob",
         api_version=PYTORCHJOB_API_VERSION,
         plural=PYTORCHJOB_PLURAL,
@@ -568,7 +566,6 @@ JOB_KINDS = {
         build=pytorchjob_manifest,
     ),
     "trainjob": JobKind(
-        launcher="trainjob",
         kind="TrainJob",
         api_version=TRAINJOB_API_VERSION,
         plural=TRAINJOB_PLURAL,
@@ -581,7 +578,7 @@ JOB_KINDS = {
         build=trainjob_manifest,
     ),
 }
-"""By launcher name; `job_kind_of` finds one by a manifest's `kind`."""
+"""By the train step's `launcher` value; `job_kind_of` finds one by a manifest's `kind`."""
 assert tuple(JOB_KINDS) == JOB_LAUNCHERS
 
 
