@@ -117,7 +117,7 @@ def build_pipeline(
             dataset_name: Dataset folder name under <mount>/rtp/datasets.
             model_source: S3 prefix of a Hugging Face model folder (config.json, *.safetensors, tokenizer files) to train, as s3://bucket/prefix/<model>/; staged under <mount>/rtp/models/<model>. Empty trains the built-in byte-level model. The dataset must be tokenized with this model's tokenizer (rtp prepare-data --tokenizer).
             model_init: How the Hugging Face model starts: pretrained (its weights) or random (from its config.json, for pretraining).
-            run_name: Run folder name under <mount>/rtp/runs; empty uses the KFP run id. Reuse a name to resume its checkpoints.
+            run_name: Run folder name under <mount>/rtp/runs; empty uses the KFP run id (what a recurring run needs). Reuse a name to resume its checkpoints or, with more steps, train it further; a finished one is refused otherwise.
             steps: Total training steps.
             nproc: Training processes in the train pod (GPUs per node, or CPU processes).
             checkpoint_every: Save a checkpoint every N steps.
@@ -143,7 +143,7 @@ def build_pipeline(
             instance_type: EC2 instance type of the training job's nodes (match gpu_node_selector); with EFA it decides whether GPUDirect RDMA is on (p4d, p4de, p5, p5e, p5en).
             job_cpu_per_node: CPU request of each training job pod; auto = a share of a p5.48xlarge (22.5 per GPU: 180 for 8 GPUs), none on CPU; empty = none.
             job_memory_per_node: Memory request of each training job pod; auto = 225Gi per GPU (1800Gi for 8), none on CPU; empty = none.
-            job_shm_size: Size limit of each training job pod's /dev/shm; auto = 32Gi per GPU (256Gi for 8), unbounded on CPU.
+            job_shm_size: Size limit of each training job pod's /dev/shm; auto = 40Gi per GPU (320Gi for 8), unbounded on CPU.
             job_max_restarts: ft_launcher worker-group restarts in each job pod; -1 = by GPU count (10 on GPUs, 3 on CPU).
             job_backoff_limit: Pod restarts before a PyTorchJob is Failed (a trainjob: the crash-loop restarts the train step tolerates before deleting it); -1 = by GPU count (10 on GPUs, 2 on CPU).
             job_termination_grace_s: Seconds a job pod gets after SIGTERM for its final checkpoint (ft_launcher waits 60 s less); -1 = by GPU count (600 on GPUs, 90 on CPU).

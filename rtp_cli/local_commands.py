@@ -65,7 +65,8 @@ def add_local_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--run-name",
         default="",
-        help="run folder name; reuse one to resume its checkpoints (default: local-<time>)",
+        help="run folder name; reuse one to resume its checkpoints, or to train it further with more --steps "
+        "(a finished one is refused otherwise) (default: local-<time>)",
     )
     p.add_argument(
         "--verbose",
@@ -114,7 +115,8 @@ def _check_training_options(options: LocalOptions, model_dir: str = "") -> None:
     """Fail on bad training input before any step starts (the train step would, later);
     `model_dir` is a local model folder (an s3:// one is checked when staged)."""
     from components.check_run.parameters import RunParameterError, check_run_parameters
-    from components.train.train import TrainRequest
+    from components.layout import run_dir
+    from components.train.train import FinishedRun, TrainRequest, refuse_finished_run
 
     if options.nproc < 1:
         raise UserError(f"--nproc must be at least 1, got {options.nproc}")
@@ -129,7 +131,7 @@ def _check_training_options(options: LocalOptions, model_dir: str = "") -> None:
         )
     except RunParameterError as exc:
         raise UserError(str(exc)) from None
-    TrainRequest(
+    config = TrainRequest(
         dataset_dir="<staged>",
         run_folder=Path(options.workdir),
         model_dir=model_dir,
@@ -137,3 +139,10 @@ def _check_training_options(options: LocalOptions, model_dir: str = "") -> None:
         overrides=options.overrides,
         settings=options.training,
     ).config()
+    if options.run_name:  # every `rtp local` is a new pipeline run: a finished name is another run's
+        try:
+            refuse_finished_run(
+                run_dir(Path(options.workdir) / "fsx", options.run_name), "", config.run.steps
+            )
+        except FinishedRun as exc:
+            raise UserError(str(exc)) from None

@@ -53,7 +53,7 @@ def train_model(
         dataset: the staged snapshot (its metadata holds the snapshot path).
         base_model: the staged Hugging Face model folder (metadata model_dir; empty = the built-in byte-level model).
         fsx_mount_path: where the FSx PVC is mounted in the pod.
-        run_name: run folder name; empty uses the KFP run id (a retried task resumes).
+        run_name: run folder name; empty uses the KFP run id (a retried task resumes). A name whose training finished in another run is refused unless steps is higher (it then continues).
         run_id: the KFP run id (filled in by the pipeline).
         steps: total optimizer steps.
         nproc: training processes in this pod (GPUs, or CPU processes).
@@ -102,10 +102,11 @@ def train_model(
     import time
 
     from components.layout import PIPELINE_NAME, record_step, run_dir
-    from components.train.train import TrainRequest, train_in_pod
+    from components.train.train import TrainRequest, refuse_finished_run, train_in_pod
 
     started = time.time()
     folder = run_dir(fsx_mount_path, run_name, run_id)
+    refuse_finished_run(folder, run_id, steps)
     request = TrainRequest(
         dataset_dir=dataset.metadata["snapshot_dir"],
         run_folder=folder,
@@ -199,6 +200,7 @@ def train_model(
         checkpoint=summary.checkpoint,
         model_sha256=summary.model_sha256,
         mlflow_run_id=summary.mlflow_run_id,
+        kfp_run_id=run_id,  # a later run of the same name is refused once this one finished
     )
 
 

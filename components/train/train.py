@@ -87,6 +87,40 @@ class TrainResult:
         return self.config.to_dict()["model"]
 
 
+class FinishedRun(ValueError):
+    """The run folder's training finished in another pipeline run at or past the steps asked
+    for: training it again would train nothing and register the same model again."""
+
+
+def refuse_finished_run(run_folder: Path, run_id: str, steps: int) -> None:
+    """Before training: raise FinishedRun when `run_folder` holds a training that finished
+    at `steps` or later in a KFP run other than `run_id` (a retry of the same run resumes).
+
+    The train step's record (steps/train.json) names the KFP run that wrote it; a record
+    without one (written before it was kept) counts as another run's."""
+    import json
+
+    record_path = Path(run_folder) / "steps" / "train.json"
+    try:
+        record = json.loads(record_path.read_text())
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as exc:
+        raise FinishedRun(
+            f"{record_path} cannot be read ({exc}); remove it or pick another run_name"
+        ) from exc
+    finished_in = str(record.get("kfp_run_id") or "")
+    trained = int(record.get("steps") or 0)
+    if (run_id and finished_in == run_id) or trained < steps:
+        return
+    raise FinishedRun(
+        f"run {Path(run_folder).name!r} finished training at step {trained} in "
+        f"{f'KFP run {finished_in}' if finished_in else 'an earlier pipeline run'}; training it to "
+        f"step {steps} would train nothing and register the same model again: pass a new run_name "
+        "(empty uses the KFP run id, as a recurring run should), or more steps to continue it"
+    )
+
+
 class CheckpointOutsideRun(RuntimeError):
     """The training reported a checkpoint outside its own run folder."""
 

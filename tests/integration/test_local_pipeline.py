@@ -140,3 +140,19 @@ def test_the_same_run_name_again_resumes_from_its_checkpoint(local_run, mlflow_s
     assert trained["steps"] == 14 and trained["lost_steps"] == 0
     second = json.loads((workdir / "summary.json").read_text())
     assert second["checkpoint"] == str(workdir / "fsx/rtp/runs/e2e/checkpoints/step_14")
+    # The same name a third time with no more steps would train nothing and register the same
+    # model again: refused in one line, before anything is staged.
+    refused = subprocess.run(
+        [
+            *(sys.executable, "-m", "rtp_cli.main", "local", "--workdir", str(workdir)),
+            *("--steps", "14", "--run-name", "e2e", "--mlflow-uri", mlflow_server),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "TMPDIR": str(local_tmpdir)},
+    )
+    assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
+    assert "finished training at step 14" in refused.stderr and "new run_name" in refused.stderr
+    assert "embedded S3" not in refused.stdout  # nothing was started

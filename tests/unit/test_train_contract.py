@@ -115,3 +115,26 @@ def test_pipeline_defaults_come_from_the_config():
         default = signature.parameters[param].default
         expected = named_settings()[param].default
         assert default == expected or (param == "faults" and default in ("", "none")), param
+
+
+def test_a_run_folder_finished_in_another_run_is_refused_unless_it_trains_further(tmp_path):
+    import json
+
+    from components.train.train import FinishedRun, refuse_finished_run
+
+    folder = tmp_path / "nightly"
+    refuse_finished_run(folder, "run-1", 40)  # a new folder
+    (folder / "steps").mkdir(parents=True)
+    (folder / "steps" / "train.json").write_text(json.dumps({"steps": 40, "kfp_run_id": "run-1"}))
+    refuse_finished_run(folder, "run-1", 40)  # a retry of the run that finished it resumes
+    refuse_finished_run(folder, "run-2", 60)  # more steps: it continues from its checkpoint
+    with pytest.raises(
+        FinishedRun, match=r"'nightly' finished training at step 40 in KFP run run-1.*new run_name"
+    ):
+        refuse_finished_run(folder, "run-2", 40)
+    (folder / "steps" / "train.json").write_text(json.dumps({"steps": 40}))  # no run id recorded
+    with pytest.raises(FinishedRun, match="an earlier pipeline run"):
+        refuse_finished_run(folder, "run-1", 30)
+    (folder / "steps" / "train.json").write_text("{")
+    with pytest.raises(FinishedRun, match="cannot be read"):
+        refuse_finished_run(folder, "run-1", 30)
