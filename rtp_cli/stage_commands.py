@@ -107,14 +107,15 @@ def _cmd_stage(args: argparse.Namespace) -> int:
 
 
 def add_prepare_data_parser(sub: argparse._SubParsersAction) -> None:
-    from components.stage_data.prepare_data import DEFAULT_SHARD_BYTES
+    from components.stage_data.prepare_data import DEFAULT_SHARD_BYTES, HOLDOUT_FRACTION
 
     p = sub.add_parser(
         "prepare-data",
         help="turn a text corpus into token shards (+ index.json) and upload them to S3",
-        description="Tokenize a text file or folder, pack the documents into shard-NNNNN.bin files with "
-        "an index.json (format in docs/data.md), and upload them to an S3 prefix that `rtp stage` then "
-        "stages for training. Without --tokenizer the tokens are UTF-8 bytes (the built-in byte LM); with "
+        description="Tokenize a text file or folder, pack the documents into train-NNNNN.bin and "
+        "holdout-NNNNN.bin files with an index.json (format in docs/data.md), and upload them to an S3 "
+        "prefix that `rtp stage` then stages for training. Each document goes to train or holdout by a "
+        "hash of its content, so a document keeps its side when the corpus grows and is prepared again. Without --tokenizer the tokens are UTF-8 bytes (the built-in byte LM); with "
         "--tokenizer MODEL_DIR they are that model's token ids (text, .jsonl and .parquet inputs, documents "
         "ending with its EOS, uint16 or uint32), and the index records the tokenizer's identity.",
     )
@@ -147,6 +148,13 @@ def add_prepare_data_parser(sub: argparse._SubParsersAction) -> None:
         default=DEFAULT_SHARD_BYTES / MIB,
         help="shard size in MiB (default: %(default)s)",
     )
+    p.add_argument(
+        "--holdout-fraction",
+        type=float,
+        default=HOLDOUT_FRACTION,
+        help="share of documents held out for validation, by a hash of each document's content; the "
+        "trainer and the validate step keep the split recorded here (default: %(default)s)",
+    )
     p.set_defaults(handler=_cmd_prepare_data)
 
 
@@ -161,6 +169,7 @@ def _cmd_prepare_data(args: argparse.Namespace) -> int:
         shard_bytes=int(args.shard_mib * MIB),
         tokenizer_dir=args.tokenizer,
         workers=args.workers,
+        holdout_fraction=args.holdout_fraction,
     )
     print(json.dumps(summary, indent=2))
     return 0

@@ -77,7 +77,8 @@ class DataConfig:
     0 = batch_size x world size (no accumulation). A fixed value keeps the batch and the data
     order when a run resumes on another number of ranks."""
     holdout_fraction: float = 0.1
-    """Share of the dataset's files reserved for validation, chosen deterministically by key."""
+    """Share of the dataset's files reserved for validation, chosen deterministically by key;
+    shards of `rtp prepare-data` keep the document split recorded in their index.json instead."""
     eval_windows: int = 64
     """Holdout windows the training ranks score after the last step, written to <workdir>/eval.json
     for the validate step (which then never loads the whole model); 0: no record, validate scores

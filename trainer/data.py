@@ -1,9 +1,11 @@
 """Training and holdout data from a staged dataset snapshot, with an exactly resumable position.
 
 A snapshot is a folder with `manifest.json` (written by the stage step) listing the files
-copied from S3. Files are split into train and holdout by a hash of their S3 key, so the
-split is deterministic, independent of listing order, and the same in every step of the
-pipeline. The sampler draws the global batch of step `step` from a generator seeded by
+copied from S3. Shards of `rtp prepare-data` are split by document: each document went to a
+train or a holdout shard by a hash of its content (`document_in_holdout`), recorded in
+`index.json`, so a document keeps its side when the corpus grows and is prepared again.
+Other files are split by a hash of their S3 key. Either way the split is deterministic,
+independent of listing order, and the same in every step of the pipeline. The sampler draws the global batch of step `step` from a generator seeded by
 `(seed, step)` and splits it over ranks and micro-batches: the loader's position is the step
 number and the data does not depend on the world size, so resuming at step N, on any number of
 ranks with the same `data.global_batch`, replays exactly the batches an uninterrupted run would
@@ -97,15 +99,56 @@ def check_tokenizer(dataset_dir: str | Path, tokenizer_identity: str) -> None:
         )
 
 
+def _bucket(digest: bytes) -> float:
+    return int.from_bytes(digest[:4], "big") / 2**32
+
+
 def is_holdout(key: str, holdout_fraction: float) -> bool:
-    bucket = int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "big") / 2**32
-    return bucket < holdout_fraction
+    """The split of a file that is not a prepared shard, by its S3 key."""
+    return _bucket(hashlib.sha256(key.encode()).digest()) < holdout_fraction
+
+
+class DocumentSplit:
+    """Which side of the split each document of a corpus goes to, by a hash of its content.
+
+    A document's side depends on its bytes only, so a corpus that grows between two
+    preparations keeps every document where it was: no holdout document of a later snapshot
+    was trained on in an earlier one. `fallback` (a digest) also sends that one document to
+    the holdout: what `rtp prepare-data` uses when none of a small corpus's documents fell
+    below the fraction (the smallest digest, so growing the corpus can only move it to train)."""
+
+    RULE = "sha256(document) < holdout_fraction"
+
+    def __init__(self, holdout_fraction: float, fallback: bytes | None = None) -> None:
+        if not 0.0 < holdout_fraction < 1.0:
+            raise DataError(f"holdout fraction {holdout_fraction} must be between 0 and 1 (exclusive)")
+        self.holdout_fraction = holdout_fraction
+        self.fallback = fallback
+        self.smallest: bytes | None = None  # of the documents seen, for the fallback
+        self.holdout_documents = 0
+        self.documents = 0
+
+    def in_holdout(self, document: bytes) -> bool:
+        digest = hashlib.sha256(document).digest()
+        self.documents += 1
+        if self.smallest is None or digest < self.smallest:
+            self.smallest = digest
+        held = _bucket(digest) < self.holdout_fraction or digest == self.fallback
+        self.holdout_documents += held
+        return held
+
+    def index_entry(self) -> dict[str, Any]:
+        """What index.json records of the split."""
+        return {"rule": self.RULE, "holdout_fraction": self.holdout_fraction}
 
 
 def split_files(
     dataset_dir: str | Path, holdout_fraction: float
 ) -> tuple[list[DatasetFile], list[DatasetFile]]:
-    """(train, holdout) files of a snapshot; both are non-empty when it holds >= 2 files."""
+    """(train, holdout) files of a snapshot; both are non-empty when it holds >= 2 files.
+
+    Shards whose index.json records a document split keep the sides it names
+    (`holdout_fraction` does not apply to them: it was chosen when they were prepared)."""
     root = Path(dataset_dir)
     entries = read_manifest(root)["files"]
     index = shard_index(root)
@@ -119,6 +162,8 @@ def split_files(
         key=lambda f: f.key,
     )
     files = [f for f in files if f.size > 0 and f.key.rsplit("/", 1)[-1] != SHARD_INDEX_NAME]
+    if index and "split" in index:
+        return _recorded_split(root, files, index)
     if len(files) < 2:
         raise DataError(f"{root} holds {len(files)} non-empty file(s); need at least 2 (train + holdout)")
     holdout = [f for f in files if is_holdout(f.key, holdout_fraction)]
@@ -128,6 +173,23 @@ def split_files(
         holdout = holdout[:-1]
     held = {f.key for f in holdout}
     return [f for f in files if f.key not in held], holdout
+
+
+def _recorded_split(
+    root: Path, files: list[DatasetFile], index: dict[str, Any]
+) -> tuple[list[DatasetFile], list[DatasetFile]]:
+    """The sides index.json gives its shards; files it does not list (shards of an earlier
+    preparation left under the same prefix) are not read."""
+    side = {str(shard["name"]): shard.get("split") for shard in index.get("shards", [])}
+    train = [f for f in files if side.get(f.key.rsplit("/", 1)[-1]) == "train"]
+    holdout = [f for f in files if side.get(f.key.rsplit("/", 1)[-1]) == "holdout"]
+    if not train or not holdout:
+        raise DataError(
+            f"{root}: index.json splits its shards by document but the snapshot holds "
+            f"{len(train)} train and {len(holdout)} holdout shard(s); stage the whole prefix "
+            "`rtp prepare-data` uploaded"
+        )
+    return train, holdout
 
 
 def load_tokens(files: list[DatasetFile]) -> TokenStream:

@@ -1,12 +1,14 @@
 """`rtp prepare-data`: turn a text corpus into the token shards the trainer reads, and upload them.
 
 The trainer's model is byte-level, so a token is one byte (vocabulary 256, dtype uint8)
-and tokenizing is encoding the text as UTF-8. Documents (one per input file) are packed
-in sorted path order into shards of at most `shard_bytes` tokens, each document followed
-by one newline token, never split across shards. Next to the shards, `index.json` names
-the format and lists every shard with its token count, document count and SHA-256; the
-stage step copies both, and the trainer reads the shards listed in the snapshot manifest
-(it skips `index.json`). The format is described in docs/data.md.
+and tokenizing is encoding the text as UTF-8. Each document (one per input file) goes to
+the train or the holdout side by a hash of its content (`trainer.data.DocumentSplit`: a
+document keeps its side when the corpus grows), and is packed in sorted path order into
+that side's shards (`train-NNNNN.bin`, `holdout-NNNNN.bin`) of at most `shard_bytes`
+tokens, followed by one newline token, never split across shards. Next to the shards,
+`index.json` names the format and the split rule and lists every shard with its side,
+token count, document count and SHA-256; the stage step copies both, and the trainer reads
+the shards the index lists (it skips `index.json`). The format is described in docs/data.md.
 
 With a model folder's tokenizer (`tokenizer_dir`, `rtp prepare-data --tokenizer`) the
 shards hold that tokenizer's ids instead (format version 2, written by
@@ -16,31 +18,26 @@ across files with a progress bar, documents ending with the tokenizer's EOS.
 
 from __future__ import annotations
 
-import hashlib
 import json
-from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported where shards are written: `rtp --help` loads this module
+    from trainer.data import DocumentSplit
+    from trainer.tokenized_data import ShardWriter
 
 SHARD_INDEX_NAME = "index.json"
 FORMAT = "rtp-token-shards"
 FORMAT_VERSION = 1
 DEFAULT_SHARD_BYTES = 64 * 2**20
+HOLDOUT_FRACTION = 0.1
+"""Share of documents held out by default: `data.holdout_fraction`'s default (a test checks)."""
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".json", ".jsonl", ".rst", ".csv", ".html", ".xml", "")
 
 
 class PrepareError(ValueError):
     """The corpus or the destination cannot be used; the message says what to do."""
-
-
-@dataclass(frozen=True, slots=True)
-class Shard:
-    name: str
-    tokens: int
-    documents: int
-    sha256: str
 
 
 def corpus_documents(source: Path) -> list[tuple[str, Path]]:
@@ -61,47 +58,41 @@ def corpus_documents(source: Path) -> list[tuple[str, Path]]:
     return files
 
 
-def pack_shards(documents: Iterable[bytes], shard_bytes: int) -> Iterable[tuple[bytes, int]]:
-    """Pack documents (each + b"\\n") into shards of at most `shard_bytes`; yields (shard, documents)."""
+def write_shards(
+    source: Path,
+    out_dir: Path,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    holdout_fraction: float = HOLDOUT_FRACTION,
+) -> dict[str, Any]:
+    """Write train-/holdout-NNNNN.bin files and index.json into `out_dir`; returns the index."""
+    return write_document_shards(corpus_documents(source), out_dir, shard_bytes, holdout_fraction)
+
+
+def write_document_shards(
+    docs: list[tuple[str, Path]], out_dir: Path, shard_bytes: int, holdout_fraction: float = HOLDOUT_FRACTION
+) -> dict[str, Any]:
+    from trainer.data import DataError
+    from trainer.tokenized_data import split_and_pack
+
     if shard_bytes < 1:
         raise PrepareError("--shard-mib must be positive")
-    buffer = bytearray()
-    count = 0
-    for document in documents:
-        record = document + b"\n"
-        if buffer and len(buffer) + len(record) > shard_bytes:
-            yield bytes(buffer), count
-            buffer, count = bytearray(), 0
-        buffer += record  # a document longer than a shard gets a shard of its own
-        count += 1
-    if buffer:
-        yield bytes(buffer), count
-
-
-def write_shards(source: Path, out_dir: Path, shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict[str, Any]:
-    """Write shard-NNNNN.bin files and index.json into `out_dir`; returns the index."""
-    return write_document_shards(corpus_documents(source), out_dir, shard_bytes)
-
-
-def write_document_shards(docs: list[tuple[str, Path]], out_dir: Path, shard_bytes: int) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     # An index left by an earlier run would vouch for shards this run is about to replace.
     (out_dir / SHARD_INDEX_NAME).unlink(missing_ok=True)
 
-    def texts() -> Iterable[bytes]:
+    def write(writer: ShardWriter, split: DocumentSplit) -> None:
         for name, path in docs:
             data = path.read_bytes()
             try:
                 data.decode("utf-8")
             except UnicodeDecodeError as exc:
                 raise PrepareError(f"{name} is not UTF-8 text ({exc}); convert it or leave it out") from exc
-            yield data
+            writer.add(data + b"\n", split.in_holdout(data))
 
-    shards = []
-    for number, (data, count) in enumerate(pack_shards(texts(), shard_bytes)):
-        name = f"shard-{number:05d}.bin"
-        (out_dir / name).write_bytes(data)
-        shards.append(Shard(name, len(data), count, hashlib.sha256(data).hexdigest()))
+    try:
+        shards, split = split_and_pack(write, out_dir, shard_bytes, holdout_fraction)
+    except DataError as exc:
+        raise PrepareError(str(exc)) from None
     index = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -109,11 +100,10 @@ def write_document_shards(docs: list[tuple[str, Path]], out_dir: Path, shard_byt
         "vocab_size": 256,
         "dtype": "uint8",
         "document_separator": 10,
-        "documents": sum(s.documents for s in shards),
-        "tokens": sum(s.tokens for s in shards),
-        "shards": [
-            {"name": s.name, "tokens": s.tokens, "documents": s.documents, "sha256": s.sha256} for s in shards
-        ],
+        "documents": sum(s["documents"] for s in shards),
+        "tokens": sum(s["tokens"] for s in shards),
+        "split": split.index_entry(),
+        "shards": shards,
     }
     (out_dir / SHARD_INDEX_NAME).write_text(json.dumps(index, indent=1))
     return index
@@ -201,7 +191,12 @@ def check_tokenizer_dir(tokenizer_dir: Path) -> None:
 
 
 def write_tokenizer_shards(
-    source: Path, out_dir: Path, tokenizer_dir: Path, shard_bytes: int, workers: int = 0
+    source: Path,
+    out_dir: Path,
+    tokenizer_dir: Path,
+    shard_bytes: int,
+    workers: int = 0,
+    holdout_fraction: float = HOLDOUT_FRACTION,
 ) -> dict[str, Any]:
     """Shards of the tokenizer's ids (trainer/tokenized_data.py), with a progress bar on stderr."""
     import os
@@ -226,6 +221,7 @@ def write_tokenizer_shards(
             shard_bytes,
             workers=workers or min(8, os.cpu_count() or 1),
             progress=file_done,
+            holdout_fraction=holdout_fraction,
         )
     finally:
         progress.close()
@@ -239,15 +235,20 @@ def prepare_data(
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     tokenizer_dir: str = "",
     workers: int = 0,
+    holdout_fraction: float = HOLDOUT_FRACTION,
 ) -> dict[str, Any]:
     """Shard `source` (bytes, or the ids of the tokenizer in `tokenizer_dir`) into `out_dir`
     and upload the shards to `destination` when given; returns a summary."""
     if shard_bytes < 1 or workers < 0:
         raise PrepareError("--shard-mib must be positive and --workers at least 0")
+    if not 0.0 < holdout_fraction < 1.0:
+        raise PrepareError(f"--holdout-fraction must be between 0 and 1 (exclusive), got {holdout_fraction}")
     if tokenizer_dir:
-        index = write_tokenizer_shards(Path(source), Path(out_dir), Path(tokenizer_dir), shard_bytes, workers)
+        index = write_tokenizer_shards(
+            Path(source), Path(out_dir), Path(tokenizer_dir), shard_bytes, workers, holdout_fraction
+        )
     else:
-        index = write_shards(Path(source), Path(out_dir), shard_bytes)
+        index = write_shards(Path(source), Path(out_dir), shard_bytes, holdout_fraction)
     uploaded = 0
     if destination:
         from components.stage_data.s3_clients import s3_client
@@ -260,6 +261,7 @@ def prepare_data(
         "destination": destination,
         "shards": len(index["shards"]),
         "documents": index["documents"],
+        "holdout_documents": sum(s["documents"] for s in index["shards"] if s["split"] == "holdout"),
         "tokens": index["tokens"],
         "tokenizer": index["tokenizer"],
         "dtype": index["dtype"],

@@ -44,7 +44,7 @@ from components.validate_checkpoint.checks import (
 from components.validate_checkpoint.scoring import HoldoutScore, champion_windows, score_windows
 from trainer.checkpointing import storage
 from trainer.config import ModelConfig, TrainConfig
-from trainer.data import TokenStream, holdout_batches, load_tokens, split_files
+from trainer.data import TokenStream, holdout_batches, load_tokens, shard_index, split_files
 from trainer.evaluation import EVAL_RECORD, holdout_identity, read_eval_record
 from trainer.models import model_spec
 
@@ -405,10 +405,13 @@ def validate_checkpoint(
     windows = config.data.eval_windows or DEFAULT_WINDOWS
     batches = holdout_batches(tokens, config.model.seq_len, max_windows=windows)
     identity = holdout_identity(holdout, batches, config.model.seq_len)
-    checks.append(
-        f"holdout split: {files} file(s), {tokens.numel()} tokens, chosen by key hash from the "
-        f"snapshot manifest (holdout_fraction {config.data.holdout_fraction}); never trained on"
+    index = shard_index(dataset_dir)
+    rule = (
+        f"by document content when the data was prepared (holdout fraction {index['split']['holdout_fraction']})"
+        if index and "split" in index
+        else f"by key hash from the snapshot manifest (holdout_fraction {config.data.holdout_fraction})"
     )
+    checks.append(f"holdout split: {files} file(s), {tokens.numel()} tokens, chosen {rule}; never trained on")
     score, scored_by, used_record = None, "validate", None
     if eval_record is None:
         paths = _record_candidates(checkpoint_dir, config)

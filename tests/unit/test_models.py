@@ -16,7 +16,7 @@ import torch
 
 from tests.hf_tiny import ARCHITECTURES, train_tokenizer, write_corpus, write_tiny_model, write_token_snapshot
 from trainer.config import ConfigError, ModelConfig, build_config, resolve_config
-from trainer.data import DataError, check_tokenizer, load_tokens, split_files
+from trainer.data import DataError, DocumentSplit, check_tokenizer, load_tokens, split_files
 from trainer.models import ModelError, model_spec
 from trainer.tokenized_data import read_documents, token_dtype
 
@@ -221,9 +221,15 @@ def test_token_shards_record_the_tokenizer_and_train_the_model(tiny_models, tmp_
     tokenizer = model_spec("hf").tokenizer(hf_config(model_dir))
     assert index["tokenizer"] == tokenizer.identity and index["dtype"] == "uint16"
     assert index["documents"] == 40 and len(index["shards"]) >= 3
-    shard = np.frombuffer((snapshot / "files" / "shard-00000.bin").read_bytes(), dtype="<u2")
+    first_text = (corpus / "doc-000.txt").read_text()
+    side = (
+        "holdout"
+        if DocumentSplit(index["split"]["holdout_fraction"]).in_holdout(first_text.encode())
+        else "train"
+    )
+    shard = np.frombuffer((snapshot / "files" / f"{side}-00000.bin").read_bytes(), dtype="<u2")
     first_document = shard[: list(shard).index(tokenizer.eos_id)]
-    assert tokenizer.decode(first_document.tolist()) == (corpus / "doc-000.txt").read_text()
+    assert tokenizer.decode(first_document.tolist()) == first_text  # the first of its side
 
     check_tokenizer(snapshot, tokenizer.identity)  # the same tokenizer: accepted
     train, _ = split_files(snapshot, 0.2)

@@ -16,6 +16,7 @@ from rtp_cli.errors import UserError
 from rtp_cli.local_model import plan_model_run
 from rtp_cli.main import main
 from tests.hf_tiny import CORPUS, write_corpus, write_tiny_model
+from trainer.data import DocumentSplit
 from trainer.models.hf_causal_lm import HFTokenizer
 
 pytestmark = pytest.mark.timeout(120)
@@ -58,16 +59,21 @@ def test_text_jsonl_and_parquet_become_eos_separated_uint16_ids(tiny_llama, tmp_
     assert index["dtype"] == "uint16" and index["vocab_size"] == tokenizer.vocab_size
     assert index["document_separator"] == tokenizer.eos_id
     assert index["documents"] == 40 and len(index["shards"]) > 1
-    decoded = []
+    decoded: dict[str, list[str]] = {"train": [], "holdout": []}
     for shard in index["shards"]:
         ids = np.frombuffer((out / shard["name"]).read_bytes(), dtype="<u2")
         assert len(ids) == shard["tokens"]
         assert 2 * len(ids) <= int(2**20 * 0.001) or shard["documents"] == 1, "shards keep to --shard-mib"
         documents = documents_of(ids, tokenizer.eos_id)
         assert len(documents) == shard["documents"]
-        decoded += [tokenizer.decode(doc) for doc in documents]
-    # text files (one document each), then the .jsonl lines, then the .parquet rows: corpus order
-    assert decoded == [f"{CORPUS[i % len(CORPUS)]}document {i}\n" for i in range(40)]
+        decoded[shard["split"]] += [tokenizer.decode(doc) for doc in documents]
+    # text files (one document each), then the .jsonl lines, then the .parquet rows: corpus
+    # order within each side, and each document on the side its content hashes to
+    texts = [f"{CORPUS[i % len(CORPUS)]}document {i}\n" for i in range(40)]
+    split = DocumentSplit(index["split"]["holdout_fraction"])
+    held = [split.in_holdout(text.encode()) for text in texts]
+    assert decoded["holdout"] == [t for t, h in zip(texts, held, strict=True) if h] and decoded["holdout"]
+    assert decoded["train"] == [t for t, h in zip(texts, held, strict=True) if not h]
 
     listing = s3_client(s3_endpoint).list_objects_v2(Bucket="tokens", Prefix="corpus/")
     keys = sorted(obj["Key"].removeprefix("corpus/") for obj in listing["Contents"])
@@ -102,8 +108,8 @@ def test_a_vocabulary_over_65536_tokens_stores_uint32_ids(tmp_path):
 
     index = read_index(out)
     assert index["dtype"] == "uint32" and index["vocab_size"] == 70_000
-    ids = np.frombuffer((out / "shard-00000.bin").read_bytes(), dtype="<u4").tolist()
-    assert ids == [69999, 5, 65537, 0, 2, 65536, 0]  # ids above 65535 survive
+    shards = [np.frombuffer((out / s["name"]).read_bytes(), dtype="<u4").tolist() for s in index["shards"]]
+    assert sorted(shards) == [[2, 65536, 0], [69999, 5, 65537, 0]]  # ids above 65535 survive
 
 
 def test_without_a_tokenizer_the_byte_format_is_unchanged(tmp_path):
@@ -115,7 +121,8 @@ def test_without_a_tokenizer_the_byte_format_is_unchanged(tmp_path):
     assert prepare("--corpus", str(corpus), "--out-dir", str(out)) == 0
     index = read_index(out)
     assert (index["version"], index["tokenizer"], index["dtype"]) == (1, "bytes", "uint8")
-    assert (out / "shard-00000.bin").read_bytes() == b"first\nsecond = 2\n\n"
+    shards = sorted((out / s["name"]).read_bytes() for s in index["shards"])
+    assert shards == [b"first\n", b"second = 2\n\n"]  # two documents: one on each side
 
 
 @pytest.mark.parametrize(

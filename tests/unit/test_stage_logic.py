@@ -16,7 +16,7 @@ from components.stage_data.checksums import (
     verify_file,
     verify_file_any_part_size,
 )
-from components.stage_data.prepare_data import SHARD_INDEX_NAME, pack_shards, write_shards
+from components.stage_data.prepare_data import SHARD_INDEX_NAME, write_shards
 from components.stage_data.progress import Progress, format_progress
 from components.stage_data.settings import TransferSettings, backoff_s
 from components.stage_data.snapshot_store import MANIFEST_NAME, SnapshotStore, read_manifest, relative_paths
@@ -113,9 +113,28 @@ def test_manifest_name_matches_the_trainer():
     assert (MANIFEST_NAME, SHARD_INDEX_NAME) == (TRAINER_MANIFEST, TRAINER_INDEX)
 
 
-def test_pack_shards_keeps_documents_whole():
-    shards = list(pack_shards([b"a" * 5, b"b" * 5, b"c" * 20, b"d"], shard_bytes=12))
-    assert shards == [(b"aaaaa\nbbbbb\n", 2), (b"c" * 20 + b"\n", 1), (b"d\n", 1)]
+def test_the_shard_writer_keeps_documents_whole_and_each_side_apart(tmp_path):
+    from trainer.tokenized_data import ShardWriter
+
+    writer = ShardWriter(tmp_path, shard_bytes=12)
+    for record, holdout in [
+        (b"aaaaa\n", False),
+        (b"xx\n", True),
+        (b"bbbbb\n", False),
+        (b"c" * 20 + b"\n", False),
+    ]:
+        writer.add(record, holdout)
+    writer.add(b"d\n", False)
+    shards = writer.close()
+    assert [(s["name"], s["documents"], s["split"]) for s in shards] == [
+        ("train-00000.bin", 2, "train"),
+        ("train-00001.bin", 1, "train"),
+        ("holdout-00000.bin", 1, "holdout"),
+        ("train-00002.bin", 1, "train"),
+    ]
+    assert (tmp_path / "train-00000.bin").read_bytes() == b"aaaaa\nbbbbb\n"
+    assert (tmp_path / "train-00001.bin").read_bytes() == b"c" * 20 + b"\n"
+    assert (tmp_path / "holdout-00000.bin").read_bytes() == b"xx\n"
 
 
 def test_prepared_shards_stage_from_a_local_folder_and_train(tmp_path):
