@@ -17,6 +17,7 @@ from rtp_cli.bench_commands import add_bench_parser
 from rtp_cli.checkpoint_commands import add_register_parser, add_validate_parser
 from rtp_cli.compile_commands import add_compile_parser
 from rtp_cli.errors import UserError
+from rtp_cli.gc_commands import add_gc_parser
 from rtp_cli.job_commands import add_render_job_parser
 from rtp_cli.kfp_commands import add_kfp_parsers
 from rtp_cli.local_commands import add_local_parser
@@ -34,6 +35,7 @@ EPILOG = """examples:
   rtp run --host http://127.0.0.1:8888 --version latest --param steps=200 --wait
   rtp schedule --host http://127.0.0.1:8888 --name nightly --cron "0 3 * * *"
   rtp render-job --mode pytorchjob --nnodes 2 --gpus-per-node 8 --nproc-per-node 8 --efa-per-node 32
+  rtp gc --fsx-mount-path /fsx --keep 5  # what old run folders would go (add --apply to remove them)
 """
 
 
@@ -59,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_bench_parser,
         add_kfp_parsers,
         add_render_job_parser,
+        add_gc_parser,
     ):
         add(sub)
     return parser
@@ -66,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 USER_ERRORS = (
     ("components.mlflow_access", "RegistryUnavailable"),
+    ("components.retention", "RetentionError"),
     ("components.register_model.bundle", "BundleError"),
     ("components.register_model.register", "RegistrationError"),
     ("components.stage_data.prepare_data", "PrepareError"),

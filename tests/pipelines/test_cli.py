@@ -35,7 +35,15 @@ SUBCOMMANDS = {
         "--dataset-dir",
     ],
     "stage": ["--source", "--fsx-mount-path"],
-    "prepare-data": ["--corpus", "--out-dir", "--dest", "--shard-mib", "--tokenizer", "--workers"],
+    "prepare-data": [
+        "--corpus",
+        "--out-dir",
+        "--dest",
+        "--shard-mib",
+        "--tokenizer",
+        "--workers",
+        "--holdout-fraction",
+    ],
     "make-tiny-model": ["OUT_DIR", "--arch", "--vocab-size", "--seed"],
     "validate": ["--checkpoint", "--dataset-dir", "--max-loss"],
     "register": ["--checkpoint", "--model-name", "--alias"],
@@ -53,6 +61,14 @@ SUBCOMMANDS = {
         "--delete",
     ],
     "runs": ["--host", "--experiment", "--limit", "--fsx-mount-path"],
+    "gc": [
+        "--fsx-mount-path",
+        "--keep",
+        "--active-within-hours",
+        "--apply",
+        "--without-registry",
+        "--mlflow-uri",
+    ],
 }
 
 
