@@ -109,7 +109,7 @@ def run_of_checkpoint(checkpoint_uri: str) -> str:
 
 
 def aliased_runs(client: Any) -> dict[str, str]:
-    """Run name -> 'model vN (alias)' for every registered version that has an alias."""
+    """Run name -> why it is kept ('registered as <model> vN (alias)') for every version with an alias."""
     from components.mlflow_access import call_with_retries
 
     found: dict[str, str] = {}
@@ -121,7 +121,7 @@ def aliased_runs(client: Any) -> dict[str, str]:
             )
             run = run_of_checkpoint(str((detail.tags or {}).get(CHECKPOINT_TAG, "")))
             if run:
-                found.setdefault(run, f"{model.name} v{version} ({alias})")
+                found.setdefault(run, f"registered as {model.name} v{version} ({alias})")
     return found
 
 
@@ -143,7 +143,7 @@ def plan_retention(
     active_within_s: float = DEFAULT_ACTIVE_WITHIN_S,
     now: float | None = None,
 ) -> RetentionPlan:
-    """What stays and what may go; `protected` maps run names to why (a live alias)."""
+    """What stays and what may go; `protected` maps run names to why they stay (a live alias)."""
     if keep_newest < 0 or active_within_s < 0:
         raise RetentionError("--keep and --active-within-hours must be at least 0")
     now = time.time() if now is None else now
@@ -151,7 +151,7 @@ def plan_retention(
     newest = sorted(runs, key=lambda run: run.changed_at, reverse=True)
     for rank, run in enumerate(newest):
         if run.name in protected:
-            plan.keep.append((run, f"a registered version came from it: {protected[run.name]}"))
+            plan.keep.append((run, protected[run.name]))
         elif now - run.changed_at < active_within_s:
             plan.keep.append(
                 (run, f"changed {(now - run.changed_at) / 3600:.1f} h ago: it may still be going")

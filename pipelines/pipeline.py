@@ -20,6 +20,7 @@ from components.check_run.component import check_run
 from components.cleanup_jobs.component import cleanup_training_jobs
 from components.layout import PIPELINE_NAME
 from components.register_model.component import register_model
+from components.retain_runs.component import retain_runs
 from components.stage_data.component import stage_data
 from components.stage_model.component import stage_model
 from components.train.component import train_model
@@ -70,6 +71,7 @@ def build_pipeline(
     train_op = as_component(train_model, image)
     validate_op = as_component(validate_checkpoint, image)
     register_op = as_component(register_model, image)
+    retain_op = as_component(retain_runs, image)
 
     def rtp_pipeline(
         source: str = DEFAULT_SOURCE,
@@ -89,6 +91,7 @@ def build_pipeline(
         max_loss: float = 4.0,
         min_improvement: float = 0.0,
         model_name: str = DEFAULT_MODEL_NAME,
+        keep_runs: int = 0,
         launcher: str = launcher,
         nnodes: int = 1,
         gpus_per_node: int = 0,
@@ -128,6 +131,7 @@ def build_pipeline(
             faults: Faults to inject for a chaos drill, 'KIND@STEP[:RANK]' separated by commas (KIND: exception, hang, sigkill, sigkill-during-save, slow-save); 'none' for a normal run.
             max_loss: Highest holdout loss (nats per byte) a model may have to be registered.
             min_improvement: How much lower than the current champion's holdout loss a model's must be to become champion; otherwise it is registered as challenger.
+            keep_runs: After registering, remove old run folders from the volume but the newest keep_runs, those a registered version with an alias came from and those changed in the last 48 h (rtp gc's rule); 0 removes nothing. Set it on a schedule.
             model_name: Registered model name in MLflow.
             launcher: Where the ranks run: inpod (in the train step's pod), pytorchjob (a Kubeflow Training Operator PyTorchJob) or trainjob (a Kubeflow Trainer v2 TrainJob).
             nnodes: Nodes (pods) of a pytorchjob or trainjob, each running nproc processes.
@@ -257,11 +261,18 @@ def build_pipeline(
                 )
                 _retry_with_backoff(register)
                 platform.use_mlflow_secret(register, mlflow_secret_name)
+                # Last: once the new version's alias is set, its run is one a live alias came from.
+                retain = retain_op(**run_folder, keep_runs=keep_runs).set_display_name(
+                    "Remove old run folders from FSx"
+                )
+                retain.after(register)
+                retain.set_caching_options(False)
+                platform.use_mlflow_secret(retain, mlflow_secret_name)
             # Validate scores the current champion from MLflow: it needs the same credentials.
             platform.use_mlflow_secret(validate, mlflow_secret_name)
             platform.size_model_step(validate, "validate", options)
             platform.size_model_step(register, "register", options)
-            for task in (stage, base_model, train, validate, register):
+            for task in (stage, base_model, train, validate, register, retain):
                 platform.mount_fsx(task, fsx_pvc_name, options)
                 platform.apply_common(task, options)
 

@@ -22,6 +22,7 @@ def check_run(
     faults: str,
     model_init: str,
     model_name: str,
+    keep_runs: int,
     launcher: str,
     nproc: int,
     nnodes: int,
@@ -48,6 +49,7 @@ def check_run(
         faults: the pipeline's faults parameter.
         model_init: the pipeline's model_init parameter.
         model_name: the pipeline's model_name parameter.
+        keep_runs: the pipeline's keep_runs parameter.
         launcher: the pipeline's launcher parameter.
         nproc: the pipeline's nproc parameter.
         nnodes: the pipeline's nnodes parameter.

@@ -133,7 +133,7 @@ def test_rtp_gc_keeps_the_champions_run_and_removes_only_with_apply(
 
     assert main([*args, "--apply"]) == 0
     out = capsys.readouterr().out
-    assert f"keep    night-1: a registered version came from it: {model} v{versions[0]} (champion)" in out
+    assert f"keep    night-1: registered as {model} v{versions[0]} (champion)" in out
     assert sorted(p.name for p in (mount / "rtp" / "runs").iterdir()) == ["night-1", "night-4"]
 
 
@@ -147,3 +147,28 @@ def test_rtp_gc_without_mlflow_says_how_to_go_on(tmp_path, monkeypatch, capsys):
     assert "1 of 1 run(s) to remove" in capsys.readouterr().out
     assert main(["gc", "--fsx-mount-path", str(tmp_path / "nothing")]) == 2
     assert "is the shared volume mounted" in capsys.readouterr().err
+
+
+def test_the_pipeline_step_keeps_its_own_run_and_does_nothing_at_keep_runs_0(
+    tmp_path, mlflow_server, monkeypatch
+):
+    from types import SimpleNamespace
+
+    from components.retain_runs.component import retain_runs
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    mlflow.set_tracking_uri(mlflow_server)
+    mount = tmp_path / "fsx"
+    for index, name in enumerate(["old-1", "old-2", "tonight"]):
+        _make_run(mount, name, 24 * (10 - index))  # tonight's folder looks old: it is kept as this run
+    report = SimpleNamespace(path=str(tmp_path / "report.md"))
+    retain_runs(str(mount), "tonight", "kfp-run-1", 0, report)
+    assert "Retention is off" in Path(report.path).read_text()
+    assert len(list((mount / "rtp" / "runs").iterdir())) == 3
+
+    retain_runs(str(mount), "tonight", "kfp-run-1", 1, report)  # the newest run is tonight's
+    assert sorted(p.name for p in (mount / "rtp" / "runs").iterdir()) == ["tonight"]
+    text = Path(report.path).read_text()
+    assert "| tonight | this run |" in text and "old-1, old-2" in text
+    record = json.loads((mount / "rtp" / "runs" / "tonight" / "steps" / "retain_runs.json").read_text())
+    assert record["removed"] == ["old-1", "old-2"] and record["freed_bytes"] == 2 * (1000 + 2)

@@ -54,8 +54,9 @@ def test_every_parameter_is_typed_with_default_and_description(compiled):
 
 def test_components_run_on_the_project_image_without_installing_kfp(compiled, tmp_path):
     executors = _documents(compiled)[0]["deploymentSpec"]["executors"]
-    # check, stage data, stage model, train, validate, register, and the exit handler's cleanup
-    assert len(executors) == 7
+    # check, stage data, stage model, train, validate, register, retain runs, and the exit
+    # handler's cleanup
+    assert len(executors) == 8
     for executor in executors.values():
         container = executor["container"]
         assert container["image"] == DEFAULT_IMAGE

@@ -20,7 +20,13 @@ from components.train.jobs import LAUNCHERS
 from pipelines.pipeline import compile_pipeline
 from pipelines.platform import PlatformOptions
 
-STEPS = ("exec-stage-data", "exec-train-model", "exec-validate-checkpoint", "exec-register-model")
+STEPS = (
+    "exec-stage-data",
+    "exec-train-model",
+    "exec-validate-checkpoint",
+    "exec-register-model",
+    "exec-retain-runs",
+)
 
 
 def _compile(tmp_path: Path, **kwargs) -> tuple[dict, dict, str]:
@@ -102,7 +108,7 @@ def test_trainer_gets_shm_gpu_scheduling_and_resources(compiled):
         assert "emptyDirMounts" not in _executors(platform_spec)[name]
 
 
-def test_mlflow_credentials_come_from_a_secret_only_in_train_validate_and_register(compiled):
+def test_mlflow_credentials_come_from_a_secret_only_in_train_validate_register_and_retain(compiled):
     """Train logs live metrics, validate scores the current champion and register writes the
     model: the three need MLflow. The train step also gets the secret's name, for a training
     job's pods (where rank 0 runs with a job launcher) to read the same secret."""
@@ -112,7 +118,7 @@ def test_mlflow_credentials_come_from_a_secret_only_in_train_validate_and_regist
         "componentInputParameter": "pipelinechannel--mlflow_secret_name"
     }
     executors = _executors(platform_spec)
-    for name in ("exec-register-model", "exec-train-model", "exec-validate-checkpoint"):
+    for name in ("exec-register-model", "exec-retain-runs", "exec-train-model", "exec-validate-checkpoint"):
         (secret,) = executors[name]["secretAsEnv"]
         assert (
             secret["secretNameParameter"]["componentInputParameter"] == "pipelinechannel--mlflow_secret_name"
@@ -124,6 +130,7 @@ def test_mlflow_credentials_come_from_a_secret_only_in_train_validate_and_regist
         }
     assert sorted(name for name, config in executors.items() if "secretAsEnv" in config) == [
         "exec-register-model",
+        "exec-retain-runs",
         "exec-train-model",
         "exec-validate-checkpoint",
     ]

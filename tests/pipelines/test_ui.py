@@ -25,9 +25,9 @@ def _task_names(spec: dict) -> list[str]:
 
 def test_every_task_name_reads_as_a_sentence(spec):
     names = _task_names(spec)
-    # check, stage data, stage model, train, validate, the condition, register, the exit
-    # handler's group and its cleanup
-    assert len(names) == 9
+    # check, stage data, stage model, train, validate, the condition, register, retain runs,
+    # the exit handler's group and its cleanup
+    assert len(names) == 10
     for name in names:
         words = name.split()
         assert len(words) >= 4, f"{name!r} is too short to say what happens"
