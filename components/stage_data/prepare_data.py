@@ -243,6 +243,14 @@ def prepare_data(
         raise PrepareError("--shard-mib must be positive and --workers at least 0")
     if not 0.0 < holdout_fraction < 1.0:
         raise PrepareError(f"--holdout-fraction must be between 0 and 1 (exclusive), got {holdout_fraction}")
+    client, bucket, prefix = None, "", ""
+    if destination:  # before the corpus is read: a missing bucket must not cost a tokenization
+        from components.stage_data.s3_clients import s3_client
+        from components.stage_data.source import parse_s3_uri
+
+        bucket, prefix = parse_s3_uri(destination)
+        client = s3_client(endpoint_url)
+        check_destination_bucket(client, bucket)
     if tokenizer_dir:
         index = write_tokenizer_shards(
             Path(source), Path(out_dir), Path(tokenizer_dir), shard_bytes, workers, holdout_fraction
@@ -250,12 +258,8 @@ def prepare_data(
     else:
         index = write_shards(Path(source), Path(out_dir), shard_bytes, holdout_fraction)
     uploaded = 0
-    if destination:
-        from components.stage_data.s3_clients import s3_client
-        from components.stage_data.source import parse_s3_uri
-
-        bucket, prefix = parse_s3_uri(destination)
-        uploaded = upload_shards(s3_client(endpoint_url), Path(out_dir), bucket, prefix, create_bucket=False)
+    if client is not None:
+        uploaded = upload_shards(client, Path(out_dir), bucket, prefix, create_bucket=False)
     return {
         "out_dir": out_dir,
         "destination": destination,

@@ -190,11 +190,13 @@ def test_prepare_data_never_creates_the_destination_bucket(s3_endpoint, tmp_path
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "a.txt").write_text("some text\n" * 50)
+    (corpus / "b.txt").write_text("other text\n" * 50)
     args = ["prepare-data", "--corpus", str(corpus), "--out-dir", str(tmp_path / "shards")]
     dest = ["--dest", "s3://rtp-absent-dest/corpus/", "--endpoint-url", s3_endpoint]
     assert main([*args, *dest]) != 0
     err = capsys.readouterr().err
     assert "rtp-absent-dest" in err and "does not exist" in err and "create it first" in err
+    assert not (tmp_path / "shards").exists()  # checked before the corpus was read
     client = s3_client(s3_endpoint)
     assert "rtp-absent-dest" not in [b["Name"] for b in client.list_buckets()["Buckets"]]
     client.create_bucket(Bucket="rtp-present-dest")
