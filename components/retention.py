@@ -176,3 +176,18 @@ def remove(plan: RetentionPlan, mount: str | Path) -> list[str]:
         shutil.rmtree(marked)
         removed.append(run.name)
     return removed
+
+
+def collect(
+    mount: str | Path,
+    protected: dict[str, str],
+    *,
+    keep_newest: int = DEFAULT_KEEP_NEWEST,
+    active_within_s: float = DEFAULT_ACTIVE_WITHIN_S,
+    apply: bool = False,
+) -> tuple[RetentionPlan, list[str]]:
+    """Scan, plan and (with `apply`) remove: `rtp gc` and the pipeline's retain-runs step."""
+    plan = plan_retention(
+        scan_runs(mount), protected, keep_newest=keep_newest, active_within_s=active_within_s
+    )
+    return plan, (remove(plan, mount) if apply else [])

@@ -69,13 +69,13 @@ def _cmd_gc(args: argparse.Namespace) -> int:
         import mlflow
 
         protected = retention.aliased_runs(mlflow.MlflowClient())
-    plan = retention.plan_retention(
-        retention.scan_runs(args.fsx_mount_path),
+    plan, removed = retention.collect(
+        args.fsx_mount_path,
         protected,
         keep_newest=args.keep,
         active_within_s=args.active_within_hours * 3600,
+        apply=args.apply,
     )
-    removed = retention.remove(plan, args.fsx_mount_path) if args.apply else []
     if args.json:
         print(json.dumps({**plan.as_dict(), "applied": args.apply, "removed": removed}, indent=2))
         return 0

@@ -108,6 +108,10 @@ def is_holdout(key: str, holdout_fraction: float) -> bool:
     return _bucket(hashlib.sha256(key.encode()).digest()) < holdout_fraction
 
 
+def document_digest(document: bytes) -> bytes:
+    return hashlib.sha256(document).digest()
+
+
 class DocumentSplit:
     """Which side of the split each document of a corpus goes to, by a hash of its content.
 
@@ -129,7 +133,10 @@ class DocumentSplit:
         self.documents = 0
 
     def in_holdout(self, document: bytes) -> bool:
-        digest = hashlib.sha256(document).digest()
+        return self.side_of(document_digest(document))
+
+    def side_of(self, digest: bytes) -> bool:
+        """Whether the document of `digest` (`document_digest`) is held out; counts it."""
         self.documents += 1
         if self.smallest is None or digest < self.smallest:
             self.smallest = digest

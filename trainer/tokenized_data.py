@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from trainer.config import DataConfig
-from trainer.data import SHARD_INDEX_NAME, DataError, DocumentSplit
+from trainer.data import SHARD_INDEX_NAME, DataError, DocumentSplit, document_digest
 
 FORMAT = "rtp-token-shards"
 FORMAT_VERSION = 2  # 1: byte shards (uint8, newline-separated); 2: tokenizer ids
@@ -99,6 +99,7 @@ class ShardWriter:
         self.shard_bytes = shard_bytes
         self.itemsize = itemsize
         self._open: dict[str, tuple[bytearray, list[int]]] = {}  # side -> (buffer, [documents])
+        self._written = {"train": 0, "holdout": 0}  # shards per side, for the next name
         self.shards: list[dict[str, Any]] = []
 
     def add(self, record: bytes, holdout: bool) -> None:
@@ -112,7 +113,8 @@ class ShardWriter:
 
     def _write(self, side: str) -> None:
         buffer, count = self._open.pop(side)
-        name = f"{side}-{sum(s['split'] == side for s in self.shards):05d}.bin"
+        name = f"{side}-{self._written[side]:05d}.bin"
+        self._written[side] += 1
         data = bytes(buffer)
         (self.out_dir / name).write_bytes(data)
         self.shards.append(
@@ -134,7 +136,7 @@ class ShardWriter:
         """Delete what was written (a preparation started again)."""
         for shard in self.shards:
             (self.out_dir / shard["name"]).unlink(missing_ok=True)
-        self.shards, self._open = [], {}
+        self.shards, self._open, self._written = [], {}, {"train": 0, "holdout": 0}
 
 
 def split_and_pack(
@@ -211,18 +213,22 @@ def tokenize_files(
     (out_dir / SHARD_INDEX_NAME).unlink(missing_ok=True)
 
     def encode(path: Path) -> list[tuple[bytes, list[int]]]:
+        """(content digest, ids) per document: hashed here, in the pool, beside tokenizing."""
         documents = read_documents(path)
         ids = tokenizer.encode_batch(documents) if documents else []
-        return [(text.encode("utf-8"), doc_ids) for text, doc_ids in zip(documents, ids, strict=True)]
+        return [
+            (document_digest(text.encode("utf-8")), doc_ids)
+            for text, doc_ids in zip(documents, ids, strict=True)
+        ]
 
     def write(writer: ShardWriter, split: DocumentSplit) -> None:
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             for done, documents in enumerate(pool.map(encode, files), start=1):
                 if progress is not None:
                     progress(done, len(files))
-                for text, ids in documents:
+                for digest, ids in documents:
                     writer.add(
-                        np.asarray([*ids, tokenizer.eos_id], dtype=dtype).tobytes(), split.in_holdout(text)
+                        np.asarray([*ids, tokenizer.eos_id], dtype=dtype).tobytes(), split.side_of(digest)
                     )
 
     shards, split = split_and_pack(

@@ -37,8 +37,8 @@ def retain_runs(
 
         protected = retention.aliased_runs(mlflow.MlflowClient())
         protected[folder.name] = "this run"
-        plan = retention.plan_retention(retention.scan_runs(fsx_mount_path), protected, keep_newest=keep_runs)
-        removed, frees = retention.remove(plan, fsx_mount_path), plan.frees_bytes
+        plan, removed = retention.collect(fsx_mount_path, protected, keep_newest=keep_runs, apply=True)
+        frees = plan.frees_bytes
         lines += ["| run | kept because |", "|---|---|", *(f"| {r.name} | {why} |" for r, why in plan.keep)]
         lines += [
             "",

@@ -15,10 +15,22 @@ import pytest
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 
+def _rtp(workdir, *args: str, tmpdir: Path) -> subprocess.CompletedProcess:
+    """`rtp local --workdir workdir ARGS` with `tmpdir` as its TMPDIR."""
+    return subprocess.run(
+        [sys.executable, "-m", "rtp_cli.main", "local", "--workdir", str(workdir), *args],
+        capture_output=True,
+        text=True,
+        timeout=800,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "TMPDIR": str(tmpdir)},
+    )
+
+
 def _rtp_local(workdir, mlflow_server, steps: int, every: int, model_name: str, *extra: str, tmpdir: Path):
     """`rtp local --run-name e2e` into `workdir`, with `tmpdir` as its TMPDIR; asserts it succeeded."""
-    command = [
-        *(sys.executable, "-m", "rtp_cli.main", "local", "--workdir", str(workdir)),
+    result = _rtp(
+        workdir,
         *("--steps", str(steps), "--checkpoint-every", str(every)),
         *(
             "--mlflow-uri",
@@ -31,14 +43,7 @@ def _rtp_local(workdir, mlflow_server, steps: int, every: int, model_name: str, 
             "e2e",
         ),
         *extra,
-    ]
-    result = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        timeout=800,
-        stdin=subprocess.DEVNULL,
-        env={**os.environ, "TMPDIR": str(tmpdir)},
+        tmpdir=tmpdir,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result
@@ -142,16 +147,8 @@ def test_the_same_run_name_again_resumes_from_its_checkpoint(local_run, mlflow_s
     assert second["checkpoint"] == str(workdir / "fsx/rtp/runs/e2e/checkpoints/step_14")
     # The same name a third time with no more steps would train nothing and register the same
     # model again: refused in one line, before anything is staged.
-    refused = subprocess.run(
-        [
-            *(sys.executable, "-m", "rtp_cli.main", "local", "--workdir", str(workdir)),
-            *("--steps", "14", "--run-name", "e2e", "--mlflow-uri", mlflow_server),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        stdin=subprocess.DEVNULL,
-        env={**os.environ, "TMPDIR": str(local_tmpdir)},
+    refused = _rtp(
+        workdir, "--steps", "14", "--run-name", "e2e", "--mlflow-uri", mlflow_server, tmpdir=local_tmpdir
     )
     assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
     assert "finished training at step 14" in refused.stderr and "new run_name" in refused.stderr
