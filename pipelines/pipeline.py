@@ -118,7 +118,7 @@ def build_pipeline(
             source: S3 prefix holding the training text, as s3://bucket/prefix.
             s3_endpoint_url: S3-compatible endpoint URL; leave empty for AWS S3.
             dataset_name: Dataset folder name under <mount>/rtp/datasets.
-            model_source: S3 prefix of a Hugging Face model folder (config.json, *.safetensors, tokenizer files) to train, as s3://bucket/prefix/<model>/; staged under <mount>/rtp/models/<model>. Empty trains the built-in byte-level model. The dataset must be tokenized with this model's tokenizer (rtp prepare-data --tokenizer).
+            model_source: S3 prefix of a Hugging Face model folder (config.json, *.safetensors, tokenizer files) to train, as s3://bucket/prefix/<model>/, staged under <mount>/rtp/models/<model>; or a version rtp registered, models:/<name>@<alias> (e.g. models:/rtp-model@champion: continue from the champion) or models:/<name>/<version>, resolved once, verified and staged under <mount>/rtp/models/<name>/versions. Empty trains a new built-in byte-level model. The dataset must be tokenized with this model's tokenizer (rtp prepare-data --tokenizer).
             model_init: How the Hugging Face model starts: pretrained (its weights) or random (from its config.json, for pretraining).
             run_name: Run folder name under <mount>/rtp/runs; empty uses the KFP run id (what a recurring run needs). Reuse a name to resume its checkpoints or, with more steps, train it further; a finished one is refused otherwise.
             steps: Total training steps.
@@ -143,7 +143,7 @@ def build_pipeline(
             fsx_pvc_name: Name of the FSx for Lustre PersistentVolumeClaim mounted in every step.
             gpu_node_selector: Node labels the training pods must match, e.g. {"node.kubernetes.io/instance-type": "p5.48xlarge"}: the train step's pod (launcher inpod) or the job's pods.
             gpu_tolerations: Tolerations of the training pods (Kubernetes toleration objects) for tainted GPU nodes: the train step's pod (launcher inpod) or the job's pods.
-            mlflow_secret_name: Kubernetes secret with keys tracking_uri, username, password for the train (live metrics; also a training job's pods, which read it from the job's namespace), validate and register steps; required by each, since register needs MLflow: a missing secret fails the first pod that reads it.
+            mlflow_secret_name: Kubernetes secret with keys tracking_uri, username, password for the stage-model (a models:/ source), train (live metrics; also a training job's pods, which read it from the job's namespace), validate and register steps; required by each, since register needs MLflow: a missing secret fails the first pod that reads it.
             instance_type: EC2 instance type of the training job's nodes (match gpu_node_selector); with EFA it decides whether GPUDirect RDMA is on (p4d, p4de, p5, p5e, p5en).
             job_cpu_per_node: CPU request of each training job pod; auto = a share of a p5.48xlarge (22.5 per GPU: 180 for 8 GPUs), none on CPU; empty = none.
             job_memory_per_node: Memory request of each training job pod; auto = 225Gi per GPU (1800Gi for 8), none on CPU; empty = none.
@@ -178,6 +178,8 @@ def build_pipeline(
                 model_source=model_source, s3_endpoint_url=s3_endpoint_url, **run_folder
             ).set_display_name("Stage the model folder from S3 onto FSx")
             base_model.after(check)
+            # A registry reference (models:/<name>@<alias>) is resolved and downloaded here.
+            platform.use_mlflow_secret(base_model, mlflow_secret_name)
             train = train_op(
                 dataset=stage.outputs["dataset"],
                 base_model=base_model.outputs["base_model"],

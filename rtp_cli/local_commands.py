@@ -42,11 +42,14 @@ def add_local_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--model-source",
         default="",
-        metavar="DIR|s3://…",
+        metavar="DIR|s3://…|models:/NAME@ALIAS",
         help="a Hugging Face model folder to train instead of the built-in byte LM. A local folder is "
         "uploaded into the embedded S3 and the demo corpus is tokenized with its tokenizer; s3://bucket/"
         "prefix/<model>/ is staged as given and needs --source data tokenized for it "
-        "(rtp prepare-data --tokenizer). Try `rtp make-tiny-model DIR`",
+        "(rtp prepare-data --tokenizer). Try `rtp make-tiny-model DIR`. models:/NAME@ALIAS (or "
+        "models:/NAME/VERSION) continues from a version registered in this work dir's MLflow (or "
+        "--mlflow-uri), e.g. models:/rtp-model@champion after a first run, and registers the new version "
+        "under NAME with the parent in its tags",
     )
     p.add_argument(
         "--mlflow-uri", default="", help="MLflow tracking URI (default: sqlite:///<workdir>/mlflow.db)"
@@ -88,7 +91,8 @@ def _cmd_local(args: argparse.Namespace) -> int:
         from rtp_cli.local_model import plan_model_run
 
         plan = plan_model_run(args.model_source, args.source)
-        model_name = args.model_name or f"rtp-{plan.name}"
+        # Continual training registers the new version under the parent's registered name.
+        model_name = args.model_name or (plan.name if plan.registry else f"rtp-{plan.name}")
         model_dir = str(plan.folder or "")
     options = LocalOptions(
         workdir=args.workdir,

@@ -26,14 +26,19 @@ class ModelPlan:
     """The model's name: the source's last path segment (its folder on the volume)."""
     folder: Path | None
     """A local model folder to upload and tokenize the demo corpus with; None for s3://."""
+    registry: bool = False
+    """models:/<name>@<alias>: a registered version (`name` is the registered model's)."""
 
 
 def plan_model_run(model_source: str, data_source: str) -> ModelPlan:
     """Check `--model-source` against `--source`; UserError names the fix."""
     from components.stage_data.errors import StageError
     from components.stage_model.model_folder import model_name_of
+    from components.stage_model.registry_source import is_registry_reference, parse_reference
 
     try:
+        if is_registry_reference(model_source):
+            return ModelPlan(name=parse_reference(model_source).name, folder=None, registry=True)
         name = model_name_of(model_source)
     except StageError as exc:
         raise UserError(str(exc)) from None
@@ -98,3 +103,31 @@ def upload_demo_tokens(client: Any, bucket: str, prefix: str, tokenizer_dir: Pat
         index = tokenize_files(files, Path(tmp), tokenizer_dir, DEMO_SHARD_BYTES, workers=2)
         upload_shards(client, Path(tmp), bucket, prefix)
     return index
+
+
+def download_tokenizer_files(model_source: str, folder: Path) -> tuple[str, Path | None]:
+    """The kind of the version `model_source` names now and, for a Hugging Face one, its
+    model folder without the weights (config and tokenizer files) downloaded into `folder`."""
+    import mlflow
+
+    from components.stage_data.errors import StageError
+    from components.stage_model.registry_source import (
+        PAYLOAD_FOLDERS,
+        origin_from_version,
+        parse_reference,
+        resolve,
+    )
+
+    reference = parse_reference(model_source)
+    try:
+        origin = origin_from_version(resolve(reference), reference)
+    except StageError as exc:
+        raise UserError(str(exc)) from None
+    if origin.kind != "hf":
+        return origin.kind, None
+    base = f"models:/{origin.model_name}/{origin.version}/{PAYLOAD_FOLDERS['hf']}"
+    for entry in mlflow.artifacts.list_artifacts(artifact_uri=base):
+        name = Path(entry.path).name
+        if not entry.is_dir and not name.endswith(".safetensors"):
+            mlflow.artifacts.download_artifacts(artifact_uri=f"{base}/{name}", dst_path=str(folder))
+    return origin.kind, folder

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -123,7 +124,9 @@ def run_local(options: LocalOptions) -> dict[str, Any]:
         endpoint = embedded.endpoint_url
         print(f"rtp local: embedded S3 (moto) at {endpoint}", flush=True)
     try:
-        if embedded and model_source:
+        if embedded and model_source.startswith("models:/"):
+            source, dataset_name = _seed_for_registered_model(endpoint, model_source, dataset_name)
+        elif embedded and model_source:
             source, model_source, dataset_name = _seed_model(endpoint, model_source, dataset_name)
         elif embedded:
             source = _seed_byte_corpus(endpoint)
@@ -201,6 +204,28 @@ def _seed_byte_corpus(endpoint: str) -> str:
     source = f"s3://{DEMO_BUCKET}/{DEMO_PREFIX}"
     print(f"rtp local: seeded {count} demo byte shards into {source}", flush=True)
     return source
+
+
+def _seed_for_registered_model(endpoint: str, model_source: str, dataset_name: str) -> tuple[str, str]:
+    """The demo corpus in the tokens of the version `model_source` names (bytes for a byte LM);
+    returns (data source, dataset name). The stage-model step resolves and stages the version."""
+    from components.stage_data.stage import s3_client
+    from rtp_cli.local_model import download_tokenizer_files, upload_demo_tokens
+
+    with tempfile.TemporaryDirectory(prefix="rtp-parent-tokenizer-") as tmp:
+        kind, tokenizer_dir = download_tokenizer_files(model_source, Path(tmp))
+        if tokenizer_dir is None:
+            return _seed_byte_corpus(endpoint), dataset_name
+        name = model_source.removeprefix("models:/").split("@")[0].split("/")[0]
+        prefix = f"{DEMO_PREFIX.rstrip('/')}-{name}/"
+        index = upload_demo_tokens(s3_client(endpoint), DEMO_BUCKET, prefix, tokenizer_dir)
+    source = f"s3://{DEMO_BUCKET}/{prefix}"
+    print(
+        f"rtp local: tokenized the demo corpus with {model_source}'s tokenizer ({kind}): "
+        f"{index['tokens']} tokens -> {source}",
+        flush=True,
+    )
+    return source, f"{dataset_name}-{name}"
 
 
 def _seed_model(endpoint: str, model_source: str, dataset_name: str) -> tuple[str, str, str]:

@@ -318,10 +318,31 @@ def build_config(preset: str = DEFAULT_PRESET, overrides: list[str] | None = Non
     return config
 
 
+BYTE_LM_BUNDLE_WEIGHTS = "weights.safetensors"
+"""The weights file of a byte LM folder (trainer/models/byte_lm.py): marks the folder's kind."""
+BYTE_LM_ARCHITECTURE = ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads")
+
+
 def _infer_model_kind(config: TrainConfig) -> None:
-    """A model folder means a Hugging Face model: `--model-dir DIR` alone selects kind hf."""
-    if config.model.model_dir and config.model.kind == "byte-lm":
-        config.model.kind = "hf"
+    """`--model-dir DIR` alone selects the folder's kind: a byte LM bundle (weights.safetensors,
+    whose config.json then gives the architecture) stays byte-lm, anything else is hf."""
+    m = config.model
+    if not m.model_dir or m.kind != "byte-lm":
+        return
+    folder = Path(m.model_dir)
+    if not (folder / BYTE_LM_BUNDLE_WEIGHTS).is_file():
+        m.kind = "hf"
+        return
+    try:
+        saved = json.loads((folder / "config.json").read_text())
+        architecture = {name: int(saved[name]) for name in BYTE_LM_ARCHITECTURE}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"{folder} holds {BYTE_LM_BUNDLE_WEIGHTS} but no readable byte LM config.json ({exc}): "
+            "give a folder a registered byte LM version staged (weights.safetensors, config.json)"
+        ) from None
+    for name, value in architecture.items():
+        setattr(m, name, value)
 
 
 def apply_overrides(config: TrainConfig, overrides: Sequence[str]) -> None:
@@ -342,8 +363,11 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError(
             "model.kind=hf needs model.model_dir: a folder with config.json (and tokenizer files)"
         )
-    if m.kind != "hf" and m.model_dir:
-        raise ConfigError(f"model.model_dir needs model.kind=hf (got {m.kind!r})")
+    if m.kind == "byte-lm" and m.model_dir and not (Path(m.model_dir) / BYTE_LM_BUNDLE_WEIGHTS).is_file():
+        raise ConfigError(
+            f"model.model_dir {m.model_dir!r} with model.kind=byte-lm must hold a byte LM's "
+            f"{BYTE_LM_BUNDLE_WEIGHTS} and config.json (a registered byte LM version, staged)"
+        )
     if m.n_heads < 1 or m.d_model < 1:
         raise ConfigError(
             f"model.n_heads and model.d_model must be at least 1, got {m.n_heads} and {m.d_model}"

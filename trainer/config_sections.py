@@ -45,10 +45,12 @@ class ModelConfig:
     Giving model_dir selects hf."""
     model_dir: str = named("model_dir", "", path=True)
     """A Hugging Face model folder (config.json, optional *.safetensors weights, tokenizer
-    files) to train instead of the built-in byte-level model; empty = the byte-level model."""
+    files) to train instead of the built-in byte-level model, or a byte LM folder
+    (weights.safetensors + config.json, a registered version) to continue; empty = a new byte LM."""
     init: ModelInit = named("model_init", "pretrained", pipeline=True)
     """How a Hugging Face model's weights start: pretrained (the folder's safetensors) or
-    random (seeded, from config.json: pretraining). The byte-level model always starts random."""
+    random (seeded, from config.json: pretraining). The byte-level model starts random unless
+    model_dir holds a byte LM folder (then: its weights, or random with its architecture)."""
     vocab_size: int = 256
     """Byte-level vocabulary: every byte value is a token, so no tokenizer is needed."""
     seq_len: int = 64

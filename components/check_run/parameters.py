@@ -83,8 +83,19 @@ def check_run_parameters(values: Mapping[str, Any]) -> None:
         )
     for name in ("source", "model_source"):
         value = values.get(name)
-        if value and not re.fullmatch(r"s3://[a-z0-9][a-z0-9.-]{2,62}(/.*)?", str(value)):
-            problems.append(f"{name} {value!r} must look like s3://bucket/prefix")
+        if name == "model_source" and value and str(value).startswith("models:/"):
+            from components.stage_data.errors import StageError
+            from components.stage_model.registry_source import parse_reference
+
+            try:
+                parse_reference(str(value))
+            except StageError as exc:
+                problems.append(str(exc))
+        elif value and not re.fullmatch(r"s3://[a-z0-9][a-z0-9.-]{2,62}(/.*)?", str(value)):
+            problems.append(
+                f"{name} {value!r} must look like s3://bucket/prefix"
+                + (" (or models:/<name>@<alias>, a registered version)" if name == "model_source" else "")
+            )
     if "source" in values and not values["source"]:
         problems.append("source is empty: give the S3 prefix of the training data, s3://bucket/prefix")
     selector = values.get("gpu_node_selector")

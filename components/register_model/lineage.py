@@ -26,6 +26,9 @@ KIND_TAG = "rtp.model_kind"
 SEQ_LEN_TAG = "rtp.model_seq_len"
 TOKENIZER_TAG = "rtp.tokenizer"
 VALIDATE_TAG_PREFIX = "rtp.validate."
+PARENT_TAG_PREFIX = "rtp.parent."
+PARENT_FIELDS = ("model_name", "version", "alias", "run_id", "dataset_snapshot_id", "checkpoint_uri")
+"""The parent version's facts a warm-started version carries as rtp.parent.<field> tags."""
 
 # Training-summary figures copied onto the version, when the trainer wrote them.
 SUMMARY_FIGURES = ("goodput_pct", "efficiency_pct", "restarts", "checkpoint_blocked_s", "train_seconds")
@@ -47,6 +50,9 @@ class Lineage:
     """The trainer's goodput report (goodput.html), logged as an artifact of the MLflow run."""
     validation_figures: dict[str, Any] | None = None
     """Holdout scores from the validate step's record (`validation_figures`)."""
+    parent: dict[str, str] | None = None
+    """The registered version training started from (`registry_source.Origin.as_dict()`); None
+    for a model trained from random weights or an S3 folder."""
 
 
 def lineage_tags(lineage: Lineage) -> dict[str, str]:
@@ -63,6 +69,8 @@ def lineage_tags(lineage: Lineage) -> dict[str, str]:
     }
     for name, value in (lineage.training_figures or {}).items():
         raw[f"rtp.train.{name}"] = value
+    for name in PARENT_FIELDS:
+        raw[f"{PARENT_TAG_PREFIX}{name}"] = (lineage.parent or {}).get(name)
     tags = {key: _tag_value(value) for key, value in raw.items() if value not in (None, "")}
     # Full precision: the champion lookup reads these back as numbers.
     for name, value in (lineage.validation_figures or {}).items():
@@ -145,3 +153,28 @@ def code_version() -> str:
         return os.environ[CODE_VERSION_ENV]
     version, commit, _ = source_identity(commit_length=12)
     return f"{version}+g{commit}" if commit else version
+
+
+def parent_of(tags: dict[str, str]) -> tuple[str, str] | None:
+    """(model name, version) a version's tags name as its parent; None for a first version."""
+    name, version = tags.get(f"{PARENT_TAG_PREFIX}model_name"), tags.get(f"{PARENT_TAG_PREFIX}version")
+    return (name, version) if name and version else None
+
+
+def walk_lineage(client: Any, model_name: str, version: str, limit: int = 1000) -> list[Any]:
+    """The version, its parent, the parent's parent... back to the first (ModelVersions, newest
+    first). Stops at a version that is gone, and at a cycle."""
+    chain: list[Any] = []
+    seen: set[tuple[str, str]] = set()
+    current: tuple[str, str] | None = (model_name, str(version))
+    while current is not None and current not in seen and len(chain) < limit:
+        seen.add(current)
+        try:
+            found = client.get_model_version(*current)
+        except Exception as exc:  # a deleted parent ends the chain, said by its absence
+            if getattr(exc, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":
+                break
+            raise
+        chain.append(found)
+        current = parent_of(dict(found.tags or {}))
+    return chain

@@ -9,7 +9,8 @@ What is logged depends on the model's kind:
   and that folder logged by path through MLflow's transformers flavor (`hf_export.py`),
   loadable by `mlflow.transformers`, `mlflow.pyfunc` and transformers; the model is never
   held in memory whole.
-Either version carries lineage tags (`lineage.py`), what the model is (`rtp.model_kind`,
+Either version carries lineage tags (`lineage.py`), a manifest of its files (`file_manifest.py`:
+`rtp_files.json` beside them, its SHA-256 in `rtp.files_sha256`), what the model is (`rtp.model_kind`,
 `rtp.model_seq_len`, `rtp.tokenizer`) and, when the validate step's record is given, its
 holdout scores (`rtp.validate.*`, also the run's metrics), which the champion lookup reads.
 The alias is the validate step's decision: `champion` moves only when the new model beat
@@ -35,7 +36,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -46,6 +47,7 @@ import trainer
 from components.mlflow_access import RetryPolicy, call_with_retries, check_model_name, step_deadline
 from components.register_model import hf_export, streamed_export
 from components.register_model.bundle import WEIGHTS_FILE, pip_requirements, write_bundle
+from components.register_model.file_manifest import FILES_TAG, MANIFEST_FILE, write_manifest
 from components.register_model.lineage import (
     KIND_TAG,
     SEQ_LEN_TAG,
@@ -55,6 +57,7 @@ from components.register_model.lineage import (
     lineage_tags,
     training_config_sha256,
 )
+from components.stage_model.registry_source import origin_of
 from components.validate_checkpoint.validate import load_validated_model
 from trainer.checkpointing import storage
 from trainer.checkpointing.storage import manifest_sha256
@@ -258,6 +261,13 @@ def _log_model(
             run_name=None if training_run_id else f"register-step-{meta['step']}",
         ) as run,
     ):
+        # The manifest of the files logged below: its SHA-256 is a tag of the run and the version.
+        if config.model.kind == "hf":
+            tags[FILES_TAG] = write_manifest(model.folder)
+        else:
+            artifacts = write_bundle(model, tmp, metadata={"step": str(meta["step"]), SHA_TAG: tags[SHA_TAG]})
+            tags[FILES_TAG] = write_manifest(tmp)
+            artifacts["files"] = str(Path(tmp) / MANIFEST_FILE)
         mlflow.log_params({f"model.{k}": v for k, v in config.to_dict()["model"].items()})
         mlflow.log_metric("checkpoint_step", float(meta["step"]))
         mlflow.set_tags(tags)
@@ -275,7 +285,6 @@ def _log_model(
             info = hf_export.log_hf_model(model.folder, getattr(torch, model.dtype))
             log.info("logged model %s in MLflow run %s", info.model_uri, run.info.run_id)
             return info
-        artifacts = write_bundle(model, tmp, metadata={"step": str(meta["step"]), SHA_TAG: tags[SHA_TAG]})
         info = mlflow.pyfunc.log_model(
             name="model",
             python_model=str(SERVING_MODEL),
@@ -406,6 +415,9 @@ def _register(
     # shared volume since validation.
     model, config, meta = _verified_model(checkpoint_dir, published_manifest_sha256, sha, export_settings)
     base = lineage or Lineage()
+    origin = origin_of(config.model.model_dir) if config.model.init == "pretrained" else None
+    if origin is not None:  # what the checkpoint's weights started from, whatever the caller says
+        base = replace(base, parent=origin.as_dict())
     tags = lineage_tags(
         Lineage(
             **{

@@ -103,6 +103,10 @@ class ValidationResult:
     """The same for the champion (None: no champion)."""
     weights_sha256: str = ""
     """SHA-256 of the checkpoint's model tensors (the train summary's `model_sha256`)."""
+    parent_version: str | None = None
+    """The registered version training started from (a models:/ model source); None otherwise."""
+    started_from: str = ""
+    """That version and the snapshots, in words, for the report."""
     checks: list[str] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
 
@@ -500,6 +504,7 @@ def validate_checkpoint(
                 f"MLflow: {champion.label} ({champion.kind}) scored in this process with the same code on "
                 f"the same holdout text ({recorded}; {why_not_recorded})"
             )
+    parent_version, started_from = _started_from(config, dataset_dir, champion_version, checks)
     verdict = decide(
         score.nats_per_byte,
         max_loss,
@@ -528,9 +533,32 @@ def validate_checkpoint(
         scored_by=scored_by,
         champion_scored_by=champion_scored_by,
         weights_sha256=weights_sha256,
+        parent_version=parent_version,
+        started_from=started_from,
         checks=checks,
         reasons=verdict.reasons,
     )
+
+
+def _started_from(
+    config: TrainConfig, dataset_dir: str, champion_version: str | None, checks: list[str]
+) -> tuple[str | None, str]:
+    """(parent version, a line for the report) when training started from a registered version."""
+    from components.register_model.lineage import dataset_facts
+    from components.stage_model.registry_source import origin_of
+
+    origin = origin_of(config.model.model_dir) if config.model.init == "pretrained" else None
+    if origin is None:
+        return None, ""
+    snapshot, _ = dataset_facts(dataset_dir)
+    line = (
+        f"started from {origin.label}, which was trained on snapshot {origin.dataset_snapshot_id or 'unknown'}; "
+        f"trained on snapshot {snapshot or 'unknown'}"
+    )
+    if champion_version is not None and champion_version != origin.version:
+        line += f"; the champion is v{champion_version} now (the alias moved since): compared with it"
+    checks.append(line)
+    return origin.version, line
 
 
 def report_markdown(result: ValidationResult) -> str:
@@ -563,6 +591,7 @@ def report_markdown(result: ValidationResult) -> str:
         f"| holdout loss (nats/byte, compared with max_loss) | {number(result.holdout_nats_per_byte)} |",
         f"| perplexity (per token) | {number(result.perplexity, '.2f')} |",
         f"| max_loss (nats/byte) | {result.max_loss} |",
+        *([f"| started from | {result.started_from} |"] if result.started_from else []),
         f"| champion | {champion} |",
         f"| champion's holdout loss (nats/token, its tokenizer) | {number(result.champion_loss)} |",
         f"| champion's holdout loss (bits/byte) | {number(result.champion_bits_per_byte)} |",

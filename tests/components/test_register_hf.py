@@ -197,6 +197,21 @@ def test_hf_version_loads_three_ways_with_the_checkpoints_logits(
     assert len(short) == 1 and isinstance(short[0], str)
     assert len(tokenizer.encode(longer[0])) > len(tokenizer.encode(short[0]))
 
+    # 4. as a model source (continual training): staged verified, the same tokenizer, and
+    # training starts from exactly the registered weights
+    from components.stage_model.registry_source import stage_registered_model
+    from trainer.models.hf_causal_lm import tokenizer_identity
+
+    staged = Path(
+        stage_registered_model(f"models:/{name}@champion", tmp_path / "fsx", FAST_RETRY)["model_dir"]
+    )
+    assert tokenizer_identity(staged) == tags["rtp.tokenizer"]
+    warm_config = resolve_config(named={"model_dir": str(staged)}, overrides=["model.seq_len=32"])
+    assert (warm_config.model.kind, warm_config.model.init) == ("hf", "pretrained")
+    warm = model_spec("hf").build(warm_config.model, torch.device("cpu")).eval()
+    with torch.no_grad():
+        assert torch.equal(warm(input_ids=tokens).logits, expected_logits)
+
 
 def test_champion_comparison_uses_bits_per_byte(tracking, hf_checkpoints, tmp_path):
     name = "rtp-test-hf-promotion"

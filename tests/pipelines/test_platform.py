@@ -108,9 +108,9 @@ def test_trainer_gets_shm_gpu_scheduling_and_resources(compiled):
         assert "emptyDirMounts" not in _executors(platform_spec)[name]
 
 
-def test_mlflow_credentials_come_from_a_secret_only_in_train_validate_register_and_retain(compiled):
-    """Train logs live metrics, validate scores the current champion and register writes the
-    model: the three need MLflow. The train step also gets the secret's name, for a training
+def test_mlflow_credentials_come_from_a_secret_only_in_the_steps_that_use_mlflow(compiled):
+    """Stage-model resolves a models:/ source, train logs live metrics, validate scores the
+    current champion, register writes the model and retain reads the aliases: they need MLflow. The train step also gets the secret's name, for a training
     job's pods (where rank 0 runs with a job launcher) to read the same secret."""
     pipeline, platform_spec, _ = compiled
     train_task = pipeline["components"]["comp-exit-handler-1"]["dag"]["tasks"]["train-model"]
@@ -118,7 +118,13 @@ def test_mlflow_credentials_come_from_a_secret_only_in_train_validate_register_a
         "componentInputParameter": "pipelinechannel--mlflow_secret_name"
     }
     executors = _executors(platform_spec)
-    for name in ("exec-register-model", "exec-retain-runs", "exec-train-model", "exec-validate-checkpoint"):
+    for name in (
+        "exec-register-model",
+        "exec-retain-runs",
+        "exec-stage-model",
+        "exec-train-model",
+        "exec-validate-checkpoint",
+    ):
         (secret,) = executors[name]["secretAsEnv"]
         assert (
             secret["secretNameParameter"]["componentInputParameter"] == "pipelinechannel--mlflow_secret_name"
@@ -131,6 +137,7 @@ def test_mlflow_credentials_come_from_a_secret_only_in_train_validate_register_a
     assert sorted(name for name, config in executors.items() if "secretAsEnv" in config) == [
         "exec-register-model",
         "exec-retain-runs",
+        "exec-stage-model",
         "exec-train-model",
         "exec-validate-checkpoint",
     ]

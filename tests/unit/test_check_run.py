@@ -31,13 +31,15 @@ GOOD = {
 }
 
 
-def test_the_defaults_pass_and_the_check_imports_no_heavy_library():
-    check_run_parameters(GOOD)
+@pytest.mark.parametrize("model_source", ["", "models:/rtp-model@champion"])
+def test_the_defaults_pass_and_the_check_imports_no_heavy_library(model_source):
+    values = {**GOOD, "model_source": model_source}
+    check_run_parameters(values)
     import subprocess
 
     code = (
         "import sys; from components.check_run.parameters import check_run_parameters as c; "
-        f"c({GOOD!r}); sys.exit(1 if {{'torch', 'kfp', 'mlflow'}} & set(sys.modules) else 0)"
+        f"c({values!r}); sys.exit(1 if {{'torch', 'kfp', 'mlflow'}} & set(sys.modules) else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
@@ -55,6 +57,7 @@ def test_the_defaults_pass_and_the_check_imports_no_heavy_library():
         ({"gpu_tolerations": [1]}, "gpu_tolerations"),
         ({"source": "/data/corpus"}, "s3://bucket/prefix"),
         ({"model_source": "hf://meta-llama/x"}, "model_source"),
+        ({"model_source": "models:/rtp-model"}, r"not a registry reference: write models:/<name>@<alias>"),
         ({"overrides": "checkpoint.dir=/fsx/rtp/runs/nightly/checkpoints"}, "is refused"),
         ({"checkpoint_mode": "fast"}, "checkpoint.mode"),
         ({"preset": "huge"}, "unknown preset"),

@@ -185,7 +185,23 @@ def _build(config: ModelConfig, device: torch.device) -> nn.Module:
     if device.type == "meta":
         with torch.device("meta"):
             return ByteLM(config)
-    return ByteLM(config).to(device)  # weights drawn from the torch RNG on CPU: the same everywhere
+    model = ByteLM(config)  # weights drawn from the torch RNG on CPU: the same everywhere
+    if config.model_dir and config.init == "pretrained":
+        _load_weights(model, Path(config.model_dir))
+    return model.to(device)
+
+
+def _load_weights(model: ByteLM, folder: Path) -> None:
+    """A warm start: the folder's weights (a registered byte LM, staged), strictly."""
+    from safetensors.torch import load_file
+
+    path = folder / WEIGHTS_FILE
+    if not path.is_file():
+        raise ModelError(f"{path} is missing: model.init=pretrained needs the byte LM's weights")
+    try:
+        model.load_state_dict(load_file(str(path)))
+    except RuntimeError as exc:
+        raise ModelError(f"{path} does not fit the configured byte LM: {exc}") from exc
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
