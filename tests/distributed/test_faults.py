@@ -372,3 +372,36 @@ def test_a_save_longer_than_the_soft_timeout_restarts_nothing(dataset_dir, tmp_p
     assert slowed["step"] == 3 and slowed["blocked_s"] >= 8  # the save did block past the soft timeout
     assert last["step"] == 6
     assert_nothing_left(run_mark)
+
+
+def test_a_warm_started_run_recovers_to_its_fault_free_twins_weights(dataset_dir, tmp_path, run_mark):
+    """Continual training: both runs start from a byte LM folder (what the stage-model step
+    stages from a registered version). An exception before the first durable checkpoint (the
+    new attempt builds from the parent's folder again, then resumes from the fast tier) and a
+    SIGKILL later end with the fault-free weights."""
+    import torch
+
+    from trainer.config_sections import ModelConfig
+    from trainer.models import byte_lm
+
+    parent = tmp_path / "parent"
+    torch.manual_seed(11)
+    architecture = ModelConfig(seq_len=32, d_model=32, n_layers=2, n_heads=4)
+    byte_lm.write_files(byte_lm.ByteLM(architecture).state_dict(), architecture, parent)
+    runs = {}
+    for name, faults in (("twin", []), ("faulted", ["exception@2:1", "sigkill@6:0"])):
+        runs[name] = train(
+            dataset_dir,
+            tmp_path / name,
+            steps=8,
+            every=4,
+            overrides=FAST,
+            faults=faults,
+            model_dir=str(parent),
+        )
+    twin, faulted = runs["twin"], runs["faulted"]
+    assert [(r["kind"], r["fault_step"]) for r in faulted["restarts"]] == [("exception", 2), ("sigkill", 6)]
+    assert faulted["completed"] and faulted["model_sha256"] == twin["model_sha256"]
+    config = json.loads((tmp_path / "twin" / "config.json").read_text())
+    assert config["model"]["model_dir"] == str(parent) and config["model"]["seq_len"] == 32
+    assert_nothing_left(run_mark)

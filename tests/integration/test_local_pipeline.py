@@ -153,3 +153,42 @@ def test_the_same_run_name_again_resumes_from_its_checkpoint(local_run, mlflow_s
     assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
     assert "finished training at step 14" in refused.stderr and "new run_name" in refused.stderr
     assert "embedded S3" not in refused.stdout  # nothing was started
+
+
+def test_a_run_from_the_registered_champion_continues_its_training(local_run, mlflow_server, local_tmpdir):
+    """`rtp local --model-source models:/rtp-e2e@champion --run-name second` in the same work dir
+    and MLflow: the champion of the first run is staged from the registry and trained further,
+    the new version names it as its parent and the report compares the two."""
+    workdir, _, first = local_run
+    result = _rtp(
+        workdir,
+        *("--model-source", "models:/rtp-e2e@champion", "--run-name", "second"),
+        *("--steps", "6", "--checkpoint-every", "3", "--checkpoint-mode", "sync"),
+        *("--mlflow-uri", mlflow_server, "--max-loss", "5.0"),
+        tmpdir=local_tmpdir,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    second = json.loads((workdir / "summary.json").read_text())
+    assert second["model_dir"] == str(workdir / "fsx/rtp/models/rtp-e2e/versions/1")
+    client = mlflow.MlflowClient(mlflow_server)
+    assert second["mlflow"]["model_name"] == "rtp-e2e"
+    version = client.get_model_version("rtp-e2e", second["mlflow"]["version"])
+    assert int(version.version) > int(first["mlflow"]["version"])
+    assert version.tags["rtp.parent.version"] == first["mlflow"]["version"]
+    assert version.tags["rtp.parent.run_id"] == first["mlflow"]["run_id"]
+    assert version.tags["rtp.parent.dataset_snapshot_id"] == Path(first["dataset_snapshot"]).name
+
+    # It started from trained weights: at the same step its loss is clearly below the first run's.
+    def loss_at_step(run_id: str, step: int) -> float:
+        (metric,) = [m for m in client.get_metric_history(run_id, "loss") if m.step == step]
+        return metric.value
+
+    cold, warm = loss_at_step(first["mlflow"]["run_id"], 5), loss_at_step(second["mlflow"]["run_id"], 5)
+    assert warm < cold - 0.2, (cold, warm)
+
+    validate = json.loads((workdir / "fsx/rtp/runs/second/steps/validate.json").read_text())
+    assert validate["parent_version"] == validate["champion_version"] == first["mlflow"]["version"]
+    assert validate["started_from"].startswith(
+        f"started from rtp-e2e v{first['mlflow']['version']} (champion)"
+    )
+    assert validate["champion_bits_per_byte"] is not None and validate["delta"] is not None

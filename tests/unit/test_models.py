@@ -50,7 +50,9 @@ def test_unknown_kind_lists_the_registry():
 def test_config_rules_for_hf_models():
     with pytest.raises(ConfigError, match=r"needs model\.model_dir"):
         build_config("tiny-cpu", ["model.kind=hf"])
-    with pytest.raises(ConfigError, match=r"with model\.kind=byte-lm must hold a byte LM's weights\.safetensors"):
+    with pytest.raises(
+        ConfigError, match=r"with model\.kind=byte-lm must hold a byte LM's weights\.safetensors"
+    ):
         _byte_lm_with_dir()
     with pytest.raises(ConfigError, match="pretrained, random"):
         build_config("tiny-cpu", ["model.init=warm"])
@@ -70,11 +72,16 @@ def test_a_byte_lm_folder_gives_its_kind_architecture_and_weights(tmp_path):
     # The preset's architecture differs; the folder's wins, as a Hugging Face config.json does.
     config = build_config("tiny-cpu", [f"model.model_dir={tmp_path / 'parent'}"])
     assert config.model.kind == "byte-lm"
-    assert (config.model.seq_len, config.model.d_model, config.model.n_layers, config.model.n_heads) == (16, 32, 1, 2)
+    assert (config.model.seq_len, config.model.d_model, config.model.n_layers, config.model.n_heads) == (
+        16,
+        32,
+        1,
+        2,
+    )
     warm = model_spec("byte-lm").build(config.model, torch.device("cpu"))
     assert all(torch.equal(warm.state_dict()[k], v) for k, v in original.state_dict().items())
     (tmp_path / "parent" / "config.json").write_text("{}")
-    with pytest.raises(ConfigError, match="no readable byte LM config.json"):
+    with pytest.raises(ConfigError, match=r"no readable byte LM config\.json"):
         build_config("tiny-cpu", [f"model.model_dir={tmp_path / 'parent'}"])
 
 
