@@ -44,6 +44,7 @@ from trainer.config_sections import (  # noqa: F401  re-exported: callers import
     ResilienceConfig,
     RunConfig,
     TrainingConfig,
+    WarmStart,
     parse_local_interval,
 )
 from trainer.faults import FaultSpecError, parse_faults
@@ -357,6 +358,10 @@ def apply_overrides(config: TrainConfig, overrides: Sequence[str]) -> None:
 def validate(config: TrainConfig) -> None:
     m = config.model
     MODEL_RULES["require_kind"](m.kind)  # a ModelError is a ConfigError
+    if config.optimizer.warm_start not in typing.get_args(WarmStart):
+        raise ConfigError(
+            f"optimizer.warm_start {config.optimizer.warm_start!r} is not one of {', '.join(typing.get_args(WarmStart))}"
+        )
     if m.init not in typing.get_args(ModelInit):
         raise ConfigError(f"model.init {m.init!r} is not one of {', '.join(typing.get_args(ModelInit))}")
     if m.kind == "hf" and not m.model_dir:

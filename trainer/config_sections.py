@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 CheckpointMode = Literal["off", "sync", "torch-async", "async"]
 ModelInit = Literal["pretrained", "random"]
+WarmStart = Literal["fresh", "parent"]
 MixedPrecision = Literal["auto", "bf16", "fp32"]
 ActivationCheckpointing = Literal["none", "full", "every_n"]
 CHECKPOINT_MODES: tuple[str, ...] = typing.get_args(CheckpointMode)
@@ -101,6 +102,16 @@ class OptimizerConfig:
     min_lr_ratio: float = 0.1
     """The cosine decays to lr * min_lr_ratio at the last step."""
     grad_clip_norm: float = 1.0
+    warm_start: WarmStart = "fresh"
+    """A run that starts from a registered version (model_source models:/…): fresh = new AdamW
+    moments and a new warm-up (the default: the parent's moments belong to its data and its
+    learning-rate schedule's end); parent = the AdamW moments of the parent's committed training
+    checkpoint, when it is still on the volume and is the one the version was exported from
+    (else fresh, with the reason in the events). The warm-up runs again either way."""
+    initial_state_dir: str = ""
+    """Set by the train step for warm_start=parent: the parent's checkpoint folder."""
+    initial_state_sha256: str = ""
+    """Its manifest SHA-256 as the registered version records it; checked before it is read."""
 
 
 LOCAL_INTERVAL_MODES = ("auto", "budget")

@@ -87,6 +87,8 @@ class Origin:
     dataset_snapshot_id: str
     """The snapshot the parent was trained on (its rtp.dataset_snapshot_id tag)."""
     checkpoint_uri: str
+    checkpoint_sha256: str
+    """The manifest SHA-256 of the checkpoint the version was exported from."""
     files_sha256: str
 
     def as_dict(self) -> dict[str, str]:
@@ -167,6 +169,7 @@ def origin_from_version(version: Any, reference: Reference) -> Origin:
         tokenizer=tags.get(TOKENIZER_TAG, ""),
         dataset_snapshot_id=tags.get("rtp.dataset_snapshot_id", ""),
         checkpoint_uri=tags.get("rtp.checkpoint_uri", ""),
+        checkpoint_sha256=tags.get("rtp.checkpoint_sha256", ""),
         files_sha256=tags[FILES_TAG],
     )
 
@@ -268,3 +271,21 @@ def _download(origin: Origin, root: Path, target: Path, retry: RetryPolicy | Non
         return sum(entry["size"] for entry in entries)
     finally:
         shutil.rmtree(incoming, ignore_errors=True)
+
+
+def parent_checkpoint(origin: Origin, fsx_mount_path: str | Path) -> tuple[Path | None, str]:
+    """The parent's committed training checkpoint on this volume, or None and why not: it must
+    be there, committed, and have the manifest the version was exported from."""
+    from components.retention import run_of_checkpoint
+    from trainer.checkpointing import storage
+
+    run = run_of_checkpoint(origin.checkpoint_uri)
+    if not run or not origin.checkpoint_sha256:
+        return None, f"{origin.label} records no checkpoint on an rtp volume"
+    step_folder = origin.checkpoint_uri.rstrip("/").rsplit("/", 1)[-1]
+    path = Path(fsx_mount_path) / "rtp" / "runs" / run / "checkpoints" / step_folder
+    if not (path / storage.COMMIT_MARKER).is_file():
+        return None, f"{path} (the checkpoint {origin.label} came from) is no longer on the volume"
+    if storage.manifest_sha256(path) != origin.checkpoint_sha256:
+        return None, f"{path} is not the checkpoint {origin.label} was exported from (its manifest differs)"
+    return path, ""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,8 @@ from trainer.gpu_defaults import launcher_settings as gpu_launcher_settings
 from trainer.gpu_defaults import resilience_overrides
 from trainer.launch import TrainingFailed, run_local_training
 from trainer.summary import TrainSummary
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,10 +65,36 @@ class TrainRequest:
             model_dir=self.model_dir,
             **self.settings,
         )
+        staged = bool(self.model_dir) and Path(self.model_dir).is_dir()  # not the check step's placeholder
+        if config.optimizer.warm_start == "parent" and staged and not config.optimizer.initial_state_dir:
+            _point_at_parent_checkpoint(config, Path(self.run_folder).parents[2])
         if self.mlflow_experiment:
             config.run.mlflow_experiment = self.mlflow_experiment
         config.run.mlflow_tags = {**config.run.mlflow_tags, **self.mlflow_tags}
         return config
+
+
+def _point_at_parent_checkpoint(config: TrainConfig, fsx_mount_path: Path) -> None:
+    """optimizer.warm_start=parent: the parent version's checkpoint, if it is still there and the
+    one it was exported from; otherwise the run starts fresh (logged)."""
+    from components.stage_model.registry_source import origin_of, parent_checkpoint
+    from trainer.config import ConfigError
+
+    origin = origin_of(config.model.model_dir)
+    if origin is None:
+        raise ConfigError(
+            "optimizer.warm_start=parent needs a registered version as the model source "
+            "(model_source models:/<name>@<alias>); without one use optimizer.warm_start=fresh"
+        )
+    path, why_not = parent_checkpoint(origin, fsx_mount_path)
+    if path is None:
+        log.warning("optimizer.warm_start=parent: %s; starting with fresh AdamW moments", why_not)
+        return
+    config.optimizer.initial_state_dir, config.optimizer.initial_state_sha256 = (
+        str(path),
+        origin.checkpoint_sha256,
+    )
+    log.info("optimizer.warm_start=parent: AdamW moments from %s", path)
 
 
 @dataclass(kw_only=True, slots=True)

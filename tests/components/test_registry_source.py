@@ -197,3 +197,68 @@ def test_a_staged_version_that_lost_a_file_is_downloaded_again_not_trusted(track
     shutil.rmtree(folder)
     again = stage_registered_model(f"models:/{name}@champion", tmp_path, FAST_RETRY)
     assert again["bytes_downloaded"] > 0 and (folder / "weights.safetensors").is_file()
+
+
+def test_warm_start_parent_takes_the_parents_adamw_moments_when_its_checkpoint_is_there(
+    tracking, trained_run, dataset_dir, tmp_path
+):
+    """optimizer.warm_start=parent: the train step finds the checkpoint the version came from
+    on the volume (checked by its manifest), and the run starts with its weights and moments
+    but its own learning-rate schedule; a checkpoint that is gone or changed means fresh."""
+    import json
+
+    from components.train.train import TrainRequest
+    from trainer.launch import run_local_training
+
+    name, fsx = "rtp-test-warm-optimizer", tmp_path / "fsx"
+    parent_checkpoint = fsx / "rtp/runs/parent-run/checkpoints/step_20"
+    shutil.copytree(trained_run["checkpoint"], parent_checkpoint)
+    register_checkpoint(str(parent_checkpoint), name, "champion", retry=FAST_RETRY)
+    staged = stage_registered_model(f"models:/{name}@champion", fsx, FAST_RETRY)["model_dir"]
+
+    def request(run: str) -> TrainRequest:
+        return TrainRequest(
+            dataset_dir=str(dataset_dir),
+            run_folder=fsx / "rtp/runs" / run,
+            model_dir=staged,
+            overrides="optimizer.warm_start=parent",
+            settings={"steps": 2, "checkpoint_every": 2, "checkpoint_mode": "sync"},
+        )
+
+    config = request("child").config()
+    assert config.optimizer.initial_state_dir == str(parent_checkpoint)
+    summary = run_local_training(1, config, echo=False).to_dict()
+    assert summary["completed"] and summary["steps"] == 2
+    log = [json.loads(line) for line in (fsx / "rtp/runs/child/train/events.jsonl").read_text().splitlines()]
+    assert [e["checkpoint"] for e in log if e["kind"] == "warm_start"] == [str(parent_checkpoint)]
+    assert (fsx / "rtp/runs/child/checkpoints/step_2/COMMITTED").is_file()
+
+    # A changed parent checkpoint (here: its manifest) is not used: fresh moments.
+    manifest = parent_checkpoint / "manifest.json"
+    manifest.write_text(manifest.read_text() + " ")
+    assert request("other").config().optimizer.initial_state_dir == ""
+    shutil.rmtree(parent_checkpoint)
+    assert request("third").config().optimizer.initial_state_dir == ""
+
+
+def test_load_parent_state_keeps_this_runs_hyperparameters(trained_run, dataset_dir, single_rank_group):
+    from trainer.checkpointing.storage import load_checkpoint, load_parent_state
+
+    config = resolve_config(named={"dataset_dir": str(dataset_dir)})
+    spec = model_spec(config.model.kind)
+
+    def fresh(lr: float):
+        torch.manual_seed(0)
+        model = spec.build(config.model, torch.device("cpu"))
+        return model, torch.optim.AdamW(model.parameters(), lr=lr)
+
+    resumed_model, resumed = fresh(3e-3)
+    load_checkpoint(trained_run["checkpoint"], resumed_model, resumed)
+    warm_model, warm = fresh(1e-4)
+    load_parent_state(trained_run["checkpoint"], warm_model, warm)
+    assert warm.param_groups[0]["lr"] == 1e-4  # this run's, not the parent's last
+    for (key, a), b in zip(warm_model.state_dict().items(), resumed_model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), key
+    for p_warm, p_resumed in zip(warm_model.parameters(), resumed_model.parameters(), strict=True):
+        assert torch.equal(warm.state[p_warm]["exp_avg_sq"], resumed.state[p_resumed]["exp_avg_sq"])
+        assert float(warm.state[p_warm]["step"]) == float(resumed.state[p_resumed]["step"]) == 20

@@ -169,6 +169,7 @@ class CheckpointManager:
                 )
             return local_step
         if latest is None:
+            self._warm_start_optimizer()
             return 0
         restored = storage.load_checkpoint(latest, self.model, self.optimizer)
         meta = restored["meta"]
@@ -185,6 +186,29 @@ class CheckpointManager:
         if self.rank == 0:
             log.info("resumed from %s at step %d", latest, step)
         return step
+
+    def _warm_start_optimizer(self) -> None:
+        """A new run with optimizer.warm_start=parent: the parent checkpoint's weights and AdamW
+        moments, once its manifest is the one the registered version names."""
+        source = self.config.optimizer.initial_state_dir
+        if not source:
+            return
+        # The registry vouches for the manifest; sizes are checked as on a resume.
+        if storage.manifest_sha256(source) != self.config.optimizer.initial_state_sha256:
+            raise storage.CheckpointError(
+                f"{source} is not the checkpoint the parent version was exported from (its manifest "
+                "changed): set optimizer.warm_start=fresh"
+            )
+        storage.verify_checkpoint(source)
+        if storage.read_meta(source).get("model_hash") != self.config.model_hash():
+            raise storage.CheckpointError(
+                f"{source} (the parent's checkpoint) holds another architecture than model.model_dir: "
+                "set optimizer.warm_start=fresh"
+            )
+        storage.load_parent_state(source, self.model, self.optimizer)
+        self.events.emit("warm_start", checkpoint=source)
+        if self.rank == 0:
+            log.info("started from the weights and AdamW moments of %s", source)
 
     def _restore_states(self, meta: dict[str, Any]) -> None:
         for name, state in self.states.items():

@@ -345,6 +345,19 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     return {"meta": read_meta(folder), "rank_state": rank_state}
 
 
+def load_parent_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Collective: a warm start's weights and AdamW moments from the parent's checkpoint; the
+    optimizer's hyperparameters (lr, warm-up start) stay this run's, and no RNG is restored."""
+    fresh_groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state: dict[str, Any] = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for group, fresh in zip(optimizer.param_groups, fresh_groups, strict=True):
+        group.update(fresh)
+    return read_meta(path)
+
+
 def load_model_weights(path: str | Path, model: nn.Module) -> None:
     """Load the model part of a DCP checkpoint into a plain module, in one process, no group."""
     state = {"model": model.state_dict()}
