@@ -441,7 +441,7 @@ def format_duration(seconds: float | None) -> str:
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
-RUN_METRIC_COLUMNS = ("train_loss", "holdout_loss", "decision", "model_version")
+RUN_METRIC_COLUMNS = ("train_loss", "holdout_loss", "decision", "model_version", "parent")
 
 
 def metrics_from_step_records(records: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
@@ -449,11 +449,14 @@ def metrics_from_step_records(records: Mapping[str, Mapping[str, Any]]) -> dict[
     train = records.get("train", {})
     validate = records.get("validate", {})
     register = records.get("register", {})
+    parent = records.get("stage_model", {}).get("registry") or {}
     return {
         "train_loss": train.get("final_loss"),
         "holdout_loss": validate.get("holdout_loss"),
         "decision": validate.get("decision"),
         "model_version": register.get("version"),
+        # The registered version the run started from (a models:/ model source).
+        "parent": f"v{parent['version']}" if parent.get("version") else None,
     }
 
 
