@@ -66,12 +66,24 @@ class TrainRequest:
             **self.settings,
         )
         staged = bool(self.model_dir) and Path(self.model_dir).is_dir()  # not the check step's placeholder
+        if staged:
+            _check_parent_tokenizer(self.model_dir, self.dataset_dir)
         if config.optimizer.warm_start == "parent" and staged and not config.optimizer.initial_state_dir:
             _point_at_parent_checkpoint(config, Path(self.run_folder).parents[2])
         if self.mlflow_experiment:
             config.run.mlflow_experiment = self.mlflow_experiment
         config.run.mlflow_tags = {**config.run.mlflow_tags, **self.mlflow_tags}
         return config
+
+
+def _check_parent_tokenizer(model_dir: str, dataset_dir: str) -> None:
+    """A registered parent's tokenizer (its tag) against the dataset's, before any rank starts."""
+    from components.stage_model.registry_source import origin_of
+    from trainer.data import check_tokenizer
+
+    origin = origin_of(model_dir)
+    if origin is not None and origin.tokenizer and (Path(dataset_dir) / "manifest.json").is_file():
+        check_tokenizer(dataset_dir, origin.tokenizer)
 
 
 def _point_at_parent_checkpoint(config: TrainConfig, fsx_mount_path: Path) -> None:
@@ -146,7 +158,8 @@ def refuse_finished_run(run_folder: Path, run_id: str, steps: int) -> None:
         f"run {Path(run_folder).name!r} finished training at step {trained} in "
         f"{f'KFP run {finished_in}' if finished_in else 'an earlier pipeline run'}; training it to "
         f"step {steps} would train nothing and register the same model again: pass a new run_name "
-        "(empty uses the KFP run id, as a recurring run should), or more steps to continue it"
+        "(empty uses the KFP run id, as a recurring run should), or more steps to continue it; to train "
+        "further from its registered version, start a new run with model_source=models:/<name>@<alias>"
     )
 
 

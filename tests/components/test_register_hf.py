@@ -130,7 +130,7 @@ def test_bits_per_byte_counts_the_bytes_the_tokens_decode_to(hf_checkpoints):
 
 
 def test_hf_version_loads_three_ways_with_the_checkpoints_logits(
-    tracking, hf_checkpoints, tmp_path, monkeypatch
+    tracking, hf_checkpoints, dataset_dir, tmp_path, monkeypatch
 ):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -211,6 +211,20 @@ def test_hf_version_loads_three_ways_with_the_checkpoints_logits(
     warm = model_spec("hf").build(warm_config.model, torch.device("cpu")).eval()
     with torch.no_grad():
         assert torch.equal(warm(input_ids=tokens).logits, expected_logits)
+    # The train step compares the parent's tokenizer with the dataset's before any rank starts.
+    from components.train.train import TrainRequest
+    from trainer.data import DataError
+
+    def request(data) -> TrainRequest:
+        return TrainRequest(
+            dataset_dir=str(data), run_folder=tmp_path / "fsx/rtp/runs/warm", model_dir=str(staged)
+        )
+
+    request(hf_checkpoints["snapshot"]).config()
+    with pytest.raises(
+        DataError, match=r"tokenized as bytes but the model uses tokenizer .*rtp prepare-data --tokenizer"
+    ):
+        request(dataset_dir).config()
 
 
 def test_champion_comparison_uses_bits_per_byte(tracking, hf_checkpoints, tmp_path):

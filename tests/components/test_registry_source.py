@@ -91,7 +91,7 @@ def test_a_registered_byte_lm_is_staged_verified_once_and_warm_starts(tracking, 
 def test_the_alias_is_resolved_once_and_three_versions_chain(
     tracking, trained_run, dataset_dir, tmp_path, single_rank_group
 ):
-    name = "rtp-test-lineage"
+    name = "rtp-test-parent-chain"
     early, late = _checkpoints(trained_run)
     register_checkpoint(
         early, name, "champion", Lineage(dataset_snapshot_id="snapshot-of-v1"), retry=FAST_RETRY

@@ -203,13 +203,14 @@ def test_runs_table_shows_state_duration_and_metrics():
                 "train": {"final_loss": 2.25},
                 "validate": {"holdout_loss": 2.5, "decision": "champion"},
                 "register": {"version": "7"},
+                "stage_model": {"registry": {"model_name": "rtp-byte-lm", "version": "6"}},
             }
         )
     }
     lines = kfp_checks.format_runs_table(runs, now, metrics).splitlines()
     assert lines[0].split()[:4] == ["run", "state", "created", "duration"]
     assert lines[1].split() == [
-        "nightly", "SUCCEEDED", "2026-01-02", "10:00", "1h05m", "2.2500", "2.5000", "champion", "7", "r1"
+        "nightly", "SUCCEEDED", "2026-01-02", "10:00", "1h05m", "2.2500", "2.5000", "champion", "7", "v6", "r1"
     ]  # fmt: skip
     assert lines[2].split()[:5] == ["adhoc", "RUNNING", "2026-01-02", "11:58", "1m30s"]
     assert kfp_checks.format_runs_table([], now) == "no runs"
