@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from trainer.checkpointing.tier_slots import CaptureCache
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -92,6 +95,16 @@ class TrainHooks:
         """State stored in every checkpoint and restored on resume, by name (the launcher's
         learned timeouts: "launcher")."""
         return {}
+
+    def capture_cache(self) -> CaptureCache:
+        """Where the fast tier keeps its newest capture in memory: the resilience layer gives one
+        that outlives the attempt (an in-process restart resumes from it); here, one per hooks."""
+        from trainer.checkpointing.tier_slots import CaptureCache
+
+        cache = getattr(self, "_capture_cache", None)
+        if cache is None:
+            cache = self._capture_cache = CaptureCache()
+        return cache
 
     def track(self, work: Abandonable) -> None:
         """Checkpoint work started: hold it until `untrack`, for a restart to abandon."""

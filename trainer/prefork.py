@@ -1,37 +1,21 @@
 """Pre-imported ranks: a rank the launcher starts again is forked, not imported from scratch.
 
-A hard fault (a rank killed, OOM-killed, or exited) makes ft_launcher stop the worker group
-and start `python -m trainer` again for every local rank. Half of such a start is importing
-torch, NVRx and the trainer (docs/fault-tolerance.md), the same work every time. So the first worker group's local rank 0 starts one *zygote* per node as its
-own start-up begins (after its imports, beside its store, process group, model build and
-writer warm-up): a process that imports all of it once, freezes it out
-of the garbage collector's passes, then waits on a Unix socket. A rank started
-later first asks it; when it answers, the new process (it has imported only the standard
-library) stays a thin stand-in, and the rank proper is forked from the zygote with the
-stand-in's arguments, environment, working directory and standard streams:
+The first worker group's local rank 0 starts one *zygote* per node: a process that imports
+torch, NVRx and the trainer once, freezes them out of the garbage collector's passes, then
+waits on a Unix socket. A rank started later asks it first; when it answers, the new
+process (standard library only) stays a thin stand-in and the rank proper is forked from
+the zygote with the stand-in's arguments, environment, working directory and streams
+(docs/fault-tolerance.md has the process tree):
 
-    launcher ── python -m trainer (stand-in) ··· socket ··· zygote ── waiter ── rank
+- the stand-in forwards the launcher's signals to the rank's process group and exits as
+  the rank did, so the launcher, the rank monitors and the event log see an ordinary rank;
+- the waiter, forked per rank, SIGKILLs the rank's process group when the stand-in dies;
+  the rank dies with the waiter, the waiter with the zygote, the zygote with the launcher.
 
-- the stand-in forwards the signals the launcher sends it to the rank's process group and
-  exits as the rank did (the same code, or killed by the same signal): the launcher, the
-  rank monitors (they signal the rank's own pid, which it reports itself) and the event log
-  see a rank like any other;
-- the waiter, forked for each rank, waits for the rank and reports how it ended; when the
-  stand-in dies (the launcher SIGKILLs it), the waiter SIGKILLs the rank's process group;
-- the rank runs in a session of its own, as launchers start ranks; it dies with the
-  waiter, the waiter with the zygote, and the zygote ends when the launcher does.
-
-Where no zygote answers (the first worker group, a zygote still importing, none started),
-a rank starts the usual way, so this only ever saves time. Off with
-`resilience.prefork_workers: false`.
-
-Fork safety: the zygote runs no torch operation, initializes no CUDA and starts no Python
-thread (it checks, and does not serve if it finds one), as DataLoader workers are forked
-from a process that has imported torch. It imports at the lowest CPU priority of its own
-session (autogroup scheduling), and of its own process when the forked ranks may return
-to their launcher-given priority (root, or RLIMIT_NICE allows), so on a small machine it
-takes what training leaves. A drilled hard fault waits until it serves
-(`wait_until_serving`, from trainer/faults.py).
+Where no zygote answers, a rank starts the usual way: this only ever saves time
+(`resilience.prefork_workers: false` turns it off). Fork safety: the zygote runs no torch
+operation, initializes no CUDA and starts no Python thread (it checks), and imports at the
+lowest CPU priority. A drilled hard fault waits until it serves (`wait_until_serving`).
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from nvidia_resiliency_ext.inprocess import CallWrapper
 
 from trainer import peer_abort, prefork
+from trainer.checkpointing.tier_slots import CaptureCache
 from trainer.config import TrainConfig
 from trainer.faults import record_fatal_error
 from trainer.hooks import Abandonable, Attempt, Stateful, StepResult, TrainHooks
@@ -162,8 +163,10 @@ class _Hooks(TrainHooks):
         call_wrapper: Any,
         iteration: int,
         detected_at: float | None,
+        cache: CaptureCache | None = None,
     ) -> None:
         self.config = config
+        self.cache = cache if cache is not None else CaptureCache()  # the process's, from `_attempts`
         self.launcher = launcher
         self.call_wrapper = call_wrapper
         self.iteration = iteration
@@ -171,6 +174,9 @@ class _Hooks(TrainHooks):
         self.pinged_at: float | None = None
         self._keepalive_depth = 0
         self.checkpoints: list[Abandonable] = []  # started, not yet closed or abandoned
+
+    def capture_cache(self) -> CaptureCache:
+        return self.cache
 
     def attempt(self) -> Attempt:
         return Attempt(
@@ -321,6 +327,7 @@ def _attempts(
     """One attempt (`resilience.inprocess_restarts` = 0) or NVRx's wrapper restarting it;
     an attempt is a `Trainer` on a fresh key prefix of `store`."""
     restarts = _Restarts()
+    cache = CaptureCache()  # the fast tier's copy in memory outlives each attempt
 
     def attempt(call_wrapper: CallWrapper | None = None) -> TrainSummary:
         if call_wrapper is not None and call_wrapper.iteration > 0:
@@ -328,7 +335,7 @@ def _attempts(
                 "in-process restart %d: resuming from the latest committed checkpoint", call_wrapper.iteration
             )
         iteration = call_wrapper.iteration if call_wrapper is not None else 0
-        hooks = _Hooks(config, launcher, call_wrapper, iteration, restarts.detected_at.pop("at", None))
+        hooks = _Hooks(config, launcher, call_wrapper, iteration, restarts.detected_at.pop("at", None), cache)
         restarts.attempts.append(hooks)
         try:
             with Trainer(

@@ -299,7 +299,7 @@ def test_a_cold_restart_resumes_from_the_fast_tier_or_a_peers_replica_and_falls_
     Every case still ends with the fault-free weights."""
     import shutil
 
-    from trainer.checkpointing.local_tier import local_folder
+    from trainer.checkpointing.tier_slots import local_folder
 
     original = _killed_run_config(dataset_dir, killed_without_restarts)
     workdir = tmp_path / "run"

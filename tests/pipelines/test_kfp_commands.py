@@ -297,14 +297,16 @@ def test_runs_lists_state_duration_and_metrics_from_the_shared_volume(kfp_api, p
     steps.mkdir(parents=True)
     (steps / "train.json").write_text(json.dumps({"final_loss": 2.125}))
     (steps / "validate.json").write_text(json.dumps({"holdout_loss": 2.375, "decision": "champion"}))
-    (steps / "stage_model.json").write_text(json.dumps({"registry": {"model_name": "rtp-model", "version": "3"}}))
+    (steps / "stage_model.json").write_text(
+        json.dumps({"registry": {"model_name": "rtp-model", "version": "3"}})
+    )
     code, out, _ = rtp(capsys, "runs", "--host", kfp_api.url, "--fsx-mount-path", str(tmp_path / "fsx"))
     assert code == 0
     header, row = out.strip().splitlines()
     assert "state" in header and "duration" in header and "holdout_loss" in header and "parent" in header
     assert (
-        " v3 " in row and
-        run["run_id"] in row
+        " v3 " in row
+        and run["run_id"] in row
         and "PENDING" in row
         and "2.1250" in row
         and "2.3750" in row

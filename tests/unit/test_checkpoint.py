@@ -1,6 +1,7 @@
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -419,11 +420,12 @@ def _heads(folder) -> list[str]:
     return sorted(p.name for p in folder.glob("*.head"))
 
 
-def _resumed_at(tmp_path, step, expected):
+def _resumed_at(tmp_path, step, expected, hooks=None):
     """A new attempt's manager (a fresh model, mode off) that resumed at `step` with the
-    parameters `expected`; returns it with its model and optimizer."""
+    parameters `expected`; returns it with its model and optimizer. `hooks`: the process's
+    (an in-process restart shares its fast-tier cache); None: a new process."""
     model, optimizer = _trained_model(seed=1)
-    resumed = _manager(tmp_path, "off", model, optimizer)
+    resumed = _manager(tmp_path, "off", model, optimizer, hooks=hooks)
     assert resumed.load() == step
     for saved, restored in zip(expected, model.parameters(), strict=True):
         assert torch.equal(saved, restored)
@@ -432,9 +434,11 @@ def _resumed_at(tmp_path, step, expected):
 
 def test_a_restarted_attempt_resumes_from_the_fast_tier_newer_than_the_durable_checkpoint(tmp_path):
     from trainer.checkpointing.local_tier import forget_run
+    from trainer.hooks import TrainHooks
 
+    process = TrainHooks()  # one process: its attempts share the fast tier's cache
     model, optimizer = _trained_model()
-    manager = _manager(tmp_path, "sync", model, optimizer)
+    manager = _manager(tmp_path, "sync", model, optimizer, hooks=process)
     manager.load()
     for step in range(1, 5):  # durable at 3, fast tier at every step
         _step(model, optimizer)
@@ -444,7 +448,9 @@ def test_a_restarted_attempt_resumes_from_the_fast_tier_newer_than_the_durable_c
     manager.abandon()  # a fault: no final save; the copy of step 4 lives on in this process
     try:
         other_model, other_optimizer = _trained_model(seed=1)
-        resumed = _manager(tmp_path, "sync", other_model, other_optimizer)
+        aside = manager.local.folder.with_name(manager.local.folder.name + "-aside")
+        manager.local.folder.rename(aside)  # the copy in memory is all there is
+        resumed = _manager(tmp_path, "sync", other_model, other_optimizer, hooks=process)
         assert resumed.load() == 4
         assert resumed.summary(loop_wall_s=1.0)["resumed_from"] == "local:4"
         for mine, theirs in zip(model.parameters(), other_model.parameters(), strict=True):
@@ -455,9 +461,9 @@ def test_a_restarted_attempt_resumes_from_the_fast_tier_newer_than_the_durable_c
 
         # The same copies on disk (what a restarted worker group finds), after a model change:
         # another architecture's copy is never loaded; the durable checkpoint is refused too.
-        from trainer.checkpointing import local_tier
-
-        local_tier._memory.clear()
+        shutil.rmtree(resumed.local.folder, ignore_errors=True)
+        aside.rename(resumed.local.folder)
+        # A new process (its own cache) finds the files.
         # Two slots, each with the header of the capture it holds: steps 3 and 4.
         heads = sorted(p.name for p in resumed.local.folder.glob("rank_0_step_*.head"))
         assert heads == ["rank_0_step_3_slot_0.head", "rank_0_step_4_slot_1.head"], heads
@@ -530,7 +536,6 @@ def test_a_rank_killed_while_capturing_still_has_the_previous_capture(tmp_path, 
     """A capture copies into the older of two slot files: that slot's header is gone before
     the first byte is overwritten, so what a rank killed mid-copy leaves is the other slot's
     capture with its header; a slot file of another size than its header says is refused."""
-    from trainer.checkpointing import local_tier
     from trainer.checkpointing.local_tier import LocalTier, forget_run
 
     model, optimizer = _trained_model()
@@ -557,13 +562,11 @@ def test_a_rank_killed_while_capturing_still_has_the_previous_capture(tmp_path, 
         manager.abandon()
         monkeypatch.undo()
 
-        local_tier._memory.clear()  # a new process: only the files
-        local_tier._newest_slot.clear()
+        # A new manager has a new cache: a new process, only the files.
         _resumed_at(tmp_path, 3, expected)[0].abandon()
 
         with (folder / "rank_0_slot_0.data").open("ab") as handle:
             handle.write(b"\0" * 64)  # not what the header describes
-        local_tier._memory.clear()
         third = _manager(tmp_path, "off", *_trained_model(seed=2))
         assert third.load() == 0  # nothing usable, no durable checkpoint
         third.abandon()
@@ -609,9 +612,7 @@ def test_large_slots_are_made_ahead_without_the_loop_waiting_and_keep_an_earlier
         expected = [p.detach().clone() for p in model.parameters()]
         manager.abandon()
 
-        # A new process finds the files; its slots are prepared again while it trains on.
-        local_tier._memory.clear()
-        local_tier._newest_slot.clear()
+        # A new process (a new manager's cache) finds the files; its slots are prepared again while it trains on.
         release.clear()
         resumed, other_model, other_optimizer = _resumed_at(tmp_path, 5, expected)
         _step(other_model, other_optimizer)
@@ -640,9 +641,12 @@ def test_a_slot_file_that_does_not_fit_keeps_the_captures_in_memory_and_says_wha
     def full(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")
 
+    from trainer.hooks import TrainHooks
+
     monkeypatch.setattr("trainer.checkpointing.local_tier.os.posix_fallocate", full)
+    process = TrainHooks()
     model, optimizer = _trained_model()
-    manager = _manager(tmp_path, "off", model, optimizer)
+    manager = _manager(tmp_path, "off", model, optimizer, hooks=process)
     try:
         with caplog.at_level(logging.WARNING, logger="trainer.checkpointing.local_tier"):
             _train_and_capture(manager, model, optimizer, (1, 2, 3))
@@ -656,7 +660,7 @@ def test_a_slot_file_that_does_not_fit_keeps_the_captures_in_memory_and_says_wha
         expected = [p.detach().clone() for p in model.parameters()]
         manager.abandon()  # an in-process restart: the same process, a new attempt
 
-        _resumed_at(tmp_path, 3, expected)[0].abandon()
+        _resumed_at(tmp_path, 3, expected, hooks=process)[0].abandon()
     finally:
         forget_run("", tmp_path / "checkpoints")
 
@@ -732,7 +736,6 @@ def test_an_async_save_whose_writer_process_died_fails_instead_of_waiting_foreve
 def test_a_capture_after_the_optimizer_state_was_replaced_copies_the_new_tensors(tmp_path):
     """The tier reuses its list of tensors while they are the same objects; state loaded
     into the optimizer (new tensor objects) must be what the next capture holds."""
-    from trainer.checkpointing import local_tier
     from trainer.checkpointing.local_tier import forget_run
 
     model, optimizer = _trained_model()
@@ -748,7 +751,7 @@ def test_a_capture_after_the_optimizer_state_was_replaced_copies_the_new_tensors
         manager.save(3, last_step=False, loss=1.0)
         manager.local.wait_copy()
         manager.abandon()
-        local_tier._memory.clear()  # from the files
+        # A new manager, a new cache: from the files.
         other_model, other_optimizer = _trained_model(seed=1)
         resumed = _manager(tmp_path, "off", other_model, other_optimizer)
         assert resumed.load() == 3

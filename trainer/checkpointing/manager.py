@@ -122,6 +122,7 @@ class CheckpointManager:
             optimizer=optimizer,
             scheduler=scheduler,
             replicas=settings.local_replicas,
+            cache=hooks.capture_cache(),
         )
         self.resumed_from: str | None = None
         self.load_s = 0.0

@@ -1,0 +1,267 @@
+"""The fast tier's buffers: where a rank's capture lives, how the state maps onto it, and the
+cache an in-process restart resumes from.
+
+Each rank has two slot files in the local folder (`<local_dir>/<run key>/`), mapped into its
+memory. A capture is copied into the older slot, then a small header file names the slot
+and describes the capture (`tier_format`); the header of a slot is removed before the slot
+is overwritten. A `Plan` is one layout of the state (which tensors, in which order, at
+which offsets); a `Slot` is one mapped file of that layout. `CaptureCache` holds the newest
+complete capture per run in this process; the resilience layer owns one per process, so
+an in-process restart finds it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+import os
+import re
+import shutil
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.checkpointing import tier_format as fmt
+
+HEAD_FILE = re.compile(r"^rank_(\d+)_step_(\d+)_slot_([01])\.head$")
+"""A capture's header: its rank, step and slot."""
+SLOT_FILE = re.compile(r"^rank_(\d+)_slot_[01]\.data$")
+
+
+def head_name(rank: int, step: int, slot: int) -> str:
+    return f"rank_{rank}_step_{step}_slot_{slot}.head"
+
+
+def slot_name(rank: int, slot: int) -> str:
+    return f"rank_{rank}_slot_{slot}.data"
+
+
+def default_local_root() -> Path:
+    """Node-local and memory-backed where there is one (a pod's /dev/shm)."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        return shm / "rtp-local"
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / "rtp-local"
+
+
+def run_key(checkpoint_dir: str | Path) -> str:
+    """One run's name in the local folder: its checkpoint folder, hashed."""
+    return hashlib.sha256(str(Path(checkpoint_dir).resolve()).encode()).hexdigest()[:16]
+
+
+def local_folder(local_dir: str, checkpoint_dir: str | Path) -> Path:
+    return (Path(local_dir) if local_dir else default_local_root()) / run_key(checkpoint_dir)
+
+
+def forget_run(local_dir: str, checkpoint_dir: str | Path) -> None:
+    """A new run starts in this checkpoint folder: drop the fast tier files of the previous one."""
+    shutil.rmtree(local_folder(local_dir, checkpoint_dir), ignore_errors=True)
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the tensor itself, not `to_local()`'s autograd view: this
+    runs for every tensor at every capture, off the training thread), else the tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+class CaptureCache:
+    """This process's newest complete capture per run key, and the slot it lives in."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._captures: dict[str, dict[str, Any]] = {}
+        self._slots: dict[str, int] = {}
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        with self._lock:
+            return self._captures.get(key)
+
+    def newest_slot(self, key: str) -> int | None:
+        with self._lock:
+            return self._slots.get(key)
+
+    def put(self, key: str, capture: dict[str, Any], slot: int | None) -> None:
+        with self._lock:
+            self._captures[key] = capture
+            if slot is None:
+                self._slots.pop(key, None)
+            else:
+                self._slots[key] = slot
+
+    def drop(self, key: str, slot: int | None = None) -> None:
+        """Forget the run's capture (only if it lives in `slot`, when given: about to be overwritten)."""
+        with self._lock:
+            if slot is None or self._slots.get(key) == slot:
+                self._captures.pop(key, None)
+                self._slots.pop(key, None)
+
+
+@dataclass(slots=True)
+class Plan:
+    """One layout of the state: the shards to copy, the skeleton over their indices, where
+    the meta's tensors (new objects at every capture) go, and the header's static section
+    (written once per layout)."""
+
+    sources: list[torch.Tensor]
+    skeleton: dict[str, Any]
+    dynamic_index: dict[str, int]
+    layout: list[tuple[str, list[int], int, int]]
+    size: int
+    static: bytes
+
+
+def plan_state(
+    params: Sequence[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    meta: dict[str, Any],
+    previous: Plan | None,
+) -> tuple[Plan, bool]:
+    """What a capture copies: the shards (the same tensor objects at every capture: the
+    optimizer updates them in place), then the meta's tensors (the RNG states). Returns the
+    plan and whether it may be reused; `previous` when its shards are still the state's."""
+    state = optimizer.state
+    sources = [local_shard(p) for p in params]
+    stable = True
+    for p in params:
+        for value in state.get(p, {}).values():
+            if torch.is_tensor(value):
+                sources.append(local_shard(value))
+            else:
+                stable = False  # a plain value in the state: it goes in the skeleton
+    if (
+        previous is not None
+        and stable
+        and len(previous.sources) == len(sources)
+        and all(map(operator.is_, previous.sources, sources))
+    ):
+        return previous, True
+    index = iter(range(len(sources)))
+    skeleton = {
+        "params": [{fmt.TENSOR_KEY: next(index)} for _ in params],
+        "optim": [
+            {
+                k: {fmt.TENSOR_KEY: next(index)} if torch.is_tensor(v) else v
+                for k, v in state.get(p, {}).items()
+            }
+            for p in params
+        ],
+    }
+    names = [k for k, v in meta.items() if torch.is_tensor(v)]
+    dynamic_index = {k: len(sources) + i for i, k in enumerate(names)}
+    layout = fmt.layout_of([*sources, *(meta[k] for k in names)])
+    size = fmt.aligned(layout[-1][2] + layout[-1][3]) if layout else 0
+    return Plan(
+        sources, skeleton, dynamic_index, layout, size, fmt.static_section(skeleton, layout, size)
+    ), stable
+
+
+class Slot:
+    """One slot: the capture's tensors, views into a mapped slot file (or, when the file
+    cannot be made, into process memory: in-process restarts still work)."""
+
+    def __init__(self, path: Path | None, layout: list[tuple[str, list[int], int, int]], size: int) -> None:
+        import mmap
+
+        self.path = path
+        self.layout = layout
+        self.size = size
+        self.head: Path | None = None  # the header of the capture it holds, if written
+        self.step: int | None = None
+        self.plan: Plan | None = None
+        self.filled: Any = None  # the plan's skeleton over this slot's tensors
+        self.stale_heads = False  # headers of what it held before may still name it
+        data: Any
+        if path is None:
+            data = bytearray(max(size, 1))
+        else:
+            with path.open("a+b") as handle:
+                handle.truncate(size)
+                if size:
+                    # Reserve the pages now: a full tmpfs makes this fail with ENOSPC here,
+                    # instead of a SIGBUS at the first write into the mapping.
+                    os.posix_fallocate(handle.fileno(), 0, size)
+                data = mmap.mmap(handle.fileno(), max(size, 1), mmap.MAP_SHARED) if size else bytearray(1)
+        self.data = data
+        self.tensors = [fmt.view(data, dtype, shape, place, nbytes) for dtype, shape, place, nbytes in layout]
+
+    def pin(self) -> None:
+        """Page-lock the mapping, so that device-to-host copies into it are asynchronous."""
+        import ctypes
+
+        from trainer.checkpointing.snapshot import pin_host_range
+
+        if self.size:
+            pin_host_range(self, ctypes.addressof(ctypes.c_char.from_buffer(self.data)), self.size)
+
+
+def gib(n: int | None) -> str:
+    return "an unknown amount" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def free_bytes(folder: Path) -> int | None:
+    for where in (folder, *folder.parents):
+        try:
+            return shutil.disk_usage(where).free
+        except OSError:
+            continue
+    return None
+
+
+def capture_fits(
+    snapshot: dict[str, Any], identity: dict[str, Any], durable_step: int, params: Sequence[torch.Tensor]
+) -> bool:
+    """Whether a capture belongs to this run and state: identity, taken before no newer durable
+    checkpoint than this attempt knows (else another run's), the shards' shapes."""
+    if snapshot.get("identity") != identity:
+        return False
+    if int(snapshot.get("durable_step", -1)) > durable_step:
+        return False
+    return [tuple(t.shape) for t in snapshot["params"]] == [tuple(local_shard(p).shape) for p in params]
+
+
+def load_capture(
+    snapshot: dict[str, Any],
+    params: Sequence[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> None:
+    """Copy a capture into the shards, the optimizer state and groups, the scheduler and the RNG."""
+    from torch.distributed.tensor import DTensor
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # a copy in memory may still have been in flight
+    with torch.no_grad():
+        for p, saved in zip(params, snapshot["params"], strict=True):
+            local_shard(p).copy_(saved)
+        for p, saved in zip(params, snapshot["optim"], strict=True):
+            state: dict[str, Any] = {}
+            for k, v in saved.items():
+                if torch.is_tensor(v) and isinstance(p, DTensor) and v.shape == local_shard(p).shape:
+                    state[k] = DTensor.from_local(
+                        v.to(local_shard(p).device, copy=True),
+                        p.device_mesh,
+                        p.placements,
+                        run_check=False,
+                        shape=p.shape,
+                        stride=p.stride(),
+                    )
+                elif torch.is_tensor(v):
+                    state[k] = v.clone().to(local_shard(p).device)
+                else:
+                    state[k] = v
+            if state:
+                optimizer.state[p] = state
+    for group, saved_group in zip(optimizer.param_groups, snapshot["groups"], strict=True):
+        group.update(saved_group)
+    scheduler.load_state_dict(snapshot["scheduler"])
+    torch.set_rng_state(snapshot["torch_rng"])
+    if "cuda_rng" in snapshot and torch.cuda.is_available():
+        torch.cuda.set_rng_state(snapshot["cuda_rng"])
