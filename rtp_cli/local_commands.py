@@ -20,7 +20,7 @@ def add_local_parser(sub: argparse._SubParsersAction) -> None:
         "local",
         help="run the whole pipeline on this machine with kfp.local",
         description="Compile the pipeline and run it with kfp.local: stage (embedded S3 seeded with "
-        "a demo corpus unless --source; with --model-source a Hugging Face model folder and the demo corpus in its tokens), train (FSDP, gloo on CPU), validate, register (MLflow sqlite "
+        "a demo corpus unless --source; with --model-source a Hugging Face model folder or a registered version, and the demo corpus in its tokens), train (FSDP, gloo on CPU), validate, register (MLflow sqlite "
         "file in the work dir unless --mlflow-uri). Writes <workdir>/summary.json.",
     )
     p.add_argument("--workdir", default=defaults.workdir, help="all outputs go here (default: %(default)s)")

@@ -210,13 +210,14 @@ def _seed_for_registered_model(endpoint: str, model_source: str, dataset_name: s
     """The demo corpus in the tokens of the version `model_source` names (bytes for a byte LM);
     returns (data source, dataset name). The stage-model step resolves and stages the version."""
     from components.stage_data.stage import s3_client
+    from components.stage_model.registry_source import parse_reference
     from rtp_cli.local_model import download_tokenizer_files, upload_demo_tokens
 
     with tempfile.TemporaryDirectory(prefix="rtp-parent-tokenizer-") as tmp:
         kind, tokenizer_dir = download_tokenizer_files(model_source, Path(tmp))
         if tokenizer_dir is None:
             return _seed_byte_corpus(endpoint), dataset_name
-        name = model_source.removeprefix("models:/").split("@")[0].split("/")[0]
+        name = parse_reference(model_source).name
         prefix = f"{DEMO_PREFIX.rstrip('/')}-{name}/"
         index = upload_demo_tokens(s3_client(endpoint), DEMO_BUCKET, prefix, tokenizer_dir)
     source = f"s3://{DEMO_BUCKET}/{prefix}"

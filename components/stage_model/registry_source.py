@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from components.mlflow_access import RetryPolicy, call_with_retries, check_model_name, step_deadline
-from components.register_model.file_manifest import FILES_TAG, ManifestError, verify_folder
+from components.register_model.file_manifest import FILES_TAG, MANIFEST_FILE, ManifestError, verify_folder
 from components.register_model.lineage import KIND_TAG, TOKENIZER_TAG
 from components.stage_data.errors import StageError
 from trainer.events import write_json_atomic
@@ -263,7 +263,7 @@ def _download(origin: Origin, root: Path, target: Path, retry: RetryPolicy | Non
         listed = {entry["path"] for entry in entries}
         for path in sorted(local.rglob("*"), reverse=True):  # only the registered files are staged
             relative = path.relative_to(local).as_posix()
-            if path.is_file() and relative not in listed and path.name != "rtp_files.json":
+            if path.is_file() and relative not in listed and path.name != MANIFEST_FILE:
                 path.unlink()
         if target.exists():  # a concurrent stage of the same version published it first
             return 0
