@@ -15,7 +15,9 @@ summary.json:
 - the fast checkpoint tier's cost (`checkpoint.local_every_steps`, every step by default;
   `--local-every` to change): its copies are part of the blocked time and efficiency of
   every mode but `off`, which runs without it and so is the baseline of `wall_vs_off`;
-  `local_tier_ms_per_copy` is one copy's mean.
+  `local_tier_ms_per_copy` is one copy's mean;
+- host: the host memory checkpointing held at most (the fast tier's two slots and the
+  writer's own buffers), in copies of a rank's state.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ def run_mode(
         "local_tier_s": summary.get("local_tier_s", 0.0),
         "local_tier_ms_per_copy": 1000 * summary.get("local_tier_s", 0.0) / copies if copies else 0.0,
         "checkpoint_bytes": summary["checkpoint_saves"][-1]["bytes_total"] if blocked else 0,
+        "host_copies": summary.get("checkpoint_host_copies", 0.0),
         "final_loss": summary["final_loss"],
         "model_sha256": summary["model_sha256"],
     }
@@ -153,7 +156,7 @@ def run_benchmark(
 def format_table(result: dict[str, Any]) -> str:
     header = (
         f"{'mode':<12} {'blocked/save med':>16} {'max':>8} {'write/save':>10} {'efficiency':>10} "
-        f"{'wall':>8} {'vs off':>7} {'saves':>5} {'ckpt MB':>8} {'tier/copy':>10}"
+        f"{'wall':>8} {'vs off':>7} {'saves':>5} {'ckpt MB':>8} {'tier/copy':>10} {'host':>5}"
     )
     lines = [
         f"model {result['model_params'] / 1e6:.1f}M params, {result['steps']} steps, save every "
@@ -166,7 +169,7 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(
             f"{mode:<12} {r['blocked_s_per_save_median']:>15.3f}s {r['blocked_s_per_save_max']:>7.3f}s "
             f"{r['write_s_per_save_median']:>9.3f}s {r['efficiency_pct']:>9.1f}% {r['wall_s']:>7.1f}s {vs_off:>7} "
-            f"{r['saves']:>5} {r['checkpoint_bytes'] / 1e6:>8.1f} {r['local_tier_ms_per_copy']:>8.1f}ms"
+            f"{r['saves']:>5} {r['checkpoint_bytes'] / 1e6:>8.1f} {r['local_tier_ms_per_copy']:>8.1f}ms {r['host_copies']:>4.1f}x"
         )
     return "\n".join(lines)
 

@@ -54,6 +54,9 @@ class TrainSummary:
     final_drain_s: float
     checkpointer_start_s: float
     checkpointer_teardown_s: float
+    checkpoint_host_copies: float = 0.0
+    """Host memory checkpointing held at most (fast-tier slots + the writer's own buffers),
+    in copies of rank 0's state; 2 when a save writes from the fast tier's capture."""
     loop_wall_s: float
     world_size: int
     device: str

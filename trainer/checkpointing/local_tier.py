@@ -77,6 +77,7 @@ class LocalTier:
         newest = self.cache.newest_slot(self.key)
         self._slot = 1 - (1 if newest is None else newest)  # the next capture's: not the newest one's
         self._sending: int | None = None  # the slot the sender thread reads
+        self._held: int | None = None  # the slot a durable save writes from (`capture_for_save`)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._queued: int | None = None  # the newest capture not yet sent to the peers
@@ -92,6 +93,7 @@ class LocalTier:
         self._sender: threading.Thread | None = None
         self._plan: slots.Plan | None = None
         self.captures = 0
+        self.host_bytes = 0  # what its slots held at most
         self.write_errors = 0
         self._memory_only_said = False
         world = dist.get_world_size()
@@ -140,13 +142,40 @@ class LocalTier:
             return self.schedule.measure(step, lambda: self._capture(step, durable_step), self.wait_copy)
         return step % self.interval == 0 and self._capture(step, durable_step)
 
-    def _capture(self, step: int, durable_step: int) -> bool:
-        """Queue the copy of this rank's state after step `step` (False: skipped)."""
+    def capture_for_save(self, step: int, durable_step: int) -> Lease | None:
+        """Capture step `step` (a durable save's) whatever the interval, and lend the slot to
+        that save: it is not overwritten until the lease is released, so the save writes
+        from the capture instead of copying the state again. None: no capture now (the
+        tier is off or measuring its interval, or the slot is busy); the save copies."""
+        if not self.enabled or self.schedule.measuring:
+            return None
+        with self._lock:
+            if self._held is not None:
+                return None
+        if not self._capture(step, durable_step, hold=True):
+            return None
+        with self._lock:
+            held = self._held
+        assert held is not None and self._copy is not None
+        return Lease(self, held, self._copy)
+
+    def _release(self, slot: int) -> None:
+        with self._lock:
+            if self._held == slot:
+                self._held = None
+
+    def _capture(self, step: int, durable_step: int, hold: bool = False) -> bool:
+        """Queue the copy of this rank's state after step `step` (False: skipped). `hold`:
+        the slot stays the save's until `_release`."""
         with self._lock:
             slot = self._slot
+            if self._held == slot:  # a save still writes from it: overwrite the newer one
+                slot = 1 - slot
             if self._sending == slot:  # the sender still reads this slot: skip one
                 return False
             self._slot = 1 - slot
+            if hold:
+                self._held = slot
         # What changes outside the optimizer step is taken now; the shards are copied
         # beside the next step's forward and backward (they change only in its optimizer
         # step, which `before_optimizer_step()` holds until the copy is complete).
@@ -173,6 +202,8 @@ class LocalTier:
         if not self._slots_ready(plan):
             with self._lock:
                 self._slot = slot  # not taken: the next capture fills it
+                if hold:
+                    self._held = None
             return False
         self._copied.clear()
         self._copy = self._copier.submit(self._capture_into, slot, meta, plan, step_done)
@@ -204,6 +235,8 @@ class LocalTier:
         its headers are removed then, see `_slot_for`)."""
         for slot in (0, 1):
             current = self._slots[slot]
+            if slot == self._held:  # a save reads its file: remapped once released
+                continue
             if current is None or current.layout != plan.layout:
                 self._slots[slot] = self._make_slot(slot, plan, drop_heads=False)
 
@@ -310,6 +343,8 @@ class LocalTier:
         if self.params and self.params[0].is_cuda:
             made.pin()
         made.plan = plan
+        others = sum(s.size for i, s in enumerate(self._slots) if s is not None and i != slot)
+        self.host_bytes = max(self.host_bytes, others + made.size)
         return made
 
     def _copy_into(self, target: slots.Slot, sources: list[torch.Tensor], step_done: Any) -> None:
@@ -460,3 +495,25 @@ class LocalTier:
         optimizer, scheduler and RNG and return its step; else None (load the durable
         checkpoint). Also starts this attempt's replica receiver and learns its peers'."""
         return tier_resume.restore(self, durable_step)
+
+
+class Lease:
+    """A capture lent to a durable save: `wait()` for its copy, `release()` once written."""
+
+    def __init__(self, tier: LocalTier, slot: int, copy: Future[None]) -> None:
+        self._tier = tier
+        self.slot = slot
+        self._copy = copy
+        self.serving: slots.Slot | None = None  # set by the save that reads the slot
+
+    def wait(self) -> slots.Slot:
+        """The slot holding the complete capture (raises what failed the copy)."""
+        self._copy.result()
+        target = self._tier._slots[self.slot]
+        assert target is not None
+        return target
+
+    def release(self) -> None:
+        """The save no longer reads the slot (written, failed or abandoned); idempotent."""
+        self.serving = None
+        self._tier._release(self.slot)

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from trainer.checkpointing import storage
 from trainer.checkpointing.fingerprint import model_sha256
-from trainer.checkpointing.local_tier import LocalTier
+from trainer.checkpointing.local_tier import Lease, LocalTier
 from trainer.checkpointing.nvrx_writer import NvrxAsyncWriter
 from trainer.checkpointing.torch_writers import SyncWriter, TorchAsyncWriter
 from trainer.checkpointing.writer import CheckpointWriter, NoCheckpoints, PendingSave, SaveRecord
@@ -231,22 +231,22 @@ class CheckpointManager:
         record = self._maybe_save(step, loss, last_step)
         self.writer.poll()
         if not self._prepared:
-            # After the attempt's first step: the writer may allocate for the state ahead.
+            # After the attempt's first step: the writer may allocate for the state ahead,
+            # unless the fast tier's captures are what it writes from.
             self._prepared = True
-            self.writer.prepare(self._state_dict)
+            if not (self.writer.reads_captures and self.local.enabled):
+                self.writer.prepare(self._state_dict)
         return record
 
     def _maybe_save(self, step: int, loss_value: float, final: bool) -> SaveRecord | None:
-        started = time.perf_counter()
         due = (final or step % self.settings.every_steps == 0) and self.writer.writes_checkpoints
-        if self.local.capture(step, self.durable_step):
-            self.local_tier_s += time.perf_counter() - started
-        if not due:
-            return None
         previous = max(self.resumed_durable_step, self.records[-1].step if self.records else 0)
-        if self.writer.defers(step, final, previous, self.settings.every_steps):
+        if due and self.writer.defers(step, final, previous, self.settings.every_steps):
             self.deferred_saves.append(step)
             self.events.emit("checkpoint_deferred", step=step, reason="writer starting")
+            due = False
+        if not due:
+            self._capture(step, for_save=False)
             return None
         meta = {
             "config": self.config.to_dict(),
@@ -269,10 +269,21 @@ class CheckpointManager:
         self._report_queued()
         return record
 
-    def _save(self, step: int, meta: dict[str, Any], rank_extra: dict[str, Any], last: bool) -> SaveRecord:
+    def _capture(self, step: int, for_save: bool) -> Lease | None:
+        """The fast tier's capture of step `step`; `for_save`: whatever the interval, lent
+        to the save of this step, which then writes from that copy instead of its own."""
         started = time.perf_counter()
-        self.writer.finalize()  # the previous save commits first: snapshot buffers are reused
-        previous_wait_s = time.perf_counter() - started
+        lease = self.local.capture_for_save(step, self.durable_step) if for_save else None
+        if lease is not None or self.local.capture(step, self.durable_step):
+            self.local_tier_s += time.perf_counter() - started
+        return lease
+
+    def _save(self, step: int, meta: dict[str, Any], rank_extra: dict[str, Any], last: bool) -> SaveRecord:
+        began = time.perf_counter()
+        self.writer.finalize()  # the previous save commits first: its slot or buffers are reused
+        previous_wait_s = time.perf_counter() - began
+        lease = self._capture(step, for_save=self.writer.reads_captures and not last)
+        started = time.perf_counter() - previous_wait_s  # the capture counts as the tier's, not the save's
         staging, final, state_of_rank = self.writer.stage(step, rank_extra)
         state = self._state_dict()
         if self.during_save is not None:
@@ -293,6 +304,7 @@ class CheckpointManager:
             queued_at=started,
             last=last,
             rank_state=state_of_rank,
+            lease=lease,
         )
         self.writer.start_save(state, pending)
         self.records.append(record)
@@ -350,7 +362,19 @@ class CheckpointManager:
             "final_drain_s": self.final_drain_s,
             "checkpointer_start_s": self.start_s,
             "checkpointer_teardown_s": self.teardown_s,
+            # Host memory for checkpointing, as copies of this rank's state (slots + the writer's own).
+            "checkpoint_host_copies": (self.local.host_bytes + self.writer.host_bytes)
+            / max(self._state_bytes(), 1),
         }
+
+    def _state_bytes(self) -> int:
+        """This rank's parameters and optimizer state, in bytes (its shards under FSDP)."""
+        from trainer.checkpointing.tier_slots import local_shard
+
+        params = list(self.model.parameters())
+        tensors: list[torch.Tensor] = [*params]
+        tensors += [v for p in params for v in self.optimizer.state.get(p, {}).values() if torch.is_tensor(v)]
+        return sum(local_shard(t).numel() * local_shard(t).element_size() for t in tensors)
 
     def _on_commit(self, record: SaveRecord) -> None:
         self.durable_step = max(self.durable_step, record.step)

@@ -1,9 +1,10 @@
 """The `async` checkpoint mode: NVRx's persistent writer process, one per rank.
 
 NVRx 0.4.1's persistent writer process with the DCP plan / background write / finalize
-split of `FileSystemWriterAsync`. The state is copied to host buffers (`snapshot`), planned
-and sent to the worker by a background thread while the next step's forward and backward
-run; `wait_for_staging()`, before every `optimizer.step()`, waits for
+split of `FileSystemWriterAsync`. The state is the fast tier's capture of the step, lent to
+the save (its tensors reach the worker as references into the slot file: `slot_refs`), or
+else copied to host buffers (`snapshot`); it is planned and sent to the worker by a
+background thread while the next step's forward and backward run; `wait_for_staging()`, before every `optimizer.step()`, waits for
 that thread if it is still running and then starts the save's *finisher* thread. The
 finisher waits for the worker to report the write done, gathers every rank's write results
 over the writer's own gloo group (NVRx's finalize, with the request numbers compared), and
@@ -37,7 +38,7 @@ from typing import Any
 import torch.distributed as dist
 
 from trainer import lifecycle, peer_abort
-from trainer.checkpointing import storage
+from trainer.checkpointing import slot_refs, storage
 from trainer.checkpointing.writer import CheckpointWriter, PendingSave
 
 # nvidia_resiliency_ext (and `nvrx_compat`, which imports it) is imported inside the methods:
@@ -48,6 +49,7 @@ class NvrxAsyncWriter(CheckpointWriter):
     """`async`: returns from `start_save()` once the snapshot copy started."""
 
     mode = "async"
+    reads_captures = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -105,6 +107,9 @@ class NvrxAsyncWriter(CheckpointWriter):
 
         The attempt's last save (`pending.last`) is only remembered: `finalize()` writes it."""
         if pending.last:
+            if pending.lease is not None:
+                pending.lease.release()  # written from the live state, in `finalize()`
+                pending.lease = None
             self._pending = self._handoff = pending
             self._last_state = state
             pending.queued_at = time.perf_counter()
@@ -116,7 +121,9 @@ class NvrxAsyncWriter(CheckpointWriter):
         # NVRx numbers requests in the order every rank schedules them; taken here, on the loop.
         self._calls.call_idx += 1
         self._snapshot.start(
-            state, after_copy=partial(self._plan_and_send, writer, pending, self._calls.call_idx)
+            state,
+            after_copy=partial(self._plan_and_send, writer, pending, self._calls.call_idx),
+            lease=pending.lease,
         )
         self._pending = self._handoff = pending
         pending.record.queue_s = pending.record.blocked_s = time.perf_counter() - pending.started_at
@@ -138,6 +145,14 @@ class NvrxAsyncWriter(CheckpointWriter):
             snapshot, writer, process_group=self._group, enable_cache=True, metadata_cache=self._plan_cache
         )
         save_fn, _preload_fn, save_args = writer.get_save_function_and_args()
+        self.host_bytes = max(self.host_bytes, self._snapshot.buffer_bytes)
+        if save_args and pending.lease is not None and pending.lease.serving is not None:
+            # The lent slot's tensors travel as references into its file: no copy on the way.
+            save_args = [
+                save_args[0],
+                slot_refs.by_reference(save_args[1], pending.lease.serving),
+                *save_args[2:],
+            ]
         request = nvrx_compat.CpuSafeAsyncRequest(
             partial(_write_then_hash, save_fn, str(pending.staging), dist.get_rank()) if save_fn else None,
             save_args,
@@ -189,20 +204,26 @@ class NvrxAsyncWriter(CheckpointWriter):
             return
         pending, self._handoff = self._handoff, None
         assert pending is not None
-        finish = self._snapshot.wait()  # planned and sent
+        try:
+            finish = self._snapshot.wait()  # planned and sent
+        except BaseException:
+            _release(pending)
+            raise
         assert self._finisher is None  # the save began by finalizing the previous one
         self._finishing = pending
         # A daemon: a rank that dies must not be kept alive by it (a commit is atomic).
         self._finisher = threading.Thread(
-            target=self._run_finisher, args=(finish,), name="rtp-ckpt-finish", daemon=True
+            target=self._run_finisher, args=(finish, pending), name="rtp-ckpt-finish", daemon=True
         )
         self._finisher.start()
 
-    def _run_finisher(self, finish: Callable[[], None]) -> None:
+    def _run_finisher(self, finish: Callable[[], None], pending: PendingSave) -> None:
         try:
             finish()
         except BaseException as exc:  # re-raised on the training thread by _join_finisher()
             self._finisher_error = exc
+        finally:
+            _release(pending)
 
     def _finish(
         self,
@@ -222,6 +243,7 @@ class NvrxAsyncWriter(CheckpointWriter):
 
         if sent and not self._wait_for_write(call_idx):
             return  # abandoned
+        _release(pending)  # this rank's files are written: the fast tier may overwrite the slot
         gathered = dist_wrapper.gather_object((call_idx, writer.retrieve_write_results()))
         if not dist_wrapper.is_coordinator:
             return
@@ -390,6 +412,9 @@ class NvrxAsyncWriter(CheckpointWriter):
         asynchronously into the main thread): each step is re-checked, and the writer
         process is forgotten only once it is dead, so NVRx's `close()`/`__del__` never waits
         on a writer that can no longer answer."""
+        for pending in (self._pending, self._handoff, self._finishing):
+            if pending is not None:
+                _release(pending)
         self._pending = self._handoff = None
         self._last_state = None
         self._warming_up = False
@@ -425,6 +450,11 @@ class NvrxAsyncWriter(CheckpointWriter):
         self._group = None
 
 
+def _release(pending: PendingSave) -> None:
+    if pending.lease is not None:
+        pending.lease.release()
+
+
 def holds_device_tensors(state: dict[str, Any]) -> bool:
     """Whether any tensor of `state` lives off the host (a DTensor by its local shard)."""
     import torch
@@ -456,5 +486,7 @@ def _write_buckets_here(writer: Any) -> Any:
 
 def _write_then_hash(save_fn: Callable[..., None], staging: str, rank: int, *args: Any) -> None:
     """The NVRx writer's job plus the shard hashes (runs in the background worker)."""
+    if len(args) > 1:
+        args = (args[0], slot_refs.resolve(args[1]), *args[2:])
     save_fn(*args)
     storage.write_hash_sidecars(staging, rank)

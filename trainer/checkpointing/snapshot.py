@@ -20,6 +20,10 @@ DTensors wrap the sharded parameters' local tensors and the optimizer's state te
 A caller may pass work to run in that thread once the copy is complete (the NVRx writer
 plans the DCP write there when that needs no collectives).
 
+A caller may also lend it the fast tier's capture of the same step (`local_tier.Lease`):
+the tensors the capture holds are then taken from its slot instead of copied again, so a
+save step copies the state to host once; only what the capture lacks is copied here.
+
 Buffers are allocated once (by the first save's thread) in shared memory,
 so the writer process reads them without another copy, and are reused: the caller must not
 start a snapshot before the previous save's write finished. Non-tensor values (learning
@@ -33,12 +37,15 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.multiprocessing
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+if TYPE_CHECKING:
+    from trainer.checkpointing.local_tier import Lease
 
 
 def share_snapshots_by_file_name() -> None:
@@ -71,14 +78,20 @@ class HostSnapshot:
         """A copy was started and `wait()` has not yet returned for it."""
         return self._done is not None
 
-    def start(self, state: dict[str, Any], after_copy: Callable[[dict[str, Any]], Any] | None = None) -> None:
+    def start(
+        self,
+        state: dict[str, Any],
+        after_copy: Callable[[dict[str, Any]], Any] | None = None,
+        lease: Lease | None = None,
+    ) -> None:
         """Begin copying `state`'s tensors into host buffers, in the background.
 
         `wait()` returns the snapshot (`state` over the buffers), or, with `after_copy`,
         what `after_copy(snapshot)` returned: it runs in the background once the copy is
         complete and must not run collectives on the loop's process group (the loop runs
         its own meanwhile). The first snapshot of a layout also allocates the buffers, in
-        the background as well."""
+        the background as well. `lease`: the fast tier's capture of this state, read
+        instead of copied once its copy is complete (released here if it cannot serve)."""
         if self.in_flight:
             raise RuntimeError("HostSnapshot.start() while the previous copy is in flight; call wait()")
         leaves, spec = tree_flatten(state)
@@ -90,7 +103,7 @@ class HostSnapshot:
             step_done.record()
         self._outcome = {}
         self._done = threading.Event()
-        self._jobs.put((leaves, spec, tensors, step_done, after_copy, self._outcome, self._done))
+        self._jobs.put((leaves, spec, tensors, step_done, after_copy, lease, self._outcome, self._done))
 
     def prepare(self, state: dict[str, Any]) -> None:
         """Allocate the buffers for `state`'s layout in the background (no copy), so that
@@ -129,9 +142,9 @@ class HostSnapshot:
                 with contextlib.suppress(Exception):
                     self._buffers_for(job[1])
                 continue
-            leaves, spec, tensors, step_done, after_copy, outcome, done = job
+            leaves, spec, tensors, step_done, after_copy, lease, outcome, done = job
             try:
-                self._copy_in_background(leaves, spec, tensors, step_done, after_copy, outcome)
+                self._copy_in_background(leaves, spec, tensors, lease, step_done, after_copy, outcome)
             finally:
                 done.set()
 
@@ -140,16 +153,24 @@ class HostSnapshot:
         leaves: list[Any],
         spec: Any,
         tensors: list[torch.Tensor],
+        lease: Lease | None,
         step_done: Any,
         after_copy: Callable[[dict[str, Any]], Any] | None,
         outcome: dict[str, Any],
     ) -> None:
         try:
-            buffers = self._buffers_for(tensors)
-            pairs = [(_local(s), _local(t)) for s, t in zip(tensors, buffers, strict=True)]
-            if step_done is not None:
+            lent = _borrow(tensors, lease)
+            missing = [t for t, host in zip(tensors, lent, strict=True) if host is None]
+            own = iter(self._buffers_for(missing) if missing else [])
+            buffers = [host if host is not None else next(own) for host in lent]
+            pairs = [
+                (_local(s), _local(t))
+                for s, t, host in zip(tensors, buffers, lent, strict=True)
+                if host is None
+            ]
+            if pairs and step_done is not None:
                 self._copy_from_device(pairs, step_done)
-            else:
+            elif pairs:
                 # One call for all tensors: the interpreter lock is taken back once, not
                 # once per tensor from the training thread.
                 with torch.no_grad():
@@ -161,6 +182,11 @@ class HostSnapshot:
             outcome["result"] = after_copy(snapshot) if after_copy is not None else snapshot
         except BaseException as exc:  # re-raised by wait() on the training thread
             outcome["error"] = exc
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Host memory its buffers hold now."""
+        return sum(_local(b).numel() * _local(b).element_size() for b in self._buffers or [])
 
     def _buffers_for(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """The host buffers for `tensors`' layout, allocated when it is new."""
@@ -182,6 +208,36 @@ class HostSnapshot:
                 for source, target in pairs:
                     target.copy_(source, non_blocking=source.is_cuda)
             self._stream.synchronize()
+
+
+def _borrow(tensors: list[torch.Tensor], lease: Lease | None) -> list[torch.Tensor | None]:
+    """Per tensor, its host copy in the lent capture's slot (None: to be copied). Matched by
+    the local shard's address, shape and dtype: the state dict's tensors are views of the
+    very shards the capture copied. A lease that cannot serve (its copy failed, or its slot
+    lives in process memory, which no writer process can map) is released."""
+    if lease is None:
+        return [None] * len(tensors)
+    try:
+        slot = lease.wait()
+    except Exception:  # the capture failed: this save copies (the failure is the tier's to report)
+        slot = None
+    if slot is None or slot.path is None or slot.plan is None:
+        lease.release()
+        return [None] * len(tensors)
+    lease.serving = slot
+    held = {
+        (s.data_ptr(), tuple(s.shape), s.dtype): host
+        for s, host in zip(slot.plan.sources, slot.tensors, strict=False)
+        if s.numel()
+    }
+    lent: list[torch.Tensor | None] = []
+    for value in tensors:
+        local = _local(value)
+        host = held.get((local.data_ptr(), tuple(local.shape), local.dtype)) if local.numel() else None
+        if host is not None and isinstance(value, DTensor):
+            host = DTensor(host, value._spec, requires_grad=False)  # built directly: off the training thread
+        lent.append(host)
+    return lent
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:

@@ -73,35 +73,45 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class CaptureCache:
-    """This process's newest complete capture per run key, and the slot it lives in."""
+    """This process's complete captures per run key, by the slot each lives in (None: in
+    process memory only, e.g. read from a file or a replica). While a durable save holds one
+    slot the other is overwritten capture after capture, so both are kept: the held one is
+    what an in-process restart falls back to when the other is torn."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._captures: dict[str, dict[str, Any]] = {}
-        self._slots: dict[str, int] = {}
+        self._captures: dict[str, dict[int | None, dict[str, Any]]] = {}
+
+    def _newest(self, key: str) -> tuple[int | None, dict[str, Any]] | None:
+        held = self._captures.get(key) or {}
+        return max(held.items(), key=lambda item: int(item[1]["step"]), default=None)
 
     def get(self, key: str) -> dict[str, Any] | None:
         with self._lock:
-            return self._captures.get(key)
+            newest = self._newest(key)
+            return None if newest is None else newest[1]
 
     def newest_slot(self, key: str) -> int | None:
         with self._lock:
-            return self._slots.get(key)
+            newest = self._newest(key)
+            return None if newest is None else newest[0]
 
     def put(self, key: str, capture: dict[str, Any], slot: int | None) -> None:
+        """A complete capture in `slot`; one outside the slots replaces every other."""
         with self._lock:
-            self._captures[key] = capture
+            held = self._captures.setdefault(key, {})
             if slot is None:
-                self._slots.pop(key, None)
-            else:
-                self._slots[key] = slot
+                held.clear()
+            held.pop(None, None)
+            held[slot] = capture
 
     def drop(self, key: str, slot: int | None = None) -> None:
-        """Forget the run's capture (only if it lives in `slot`, when given: about to be overwritten)."""
+        """Forget the run's captures (only the one in `slot`, when given: about to be overwritten)."""
         with self._lock:
-            if slot is None or self._slots.get(key) == slot:
+            if slot is None:
                 self._captures.pop(key, None)
-                self._slots.pop(key, None)
+            else:
+                self._captures.get(key, {}).pop(slot, None)
 
 
 @dataclass(slots=True)
@@ -192,14 +202,18 @@ class Slot:
         self.data = data
         self.tensors = [fmt.view(data, dtype, shape, place, nbytes) for dtype, shape, place, nbytes in layout]
 
-    def pin(self) -> None:
-        """Page-lock the mapping, so that device-to-host copies into it are asynchronous."""
+    def address(self) -> int:
+        """Where the mapping starts in this process's memory."""
         import ctypes
 
+        return ctypes.addressof(ctypes.c_char.from_buffer(self.data))
+
+    def pin(self) -> None:
+        """Page-lock the mapping, so that device-to-host copies into it are asynchronous."""
         from trainer.checkpointing.snapshot import pin_host_range
 
         if self.size:
-            pin_host_range(self, ctypes.addressof(ctypes.c_char.from_buffer(self.data)), self.size)
+            pin_host_range(self, self.address(), self.size)
 
 
 def gib(n: int | None) -> str:

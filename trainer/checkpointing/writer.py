@@ -24,11 +24,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch.distributed as dist
 
 from trainer.checkpointing import storage
+
+if TYPE_CHECKING:
+    from trainer.checkpointing.local_tier import Lease
 
 
 @dataclass(slots=True)
@@ -79,6 +82,9 @@ class PendingSave:
     last: bool = False
     """The attempt's last save (its last step, or a stop was requested): no optimizer step
     follows it, so the live state stays as saved until `finalize()`."""
+    lease: Lease | None = None
+    """The fast tier's capture of this step, lent to a writer that `reads_captures`: its slot
+    is not overwritten until the writer releases it."""
 
 
 OnCommit = Callable[[SaveRecord], None]
@@ -96,6 +102,10 @@ class CheckpointWriter(ABC):
 
     mode: ClassVar[str]
     writes_checkpoints: ClassVar[bool] = True
+    reads_captures: ClassVar[bool] = False
+    """Writes a save from the fast tier's capture of its step (`PendingSave.lease`)."""
+    host_bytes = 0
+    """Host memory its own copies of the state held at most (for the summary)."""
 
     def __init__(
         self,

@@ -1,0 +1,145 @@
+"""The default async writer, one rank, through the manager's four calls: a save step copies
+the state to host once (the fast tier's capture, lent to the save), the lent slot is not
+overwritten until the save has written it, and what is written equals the state saved."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.unit.test_checkpoint import _heads, _manager, _resumed_at, _step, _trained_model
+from trainer.checkpointing import slot_refs, storage
+from trainer.models.byte_lm import next_token_loss
+
+pytestmark = pytest.mark.usefixtures("single_rank_group")
+
+
+def _run_async(tmp_path, monkeypatch, local_every: int):
+    """Six steps, saves at 3 and 6 (the last); returns (manager, params after step 3, refs sent)."""
+    sent: list[int] = []
+    by_reference = slot_refs.by_reference
+
+    def counting(buckets, slot):
+        rewritten = by_reference(buckets, slot)
+        sent.append(sum(isinstance(v, slot_refs.SlotRef) for _, _, (_, data) in rewritten for _, v in data))
+        return rewritten
+
+    monkeypatch.setattr(slot_refs, "by_reference", counting)
+    model, optimizer = _trained_model()
+    manager = _manager(
+        tmp_path, "async", model, optimizer, extra=[f"checkpoint.local_every_steps={local_every}"]
+    )
+    manager.load()
+    at_3 = None
+    try:
+        for step in range(1, 7):  # as the loop runs a step
+            next_token_loss(model, torch.randint(0, 256, (2, 17))).backward()
+            manager.maybe_wait_for_staging()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            manager.save(step, last_step=step == 6, loss=1.0)
+            if step == 3:
+                at_3 = [p.detach().clone() for p in model.parameters()]
+        manager.close()
+    except BaseException:
+        manager.abandon()
+        raise
+    return manager, at_3, sent
+
+
+def _saved_params(tmp_path, step):
+    model, optimizer = _trained_model(seed=5)
+    storage.load_checkpoint(tmp_path / "checkpoints" / f"step_{step}", model, optimizer)
+    return list(model.parameters())
+
+
+def test_a_save_step_writes_from_the_fast_tiers_capture_without_a_copy_of_its_own(tmp_path, monkeypatch):
+    # Interval 5: step 3 is no capture step, so the save's capture is taken for it.
+    manager, at_3, sent = _run_async(tmp_path, monkeypatch, local_every=5)
+    assert len(sent) == 1 and sent[0] > 0  # step 3's tensors went to the writer as slot references
+    assert manager.writer.host_bytes == 0  # no snapshot buffers were made
+    copies = manager.summary(1.0)["checkpoint_host_copies"]
+    assert 2.0 <= copies < 2.1  # the two slots (and their RNG states), nothing else
+    for expected, saved in zip(at_3, _saved_params(tmp_path, 3), strict=True):
+        assert torch.equal(expected, saved)
+
+
+def test_without_the_fast_tier_the_writer_copies_the_state_itself(tmp_path, monkeypatch):
+    manager, at_3, sent = _run_async(tmp_path, monkeypatch, local_every=0)
+    assert sent == []  # nothing lent
+    state_bytes = manager._state_bytes()
+    assert manager.writer.host_bytes == state_bytes
+    assert manager.summary(1.0)["checkpoint_host_copies"] == pytest.approx(1.0)
+    for expected, saved in zip(at_3, _saved_params(tmp_path, 3), strict=True):
+        assert torch.equal(expected, saved)
+
+
+def test_a_lent_slot_is_not_overwritten_until_released_and_stays_the_fallback(tmp_path, monkeypatch):
+    """While a save holds its slot, every capture goes to the other one: a rank killed
+    mid-copy there still has the lent capture, with its header, to resume from."""
+    from trainer.checkpointing.local_tier import LocalTier, forget_run
+
+    model, optimizer = _trained_model()
+    manager = _manager(tmp_path, "off", model, optimizer, extra=["checkpoint.local_every_steps=1"])
+    tier = manager.local
+    try:
+        _step(model, optimizer)
+        assert tier.capture(1, 0)
+        _step(model, optimizer)
+        lease = tier.capture_for_save(2, 0)
+        assert lease is not None and lease.wait() is tier._slots[lease.slot]
+        at_2 = [p.detach().clone() for p in model.parameters()]
+        assert tier.capture_for_save(3, 0) is None  # one lent slot at a time
+        for step in (3, 4):
+            _step(model, optimizer)
+            assert tier.capture(step, 0)
+            tier.wait_copy()
+        held = lease.slot
+        assert _heads(tier.folder) == [
+            f"rank_0_step_2_slot_{held}.head",
+            f"rank_0_step_4_slot_{1 - held}.head",
+        ]
+
+        def killed_mid_copy(self, target, sources, step_done):
+            target.tensors[0].fill_(7.0)
+            raise RuntimeError("killed")
+
+        monkeypatch.setattr(LocalTier, "_copy_into", killed_mid_copy)
+        _step(model, optimizer)
+        assert tier.capture(5, 0)
+        with pytest.raises(RuntimeError, match="killed"):
+            tier.wait_copy()
+        monkeypatch.undo()
+        assert _heads(tier.folder) == [f"rank_0_step_2_slot_{held}.head"]
+        assert tier.cache.get(tier.key)["step"] == 2  # in memory too: the lent capture
+        manager.abandon()
+        _resumed_at(tmp_path, 2, at_2)[0].abandon()  # a new process: only the files
+
+        lease.release()
+        lease.release()  # idempotent
+        assert tier._held is None
+    finally:
+        forget_run("", tmp_path / "checkpoints")
+
+
+def test_slot_references_resolve_to_the_slot_files_bytes_and_leave_other_tensors(tmp_path):
+    from trainer.checkpointing import tier_format as fmt
+    from trainer.checkpointing.tier_slots import Slot
+
+    sources = [torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.tensor([1, 2], dtype=torch.int64)]
+    layout = fmt.layout_of(sources)
+    slot = Slot(tmp_path / "slot.data", layout, fmt.aligned(layout[-1][2] + layout[-1][3]))
+    torch._foreach_copy_(slot.tensors, sources)
+    outside = torch.ones(3)
+    buckets = [
+        ("f", "n", ([("bytes-item", b"x")], [("a", slot.tensors[0]), ("b", slot.tensors[1]), ("c", outside)]))
+    ]
+    sent = slot_refs.by_reference(buckets, slot)
+    values = [v for _, v in sent[0][2][1]]
+    assert [type(v) for v in values] == [slot_refs.SlotRef, slot_refs.SlotRef, torch.Tensor]
+    assert values[2] is outside and sent[0][2][0] == [("bytes-item", b"x")]
+    resolved = [v for _, v in slot_refs.resolve(sent)[0][2][1]]
+    for source, value in zip([*sources, outside], resolved, strict=True):
+        assert torch.equal(source, value) and source.dtype == value.dtype
+    memory_only = Slot(None, layout, slot.size)
+    assert slot_refs.by_reference(buckets, memory_only) is buckets  # nothing another process could map
