@@ -70,7 +70,7 @@ def add_render_job_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--shm-size",
         default=AUTO,
-        help="size limit of /dev/shm; auto = 32Gi per GPU, unbounded on CPU (default: %(default)s)",
+        help="size limit of /dev/shm; auto = 40Gi per GPU, unbounded on CPU (default: %(default)s)",
     )
     p.add_argument(
         "--node-selector",

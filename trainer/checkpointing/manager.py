@@ -282,7 +282,9 @@ class CheckpointManager:
         began = time.perf_counter()
         self.writer.finalize()  # the previous save commits first: its slot or buffers are reused
         previous_wait_s = time.perf_counter() - began
-        lease = self._capture(step, for_save=self.writer.reads_captures and not last)
+        # The last save is written from the live state, except that device tensors need a host copy.
+        on_device = bool(self.local.params) and self.local.params[0].is_cuda
+        lease = self._capture(step, for_save=self.writer.reads_captures and (on_device or not last))
         started = time.perf_counter() - previous_wait_s  # the capture counts as the tier's, not the save's
         staging, final, state_of_rank = self.writer.stage(step, rank_extra)
         state = self._state_dict()

@@ -18,8 +18,8 @@ used for the start-up warm-up only. What 0.4.1 needs on a CPU build lives in `nv
 
 The attempt's last save (its last step, or a stop was requested) is the exception: no step
 follows it to hide a background write behind, and the loop waits for it in `finalize()`
-anyway. On the host it skips the snapshot copy (on a GPU it still copies to host buffers:
-NVRx's writer writes host tensors only), and it skips the hand-offs to the writer process (the snapshot
+anyway. On the host it skips the snapshot copy (on a GPU it takes the fast tier's capture
+of that step, or copies to host buffers: NVRx's writer writes host tensors only), and it skips the hand-offs to the writer process (the snapshot
 thread, the worker, its forked writer, NVRx's results Manager, the finisher thread: each
 a wait for a CPU on a busy machine) and is written by `finalize()`, in this process, with
 torch DCP into the same layout, with the same shard hashes and commit.
@@ -107,9 +107,6 @@ class NvrxAsyncWriter(CheckpointWriter):
 
         The attempt's last save (`pending.last`) is only remembered: `finalize()` writes it."""
         if pending.last:
-            if pending.lease is not None:
-                pending.lease.release()  # written from the live state, in `finalize()`
-                pending.lease = None
             self._pending = self._handoff = pending
             self._last_state = state
             pending.queued_at = time.perf_counter()
@@ -359,20 +356,24 @@ class NvrxAsyncWriter(CheckpointWriter):
         assert state is not None and pending is not None
         self._join_finisher()
         self._pending = None
-        if holds_device_tensors(state):
-            # NVRx's bucket writer writes host tensors only: copy through the snapshot's
-            # buffers (free again: the previous save's write has finished).
-            self._snapshot.start(state)
-            state = self._snapshot.wait()
-        self._stage(pending)
-        writer, metadata, dist_wrapper = save_state_dict_async_plan(
-            state,
-            FileSystemWriterAsync(str(pending.staging)),
-            process_group=self._group,
-            enable_cache=True,
-            metadata_cache=self._plan_cache,
-        )
-        results = _write_buckets_here(writer)
+        try:
+            if holds_device_tensors(state):
+                # NVRx's bucket writer writes host tensors only: the fast tier's capture of
+                # this step, else a copy through the snapshot's buffers (free again: the
+                # previous save's write has finished).
+                self._snapshot.start(state, lease=pending.lease)
+                state = self._snapshot.wait()
+            self._stage(pending)
+            writer, metadata, dist_wrapper = save_state_dict_async_plan(
+                state,
+                FileSystemWriterAsync(str(pending.staging)),
+                process_group=self._group,
+                enable_cache=True,
+                metadata_cache=self._plan_cache,
+            )
+            results = _write_buckets_here(writer)
+        finally:
+            _release(pending)
         storage.write_hash_sidecars(pending.staging, dist.get_rank())
         all_results = dist_wrapper.gather_object(results)
         if dist_wrapper.is_coordinator:
