@@ -29,9 +29,10 @@ def test_bench_checkpoint_reports_every_mode(tmp_path):
         assert row["local_tier_copies"] == (0 if mode == "off" else 4), mode
         assert (row["local_tier_ms_per_copy"] > 0) == (mode != "off"), mode
     assert data["modes"]["off"]["efficiency_pct"] == 100.0
-    # Host memory for checkpointing: none without it; the tier's two slots, which async writes from.
+    # Host memory for checkpointing: none without it; async writes from the tier's two slots
+    # (their alignment and RNG states weigh at this size) and holds nothing more than sync.
     assert data["modes"]["off"]["host_copies"] == 0.0
-    assert 2.0 <= data["modes"]["async"]["host_copies"] < 2.1
+    assert data["modes"]["async"]["host_copies"] == data["modes"]["sync"]["host_copies"] >= 2.0
     # every mode trains the same run: the weights agree
     assert len({row["model_sha256"] for row in data["modes"].values()}) == 1
     assert "efficiency" in printed and "torch-async" in printed
