@@ -76,13 +76,8 @@ class LocalTier:
         self._slots: list[slots.Slot | None] = [None, None]
         newest = self.cache.newest_slot(self.key)
         self._slot = 1 - (1 if newest is None else newest)  # the next capture's: not the newest one's
-        self._sending: int | None = None  # the slot the sender thread reads
         self._held: int | None = None  # the slot a durable save writes from (`capture_for_save`)
         self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._queued: int | None = None  # the newest capture not yet sent to the peers
-        self._closed = False
-        self._flush = True
         self._stream: Any = None
         self._copier: ThreadPoolExecutor | None = None
         self._copy: Future[None] | None = None
@@ -90,7 +85,6 @@ class LocalTier:
         self._copied = threading.Event()  # the loop may change the weights again
         self._cuda_copied: Any = None  # CUDA: the event after the newest capture's copies
         self._cuda_copy_began: Any = None  # CUDA: the event before them (to time the transfer)
-        self._sender: threading.Thread | None = None
         self._plan: slots.Plan | None = None
         self.captures = 0
         self.host_bytes = 0  # what its slots held at most
@@ -103,10 +97,9 @@ class LocalTier:
         )
         self._listen_host = peer_copies.listen_host(world, local_world) if self.holds_for else ""
         self._receiver: peer_copies.ReplicaReceiver | None = None
-        self._holders: dict[int, tuple[str, int]] = {}  # rank -> its receiver's address
-        self._token = b""
-        self.replicas_sent = 0
-        self.replica_errors = 0
+        self.sender = peer_copies.ReplicaSender(
+            self.rank, self.sends_to, self._lock, lambda slot: self._slots[slot]
+        )
         self.restored_from: dict[int, int] = {}  # after restore(): owner -> the peer it came from
 
     @property
@@ -171,7 +164,7 @@ class LocalTier:
             slot = self._slot
             if self._held == slot:  # a save still writes from it: overwrite the newer one
                 slot = 1 - slot
-            if self._sending == slot:  # the sender still reads this slot: skip one
+            if self.sender.reading(slot):  # the sender still reads this slot: skip one
                 return False
             self._slot = 1 - slot
             if hold:
@@ -274,10 +267,9 @@ class LocalTier:
         with self._lock:
             self.captures += 1
             if target.head is not None and self.sends_to:
-                self._queued = slot
-                self._wake.notify()
+                self.sender.queue(slot)
         if self.sends_to:
-            self._ensure_sender()
+            self.sender.start()
 
     def _plan_for(self, meta: dict[str, Any]) -> slots.Plan:
         plan, reusable = slots.plan_state(self.params, self.optimizer, meta, self._plan)
@@ -404,47 +396,6 @@ class LocalTier:
             self.wait_copy()  # raises what failed in the thread
         return time.perf_counter() - started
 
-    # ---- peer replicas ---------------------------------------------------------------
-
-    def _ensure_sender(self) -> None:
-        if self._sender is None:
-            self._sender = threading.Thread(target=self._send_loop, name="rtp-local-tier-send", daemon=True)
-            self._sender.start()
-
-    def _send_loop(self) -> None:
-        while True:
-            with self._lock:
-                while self._queued is None and not self._closed:
-                    self._wake.wait()
-                if self._closed and (self._queued is None or not self._flush):
-                    return
-                slot, self._queued = self._queued, None
-                assert slot is not None
-                self._sending = slot
-                target = self._slots[slot]
-            try:
-                if target is not None and target.head is not None and target.path is not None:
-                    self._send(target)
-            finally:
-                with self._lock:
-                    self._sending = None
-
-    def _send(self, target: slots.Slot) -> None:
-        """The slot's capture, as one file (header, then the slot's bytes), to every holder."""
-        assert target.head is not None and target.path is not None and target.step is not None
-        for holder in self.sends_to:
-            if holder not in self._holders:
-                continue
-            try:
-                peer_copies.send_replica(
-                    self._holders[holder], self._token, self.rank, target.step, [target.head, target.path]
-                )
-                self.replicas_sent += 1
-            except (OSError, ValueError) as exc:  # a peer restarting must not stop training
-                self.replica_errors += 1
-                if self.replica_errors == 1:
-                    log.warning("fast checkpoint tier: cannot send a copy to rank %d: %s", holder, exc)
-
     def close(self, discard: bool = False, flush: bool = True) -> None:
         """Stop the threads (not collective); the newest capture's header is written either
         way, and its copy is sent to the peers unless `flush` is off (an in-process restart:
@@ -456,13 +407,7 @@ class LocalTier:
         if self._copier is not None:
             self._copier.shutdown(wait=True)
             self._copier = None
-        with self._lock:
-            self._closed = True
-            self._flush = flush and not discard
-            self._wake.notify()
-        if self._sender is not None:
-            self._sender.join(timeout=30)
-            self._sender = None
+        self.sender.close(flush=flush and not discard)
         if self._receiver is not None:
             self._receiver.close()
             self._receiver = None

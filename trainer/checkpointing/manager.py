@@ -353,7 +353,7 @@ class CheckpointManager:
         return {
             "local_tier_s": self.local_tier_s,
             "local_tier_captures": self.local.captures,
-            "local_replicas_sent": self.local.replicas_sent,
+            "local_replicas_sent": self.local.sender.sent,
             **self.local.summary(),
             "checkpoint": str(latest) if latest else None,
             "checkpoint_mode": self.settings.mode,

@@ -34,7 +34,9 @@ import re
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +171,85 @@ def send_replica(
                 connection.sendfile(handle, count=size)
         if _read_exactly(connection, 1) != b"\x01":
             raise OSError(f"holder {address} did not confirm the copy of step {step}")
+
+
+class ReplicaSender:
+    """A rank's thread that sends its newest capture to the ranks holding its replicas;
+    a newer capture replaces one still queued. Shares the tier's lock, under which the
+    tier asks `reading(slot)` before it overwrites a slot."""
+
+    def __init__(
+        self, rank: int, sends_to: list[int], lock: threading.Lock, lookup: Callable[[int], Any]
+    ) -> None:
+        self.rank, self.sends_to, self._lookup = rank, sends_to, lookup
+        self.holders: dict[int, tuple[str, int]] = {}  # rank -> its receiver's address
+        self.token = b""
+        self.sent = 0
+        self.errors = 0
+        self._lock = lock
+        self._wake = threading.Condition(lock)
+        self._queued: int | None = None
+        self._sending: int | None = None
+        self._closed = False
+        self._flush = True
+        self._thread: threading.Thread | None = None
+
+    def reading(self, slot: int) -> bool:
+        """Under the lock: whether `slot` is being sent; a queued send of it is dropped
+        (the slot is about to be overwritten, and its successor will be queued)."""
+        if self._queued == slot:
+            self._queued = None
+        return self._sending == slot
+
+    def queue(self, slot: int) -> None:
+        """Under the lock: send `slot`'s capture next."""
+        self._queued = slot
+        self._wake.notify()
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="rtp-local-tier-send", daemon=True)
+            self._thread.start()
+
+    def close(self, flush: bool) -> None:
+        """Stop the thread; the queued capture is sent first when `flush`."""
+        with self._lock:
+            self._closed, self._flush = True, flush
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while self._queued is None and not self._closed:
+                    self._wake.wait()
+                if self._closed and (self._queued is None or not self._flush):
+                    return
+                slot, self._queued = self._queued, None
+                assert slot is not None
+                self._sending = slot
+                target = self._lookup(slot)
+            try:
+                if target is not None and target.head is not None and target.path is not None:
+                    self._send(target.head, target.path, target.step)
+            finally:
+                with self._lock:
+                    self._sending = None
+
+    def _send(self, head: Path, path: Path, step: int) -> None:
+        """The capture, as one file (header, then the slot's bytes), to every holder."""
+        for holder in self.sends_to:
+            if holder not in self.holders:
+                continue
+            try:
+                send_replica(self.holders[holder], self.token, self.rank, step, [head, path])
+                self.sent += 1
+            except (OSError, ValueError) as exc:  # a peer restarting must not stop training
+                self.errors += 1
+                if self.errors == 1:
+                    log.warning("fast checkpoint tier: cannot send a copy to rank %d: %s", holder, exc)
 
 
 def _read_exactly(connection: socket.socket, size: int) -> bytes:

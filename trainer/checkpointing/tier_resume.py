@@ -45,11 +45,11 @@ def restore(tier: LocalTier, durable_step: int) -> int | None:
     mine = _candidates(tier) if tier.enabled else {}
     held = peer_copies.held_replicas(tier.folder, tier.rank, tier.holds_for)
     if tier.holds_for and tier._receiver is None:
-        tier._token = secrets.token_bytes(32) if tier.rank == 0 else b""
+        tier.sender.token = secrets.token_bytes(32) if tier.rank == 0 else b""
     info = {
         "own": sorted(mine),
         "held": {owner: sorted(steps) for owner, steps in held.items()},
-        "token": tier._token,
+        "token": tier.sender.token,
         "holds": bool(tier.holds_for),
     }
     gathered: list[Any] = [None] * dist.get_world_size()
@@ -98,14 +98,16 @@ def _start_replication(tier: LocalTier, gathered: list[Any]) -> None:
     where their holders listen. Not collective beyond that all-gather."""
     if not any(g["holds"] for g in gathered):  # the same on every rank
         return
-    tier._token = gathered[0]["token"]
+    tier.sender.token = gathered[0]["token"]
     if tier.holds_for and tier._receiver is None:
         tier._receiver = peer_copies.ReplicaReceiver(
-            tier.folder, tier.rank, tier.holds_for, tier._token, tier._listen_host
+            tier.folder, tier.rank, tier.holds_for, tier.sender.token, tier._listen_host
         )
     addresses: list[Any] = [None] * len(gathered)
     dist.all_gather_object(addresses, tier._receiver.address if tier._receiver else None)
-    tier._holders = {r: tuple(a) for r, a in enumerate(addresses) if a is not None and r in tier.sends_to}
+    tier.sender.holders = {
+        r: tuple(a) for r, a in enumerate(addresses) if a is not None and r in tier.sends_to
+    }
 
 
 def _read(tier: LocalTier, where: str) -> tuple[dict[str, Any] | None, str | None]:
