@@ -46,8 +46,8 @@ ENV PYTHONUNBUFFERED=1 \
 WORKDIR /opt/rtp
 # Metadata first, so a code-only change does not reinstall the dependencies.
 COPY setup.cfg pyproject.toml README.md ./
-RUN mkdir -p pipelines rtp_cli rtp_support components trainer benchmarks \
- && touch pipelines/__init__.py rtp_cli/__init__.py rtp_support/__init__.py components/__init__.py trainer/__init__.py benchmarks/__init__.py \
+RUN mkdir -p pipelines rtp_cli rtp_support components trainer rtp_prefork benchmarks \
+ && touch pipelines/__init__.py rtp_cli/__init__.py rtp_support/__init__.py components/__init__.py trainer/__init__.py rtp_prefork/__init__.py benchmarks/__init__.py \
  && python -m pip install . \
  && python -m pip uninstall -y rtp
 COPY pipelines pipelines
@@ -55,6 +55,7 @@ COPY rtp_cli rtp_cli
 COPY rtp_support rtp_support
 COPY components components
 COPY trainer trainer
+COPY rtp_prefork rtp_prefork
 COPY benchmarks benchmarks
 # The steps, the job pods (components/train/jobs.py) and deploy/eks/fsx-init-job.yaml all
 # expect uid and gid 1000: Ubuntu 24.04 bases already have a user `ubuntu` there, which is

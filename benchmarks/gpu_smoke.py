@@ -57,7 +57,7 @@ GPU_TIMEOUTS = {"soft_timeout_s": 20.0, "hard_timeout_s": 40.0, "collective_time
 """On CUDA the collective timeout (NCCL's watchdog) must exceed the hard timeout."""
 CPU_TIMEOUTS = {"soft_timeout_s": 15.0, "hard_timeout_s": 40.0, "collective_timeout_s": 5.0}
 """On CPU (gloo) it must stay below it (trainer/gpu_defaults.check_timeouts); the soft timeout
-leaves room for a small, busy CPU machine (a sigkill drill's rank waits for the prefork process)."""
+leaves room for a small, busy CPU machine."""
 EXPECTED_RESTART = {"exception": "inprocess", "sigkill": "launcher"}
 """Fault kind -> the mechanism that must recover it."""
 FAULT_STEP = {"exception": 3, "sigkill": 4, "slow-save": 4}

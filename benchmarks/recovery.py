@@ -7,7 +7,7 @@ rank) at fixed steps, once per mechanism:
 - `hang`: a `hang` (the rank stops making progress), caught by the in-process watchdog
   after `resilience.soft_timeout_s`, then an in-process restart;
 - `sigkill`: the rank is killed; ft_launcher restarts the worker group, whose ranks are
-  forked from the node's pre-imported process once it is ready (trainer/prefork.py);
+  forked from the node's pre-imported process (the rtp_prefork launcher plugin);
 - `sigkill-fresh`: the same with `resilience.prefork_workers=false`: every restarted rank
   is a new interpreter that imports torch and the trainer again;
 - `launcher`: an `exception` with in-process restart off, so ft_launcher restarts the group;
@@ -39,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import rtp_prefork
 from benchmarks import report
 from trainer.config import ModelConfig, TrainConfig, build_config
 from trainer.launch import LauncherSettings, TrainingFailed, run_local_training
@@ -147,12 +148,22 @@ def run_mechanism(
     if mechanism in ("inprocess", "hang", "sigkill", "sigkill-fresh"):
         fresh = ["resilience.prefork_workers=false"] if mechanism == "sigkill-fresh" else []
         config = _config(dataset, workdir, steps, every, faults, [*timeouts, *fresh])
-        summary = run_local_training(nproc, config, echo=False, settings=LauncherSettings(max_restarts=3))
+        summary = run_local_training(
+            nproc,
+            config,
+            echo=False,
+            settings=rtp_prefork.launcher_settings(config, LauncherSettings(max_restarts=3)),
+        )
     elif mechanism == "launcher":
         config = _config(
             dataset, workdir, steps, every, faults, [*timeouts, "resilience.inprocess_restarts=0"]
         )
-        summary = run_local_training(nproc, config, echo=False, settings=LauncherSettings(max_restarts=3))
+        summary = run_local_training(
+            nproc,
+            config,
+            echo=False,
+            settings=rtp_prefork.launcher_settings(config, LauncherSettings(max_restarts=3)),
+        )
     else:
         config = _config(
             dataset, workdir, steps, every, faults, [*timeouts, "resilience.inprocess_restarts=0"]
@@ -161,7 +172,11 @@ def run_mechanism(
         for launch in range(len(faults) + 1):
             try:
                 summary = run_local_training(
-                    nproc, config, echo=False, settings=no_restarts, new_run=launch == 0
+                    nproc,
+                    config,
+                    echo=False,
+                    settings=rtp_prefork.launcher_settings(config, no_restarts),
+                    new_run=launch == 0,
                 )
                 break
             except TrainingFailed:

@@ -37,6 +37,7 @@ def add_train_local_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_train_local(args: argparse.Namespace) -> int:
+    import rtp_prefork
     from trainer.launch import LauncherSettings, run_local_training
 
     if args.nproc < 1:
@@ -51,7 +52,7 @@ def _cmd_train_local(args: argparse.Namespace) -> int:
         args.override = [*gpu_defaults.resilience_overrides(), *args.override]
         settings = gpu_defaults.launcher_settings(max_restarts=args.max_restarts)
     config = config_from_args(args)  # fail fast on bad flags, before any process starts
-    summary = run_local_training(args.nproc, config, settings=settings)
+    summary = run_local_training(args.nproc, config, settings=rtp_prefork.launcher_settings(config, settings))
     shown = ("steps", "final_loss", "checkpoint", "model_sha256", "goodput_pct", "lost_steps")
     report = {key: getattr(summary, key) for key in shown} | {"restarts": len(summary.restarts)}
     print(json.dumps(report, indent=2))

@@ -44,12 +44,6 @@ def main(argv: list[str] | None = None) -> int:
     if earlier:  # a restarted rank of a run that hit an error no restart can fix
         print(f"trainer: error: {earlier} (not retried: a restart would fail the same way)", file=sys.stderr)
         return 2
-    if config.resilience.prefork_workers:
-        from trainer import prefork
-
-        forked = prefork.run_forked([sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
-        if forked is not None:  # this process stood in for a rank forked pre-imported
-            return forked
     from trainer.data import DataError  # torch imports only once arguments are valid
     from trainer.parallelize import shutdown_distributed
     from trainer.resilience import fault_tolerance

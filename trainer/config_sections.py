@@ -225,9 +225,9 @@ class ResilienceConfig:
     file system is still caught. GPU runs get 3600 (trainer/gpu_defaults.py)."""
     prefork_workers: bool = True
     """Ranks the launcher starts again after a hard fault are forked from a process per
-    node that has imported torch and the trainer already (trainer/prefork.py), instead of
-    importing everything anew: a killed rank's worker group is back seconds sooner. The
-    first worker group starts the usual way."""
+    node that has imported torch and the trainer already, instead of importing everything
+    anew: a killed rank's worker group is back seconds sooner. Read by the launcher side,
+    which then starts ranks through the rtp_prefork plugin; the trainer never reads it."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -35,3 +35,12 @@ MLFLOW_TRACKING_URI = "MLFLOW_TRACKING_URI"
 def mlflow_tracking_uri() -> str:
     """The MLflow server live metrics go to; empty = none (training logs only to files)."""
     return os.environ.get(MLFLOW_TRACKING_URI, "")
+
+
+FORKED_ENV = "RTP_PREFORKED"
+"""Set by a launcher plugin (rtp_prefork) in a rank it forked from a pre-imported process."""
+
+
+def forked_rank() -> bool:
+    """Whether this rank was forked from a pre-imported process rather than started anew."""
+    return FORKED_ENV in os.environ

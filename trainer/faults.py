@@ -22,14 +22,11 @@ Kinds:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import signal
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -154,9 +151,7 @@ class FaultInjector:
         workdir: str | Path,
         rank: int,
         world_size: int,
-        wait_for_prefork: bool = False,
         slow_save_s: float = 0.0,
-        keepalive: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
     ) -> None:
         for spec in specs:
             if spec.rank >= world_size:
@@ -165,9 +160,7 @@ class FaultInjector:
                 )
         self.all_specs = list(specs)
         self.specs = [spec for spec in specs if spec.rank == rank]
-        self.wait_for_prefork = wait_for_prefork
         self.slow_save_s = slow_save_s
-        self.keepalive = keepalive  # the wait for the zygote must not look like a hang
         self.folder = faults_dir(workdir)
         self.rank = rank
 
@@ -192,17 +185,6 @@ class FaultInjector:
 
     def at_step(self, step: int) -> None:
         """Called at the start of `step`, before any collective of that step."""
-        if self.wait_for_prefork and any(
-            spec.step == step and spec.kind in HARD_FAULTS and not self._record_path(spec).exists()
-            for spec in self.all_specs
-        ):
-            # Every rank waits, at the same step, until the node's pre-imported process
-            # serves (trainer/prefork.py): the drill then measures the restart a fault meets
-            # once training runs. It waits only while that process is starting.
-            from trainer.prefork import wait_until_serving
-
-            with self.keepalive():
-                wait_until_serving()
         for spec in self.specs:
             if spec.step == step and spec.kind not in _AT_SAVE and self._claim(spec):
                 self._fire(spec)

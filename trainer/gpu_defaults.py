@@ -96,4 +96,6 @@ def launcher_settings(max_restarts: int) -> LauncherSettings:
     """ft_launcher's settings for a GPU run with `max_restarts` worker-group restarts."""
     from trainer.launch import LauncherSettings
 
-    return LauncherSettings(max_restarts=max_restarts, **GPU_LAUNCHER)
+    import dataclasses
+
+    return dataclasses.replace(LauncherSettings(max_restarts=max_restarts), **GPU_LAUNCHER)  # type: ignore[arg-type]

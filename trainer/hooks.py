@@ -33,7 +33,7 @@ class Attempt:
     """When the wrapper tore the previous attempt down (epoch seconds)."""
     process_started_at: float | None = None
     preforked: bool = False
-    """This rank was forked from the node's pre-imported zygote."""
+    """This rank was forked from a pre-imported process by a launcher plugin (`env.forked_rank`)."""
 
     @property
     def is_restart(self) -> bool:

@@ -52,6 +52,9 @@ class LauncherSettings:
     """SIGTERM → SIGKILL grace when the launcher stops a worker group."""
     monitor_interval_s: float = 0.5
     """How often the launcher checks worker health."""
+    rank_module: str = "trainer"
+    """What the launcher starts per rank, `python -m <it> --config=…`: the trainer, or a
+    launcher plugin that runs it (`rtp_prefork.launcher_settings`)."""
 
 
 def build_launch_command(
@@ -71,7 +74,7 @@ def build_launch_command(
         f"--nproc-per-node={nproc}",
         *launcher_flags(settings or LauncherSettings(), cpu),
         "-m",
-        "trainer",
+        (settings or LauncherSettings()).rank_module,
         *trainer_args,
     ]
 
@@ -142,7 +145,7 @@ _SOCKET_PATH_MAX = 107
 _SOCKET_NAME_ROOM = 40
 """The longest path the launcher's processes make in their temporary folder for a socket:
 ft_launcher's `_ft_launcher<pid>_rmon<rank>.socket`, torch_shm_manager's
-`torch-shm-dir-XXXXXX/manager.sock`, the zygote's `rtp-prefork-<uid>-<pid>.sock`."""
+`torch-shm-dir-XXXXXX/manager.sock`, a launcher plugin's (rtp_prefork's `rtp-prefork-<uid>-<pid>.sock`)."""
 
 
 @contextlib.contextmanager
@@ -154,7 +157,7 @@ def launch_tempdir(env: MutableMapping[str, str], prefix: str = "rtp-launch-") -
     The launcher and its processes leave files in the temporary folder that nobody removes:
     torch elastic's log folder (one per launch), ft_launcher's and its rank monitors'
     sockets, multiprocessing's `pymp-*` folders and torch_shm_manager's socket folder when a
-    process is killed, the node's prefork socket; kfp.local's tasks leave the folder their
+    process is killed, a launcher plugin's sockets; kfp.local's tasks leave the folder their
     command writes its program to. On one machine those piled up in /tmp (several thousand
     after a few days of test runs); in a pod they go with the pod."""
     base = tempfile.gettempdir()  # (fixes this process's own first: `env` may be os.environ)

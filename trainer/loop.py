@@ -185,9 +185,7 @@ class Trainer:
             self.workdir,
             self.rank,
             self.world,
-            wait_for_prefork=config.resilience.prefork_workers,
             slow_save_s=2 * config.resilience.soft_timeout_s,
-            keepalive=self.hooks.keepalive,
         )
         with self.clock.phase("model_build_s"):
             self._build_model(mesh)

@@ -33,16 +33,16 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from nvidia_resiliency_ext.inprocess import CallWrapper
 
-from trainer import peer_abort, prefork
+from trainer import peer_abort
 from trainer.checkpointing.tier_slots import CaptureCache
 from trainer.config import TrainConfig
+from trainer.env import forked_rank
 from trainer.faults import record_fatal_error
 from trainer.hooks import Abandonable, Attempt, Stateful, StepResult, TrainHooks
 from trainer.loop import Trainer
@@ -186,7 +186,7 @@ class _Hooks(TrainHooks):
             launcher="ft_launcher" if self.launcher.client is not None else "other",
             fault_detected_at=self.detected_at,
             process_started_at=self.launcher.process_started_at,
-            preforked=prefork.PREFORKED_ENV in os.environ,
+            preforked=forked_rank(),
         )
 
     def on_step_end(self, result: StepResult) -> None:
@@ -309,12 +309,6 @@ def fault_tolerance(
     launcher.process_started_at = process_started_at or time.time()
     store = _app_store(config)
     launcher.connect()
-    if config.resilience.prefork_workers:
-        # This node's pre-imported process for restarted ranks (first worker group, local
-        # rank 0; a no-op elsewhere), started now so that its imports, at the lowest CPU
-        # priority, overlap this rank's start-up (store, process group, model, writer)
-        # rather than its first steps (docs/performance.md).
-        prefork.start_zygote(config.to_compact_json(), Path(config.run.workdir) / "logs" / "prefork.log")
     try:
         yield _attempts(config, store, launcher)
     finally:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import rtp_prefork
 from components.train.job_scale import trainer_overrides
 from components.train.jobs import JOB_LAUNCHERS, JobSettings, JobSettingsError, job_manifest, job_name
 from components.train.k8s_launcher import (
@@ -65,6 +66,7 @@ def _job_settings(
         namespace=namespace,
         image=image,
         trainer_args=[f"--config={config.to_compact_json()}"],
+        rank_module=rtp_prefork.rank_module(config),
         run_id=run_id,
         nproc_per_node=nproc_per_node,
         **job_fields,

@@ -74,6 +74,8 @@ class JobSettings:
     image: str
     trainer_args: list[str]
     """Arguments of `python -m trainer` (from `trainer.launch.trainer_arguments`)."""
+    rank_module: str = "trainer"
+    """What ft_launcher starts per rank: the trainer, or the rtp_prefork plugin that runs it."""
     run_id: str = ""
     """KFP run id, stored in the RUN_ID_LABEL label."""
     nnodes: int = 1
@@ -238,7 +240,7 @@ def ft_launcher_command(settings: JobSettings, rdzv_host_env: str, rdzv_port_env
         # waits this long for them (its default, 1800 s, outlasts any grace period).
         f"--term-timeout={settings.term_timeout_s()}",
     ]
-    return [*command, "-m", "trainer", *settings.trainer_args]
+    return [*command, "-m", settings.rank_module, *settings.trainer_args]
 
 
 def efa_device_rdma(settings: JobSettings) -> bool:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import rtp_prefork
 from components.train.job_scale import job_scale
 from trainer.arguments import config_from_pipeline
 from trainer.config import DEFAULT_PRESET, TrainConfig
@@ -216,6 +217,7 @@ def train_in_pod(
         request = dataclasses.replace(request, overrides=scaled)
         settings = gpu_launcher_settings(max_restarts=job_scale(gpus).max_restarts)
     config = request.config()
+    settings = rtp_prefork.launcher_settings(config, settings)
     summary = run_local_training(nproc, config, echo=echo, settings=settings)
     return checked_result(TrainResult(summary=summary, config=config, preset=request.preset), request)
 

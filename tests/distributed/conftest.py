@@ -2,6 +2,7 @@ import json
 import sys
 from pathlib import Path
 
+import rtp_prefork
 from trainer.config import TrainConfig, resolve_config
 from trainer.launch import LauncherSettings, run_local_training
 
@@ -38,7 +39,8 @@ def train(
     """A real multi-process run through the launcher (`launcher`: its settings, default
     ft_launcher's defaults); returns its summary.json as a dict."""
     config = run_config(dataset_dir, workdir, steps, every, overrides, **named)
-    return run_local_training(nproc, config, echo=False, settings=launcher).to_dict()
+    settings = rtp_prefork.launcher_settings(config, launcher)  # ranks start as rtp starts them
+    return run_local_training(nproc, config, echo=False, settings=settings).to_dict()
 
 
 def train_local_command(dataset_dir, workdir, steps: int, every: int, *extra: str) -> list[str]:

@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+import rtp_prefork
 from tests.conftest import PROJECT_ROOT
 from tests.distributed.conftest import PLAIN_EVERY, PLAIN_OVERRIDES, PLAIN_STEPS, events, run_config, train
 from trainer.checkpointing import latest_committed_checkpoint, verify_checkpoint
@@ -125,8 +126,9 @@ def test_each_fault_kind_is_recovered_exactly(case, dataset_dir, tmp_path, fault
         assert oldest <= restart["resumed_step"] <= restart["fault_step"], restart
         assert restart["steps_redone"] <= 1, restart
         assert restart["downtime_s"] > 0 and restart["startup_s"] >= 0
-        # A drilled hard fault waits for the node's pre-imported process: the restarted
-        # ranks are forked from it (trainer/prefork.py), and still resume exactly.
+        # The restarted ranks of a hard fault are forked from the node's pre-imported process
+        # (the rtp_prefork launcher plugin; they wait for it while it imports), and still
+        # resume exactly.
         assert restart["preforked"] == (restart["mechanism"] == "launcher"), restart
     assert summary["lost_steps"] == sum(r["steps_redone"] for r in summary["restarts"])
     assert 0 < summary["goodput_pct"] < 100
@@ -221,7 +223,12 @@ def test_exhausted_restarts_fail_clearly_and_keep_the_last_checkpoint(dataset_di
         checkpoint_mode="sync",
     )
     with pytest.raises(TrainingFailed) as failure:
-        run_local_training(2, config, echo=False, settings=LauncherSettings(max_restarts=1))
+        run_local_training(
+            2,
+            config,
+            echo=False,
+            settings=rtp_prefork.launcher_settings(config, LauncherSettings(max_restarts=1)),
+        )
     message = str(failure.value)
     assert "InjectedFault: injected fault exception@10:0" in message
     assert "worker-group restarts used: 1 of 1" in message
@@ -272,9 +279,13 @@ def killed_without_restarts(dataset_dir, tmp_path_factory) -> Path:
     and the replica its peer holds), shared by the tests that damage a copy of it and
     relaunch."""
     workdir = tmp_path_factory.mktemp("killed")
+    config = _killed_run_config(dataset_dir, workdir)
     with pytest.raises(TrainingFailed):
         run_local_training(
-            2, _killed_run_config(dataset_dir, workdir), echo=False, settings=LauncherSettings(max_restarts=0)
+            2,
+            config,
+            echo=False,
+            settings=rtp_prefork.launcher_settings(config, LauncherSettings(max_restarts=0)),
         )
     return workdir
 
@@ -335,7 +346,9 @@ def test_a_cold_restart_resumes_from_the_fast_tier_or_a_peers_replica_and_falls_
     expected = (max(held), "local") if held else (durable, None)
 
     no_restarts = LauncherSettings(max_restarts=0)
-    summary = run_local_training(2, config, echo=False, settings=no_restarts, new_run=False).to_dict()
+    summary = run_local_training(
+        2, config, echo=False, settings=rtp_prefork.launcher_settings(config, no_restarts), new_run=False
+    ).to_dict()
     assert summary["completed"] and summary["model_sha256"] == fault_free["model_sha256"]
     resumes = [e for e in events(workdir) if e["kind"] == "resume"]
     resume = resumes[-1] if resumes else {"step": 0}  # nothing to resume from: step 0

@@ -15,6 +15,7 @@ from trainer import gpu_defaults, resilience
 from trainer.config import ConfigError, ResilienceConfig, build_config
 from trainer.gpu_defaults import GPU_RESILIENCE, NCCL_ENV, apply_nccl_environment, check_timeouts
 from trainer.hooks import StepResult
+from trainer.launch import LauncherSettings
 from trainer.parallelize import process_group_backend
 
 
@@ -149,7 +150,7 @@ def test_an_in_pod_gpu_run_gets_the_gpu_table_like_a_job(monkeypatch, tmp_path):
     kept, _ = _captured_in_pod_run(monkeypatch, tmp_path, gpus=8, overrides="resilience.soft_timeout_s=200")
     assert kept.resilience.soft_timeout_s == 200
     cpu, cpu_settings = _captured_in_pod_run(monkeypatch, tmp_path, gpus=0)
-    assert cpu.resilience == ResilienceConfig() and cpu_settings is None
+    assert cpu.resilience == ResilienceConfig() and cpu_settings == LauncherSettings(rank_module="rtp_prefork")
 
 
 def test_train_local_on_a_gpu_machine_gets_the_gpu_table(monkeypatch, tmp_path):
@@ -174,37 +175,3 @@ def test_train_local_on_a_gpu_machine_gets_the_gpu_table(monkeypatch, tmp_path):
         args.handler(args)
     assert seen["config"].resilience.hard_timeout_s == GPU_RESILIENCE["hard_timeout_s"]
     assert seen["settings"].heartbeat_timeout_s == gpu_defaults.GPU_LAUNCHER["heartbeat_timeout_s"]
-
-
-def test_a_drills_wait_for_the_zygote_runs_inside_the_keepalive(tmp_path, monkeypatch):
-    """Before a drilled hard fault every rank waits for the node's pre-imported process; on a
-    busy machine that took longer than the soft timeout, which then restarted the attempt."""
-    import contextlib
-
-    from trainer import prefork
-    from trainer.faults import FaultInjector, parse_faults
-
-    depth = {"now": 0, "seen": None}
-
-    @contextlib.contextmanager
-    def keepalive():
-        depth["now"] += 1
-        try:
-            yield
-        finally:
-            depth["now"] -= 1
-
-    monkeypatch.setattr(prefork, "wait_until_serving", lambda: depth.update(seen=depth["now"]))
-    # The fault is rank 1's; rank 0 waits at that step too, and fires nothing itself.
-    injector = FaultInjector(
-        parse_faults("sigkill@2:1"),
-        tmp_path,
-        rank=0,
-        world_size=2,
-        wait_for_prefork=True,
-        keepalive=keepalive,
-    )
-    injector.at_step(1)
-    assert depth["seen"] is None
-    injector.at_step(2)
-    assert depth["seen"] == 1 and depth["now"] == 0

@@ -1,13 +1,14 @@
-"""Pre-imported ranks (trainer/prefork.py) with a real zygote and real stand-in processes.
+"""Pre-imported ranks (the rtp_prefork launcher plugin) with a real zygote and real stand-in processes.
 
 A `sleep` process plays the launcher (the zygote serves its ranks and ends with it); the
-stand-ins are `python -c` processes that call `run_forked` as `python -m trainer` does,
+stand-ins are `python -c` processes that call `run_forked` as `python -m rtp_prefork` does,
 and the rank they get forked runs a small module of this test's (`rank_target`) instead
 of the trainer, so each behaviour a launcher relies on can be checked on its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -21,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from trainer import prefork
+from rtp_prefork import zygote as prefork
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,7 +55,7 @@ if mode == "kill-self":
 """
 
 STAND_IN = (
-    "import os, sys; from trainer import prefork; "
+    "import os, sys; from rtp_prefork import zygote as prefork; "
     "code = prefork.run_forked(sys.argv, module='rank_target', launcher_pid=int(os.environ['FAKE_LAUNCHER'])); "
     "sys.exit(99 if code is None else code)"
 )
@@ -214,15 +215,68 @@ def test_a_zygote_whose_imports_started_a_thread_does_not_serve():
         thread.join()
 
 
-def test_a_drill_waits_for_a_serving_zygote_and_not_for_a_missing_one(zygote, monkeypatch):
-    monkeypatch.setenv(prefork.PREFORKED_ENV, str(zygote["launcher"].pid))
-    assert prefork.wait_until_serving(timeout_s=5)
-    gone = subprocess.Popen(["true"])
-    gone.wait()
-    monkeypatch.setenv(prefork.PREFORKED_ENV, str(gone.pid))
-    started = time.monotonic()
-    assert not prefork.wait_until_serving(timeout_s=30)  # no zygote starting: no wait
-    assert time.monotonic() - started < 5
+def test_a_restarted_rank_waits_for_a_zygote_still_importing_and_not_for_a_missing_one(tmp_path):
+    import fcntl
+
+    path = str(tmp_path / "zygote.sock")
+    assert not prefork._wait_until_serving(path, timeout_s=30)  # none lives: no wait
+    lock = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # a zygote lives and imports
+    try:
+        threading.Timer(0.5, lambda: Path(path).touch()).start()  # ...and serves 0.5 s later
+        started = time.monotonic()
+        assert prefork._wait_until_serving(path, timeout_s=30)
+        assert 0.4 < time.monotonic() - started < 10
+        Path(path).unlink()
+        started = time.monotonic()
+        assert not prefork._wait_until_serving(path, timeout_s=0.3)  # one that never serves: bounded
+        assert time.monotonic() - started < 5
+        threading.Timer(0.3, lambda: os.close(lock)).start()  # it dies while importing
+        started = time.monotonic()
+        assert not prefork._wait_until_serving(path, timeout_s=30)
+        assert time.monotonic() - started < 10
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(lock)
+
+
+def test_the_entry_reads_the_config_inline_or_from_its_file_and_runs_the_trainer(tmp_path):
+    from rtp_prefork.__main__ import _config_json, _workdir
+
+    (tmp_path / "config.json").write_text('{"run": {"workdir": "/w"}}')
+    assert _config_json([f"--config={tmp_path / 'config.json'}"]) == '{"run": {"workdir": "/w"}}'
+    assert _config_json(["--config", '{"a": 1}']) == '{"a": 1}'
+    assert _config_json(["--preset=tiny-cpu"]) == "{}"
+    assert _workdir('{"run": {"workdir": "/w"}}') == Path("/w") and _workdir("{}") == Path(".")
+    env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"}
+    shown = subprocess.run(
+        [sys.executable, "-m", "rtp_prefork", "--help"], env=env, cwd=REPO, capture_output=True, text=True
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "usage: python -m trainer" in shown.stdout  # no launcher: the trainer itself ran here
+
+
+def test_the_launcher_starts_ranks_through_the_plugin_unless_turned_off():
+    import rtp_prefork
+    from trainer.config import resolve_config
+    from trainer.launch import LauncherSettings, build_launch_command
+
+    on = resolve_config(preset="tiny-cpu", named={"dataset_dir": "/d"})
+    off = resolve_config(
+        preset="tiny-cpu", named={"dataset_dir": "/d"}, overrides=["resilience.prefork_workers=false"]
+    )
+    settings = rtp_prefork.launcher_settings(on, LauncherSettings(max_restarts=7))
+    assert settings.max_restarts == 7
+    assert build_launch_command(2, ["--config=c"], settings=settings)[-3:] == [
+        "-m",
+        "rtp_prefork",
+        "--config=c",
+    ]
+    assert build_launch_command(2, ["--config=c"], settings=rtp_prefork.launcher_settings(off))[-3:] == [
+        "-m",
+        "trainer",
+        "--config=c",
+    ]
 
 
 def test_addresses_left_by_a_killed_zygote_are_removed_once_their_launcher_is_gone():

@@ -1,21 +1,21 @@
-"""Pre-imported ranks: a rank the launcher starts again is forked, not imported from scratch.
+"""The zygote: a pre-imported process per node from which restarted ranks are forked.
 
-The first worker group's local rank 0 starts one *zygote* per node: a process that imports
-torch, NVRx and the trainer once, freezes them out of the garbage collector's passes, then
-waits on a Unix socket. A rank started later asks it first; when it answers, the new
-process (standard library only) stays a thin stand-in and the rank proper is forked from
-the zygote with the stand-in's arguments, environment, working directory and streams
-(docs/fault-tolerance.md has the process tree):
+Local rank 0 of a worker group that finds none starts it (`rtp_prefork.__main__`): it
+imports torch, NVRx and the trainer once, freezes them out of the garbage collector's
+passes, then waits on a Unix socket. A rank the launcher starts later asks it first; when
+it answers, the new process (standard library only) stays a thin stand-in and the rank
+proper is forked from the zygote with the stand-in's arguments, environment, working
+directory and streams (docs/fault-tolerance.md has the process tree):
 
 - the stand-in forwards the launcher's signals to the rank's process group and exits as
   the rank did, so the launcher, the rank monitors and the event log see an ordinary rank;
 - the waiter, forked per rank, SIGKILLs the rank's process group when the stand-in dies;
   the rank dies with the waiter, the waiter with the zygote, the zygote with the launcher.
 
-Where no zygote answers, a rank starts the usual way: this only ever saves time
-(`resilience.prefork_workers: false` turns it off). Fork safety: the zygote runs no torch
-operation, initializes no CUDA and starts no Python thread (it checks), and imports at the
-lowest CPU priority. A drilled hard fault waits until it serves (`wait_until_serving`).
+A restarted rank that finds the zygote still importing waits for it (`run_forked`); where
+none lives, a rank starts the usual way. Fork safety: the zygote runs no torch operation,
+initializes no CUDA and starts no Python thread (it checks), and imports at the lowest CPU
+priority.
 """
 
 from __future__ import annotations
@@ -43,7 +43,11 @@ from pathlib import Path
 from typing import Any
 
 PREFORKED_ENV = "RTP_PREFORKED"
-"""Set in a rank forked from the zygote (to the launcher's pid); such a rank starts none."""
+"""Set in a rank forked from the zygote (to the launcher's pid); the trainer reports it
+(`preforked` in its attempt records), and such a rank starts no zygote."""
+ZYGOTE_WAIT_S = 60.0
+"""How long a restarted rank waits for a zygote that is still importing: no longer than a
+new process would take to import the same, with the restarted ranks' CPUs idle."""
 
 WARM_MODULES = (
     "torch",
@@ -62,7 +66,7 @@ WARM_MODULES = (
     "trainer.models",
 )
 """What a rank imports on its way to the first step (the modules that cost; their imports
-bring the rest). Hugging Face models add `transformers` (see `_modules_for`)."""
+bring the rest). Hugging Face models add `transformers` (see `modules_for`)."""
 
 FORWARDED_SIGNALS = (
     signal.SIGTERM,
@@ -85,19 +89,22 @@ def _under_launcher() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and PREFORKED_ENV not in os.environ
 
 
-# --- in a new `python -m trainer` process ------------------------------------------------
+# --- in a new rank process (the stand-in) ------------------------------------------------
 
 
-def run_forked(argv: list[str], module: str = "trainer", launcher_pid: int | None = None) -> int | None:
+def run_forked(
+    argv: list[str], module: str = "trainer", launcher_pid: int | None = None, wait_s: float = 0.0
+) -> int | None:
     """Have the zygote fork this rank (`python -m <module> <argv[1:]>`) and stand in for it
     until it ends; returns the exit code to leave with (a rank killed by a signal: this
     process is killed by the same one). None when no zygote answers: the caller starts the
-    rank itself. `launcher_pid`: whose zygote (default: the parent, the launcher)."""
+    rank itself. `launcher_pid`: whose zygote (default: the parent, the launcher). `wait_s`:
+    how long to wait for one that is still importing."""
     if not _under_launcher():
         return None
     launcher = os.getppid() if launcher_pid is None else launcher_pid
     path = socket_path(launcher)
-    if not os.path.exists(path):
+    if not _wait_until_serving(path, wait_s):
         return None
     # A signal from the launcher before the forwarding handlers are in place would end this
     # stand-in alone (and with it, by the waiter, its rank with SIGKILL): held until then.
@@ -177,7 +184,7 @@ def start_zygote(
                 [
                     sys.executable,
                     "-m",
-                    "trainer.prefork",
+                    "rtp_prefork.zygote",
                     f"--launcher-pid={launcher_pid}",
                     f"--lock-fd={lock}",
                     f"--config={config_json}",
@@ -220,15 +227,9 @@ def _process_exists(pid: int) -> bool:
     return True
 
 
-def wait_until_serving(timeout_s: float = 120.0) -> bool:
-    """Wait until this node's zygote serves, while one is starting (it holds its lock);
-    returns whether it serves. For fault drills: a drilled hard fault waits for it, so the
-    drill exercises the recovery path a fault meets once training runs, not the first
-    seconds' (when restarted ranks still start the usual way)."""
-    launcher = os.environ.get(PREFORKED_ENV) or (str(os.getppid()) if _under_launcher() else None)
-    if launcher is None:
-        return False
-    path = socket_path(int(launcher))
+def _wait_until_serving(path: str, timeout_s: float) -> bool:
+    """Whether the zygote at `path` serves, waiting up to `timeout_s` while one is starting
+    (it holds its lock); no wait when none lives."""
     deadline = time.monotonic() + timeout_s
     while not os.path.exists(path):
         if time.monotonic() > deadline or not _zygote_alive(path + ".lock"):
@@ -276,7 +277,7 @@ def _lower_session_priority() -> None:
         Path("/proc/self/autogroup").write_text("19")
 
 
-def _modules_for(config_json: str) -> list[str]:
+def modules_for(config_json: str) -> list[str]:
     modules = list(WARM_MODULES)
     with contextlib.suppress(ValueError, AttributeError):
         model = json.loads(config_json).get("model", {})
@@ -285,7 +286,7 @@ def _modules_for(config_json: str) -> list[str]:
     return modules
 
 
-def _warm_up(modules: list[str]) -> None:
+def warm_up(modules: list[str]) -> None:
     for name in modules:
         try:
             importlib.import_module(name)
@@ -321,7 +322,7 @@ def serve(launcher_pid: int, config_json: str, lock_fd: int | None = None) -> in
             launcher = os.pidfd_open(launcher_pid)
         except ProcessLookupError:
             return 0
-        _warm_up(_modules_for(config_json))
+        warm_up(modules_for(config_json))
         unsafe = _fork_hazard()
         if unsafe:
             _log(f"not serving: {unsafe}")
@@ -475,9 +476,9 @@ def _become_rank(conn: socket.socket, fds: list[int], request: dict[str, Any], n
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m trainer.prefork",
+        prog="python -m rtp_prefork.zygote",
         description="This node's pre-imported process for restarted ranks (started by local "
-        "rank 0 of the first worker group; see trainer/prefork.py).",
+        "rank 0 of a worker group that finds none; see rtp_prefork/zygote.py).",
     )
     parser.add_argument(
         "--launcher-pid", type=int, required=True, help="serve this launcher's ranks; end with it"
