@@ -94,8 +94,8 @@ def check_timeouts(resilience: ResilienceConfig, device_type: str) -> None:
 
 def launcher_settings(max_restarts: int) -> LauncherSettings:
     """ft_launcher's settings for a GPU run with `max_restarts` worker-group restarts."""
-    from trainer.launch import LauncherSettings
-
     import dataclasses
+
+    from trainer.launch import LauncherSettings
 
     return dataclasses.replace(LauncherSettings(max_restarts=max_restarts), **GPU_LAUNCHER)  # type: ignore[arg-type]
