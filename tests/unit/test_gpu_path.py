@@ -150,7 +150,9 @@ def test_an_in_pod_gpu_run_gets_the_gpu_table_like_a_job(monkeypatch, tmp_path):
     kept, _ = _captured_in_pod_run(monkeypatch, tmp_path, gpus=8, overrides="resilience.soft_timeout_s=200")
     assert kept.resilience.soft_timeout_s == 200
     cpu, cpu_settings = _captured_in_pod_run(monkeypatch, tmp_path, gpus=0)
-    assert cpu.resilience == ResilienceConfig() and cpu_settings == LauncherSettings(rank_module="rtp_prefork")
+    assert cpu.resilience == ResilienceConfig() and cpu_settings == LauncherSettings(
+        rank_module="rtp_prefork"
+    )
 
 
 def test_train_local_on_a_gpu_machine_gets_the_gpu_table(monkeypatch, tmp_path):
