@@ -24,10 +24,9 @@ from components.retain_runs.component import retain_runs
 from components.stage_data.component import stage_data
 from components.stage_model.component import stage_model
 from components.train.component import train_model
-from components.train.job_scale import AUTO, AUTO_COUNT
-from components.train.jobs import DEFAULT_LAUNCHER, DEFAULT_TRAINING_RUNTIME, JOB_LAUNCHERS
+from components.train.job_parameters import with_job_parameters
+from components.train.jobs import DEFAULT_LAUNCHER, JOB_LAUNCHERS
 from components.train.k8s_launcher import POD_NAME_ENV, POD_NAMESPACE_ENV, POD_UID_ENV
-from components.train.pod_health import DEFAULT_PENDING_TIMEOUT_S
 from components.validate_checkpoint.component import validate_checkpoint
 from pipelines import platform
 from pipelines.platform import PlatformOptions
@@ -93,24 +92,11 @@ def build_pipeline(
         model_name: str = DEFAULT_MODEL_NAME,
         keep_runs: int = 0,
         launcher: str = launcher,
-        nnodes: int = 1,
-        gpus_per_node: int = 0,
-        efa_per_node: int = 0,
-        job_namespace: str = "",
-        training_runtime: str = DEFAULT_TRAINING_RUNTIME,
-        job_timeout_s: int = 86400,
         fsx_pvc_name: str = platform.DEFAULT_PVC_NAME,
         gpu_node_selector: dict = {},  # noqa: B006 (KFP reads the literal as the default)
         gpu_tolerations: list = platform.DEFAULT_GPU_TOLERATIONS,
         mlflow_secret_name: str = platform.DEFAULT_MLFLOW_SECRET,
-        instance_type: str = platform.DEFAULT_GPU_INSTANCE_TYPE,
-        job_cpu_per_node: str = AUTO,
-        job_memory_per_node: str = AUTO,
-        job_shm_size: str = AUTO,
-        job_max_restarts: int = AUTO_COUNT,
-        job_backoff_limit: int = AUTO_COUNT,
-        job_termination_grace_s: int = AUTO_COUNT,
-        job_pending_timeout_s: int = int(DEFAULT_PENDING_TIMEOUT_S),
+        **job: Any,  # the training job's parameters: components/train/job_parameters.py
     ) -> None:
         """Resilient training: stage, train, validate, register.
 
@@ -134,31 +120,19 @@ def build_pipeline(
             keep_runs: After registering, remove old run folders from the volume but the newest keep_runs, those a registered version with an alias came from and those changed in the last 48 h (rtp gc's rule); 0 removes nothing. Set it on a schedule.
             model_name: Registered model name in MLflow.
             launcher: Where the ranks run: inpod (in the train step's pod), pytorchjob (a Kubeflow Training Operator PyTorchJob) or trainjob (a Kubeflow Trainer v2 TrainJob).
-            nnodes: Nodes (pods) of a pytorchjob or trainjob, each running nproc processes.
-            gpus_per_node: GPUs each pytorchjob/trainjob pod requests; 0 trains on CPU.
-            efa_per_node: EFA interfaces (vpc.amazonaws.com/efa) each job pod requests; 0 for none.
-            job_namespace: Namespace of the training job; empty is the pipeline's namespace.
-            training_runtime: ClusterTrainingRuntime a trainjob runs on.
-            job_timeout_s: Seconds after which the training job is deleted and the step fails.
             fsx_pvc_name: Name of the FSx for Lustre PersistentVolumeClaim mounted in every step.
             gpu_node_selector: Node labels the training pods must match, e.g. {"node.kubernetes.io/instance-type": "p5.48xlarge"}: the train step's pod (launcher inpod) or the job's pods.
             gpu_tolerations: Tolerations of the training pods (Kubernetes toleration objects) for tainted GPU nodes: the train step's pod (launcher inpod) or the job's pods.
             mlflow_secret_name: Kubernetes secret with keys tracking_uri, username, password for the stage-model (a models:/ source), train (live metrics; also a training job's pods, which read it from the job's namespace), validate and register steps; required by each, since register needs MLflow: a missing secret fails the first pod that reads it.
-            instance_type: EC2 instance type of the training job's nodes (match gpu_node_selector); with EFA it decides whether GPUDirect RDMA is on (p4d, p4de, p5, p5e, p5en).
-            job_cpu_per_node: CPU request of each training job pod; auto = a share of a p5.48xlarge (22.5 per GPU: 180 for 8 GPUs), none on CPU; empty = none.
-            job_memory_per_node: Memory request of each training job pod; auto = 225Gi per GPU (1800Gi for 8), none on CPU; empty = none.
-            job_shm_size: Size limit of each training job pod's /dev/shm; auto = 40Gi per GPU (320Gi for 8), unbounded on CPU.
-            job_max_restarts: ft_launcher worker-group restarts in each job pod; -1 = by GPU count (10 on GPUs, 3 on CPU).
-            job_backoff_limit: Pod restarts before a PyTorchJob is Failed (a trainjob: the crash-loop restarts the train step tolerates before deleting it); -1 = by GPU count (10 on GPUs, 2 on CPU).
-            job_termination_grace_s: Seconds a job pod gets after SIGTERM for its final checkpoint (ft_launcher waits 60 s less); -1 = by GPU count (600 on GPUs, 90 on CPU).
-            job_pending_timeout_s: The train step fails when a job pod stays unschedulable, still creating its containers, or an init container waits, this many seconds (a volume that keeps failing to mount fails it sooner).
         """
         # The parameters the check step takes, by name (its signature lists them).
-        parameters = {name: value for name, value in locals().items() if name in CHECKED_PARAMETERS}
+        parameters = {
+            name: value for name, value in {**locals(), **job}.items() if name in CHECKED_PARAMETERS
+        }
         run_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER
         # The exit task runs whatever happens inside the handler; it deletes a training job
         # a failed or terminated run would otherwise leave running on GPU nodes.
-        cleanup = cleanup_op(launcher=launcher, run_id=run_id, job_namespace=job_namespace)
+        cleanup = cleanup_op(launcher=launcher, run_id=run_id, job_namespace=job["job_namespace"])
         cleanup.set_display_name("Delete the run's training job if the run did not succeed")
         cleanup.set_caching_options(False)
         platform.apply_common(cleanup, options)
@@ -194,26 +168,13 @@ def build_pipeline(
                 faults=faults,
                 model_init=model_init,
                 launcher=launcher,
-                nnodes=nnodes,
-                gpus_per_node=gpus_per_node,
-                efa_per_node=efa_per_node,
+                **job,
                 job_image=image,
-                job_namespace=job_namespace,
-                training_runtime=training_runtime,
-                job_timeout_s=job_timeout_s,
                 fsx_pvc_name=fsx_pvc_name,
                 node_selector=gpu_node_selector,
                 tolerations=gpu_tolerations,
                 image_pull_secrets=list(options.image_pull_secrets),
                 pipeline_version=pipeline_version(),
-                instance_type=instance_type,
-                job_cpu_per_node=job_cpu_per_node,
-                job_memory_per_node=job_memory_per_node,
-                job_shm_size=job_shm_size,
-                job_max_restarts=job_max_restarts,
-                job_backoff_limit=job_backoff_limit,
-                job_termination_grace_s=job_termination_grace_s,
-                job_pending_timeout_s=job_pending_timeout_s,
                 # A training job's pods read the same secret (by name: its values stay in it).
                 mlflow_secret_name=mlflow_secret_name,
                 # The training ranks score this model's champion sharded, so validate need not load it.
@@ -283,7 +244,7 @@ def build_pipeline(
         name=PIPELINE_NAME,
         description="Stage data from S3 to FSx, train with FSDP and "
         "resilient checkpoints, validate the checkpoint, register the model in MLflow.",
-    )(rtp_pipeline)
+    )(with_job_parameters(rtp_pipeline))
 
 
 def preset_list() -> str:

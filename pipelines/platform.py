@@ -24,7 +24,6 @@ from components.mlflow_access import MLFLOW_SECRET_KEYS
 DEFAULT_FSX_MOUNT_PATH = "/fsx"
 DEFAULT_PVC_NAME = "fsx-claim"
 DEFAULT_GPU_TOLERATIONS = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
-DEFAULT_GPU_INSTANCE_TYPE = "p5.48xlarge"
 IMAGE_PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 
 

@@ -12,8 +12,8 @@ import json
 import sys
 from typing import Any
 
-from components.train.job_scale import AUTO, AUTO_COUNT
-from components.train.jobs import DEFAULT_TRAINING_RUNTIME, JOB_LAUNCHERS
+from components.train.job_parameters import add_render_flags, render_keywords
+from components.train.jobs import JOB_LAUNCHERS
 from pipelines.platform import (
     DEFAULT_GPU_TOLERATIONS,
     DEFAULT_MLFLOW_SECRET,
@@ -40,37 +40,11 @@ def add_render_job_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run-name", default="", help="run folder under <mount>/rtp/runs (default: the run id)")
     p.add_argument("--namespace", default="kubeflow-user", help="namespace (default: %(default)s)")
     p.add_argument("--image", default=DEFAULT_IMAGE, help="image of the pods (default: %(default)s)")
-    p.add_argument("--nnodes", type=int, default=1, help="pods (nodes) (default: %(default)s)")
     p.add_argument("--nproc-per-node", type=int, default=1, help="ranks per pod (default: %(default)s)")
-    p.add_argument(
-        "--gpus-per-node", type=int, default=0, help="GPUs per pod; 0 = CPU (default: %(default)s)"
-    )
-    p.add_argument(
-        "--efa-per-node", type=int, default=0, help="EFA interfaces per pod (default: %(default)s)"
-    )
-    p.add_argument(
-        "--instance-type",
-        default="",
-        help="EC2 instance type of the nodes; with EFA it decides GPUDirect RDMA (default: none said, so off)",
-    )
-    p.add_argument(
-        "--cpu-per-node",
-        default=AUTO,
-        help="CPU request per pod, e.g. 90; auto = 22.5 per GPU, none on CPU; '' = none (default: %(default)s)",
-    )
-    p.add_argument(
-        "--memory-per-node",
-        default=AUTO,
-        help="memory request per pod, e.g. 1000Gi; auto = 225Gi per GPU, none on CPU (default: %(default)s)",
-    )
+    add_render_flags(p)  # --nnodes, --gpus-per-node, ... : the train step's job parameters
     p.add_argument("--pvc-name", default=DEFAULT_PVC_NAME, help="FSx PVC (default: %(default)s)")
     p.add_argument(
         "--fsx-mount-path", default=PlatformOptions().fsx_mount_path, help="(default: %(default)s)"
-    )
-    p.add_argument(
-        "--shm-size",
-        default=AUTO,
-        help="size limit of /dev/shm; auto = 40Gi per GPU, unbounded on CPU (default: %(default)s)",
     )
     p.add_argument(
         "--node-selector",
@@ -95,29 +69,7 @@ def add_render_job_parser(sub: argparse._SubParsersAction) -> None:
         "'' = no MLflow (default: %(default)s)",
     )
     p.add_argument(
-        "--max-restarts",
-        type=int,
-        default=AUTO_COUNT,
-        help="ft_launcher restarts; -1 = by GPU count: 10 on GPUs, 3 on CPU (default: %(default)s)",
-    )
-    p.add_argument(
-        "--backoff-limit",
-        type=int,
-        default=AUTO_COUNT,
-        help="pod retries, PyTorchJob; -1 = by GPU count: 10 on GPUs, 2 on CPU (default: %(default)s)",
-    )
-    p.add_argument(
-        "--termination-grace-s",
-        type=int,
-        default=AUTO_COUNT,
-        help="seconds for the final checkpoint after SIGTERM; -1 = by GPU count: 600 on GPUs, 90 on CPU "
-        "(default: %(default)s)",
-    )
-    p.add_argument(
         "--deadline-s", type=int, default=86400, help="activeDeadlineSeconds (default: %(default)s)"
-    )
-    p.add_argument(
-        "--training-runtime", default=DEFAULT_TRAINING_RUNTIME, help="TrainJob runtime (default: %(default)s)"
     )
     p.add_argument("--dataset-name", default="demo-corpus", help="dataset under <mount>/rtp/datasets")
     add_preset_argument(p)
@@ -163,25 +115,15 @@ def render_job(args: argparse.Namespace) -> dict[str, Any]:
         namespace=args.namespace,
         image=args.image,
         nproc_per_node=args.nproc_per_node,
-        nnodes=args.nnodes,
-        gpus_per_node=args.gpus_per_node,
-        efa_per_node=args.efa_per_node,
-        cpu_per_node=args.cpu_per_node,
-        memory_per_node=args.memory_per_node,
         pvc_name=args.pvc_name,
         mount_path=args.fsx_mount_path,
-        shm_size=args.shm_size,
         node_selector=_json_arg("--node-selector", args.node_selector, dict),
         tolerations=_json_arg("--tolerations", args.tolerations, list),
         service_account=args.service_account,
         image_pull_secrets=list(args.image_pull_secret),
         mlflow_secret_name=args.mlflow_secret_name,
-        instance_type=args.instance_type,
-        max_restarts=args.max_restarts if args.max_restarts >= 0 else None,
-        backoff_limit=args.backoff_limit if args.backoff_limit >= 0 else None,
-        termination_grace_s=args.termination_grace_s if args.termination_grace_s >= 0 else None,
         deadline_s=args.deadline_s,
-        training_runtime=args.training_runtime,
+        **render_keywords(args),
     )
     return job_manifest(args.mode, settings)
 

@@ -2,6 +2,7 @@
 
 from kfp.dsl import HTML, Dataset, Input, Metrics, Model, Output
 
+from components.train.job_parameters import with_job_docs
 from trainer.config import PRESETS
 
 
@@ -68,25 +69,11 @@ def train_model(
         metrics: final loss, steps, training seconds, checkpoint efficiency, goodput, restarts.
         goodput_report: timeline of steps, saves, faults and restarts, with the numbers.
         launcher: inpod (ranks in this pod), pytorchjob (Kubeflow Training Operator) or trainjob (Kubeflow Trainer v2).
-        nnodes: pods (nodes) of a pytorchjob or trainjob; inpod uses this pod only.
-        gpus_per_node: GPUs each job pod requests (0 trains on CPU); nproc is the processes per pod.
-        efa_per_node: EFA interfaces (vpc.amazonaws.com/efa) each job pod requests; 0 for none.
         job_image: image of the job's pods (the pipeline passes its own image).
-        job_namespace: namespace for the job; empty is this pod's namespace.
-        training_runtime: ClusterTrainingRuntime a trainjob runs on.
-        job_timeout_s: the job is deleted and the step fails after this many seconds.
         fsx_pvc_name: the FSx PVC the job's pods mount at fsx_mount_path.
         node_selector: node labels the job's pods must match.
         tolerations: tolerations of the job's pods (Kubernetes toleration objects).
         image_pull_secrets: names of the image pull secrets of the job's pods.
-        instance_type: EC2 instance type of the job's nodes; with EFA it decides GPUDirect RDMA (p4d, p5 families).
-        job_cpu_per_node: CPU request of each job pod; auto = a p5 share on GPU jobs (22.5 per GPU), none on CPU.
-        job_memory_per_node: memory request of each job pod; auto = 225Gi per GPU, none on CPU.
-        job_shm_size: size limit of each job pod's /dev/shm; auto = 40Gi per GPU, unbounded on CPU.
-        job_max_restarts: ft_launcher restarts in each job pod; -1 = by GPU count (10 on GPUs, 3 on CPU).
-        job_backoff_limit: pod restarts before a PyTorchJob fails (a trainjob: crash-loop restarts the step tolerates); -1 = by GPU count (10 on GPUs, 2 on CPU).
-        job_termination_grace_s: seconds a job pod has for its final checkpoint after SIGTERM; -1 = by GPU count (600 on GPUs, 90 on CPU).
-        job_pending_timeout_s: a job pod unschedulable, still creating its containers, or an init container waiting, this long fails the step (a volume that keeps failing to mount: sooner).
         mlflow_secret_name: secret (keys tracking_uri, username, password) the job's pods read as MLFLOW_TRACKING_* by reference, required like in this pod; empty = none.
         pipeline_version: version of the pipeline definition (a tag of the run's MLflow run).
         model_name: registered model whose MLflow champion the training ranks score beside the model (data.eval_champion); empty = none.
@@ -97,6 +84,7 @@ def train_model(
     then, read the same secret themselves. A job is owned by this pod (ownerReference, same
     namespace only), so Kubernetes deletes it with the pod when a run is terminated.
     """
+    job = dict(locals())  # the job's parameters are read from here (components/train/job_parameters.py)
     import json
     import shutil
     import time
@@ -130,34 +118,22 @@ def train_model(
     if launcher == "inpod":
         result = train_in_pod(request, nproc=nproc)
     else:
+        from components.train.job_parameters import job_keywords
         from components.train.job_train import train_with_job
 
         result = train_with_job(
             launcher,
             request,
             run_id=run_id,
-            namespace=job_namespace,
             image=job_image,
             nproc_per_node=nproc,
-            timeout_s=job_timeout_s,
-            nnodes=nnodes,
-            gpus_per_node=gpus_per_node,
-            efa_per_node=efa_per_node,
-            training_runtime=training_runtime,
             pvc_name=fsx_pvc_name,
             mount_path=fsx_mount_path,
             node_selector=node_selector,
             tolerations=tolerations,
             image_pull_secrets=image_pull_secrets,
-            instance_type=instance_type,
-            cpu_per_node=job_cpu_per_node,
-            memory_per_node=job_memory_per_node,
-            shm_size=job_shm_size,
-            max_restarts=job_max_restarts if job_max_restarts >= 0 else None,
-            backoff_limit=job_backoff_limit if job_backoff_limit >= 0 else None,
-            termination_grace_s=job_termination_grace_s if job_termination_grace_s >= 0 else None,
-            pending_timeout_s=job_pending_timeout_s,
             mlflow_secret_name=mlflow_secret_name,
+            **job_keywords(job),
         )
     summary = result.summary
     from trainer.checkpointing.storage import manifest_sha256
@@ -205,4 +181,4 @@ def train_model(
 
 
 # The preset list comes from the trainer's table (a lightweight component's source keeps the placeholder).
-train_model.__doc__ = (train_model.__doc__ or "").replace("{presets}", ", ".join(PRESETS))
+train_model.__doc__ = with_job_docs((train_model.__doc__ or "").replace("{presets}", ", ".join(PRESETS)))

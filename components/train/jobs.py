@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from components.mlflow_access import DEFAULT_MLFLOW_SECRET, MLFLOW_SECRET_KEYS
-from components.train.job_scale import AUTO, JobScale, job_scale
+from components.train.job_scale import JobScale, job_scale
 from trainer.gpu_defaults import NCCL_ENV
 from trainer.gpu_defaults import launcher_settings as gpu_launcher_settings
 from trainer.launch import launcher_flags
@@ -87,16 +87,16 @@ class JobSettings:
     instance_type: str = ""
     """EC2 instance type of the job's nodes; with EFA it decides whether device RDMA is on
     (EFA_DEVICE_RDMA_INSTANCE_TYPES). It does not schedule: match it with node_selector."""
-    cpu_per_node: str = ""
-    """CPU request (and limit) of each pod; `auto` takes a p5 share from job_scale on GPU
+    cpu_per_node: str | None = ""
+    """CPU request (and limit) of each pod; None takes a p5 share from job_scale on GPU
     jobs and none on CPU; empty requests none."""
-    memory_per_node: str = ""
-    """Memory request (and limit) of each pod; `auto` as for cpu_per_node."""
+    memory_per_node: str | None = ""
+    """Memory request (and limit) of each pod; None as for cpu_per_node."""
     pvc_name: str = "fsx-claim"
     mount_path: str = "/fsx"
-    shm_size: str = ""
+    shm_size: str | None = ""
     """Size limit of the memory-backed /dev/shm; empty leaves it bounded by pod memory;
-    `auto` as for cpu_per_node."""
+    None as for cpu_per_node."""
     node_selector: dict[str, str] = field(default_factory=dict)
     tolerations: list[dict[str, Any]] = field(default_factory=list)
     service_account: str = ""
@@ -187,7 +187,7 @@ class JobSettings:
         return job_scale(self.gpus_per_node)
 
     def resolved(self) -> JobSettings:
-        """A copy with every `auto`/None value taken from `job_scale` (what the pods get)."""
+        """A copy with every unset (None) value taken from `job_scale` (what the pods get)."""
         scale = self.scale
         cpu, memory, shm = scale.resources(self.gpus_per_node)
         grace = (
@@ -195,9 +195,9 @@ class JobSettings:
         )
         return dataclasses.replace(
             self,
-            cpu_per_node=cpu if self.cpu_per_node == AUTO else self.cpu_per_node,
-            memory_per_node=memory if self.memory_per_node == AUTO else self.memory_per_node,
-            shm_size=shm if self.shm_size == AUTO else self.shm_size,
+            cpu_per_node=cpu if self.cpu_per_node is None else self.cpu_per_node,
+            memory_per_node=memory if self.memory_per_node is None else self.memory_per_node,
+            shm_size=shm if self.shm_size is None else self.shm_size,
             max_restarts=self.max_restarts if self.max_restarts is not None else scale.max_restarts,
             backoff_limit=self.backoff_limit if self.backoff_limit is not None else scale.backoff_limit,
             termination_grace_s=grace,

@@ -12,7 +12,7 @@ import itertools
 import pytest
 import yaml
 
-from components.train.job_scale import AUTO, CPU_SCALE, GPU_SCALE, job_scale, trainer_overrides
+from components.train.job_scale import CPU_SCALE, GPU_SCALE, job_scale, trainer_overrides
 from components.train.jobs import (
     EFA_RESOURCE,
     GPU_RESOURCE,
@@ -289,7 +289,7 @@ def test_trainer_timeouts_are_gpu_scale_on_gpu_jobs_unless_overridden():
 
 
 def test_auto_resources_are_a_p5_share_on_gpus_and_none_on_cpu():
-    auto = dict(cpu_per_node=AUTO, memory_per_node=AUTO, shm_size=AUTO)
+    auto = dict(cpu_per_node=None, memory_per_node=None, shm_size=None)
     manifest = pytorchjob_manifest(settings(nnodes=2, nproc_per_node=8, gpus_per_node=8, **auto))
     pod = manifest["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     requests = pod["containers"][0]["resources"]["requests"]
