@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.test_checkpoint import _heads, _manager, _resumed_at, _step, _trained_model
+from tests.unit.checkpoint_helpers import _heads, _manager, _resumed_at, _step, _trained_model
 from trainer.checkpointing import slot_refs, storage
 from trainer.models.byte_lm import next_token_loss
 

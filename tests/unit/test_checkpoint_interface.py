@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.unit.test_checkpoint import _manager, _step, _trained_model
+from tests.unit.checkpoint_helpers import _manager, _step, _trained_model
 from trainer.hooks import TrainHooks
 
 pytestmark = pytest.mark.usefixtures("single_rank_group")

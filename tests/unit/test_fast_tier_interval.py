@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.unit.test_checkpoint import _heads, _manager, _step, _trained_model
+from tests.unit.checkpoint_helpers import _heads, _manager, _step, _trained_model
 from trainer.checkpointing import local_tier, tier_interval
 from trainer.checkpointing.local_tier import LocalTier, forget_run
 from trainer.checkpointing.tier_interval import CALIBRATION_STEPS, budget_interval, uses_copy_budget

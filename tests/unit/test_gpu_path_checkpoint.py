@@ -9,7 +9,7 @@ import contextlib
 import pytest
 import torch
 
-from tests.unit.test_checkpoint import _manager, _trained_model
+from tests.unit.checkpoint_helpers import _manager, _trained_model
 from trainer.checkpointing import nvrx_compat, nvrx_writer, storage
 from trainer.hooks import TrainHooks
 
