@@ -99,6 +99,7 @@ def analyze(events: list[dict[str, Any]], faults: list[dict[str, Any]], end_time
             "downtime_s": None,
             "steps_redone": max(0, last_done - resumed_step) if resumed_step is not None else None,
             "preforked": bool(attempt.get("preforked", False)),
+            "diagnostics": attempt.get("diagnostics", ""),
         }
         detected_at = attempt.get("fault_detected_at")
         if fault_at is not None:

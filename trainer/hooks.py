@@ -34,6 +34,9 @@ class Attempt:
     process_started_at: float | None = None
     preforked: bool = False
     """This rank was forked from a pre-imported process by a launcher plugin (`env.forked_rank`)."""
+    diagnostics: str = ""
+    """The folder where the teardown before this attempt left each rank's stacks and
+    flight recorder dump (trainer/diagnostics.py); empty for a first attempt."""
 
     @property
     def is_restart(self) -> bool:

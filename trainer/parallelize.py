@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from trainer import env
+from trainer import diagnostics, env
 from trainer.config import TrainingConfig
 
 
@@ -69,6 +69,7 @@ def init_distributed(timeout_s: float = 120.0, store: dist.Store | None = None) 
 
         apply_nccl_environment()  # read by NCCL and torch's watchdog when the group is made
     if not dist.is_initialized():
+        diagnostics.enable_flight_recorder()  # read when the group is made
         # Joining and start-up (model build, checkpoint load, writer warm-up) may take a
         # while and differ between ranks; the loop later sets the short collective timeout
         # (`set_collective_timeout`).

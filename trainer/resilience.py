@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from nvidia_resiliency_ext.inprocess import CallWrapper
 
-from trainer import peer_abort
+from trainer import diagnostics, env, peer_abort
 from trainer.checkpointing.tier_slots import CaptureCache
 from trainer.config import TrainConfig
 from trainer.env import forked_rank
@@ -174,6 +174,7 @@ class _Hooks(TrainHooks):
         self.pinged_at: float | None = None
         self._keepalive_depth = 0
         self.checkpoints: list[Abandonable] = []  # started, not yet closed or abandoned
+        self.diagnostics = ""  # where the previous attempt's teardown left its diagnostics
 
     def capture_cache(self) -> CaptureCache:
         return self.cache
@@ -187,6 +188,7 @@ class _Hooks(TrainHooks):
             fault_detected_at=self.detected_at,
             process_started_at=self.launcher.process_started_at,
             preforked=forked_rank(),
+            diagnostics=self.diagnostics,
         )
 
     def on_step_end(self, result: StepResult) -> None:
@@ -330,6 +332,7 @@ def _attempts(
             )
         iteration = call_wrapper.iteration if call_wrapper is not None else 0
         hooks = _Hooks(config, launcher, call_wrapper, iteration, restarts.detected_at.pop("at", None), cache)
+        hooks.diagnostics, restarts.diagnostics = restarts.diagnostics, ""
         restarts.attempts.append(hooks)
         try:
             with Trainer(
@@ -356,6 +359,7 @@ class _Restarts:
 
     def __init__(self) -> None:
         self.detected_at: dict[str, float] = {}
+        self.diagnostics = ""  # the folder the last teardown's stacks and collectives went to
         self.attempts: list[_Hooks] = []
 
 
@@ -371,7 +375,14 @@ def _wrapper(config: TrainConfig, restarts: _Restarts) -> Any:
         once instead of after `collective_timeout_s` (trainer/peer_abort.py)."""
 
         def __call__(self, state: Any) -> Any:
+            # Where each thread was, then (peers released) the collectives, before the groups go.
+            folder = diagnostics.diagnostics_dir(
+                config.run.workdir, f"restart{os.environ.get(RESTART_COUNT, '0')}-attempt{state.iteration}"
+            )
+            wrote = diagnostics.dump_stacks(folder, env.rank())
             peer_abort.shutdown_tracked()
+            if diagnostics.dump_flight_recorder(folder, env.rank()) or wrote:
+                restarts.diagnostics = str(folder)
             return inprocess.abort.AbortTorchDistributed()(state)
 
     class _RecordRestart(inprocess.finalize.Finalize):

@@ -107,6 +107,40 @@ CASES = {
 # point), every kind is recovered exactly in test_several_faults_of_different_kinds_in_one_run.
 
 
+def assert_diagnosable(restart: dict, ranks: int, hung_rank: int) -> None:
+    """The teardown before the restart left every rank's stacks and flight recorder dump,
+    the hung rank's stack shows where it hung, and torch's analyzer reads the dumps."""
+    import pickle
+    import subprocess
+    import sys
+
+    folder = Path(restart["diagnostics"])
+    assert folder.is_dir(), restart
+    for rank in range(ranks):
+        stacks = (folder / f"stacks_rank_{rank}.txt").read_text()
+        assert "Thread" in stacks and "File" in stacks, stacks
+        dump = pickle.loads((folder / f"fr_rank_{rank}").read_bytes())
+        assert any(str(e["profiling_name"]).startswith("gloo:") for e in dump["entries"]), dump["entries"][
+            -3:
+        ]
+    assert "in _fire" in (folder / f"stacks_rank_{hung_rank}.txt").read_text()
+    analysis = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.flight_recorder.fr_trace",
+            str(folder),
+            "--prefix",
+            "fr_rank_",
+            "-j",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert analysis.returncode == 0, analysis.stderr[-2000:]
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_each_fault_kind_is_recovered_exactly(case, dataset_dir, tmp_path, fault_free, run_mark):
     faults = CASES[case]
@@ -140,6 +174,9 @@ def test_each_fault_kind_is_recovered_exactly(case, dataset_dir, tmp_path, fault
             assert restart["detection_s"] is not None and restart["detection_s"] < 30  # the hard timeout
     if "sigkill-during-save" in kinds:
         verify_checkpoint(Path(summary["checkpoint"]), verify_hashes=True)
+    for restart in summary["restarts"]:
+        if restart["kind"] == "hang":
+            assert_diagnosable(restart, ranks=2, hung_rank=restart["fault_rank"])
     assert_nothing_left(run_mark)
 
 
@@ -206,6 +243,7 @@ def test_a_hang_on_a_single_rank_is_recovered_without_help(dataset_dir, tmp_path
     # The fast tier's copy of step 5, the last step before the hang (in memory for an
     # in-process restart, on disk for a restarted worker group).
     assert summary["completed"] and restart["resumed_step"] == 5
+    assert_diagnosable(restart, ranks=1, hung_rank=0)
     assert_nothing_left(run_mark)
 
 
