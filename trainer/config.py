@@ -421,6 +421,11 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError("resilience.collective_timeout_s and heartbeat_floor_s must be positive")
     if r.blocking_work_limit_s <= 0:
         raise ConfigError("resilience.blocking_work_limit_s must be positive (seconds)")
+    if r.straggler_every_steps < 0 or r.straggler_threshold <= 1:
+        raise ConfigError(
+            "resilience.straggler_every_steps must be 0 (off) or more, and resilience.straggler_threshold "
+            f"above 1 (times the other ranks' median), got {r.straggler_every_steps} and {r.straggler_threshold:g}"
+        )
     # How collective_timeout_s must compare with hard_timeout_s depends on the device
     # (gloo or NCCL): trainer.gpu_defaults.check_timeouts, when a rank starts.
     t = config.training

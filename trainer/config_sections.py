@@ -193,8 +193,9 @@ class RunConfig:
     faults: str = named("faults", "", pipeline=True)
     """Injected faults for a drill or test, `KIND@STEP[:RANK]` separated by commas: KIND is
     exception, hang, sigkill or sigkill-during-save; each fires once per run on RANK
-    (default 0); slow-save blocks every rank's save at STEP for twice the soft timeout.
-    Empty (or none) = no faults."""
+    (default 0); slow-save blocks every rank's save at STEP for twice the soft timeout;
+    slow@STEP[:RANK][:MS] makes RANK's optimizer step MS ms (200) slower from STEP on (a
+    straggler). Empty (or none) = no faults."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -223,6 +224,11 @@ class ResilienceConfig:
     the final save, the resume load, the end-of-run fingerprint) keeps the in-process
     watchdog and ft_launcher's heartbeats alive; past it they see no progress, so a hung
     file system is still caught. GPU runs get 3600 (trainer/gpu_defaults.py)."""
+    straggler_every_steps: int = 20
+    """Every this many steps the ranks compare their step's local work (trainer/stragglers.py)
+    and a rank slower than `straggler_threshold` times the median is named; 0 turns it off."""
+    straggler_threshold: float = 1.5
+    """How many times the median of the other ranks' local work makes a rank a straggler."""
     prefork_workers: bool = True
     """Ranks the launcher starts again after a hard fault are forked from a process per
     node that has imported torch and the trainer already, instead of importing everything

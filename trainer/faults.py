@@ -17,7 +17,10 @@ Kinds:
   checkpoint, while the writer is still writing it;
 - `slow-save`: the save at STEP blocks every rank for twice `resilience.soft_timeout_s`
   (a slow file system; RANK is ignored, nothing is recorded, a redone step is slow again):
-  the in-process watchdog and the launcher's heartbeats must stay alive through it.
+  the in-process watchdog and the launcher's heartbeats must stay alive through it;
+- `slow`: from STEP on, the rank's local work (the optimizer step) takes MS milliseconds
+  longer at every step (`slow@STEP[:RANK][:MS]`, default 200): a straggler, which
+  trainer/stragglers.py must name (nothing is recorded, the weights are unchanged).
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-FAULT_KINDS = ("exception", "hang", "sigkill", "sigkill-during-save", "slow-save")
-_SPEC = re.compile(r"^\s*(?P<kind>[a-z-]+)@(?P<step>\d+)(?::(?P<rank>\d+))?\s*$")
+FAULT_KINDS = ("exception", "hang", "sigkill", "sigkill-during-save", "slow-save", "slow")
+_SPEC = re.compile(r"^\s*(?P<kind>[a-z-]+)@(?P<step>\d+)(?::(?P<rank>\d+))?(?::(?P<ms>\d+))?\s*$")
+SLOW_MS = 200
+"""A `slow` drill's default: milliseconds added to the rank's local work at every step from its step on."""
 
 
 class FaultSpecError(ValueError):
@@ -48,16 +53,19 @@ class FaultSpec:
     kind: str
     step: int
     rank: int = 0
+    ms: int = 0
+    """`slow` only: the delay per step."""
 
     def __str__(self) -> str:
-        return f"{self.kind}@{self.step}:{self.rank}"
+        return f"{self.kind}@{self.step}:{self.rank}" + (f":{self.ms}" if self.kind == "slow" else "")
 
 
 def parse_fault(text: str) -> FaultSpec:
     match = _SPEC.match(text)
     if not match:
         raise FaultSpecError(
-            f"bad fault {text!r}: use KIND@STEP[:RANK], e.g. exception@12 or sigkill@20:1; "
+            f"bad fault {text!r}: use KIND@STEP[:RANK] (slow: KIND@STEP[:RANK][:MS]), e.g. exception@12, "
+            "sigkill@20:1 or slow@5:1:300; "
             f"KIND is one of {', '.join(FAULT_KINDS)}"
         )
     kind = match["kind"]
@@ -66,7 +74,10 @@ def parse_fault(text: str) -> FaultSpec:
     step = int(match["step"])
     if step < 1:
         raise FaultSpecError(f"fault step must be at least 1 in {text!r}")
-    return FaultSpec(kind, step, int(match["rank"] or 0))
+    if match["ms"] and kind != "slow":
+        raise FaultSpecError(f"only a slow fault takes milliseconds, in {text!r}: use {kind}@STEP[:RANK]")
+    ms = int(match["ms"] or SLOW_MS) if kind == "slow" else 0
+    return FaultSpec(kind, step, int(match["rank"] or 0), ms)
 
 
 def parse_faults(text: str) -> list[FaultSpec]:
@@ -186,8 +197,14 @@ class FaultInjector:
     def at_step(self, step: int) -> None:
         """Called at the start of `step`, before any collective of that step."""
         for spec in self.specs:
-            if spec.step == step and spec.kind not in _AT_SAVE and self._claim(spec):
+            if spec.step == step and spec.kind not in (*_AT_SAVE, "slow") and self._claim(spec):
                 self._fire(spec)
+
+    def in_local_work(self, step: int) -> None:
+        """Called inside the step's local work (the straggler monitor's section)."""
+        delay = sum(spec.ms for spec in self.specs if spec.kind == "slow" and step >= spec.step)
+        if delay:
+            time.sleep(delay / 1e3)
 
     def during_save(self, step: int) -> None:
         """Called inside the save of `step`, where the loop blocks on checkpoint work."""

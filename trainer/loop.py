@@ -54,6 +54,7 @@ from trainer.parallelize import (
     training_device,
 )
 from trainer.progress import Progress
+from trainer.stragglers import StragglerMonitor
 from trainer.summary import TrainSummary
 
 log = logging.getLogger(__name__)
@@ -187,6 +188,11 @@ class Trainer:
             self.world,
             slow_save_s=2 * config.resilience.soft_timeout_s,
         )
+        r = config.resilience
+        self.stragglers = StragglerMonitor(
+            r.straggler_every_steps, r.straggler_threshold, device, self._stragglers
+        )
+        self.callbacks.insert(0, self.stragglers)  # collective: at the same steps on every rank
         with self.clock.phase("model_build_s"):
             self._build_model(mesh)
         with self.clock.phase("loader_s"):
@@ -293,9 +299,11 @@ class Trainer:
         # An async save's snapshot copy ran beside this forward and backward; it must be
         # complete before the optimizer changes the weights in place.
         cast(CheckpointManager, self.checkpoints).maybe_wait_for_staging()
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with self.stragglers.local_work(step):  # no collective in it: what the ranks compare
+            self.injector.in_local_work(step)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
         # One collective per step carries the mean loss and whether any rank got SIGTERM.
         # On the training device: NCCL on a GPU (the group's gloo part serves host tensors).
         reduced = torch.stack(
@@ -343,6 +351,10 @@ class Trainer:
                 self.progress.on_restart(restarts[-1], len(restarts))
         return loop_start
 
+    def _stragglers(self, report: dict[str, Any]) -> None:
+        self.events.emit("stragglers", **report)
+        self.progress.on_stragglers(report)
+
     def _record(self, result: StepResult) -> None:
         self.step_seconds += result.duration_s
         self.steps_run += 1
@@ -371,6 +383,7 @@ class Trainer:
             completed=final_step >= config.run.steps,
             stopped_by_signal=stopped_by_signal,
             steps_run=self.steps_run,
+            stragglers=self.stragglers.last,
             final_loss=self.losses[-1][1] if self.losses else None,
             losses=[{"step": s, "loss": v} for s, v in self.losses],
             **cast(CheckpointManager, self.checkpoints).summary(loop_wall_s),

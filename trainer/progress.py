@@ -122,6 +122,29 @@ class Progress:
                 int(fields["step"]),
             )
 
+    def on_stragglers(self, report: dict[str, Any]) -> None:
+        """A comparison of the ranks' local work (trainer/stragglers.py): the slow ones in the log, the worst ratio in MLflow."""
+        if not self.enabled:
+            return
+        first, last = report["steps"]
+        for rank in report["slow"]:
+            entry = report["ranks"][rank]
+            log.warning(
+                "straggler: rank %d on %s took %.2fx the other ranks' median local work (optimizer step) over steps %d-%d",
+                rank, entry["host"], entry["relative"], first, last,
+            )  # fmt: skip
+        if self.live is not None:
+            worst = max(report["ranks"], key=lambda entry: entry["relative"])
+            self.live.log(
+                {
+                    "straggler.max_relative": float(worst["relative"]),
+                    "straggler.slow_ranks": float(len(report["slow"])),
+                },
+                last,
+            )
+            if report["slow"]:
+                self.live.set_tags({"rtp.stragglers": ",".join(f"rank {r}" for r in report["slow"])})
+
     def on_restart(self, restart: dict[str, Any], number: int) -> None:
         """A restart (from `trainer.goodput`), logged at the step training resumed from."""
         if not self.enabled:

@@ -187,8 +187,31 @@ td,th{{border:1px solid #ccc;padding:3px 8px;text-align:left}}</style></head>
 <p>Goodput is productive step time (each step counted once, in the execution that lasted)
 over the run's wall time. Shutdown runs from the fault to the restarted attempt; startup
 from there to its first step (process group, model, checkpoint load, loader).</p>
+<h2>Stragglers</h2>
+{stragglers_html(summary.get("stragglers") or {})}
 </body></html>
 """
+
+
+def stragglers_html(report: dict[str, Any]) -> str:
+    """The newest comparison of the ranks' local work (trainer/stragglers.py), slow ranks first."""
+    if not report.get("ranks"):
+        return "<p>No comparison of the ranks was made (resilience.straggler_every_steps).</p>"
+    first, last = report["steps"]
+    slow = set(report["slow"])
+    verdict = (
+        f"<p><b>{', '.join(f'rank {r}' for r in sorted(slow))}</b> took at least {report['threshold']:g}x "
+        f"the other ranks' median local work (the optimizer step) over steps {first}-{last}.</p>"
+        if slow
+        else f"<p>No rank took {report['threshold']:g}x the other ranks' median local work over steps {first}-{last}.</p>"
+    )
+    ordered = sorted(report["ranks"], key=lambda r: (r["rank"] not in slow, -r["relative"]))
+    rows = "".join(
+        f"<tr><td>{r['rank']}</td><td>{html.escape(str(r['host']))}</td><td>{r['local_s'] * 1e3:.1f}</td>"
+        f"<td>{r['relative']:.2f}</td></tr>"
+        for r in ordered
+    )
+    return f"{verdict}<table><tr><th>rank</th><th>host</th><th>local work, median ms</th><th>x median</th></tr>{rows}</table>"
 
 
 def write_goodput_report(

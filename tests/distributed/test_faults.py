@@ -184,9 +184,18 @@ def test_several_faults_of_different_kinds_in_one_run(dataset_dir, tmp_path, fau
     """Four kinds in one run with the fast tier off: every recovery resumes from a durable
     checkpoint on the shared volume, and the run still ends with the fault-free weights."""
     faults = ["sigkill-during-save@4:1", "exception@7:0", "hang@11:1", "sigkill@14:0"]
-    overrides = [*FAST, "checkpoint.local_every_steps=0"]
-    summary = train(dataset_dir, tmp_path, steps=STEPS, every=EVERY, overrides=overrides, faults=faults)
+    # And rank 1 is a straggler all along (its optimizer step 250 ms slower from step 2 on,
+    # in every attempt), which the ranks' comparison every 4 steps must name.
+    overrides = [*FAST, "checkpoint.local_every_steps=0", "resilience.straggler_every_steps=4"]
+    summary = train(
+        dataset_dir, tmp_path, steps=STEPS, every=EVERY, overrides=overrides, faults=[*faults, "slow@2:1:250"]
+    )
     assert summary["model_sha256"] == fault_free["model_sha256"]
+    assert summary["stragglers"]["slow"] == [1] and summary["stragglers"]["steps"][1] == STEPS
+    assert summary["stragglers"]["ranks"][1]["relative"] >= 1.5, summary["stragglers"]
+    reports = [e for e in events(tmp_path) if e["kind"] == "stragglers"]
+    assert reports and all(e["slow"] == [1] for e in reports), reports
+    assert "<b>rank 1</b>" in Path(summary["goodput_report"]).read_text()
     resumes = [e for e in events(tmp_path) if e["kind"] == "resume"]
     assert resumes and all(e.get("tier") is None and e["step"] % EVERY == 0 for e in resumes), resumes
     # The save of step 4 the rank died in never became a checkpoint: it started over.
