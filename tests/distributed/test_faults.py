@@ -107,7 +107,7 @@ CASES = {
 # point), every kind is recovered exactly in test_several_faults_of_different_kinds_in_one_run.
 
 
-def assert_diagnosable(restart: dict, ranks: int, hung_rank: int) -> None:
+def assert_diagnosable(restart: dict, ranks: int, hung_rank: int, analyze: bool = True) -> None:
     """The teardown before the restart left every rank's stacks and flight recorder dump,
     the hung rank's stack shows where it hung, and torch's analyzer reads the dumps."""
     import pickle
@@ -124,6 +124,8 @@ def assert_diagnosable(restart: dict, ranks: int, hung_rank: int) -> None:
             -3:
         ]
     assert "in _fire" in (folder / f"stacks_rank_{hung_rank}.txt").read_text()
+    if not analyze:
+        return
     analysis = subprocess.run(
         [
             sys.executable,
@@ -184,11 +186,11 @@ def test_several_faults_of_different_kinds_in_one_run(dataset_dir, tmp_path, fau
     """Four kinds in one run with the fast tier off: every recovery resumes from a durable
     checkpoint on the shared volume, and the run still ends with the fault-free weights."""
     faults = ["sigkill-during-save@4:1", "exception@7:0", "hang@11:1", "sigkill@14:0"]
-    # And rank 1 is a straggler all along (its optimizer step 250 ms slower from step 2 on,
+    # And rank 1 is a straggler all along (its optimizer step 120 ms slower from step 2 on,
     # in every attempt), which the ranks' comparison every 4 steps must name.
     overrides = [*FAST, "checkpoint.local_every_steps=0", "resilience.straggler_every_steps=4"]
     summary = train(
-        dataset_dir, tmp_path, steps=STEPS, every=EVERY, overrides=overrides, faults=[*faults, "slow@2:1:250"]
+        dataset_dir, tmp_path, steps=STEPS, every=EVERY, overrides=overrides, faults=[*faults, "slow@2:1:120"]
     )
     assert summary["model_sha256"] == fault_free["model_sha256"]
     assert summary["stragglers"]["slow"] == [1] and summary["stragglers"]["steps"][1] == STEPS
@@ -252,7 +254,7 @@ def test_a_hang_on_a_single_rank_is_recovered_without_help(dataset_dir, tmp_path
     # The fast tier's copy of step 5, the last step before the hang (in memory for an
     # in-process restart, on disk for a restarted worker group).
     assert summary["completed"] and restart["resumed_step"] == 5
-    assert_diagnosable(restart, ranks=1, hung_rank=0)
+    assert_diagnosable(restart, ranks=1, hung_rank=0, analyze=False)  # the 2-rank drill runs the analyzer
     assert_nothing_left(run_mark)
 
 
