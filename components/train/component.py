@@ -40,6 +40,7 @@ def train_model(
     job_cpu_per_node: str = "auto",
     job_memory_per_node: str = "auto",
     job_shm_size: str = "auto",
+    job_queue_name: str = "",
     job_max_restarts: int = -1,
     job_backoff_limit: int = -1,
     job_termination_grace_s: int = -1,

@@ -120,6 +120,15 @@ JOB_PARAMETERS: tuple[JobParameter, ...] = (
         "Size limit of each training job pod's /dev/shm; auto = 40Gi per GPU (320Gi for 8), unbounded on CPU.",
     ),
     JobParameter(
+        "job_queue_name",
+        "queue_name",
+        str,
+        "",
+        "Kueue LocalQueue of the training job (label kueue.x-k8s.io/queue-name): Kueue admits all of its pods "
+        "at once, when the queue's quota has room, so a job never holds some nodes while waiting for the rest; "
+        "empty = no queue (docs/eks.md, Gang scheduling).",
+    ),
+    JobParameter(
         "job_max_restarts",
         "max_restarts",
         int,

@@ -36,6 +36,8 @@ DEFAULT_LAUNCHER = "inpod"
 DEFAULT_TRAINING_RUNTIME = "torch-distributed"
 RUN_ID_LABEL = "rtp.kubeflow.org/run-id"
 """Every job carries its KFP run id here, so the exit handler can find and delete it."""
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+"""Kueue's queue label on a PyTorchJob or TrainJob: its webhook suspends the job until admitted."""
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGED_BY_RTP = "rtp"
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -56,6 +58,7 @@ EC2 user guide's EFA pages; on others (g5, g6, p3dn) libfabric would fail to reg
 SHM_VOLUME = "dshm"
 FSX_VOLUME = "fsx"
 _DNS_LABEL = re.compile(r"[^a-z0-9-]+")
+_LABEL_VALUE = re.compile(r"[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?")
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 """A Kubernetes object name such as a secret's (RFC 1123 subdomain, at most 253 characters)."""
 
@@ -100,6 +103,9 @@ class JobSettings:
     node_selector: dict[str, str] = field(default_factory=dict)
     tolerations: list[dict[str, Any]] = field(default_factory=list)
     service_account: str = ""
+    queue_name: str = ""
+    """Kueue LocalQueue the job is submitted to (label KUEUE_QUEUE_LABEL): Kueue keeps it
+    suspended until the queue's quota admits all of its pods at once; empty = no queue."""
     image_pull_policy: str = "IfNotPresent"
     image_pull_secrets: list[str] = field(default_factory=list)
     max_restarts: int | None = None
@@ -156,6 +162,11 @@ class JobSettings:
             problems.append(
                 f"nproc_per_node ({self.nproc_per_node}) exceeds gpus_per_node ({self.gpus_per_node}): "
                 "one process per GPU"
+            )
+        if self.queue_name and not _LABEL_VALUE.fullmatch(self.queue_name):
+            problems.append(
+                f"job_queue_name {self.queue_name!r} must be a Kueue LocalQueue name "
+                "(a-z, 0-9, '-', '.', at most 63, alphanumeric at both ends) or empty for none"
             )
         secret = self.mlflow_secret_name
         if secret and (len(secret) > 253 or not _DNS_SUBDOMAIN.fullmatch(secret)):
@@ -343,6 +354,8 @@ def _labels(settings: JobSettings) -> dict[str, str]:
     labels = {MANAGED_BY_LABEL: settings.managed_by}
     if settings.run_id:
         labels[RUN_ID_LABEL] = run_id_label_value(settings.run_id)
+    if settings.queue_name:
+        labels[KUEUE_QUEUE_LABEL] = settings.queue_name
     return labels
 
 

@@ -394,3 +394,14 @@ def test_each_job_kind_builds_its_own_kind_and_is_found_by_it(launcher):
     assert job_kind_of(manifest["kind"]) is job_kind and job_kind_of("MPIJob") is None
     # node 0's pod is one of the job's pods: its selector narrows the job's
     assert job_kind.rank0_pod_selector("j").startswith(job_kind.pods_selector("j") + ",")
+
+
+@pytest.mark.parametrize("launcher", ["pytorchjob", "trainjob"])
+def test_a_queue_name_submits_the_job_to_kueue_and_a_bad_one_is_refused(launcher):
+    from components.train.jobs import KUEUE_QUEUE_LABEL
+
+    manifest = job_manifest(launcher, settings(queue_name="gpu-queue").check())
+    assert manifest["metadata"]["labels"][KUEUE_QUEUE_LABEL] == "gpu-queue"
+    assert KUEUE_QUEUE_LABEL not in job_manifest(launcher, settings())["metadata"]["labels"]
+    with pytest.raises(JobSettingsError, match="job_queue_name 'GPU queue'"):
+        settings(queue_name="GPU queue").check()
