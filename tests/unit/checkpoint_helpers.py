@@ -1,6 +1,7 @@
 """Models, optimizers and managers the checkpoint tests share."""
 
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -86,3 +87,21 @@ def _resumed_at(tmp_path, step, expected, hooks=None):
 class _RunsCodeWhenUnpickled:
     def __reduce__(self):
         return (Path.touch, (Path(os.environ["RTP_TEST_PWNED"]),))
+
+
+def hold_slot_preparation(monkeypatch) -> threading.Event:
+    """Large slots (every state counts as large here) are made ahead only once the returned
+    event is set: what a test needs to see the loop go on meanwhile."""
+    from trainer.checkpointing import local_tier
+    from trainer.checkpointing.local_tier import LocalTier
+
+    monkeypatch.setattr(local_tier, "PREPARE_AHEAD_BYTES", 0)  # this tiny state counts as large
+    release = threading.Event()
+    prepared = LocalTier._prepare_slots
+
+    def held(self, plan):
+        assert release.wait(timeout=30)
+        prepared(self, plan)
+
+    monkeypatch.setattr(LocalTier, "_prepare_slots", held)
+    return release

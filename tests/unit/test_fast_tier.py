@@ -14,6 +14,7 @@ from tests.unit.checkpoint_helpers import (
     _step,
     _train_and_capture,
     _trained_model,
+    hold_slot_preparation,
 )
 
 pytestmark = pytest.mark.usefixtures("single_rank_group")
@@ -146,20 +147,10 @@ def test_large_slots_are_made_ahead_without_the_loop_waiting_and_keep_an_earlier
     on: captures are skipped (never waited for) until both exist. Made again by a new
     attempt, they keep the capture an earlier attempt left, header included, until the slot
     is overwritten."""
-    import threading
 
-    from trainer.checkpointing import local_tier
-    from trainer.checkpointing.local_tier import LocalTier, forget_run
+    from trainer.checkpointing.local_tier import forget_run
 
-    monkeypatch.setattr(local_tier, "PREPARE_AHEAD_BYTES", 0)  # this tiny state counts as large
-    release = threading.Event()
-    prepared = LocalTier._prepare_slots
-
-    def held(self, plan):
-        assert release.wait(timeout=30)
-        prepared(self, plan)
-
-    monkeypatch.setattr(LocalTier, "_prepare_slots", held)
+    release = hold_slot_preparation(monkeypatch)
     model, optimizer = _trained_model()
     manager = _manager(tmp_path, "off", model, optimizer)
     folder = manager.local.folder

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.unit.checkpoint_helpers import _heads, _manager, _step, _trained_model
+from tests.unit.checkpoint_helpers import _heads, _manager, _step, _trained_model, hold_slot_preparation
 from trainer.checkpointing import local_tier, tier_interval
 from trainer.checkpointing.local_tier import LocalTier, forget_run
 from trainer.checkpointing.tier_interval import CALIBRATION_STEPS, budget_interval, uses_copy_budget
@@ -206,18 +206,9 @@ def test_auto_on_cpu_and_a_step_count_keep_their_interval_whatever_the_copies_co
 def test_the_interval_is_chosen_once_a_copy_was_timed(tmp_path, monkeypatch):
     """Large slots are made ahead, and captures wait for them: a window without a timed copy
     chooses nothing, and the tier measures another window."""
-    import threading
 
     monkeypatch.setattr(tier_interval, "COPY_BUDGET_PCT", 5.0)
-    monkeypatch.setattr(local_tier, "PREPARE_AHEAD_BYTES", 0)  # this tiny state counts as large
-    release = threading.Event()
-    prepared = LocalTier._prepare_slots
-
-    def held(self, plan):
-        assert release.wait(timeout=30)
-        prepared(self, plan)
-
-    monkeypatch.setattr(LocalTier, "_prepare_slots", held)
+    release = hold_slot_preparation(monkeypatch)
     clock = _install_clock(monkeypatch, 0.01)
     model, optimizer = _trained_model()
     manager = _manager(tmp_path, "off", model, optimizer, extra=["checkpoint.local_every_steps=budget"])
