@@ -6,7 +6,8 @@ fast tier every step, so a fault redoes at most one step):
 
 - a fault-free run in every checkpoint mode (off, sync, torch-async, async);
 - per mode in `--fault-modes`: `exception@3` (must be recovered in process: one restart of
-  kind exception, mechanism inprocess) and `sigkill@4` (recovered by ft_launcher: kind
+  kind exception, mechanism inprocess, whose teardown left rank 0's stacks and a flight
+  recorder dump with NCCL collectives in it) and `sigkill@4` (recovered by ft_launcher: kind
   sigkill, mechanism launcher), each to the last step;
 - `slow-save@4`: that save blocks for twice the soft timeout; the run must finish with no
   restart (the keep-alive feeds the watchdog through blocking checkpoint work);
@@ -217,6 +218,8 @@ def check_run(
             )
     elif seen:
         failures.append(f"restarts {seen}, expected none")
+    if run.fault_kind == "exception" and restarts:
+        failures += _diagnostics_problems(restarts[0])
     if run.fault_kind == "slow-save":
         step = FAULT_STEP["slow-save"]
         blocked = [
@@ -240,6 +243,24 @@ def check_run(
                     f"model_sha256 differs from the fault-free {run.mode} run (training is deterministic)"
                 )
     return _verdict(result, failures)
+
+
+def _diagnostics_problems(restart: dict[str, Any]) -> list[str]:
+    """An in-process restart on NCCL leaves rank 0's stacks and a flight recorder dump with
+    NCCL collectives in it (trainer/diagnostics.py)."""
+    import pickle
+
+    folder = Path(restart.get("diagnostics") or "")
+    if not restart.get("diagnostics") or not (folder / "stacks_rank_0.txt").is_file():
+        return [f"the restart left no stacks in {folder or 'a diagnostics folder'}"]
+    try:
+        dump = pickle.loads((folder / "fr_rank_0").read_bytes())
+    except (OSError, pickle.UnpicklingError, EOFError) as exc:
+        return [f"no readable flight recorder dump in {folder}: {exc}"]
+    names = {str(e.get("profiling_name", "")) for e in dump.get("entries", [])}
+    if not any(name.startswith("nccl:") for name in names):
+        return [f"the flight recorder dump in {folder} holds no NCCL collective ({sorted(names)[:5]})"]
+    return []
 
 
 def check_process_group(

@@ -7,11 +7,14 @@ its limit, scripts/fetch-gpu-wheels.sh's checks, and `rtp bench checkpoint --ove
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import pickle
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -40,6 +43,16 @@ PLANNED = {
 }
 
 
+@functools.cache
+def diagnostics_folder(collective: str = "nccl:all_reduce") -> str:
+    """What an in-process restart on NCCL leaves (trainer/diagnostics.py): rank 0's stacks and
+    a flight recorder dump holding `collective`."""
+    folder = Path(tempfile.mkdtemp(prefix="rtp-test-diagnostics-"))
+    (folder / "stacks_rank_0.txt").write_text('Thread 0x1 (most recent call first):\n  File "x.py", line 1\n')
+    (folder / "fr_rank_0").write_bytes(pickle.dumps({"entries": [{"profiling_name": collective}]}))
+    return str(folder)
+
+
 def summary(mode: str = "async", restarts=(), sha: str = "a" * 64, **changes) -> dict:
     """A summary.json as a completed 6-step one-rank run writes it."""
     base = {
@@ -54,7 +67,10 @@ def summary(mode: str = "async", restarts=(), sha: str = "a" * 64, **changes) ->
         "lost_steps": 0,
         "checkpoint_blocked_s": 0.1,
         "checkpoint_saves": [{"step": 2, "blocked_s": 0.01}, {"step": 4, "blocked_s": 0.01}],
-        "restarts": [{"kind": k, "mechanism": m, "downtime_s": 2.0} for k, m in restarts],
+        "restarts": [
+            {"kind": k, "mechanism": m, "downtime_s": 2.0, "diagnostics": diagnostics_folder()}
+            for k, m in restarts
+        ],
         "model_sha256": sha,
     }
     return {**base, **changes}
@@ -125,6 +141,15 @@ def test_a_dry_run_reports_a_command_that_does_not_resolve(monkeypatch, tmp_path
     assert code == 1 and not document["ok"]
     failed = [c for c in document["checks"] if c["status"] == "fail"]
     assert len(failed) == 11 and "must exceed resilience.hard_timeout_s" in failed[0]["failures"][0]
+
+
+def test_an_in_process_restart_on_nccl_must_leave_its_flight_recorder_dump():
+    exception = SmokeRun("async-exception", "async", "exception@3")
+    run_summary = summary(restarts=[("exception", "inprocess")])
+    run_summary["restarts"][0]["diagnostics"] = diagnostics_folder("gloo:all_reduce")
+    assert any("holds no NCCL collective" in f for f in verdict(exception, run_summary)["failures"])
+    run_summary["restarts"][0]["diagnostics"] = ""
+    assert any("left no stacks" in f for f in verdict(exception, run_summary)["failures"])
 
 
 def test_recovered_runs_pass_with_the_expected_mechanism():
