@@ -31,6 +31,9 @@ FLIGHT_RECORDER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 """torch's name for the buffer size, and its older NCCL-only name (same value)."""
 FR_PREFIX = "fr_rank_"
 STACKS_PREFIX = "stacks_rank_"
+KEEP_TEARDOWNS = 5
+"""Teardown folders kept per run (rank 0 removes older ones, `prune`): a dump per rank each, so a
+long run on many ranks must not pile them up on the shared volume."""
 
 
 def enable_flight_recorder(environ: MutableMapping[str, str] = os.environ) -> None:
@@ -96,3 +99,17 @@ def _with_group_config(trace: bytes) -> bytes:
         for group, name in c10d._world.pg_names.items()
     }
     return pickle.dumps(dump)
+
+
+def prune(folder: Path, keep: int = KEEP_TEARDOWNS) -> None:
+    """Remove all but the `keep` newest teardown folders beside `folder` (by modification
+    time); rank 0 calls it, once the peers are released."""
+    import shutil
+
+    root = folder.parent
+    try:
+        folders = sorted((p for p in root.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
+    except OSError:  # none yet, or the volume does not answer: nothing to prune
+        return
+    for old in folders[: max(0, len(folders) - keep)]:
+        shutil.rmtree(old, ignore_errors=True)

@@ -352,7 +352,13 @@ class Trainer:
         return loop_start
 
     def _stragglers(self, report: dict[str, Any]) -> None:
-        self.events.emit("stragglers", **report)
+        # The event names the slow ranks only: one line per window must not grow with the world.
+        slow = [report["ranks"][rank] for rank in report["slow"]]
+        worst = max((entry["relative"] for entry in report["ranks"]), default=1.0)
+        self.events.emit(
+            "stragglers", steps=report["steps"], threshold=report["threshold"], slow=report["slow"],
+            slow_ranks=slow, max_relative=worst,
+        )  # fmt: skip
         self.progress.on_stragglers(report)
 
     def _record(self, result: StepResult) -> None:

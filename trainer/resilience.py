@@ -381,6 +381,8 @@ def _wrapper(config: TrainConfig, restarts: _Restarts) -> Any:
             )
             wrote = diagnostics.dump_stacks(folder, env.rank())
             peer_abort.shutdown_tracked()
+            if env.rank() == 0:
+                diagnostics.prune(folder)
             if diagnostics.dump_flight_recorder(folder, env.rank()) or wrote:
                 restarts.diagnostics = str(folder)
             return inprocess.abort.AbortTorchDistributed()(state)

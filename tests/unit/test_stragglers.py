@@ -61,3 +61,19 @@ def test_the_report_reaches_the_log_mlflow_and_goodput_html(caplog):
     page = stragglers_html(report)
     assert "<b>rank 1</b>" in page and "node-b" in page and page.index("node-b") < page.index("node-a")
     assert "No comparison" in stragglers_html({})
+
+
+def test_old_teardown_folders_are_pruned_so_diagnostics_do_not_pile_up(tmp_path):
+    import os
+
+    from trainer import diagnostics
+
+    root = tmp_path / "diagnostics"
+    for i in range(8):
+        (root / f"restart0-attempt{i}").mkdir(parents=True)
+        os.utime(root / f"restart0-attempt{i}", (i, i))
+    assert diagnostics.dump_stacks(root / "restart0-attempt7", rank=0)
+    diagnostics.prune(root / "restart0-attempt7")
+    kept = sorted(p.name for p in root.iterdir())
+    assert kept == [f"restart0-attempt{i}" for i in range(8 - diagnostics.KEEP_TEARDOWNS, 8)]
+    assert "in dump_stacks" in (root / "restart0-attempt7" / "stacks_rank_0.txt").read_text()
