@@ -155,13 +155,13 @@ def shutdown_tracked() -> int:
 
 
 def _store_ports() -> set[int]:
-    """The launcher's, the training and NVRx's store ports (MASTER_PORT, +1, +2): a store
-    created inside a `tracking()` block (plain `init_process_group`) is never shut down."""
+    """The store server's port (MASTER_PORT: the training and NVRx's stores share it): a
+    store created inside a `tracking()` block (plain `init_process_group`) is never shut down."""
     try:
         base = int(os.environ.get("MASTER_PORT", ""))
     except ValueError:
         return set()
-    return {base, base + 1, base + 2}
+    return {base}
 
 
 def forget() -> None:

@@ -17,8 +17,10 @@ in-process watchdog is pinged after a step, at most once per `PING_INTERVAL_S`. 
 checkpoint work (saves, waits for writes, loads, the end-of-run fingerprint) runs inside
 `keepalive()`, whose thread goes on pinging and heart-beating, for a bounded time.
 
-Ports: the launcher's store listens on MASTER_PORT, the training store on MASTER_PORT+1
-and the wrapper's own store on MASTER_PORT+2 — the layout NVRx's examples use.
+Ports: rank 0 hosts one store server on MASTER_PORT, the port ft_launcher found free for
+the workers' store at this restart; the training store and the wrapper's store share it
+(multi-tenant, disjoint keys). Ports next to it were never reserved: another process could
+hold them (EADDRINUSE, seen on a busy machine).
 
 This module does not use `from __future__ import annotations`: the wrapper finds the
 parameter that receives it by its (evaluated) `CallWrapper` annotation.
@@ -274,11 +276,12 @@ def _wait_until_listening(port: int, timeout_s: float = 60.0) -> None:
 
 
 def _app_store(config: TrainConfig) -> dist.TCPStore:
-    """One store for every attempt's process group; each attempt uses its own key prefix."""
-    _wait_until_listening(int(os.environ[MASTER_PORT]) + 1)
+    """One store for every attempt's process group; each attempt uses its own key prefix.
+    Multi-tenant: the wrapper's store in this process joins the same server."""
+    _wait_until_listening(int(os.environ[MASTER_PORT]))
     return dist.TCPStore(
         host_name=os.environ[MASTER_ADDR],
-        port=int(os.environ[MASTER_PORT]) + 1,
+        port=int(os.environ[MASTER_PORT]),
         world_size=int(os.environ["WORLD_SIZE"]),
         is_master=int(os.environ["RANK"]) == 0,
         multi_tenant=True,
@@ -401,9 +404,9 @@ def _wrapper(config: TrainConfig, restarts: _Restarts) -> Any:
                     restarts.attempts.remove(hooks)
             return state
 
-    _wait_until_listening(int(os.environ[MASTER_PORT]) + 2)  # the wrapper's store, hosted by rank 0
     return inprocess.Wrapper(
-        store_kwargs={"port": int(os.environ[MASTER_PORT]) + 2},
+        # The training store's server (already listening): its keys and the wrapper's differ.
+        store_kwargs={"port": int(os.environ[MASTER_PORT]), "multi_tenant": True},
         # A rank that died (SIGKILL, OOM) is the launcher's to handle: never go on with a
         # smaller world; give up so ft_launcher restarts the whole group.
         initialize=inprocess.initialize.RetryController(

@@ -72,6 +72,21 @@ def events(workdir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(workdir) / "events.jsonl").read_text().splitlines()]
 
 
+def restart_story(summary: dict, workdir: Path, lines: int = 80) -> str:
+    """For an assertion's message: each restart's kind and mechanism, then the log lines
+    that name an error. An unexpected restart on the CI machine is otherwise undiagnosable
+    once its folder is gone."""
+    restarts = [
+        (r["kind"], r["mechanism"], r["fault_step"], r["resumed_step"], r["diagnostics"])
+        for r in summary.get("restarts", [])
+    ]
+    log = Path(workdir) / "logs" / "train.log"
+    text = log.read_text(errors="replace").splitlines() if log.exists() else []
+    marks = ("Error", "error", "Traceback", "Exception", "restart", "Timeout", "timed out")
+    errors = [line for line in text if any(mark in line for mark in marks)]
+    return "restarts: " + repr(restarts) + "\nlog lines:\n" + "\n".join(errors[-lines:])
+
+
 PLAIN_STEPS, PLAIN_EVERY = 16, 4
 PLAIN_OVERRIDES = (
     "resilience.collective_timeout_s=5",

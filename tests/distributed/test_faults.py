@@ -24,7 +24,15 @@ import pytest
 
 import rtp_prefork
 from tests.conftest import PROJECT_ROOT
-from tests.distributed.conftest import PLAIN_EVERY, PLAIN_OVERRIDES, PLAIN_STEPS, events, run_config, train
+from tests.distributed.conftest import (
+    PLAIN_EVERY,
+    PLAIN_OVERRIDES,
+    PLAIN_STEPS,
+    events,
+    restart_story,
+    run_config,
+    train,
+)
 from trainer.checkpointing import latest_committed_checkpoint, verify_checkpoint
 from trainer.launch import LauncherSettings, TrainingFailed, launch_tempdir, run_local_training
 
@@ -150,7 +158,9 @@ def test_each_fault_kind_is_recovered_exactly(case, dataset_dir, tmp_path, fault
     assert summary["completed"] and summary["steps"] == STEPS
     assert summary["model_sha256"] == fault_free["model_sha256"]
     kinds = [fault.split("@")[0] for fault in faults]
-    assert [(r["kind"], r["mechanism"]) for r in summary["restarts"]] == [(k, MECHANISM[k]) for k in kinds]
+    assert [(r["kind"], r["mechanism"]) for r in summary["restarts"]] == [(k, MECHANISM[k]) for k in kinds], (
+        restart_story(summary, tmp_path)
+    )
     resumes = [e for e in events(tmp_path) if e["kind"] == "resume"]
     assert resumes and all(e.get("tier") == "local" for e in resumes), resumes
     for restart in summary["restarts"]:
@@ -208,7 +218,7 @@ def test_several_faults_of_different_kinds_in_one_run(dataset_dir, tmp_path, fau
         ("exception", "inprocess"),
         ("hang", "inprocess"),
         ("sigkill", "launcher"),
-    ]
+    ], restart_story(summary, tmp_path)
     assert [r["fault_step"] for r in summary["restarts"]] == [4, 7, 11, 14]
     # Forked from the pre-imported process: both launcher restarts' ranks (and so the
     # in-process restarts, which happen in those ranks).
@@ -462,7 +472,10 @@ def test_a_warm_started_run_recovers_to_its_fault_free_twins_weights(dataset_dir
             model_dir=str(parent),
         )
     twin, faulted = runs["twin"], runs["faulted"]
-    assert [(r["kind"], r["fault_step"]) for r in faulted["restarts"]] == [("exception", 2), ("sigkill", 6)]
+    assert [(r["kind"], r["fault_step"]) for r in faulted["restarts"]] == [
+        ("exception", 2),
+        ("sigkill", 6),
+    ], restart_story(faulted, tmp_path / "faulted")
     assert faulted["completed"] and faulted["model_sha256"] == twin["model_sha256"]
     config = json.loads((tmp_path / "twin" / "config.json").read_text())
     assert config["model"]["model_dir"] == str(parent) and config["model"]["seq_len"] == 32

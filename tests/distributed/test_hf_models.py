@@ -211,7 +211,7 @@ def test_training_refuses_data_made_with_another_tokenizer(hf_run_inputs, datase
 def test_faults_with_an_hf_model_recover_exactly(hf_run_inputs, hf_uninterrupted, tmp_path):
     """An exception (in-process restart) and a killed rank (ft_launcher restart) in one run
     end with the fault-free run's weights."""
-    from tests.distributed.conftest import train
+    from tests.distributed.conftest import restart_story, train
 
     _, snapshot, overrides, named = hf_run_inputs
     summary = train(
@@ -228,7 +228,7 @@ def test_faults_with_an_hf_model_recover_exactly(hf_run_inputs, hf_uninterrupted
     assert [(r["kind"], r["mechanism"]) for r in summary["restarts"]] == [
         ("exception", "inprocess"),
         ("sigkill", "launcher"),
-    ]
+    ], restart_story(summary, tmp_path)
 
 
 def test_a_folder_without_config_json_stops_training_in_one_line(hf_run_inputs, tmp_path):

@@ -13,7 +13,7 @@ import collections
 import pytest
 
 from tests.components.mlflow_server import FlakyProxy
-from tests.distributed.conftest import PLAIN_EVERY, PLAIN_OVERRIDES, PLAIN_STEPS, train
+from tests.distributed.conftest import PLAIN_EVERY, PLAIN_OVERRIDES, PLAIN_STEPS, restart_story, train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -72,7 +72,9 @@ def test_restarts_leave_one_complete_history_without_duplicates(
         overrides=FAST,
         faults=["exception@6:1", "sigkill@11:0"],
     )
-    assert [r["mechanism"] for r in summary["restarts"]] == ["inprocess", "launcher"]
+    assert [r["mechanism"] for r in summary["restarts"]] == ["inprocess", "launcher"], restart_story(
+        summary, tmp_path
+    )
     assert summary["model_sha256"] == reference["model_sha256"]  # metrics do not touch the math
     run_id = summary["mlflow_run_id"]
     assert run_id
