@@ -350,6 +350,10 @@ def _attempts(
                 # RestartAbort (a BaseException) is how the wrapper is told to stop restarting.
                 raise RestartAbort(message) from exc
             raise
+        except Exception:
+            # Where it was raised (NVRx logs only the message); the wrapper then restarts.
+            log.warning("attempt %d on rank %d ended with an error", iteration, env.rank(), exc_info=True)
+            raise
 
     if config.resilience.inprocess_restarts == 0:
         return attempt

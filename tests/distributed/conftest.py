@@ -72,7 +72,7 @@ def events(workdir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(workdir) / "events.jsonl").read_text().splitlines()]
 
 
-def restart_story(summary: dict, workdir: Path, lines: int = 80) -> str:
+def restart_story(summary: dict, workdir: Path, lines: int = 150) -> str:
     """For an assertion's message: each restart's kind and mechanism, then the log lines
     that name an error. An unexpected restart on the CI machine is otherwise undiagnosable
     once its folder is gone."""
@@ -82,8 +82,12 @@ def restart_story(summary: dict, workdir: Path, lines: int = 80) -> str:
     ]
     log = Path(workdir) / "logs" / "train.log"
     text = log.read_text(errors="replace").splitlines() if log.exists() else []
-    marks = ("Error", "error", "Traceback", "Exception", "restart", "Timeout", "timed out")
-    errors = [line for line in text if any(mark in line for mark in marks)]
+    marks = ("Error", "error", "Exception", "restart", "Timeout", "timed out")
+    errors, in_traceback = [], False
+    for line in text:  # each traceback whole, and the lines that name an error
+        in_traceback = line.startswith("Traceback") or (in_traceback and line.startswith(" "))
+        if in_traceback or any(mark in line for mark in marks):
+            errors.append(line[:300])
     return "restarts: " + repr(restarts) + "\nlog lines:\n" + "\n".join(errors[-lines:])
 
 
