@@ -11,7 +11,8 @@ fast tier every step, so a fault redoes at most one step):
   sigkill, mechanism launcher), each to the last step;
 - `slow-save@4`: that save blocks for twice the soft timeout; the run must finish with no
   restart (the keep-alive feeds the watchdog through blocking checkpoint work);
-- a process-group probe: the trainer's own `init_distributed`, then an all-reduce of a host
+- a process-group probe: the job pods' GPU node checks (trainer/health.py: a matmul on the
+  GPU, NVML's ECC counters), the trainer's own `init_distributed`, then an all-reduce of a host
   tensor and of a device tensor (NCCL has no CPU backend: both must work on CUDA).
 
 Each faulted run's `model_sha256` is compared with the fault-free run of its mode. Only
@@ -282,6 +283,9 @@ def check_process_group(
             failures.append(f"probe ran on {probe.get('device')!r}, expected {device!r}")
         if not probe.get("host_all_reduce") or not probe.get("device_all_reduce"):
             failures.append("an all-reduce returned a wrong value")
+        for check in probe.get("node_health", []):  # trainer/health.py's GPU checks, on CUDA
+            if not check["ok"]:
+                failures.append(f"node health: {check['name']}: {check['detail']}")
     return _verdict(result, failures)
 
 
@@ -298,6 +302,13 @@ def probe_process_group() -> dict[str, Any]:
     from trainer.parallelize import init_distributed, shutdown_distributed, training_device
 
     device = training_device()
+    node_health = []
+    if device.type == "cuda":  # the job pods' node check on a real GPU, NVML included
+        from dataclasses import asdict
+
+        from trainer import health
+
+        node_health = [asdict(health.gpus_compute(1)), asdict(health.gpu_memory_errors(1))]
     init_distributed(timeout_s=60)
     try:
         host = torch.tensor([1.5, 2.0])
@@ -311,6 +322,7 @@ def probe_process_group() -> dict[str, Any]:
             "world_size": world,
             "host_all_reduce": host.tolist() == [1.5 * world, 2.0 * world],
             "device_all_reduce": on_device.cpu().tolist() == [3.0 * world],
+            "node_health": node_health,
         }
     finally:
         shutdown_distributed()

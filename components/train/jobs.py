@@ -254,6 +254,19 @@ def ft_launcher_command(settings: JobSettings, rdzv_host_env: str, rdzv_port_env
     return [*command, "-m", settings.rank_module, *settings.trainer_args]
 
 
+def pod_command(settings: JobSettings, rdzv_host_env: str, rdzv_port_env: str) -> list[str]:
+    """The node check (trainer/health.py: GPUs, EFA devices, /dev/shm, the shared volume),
+    which then becomes ft_launcher; an unhealthy node exits 3 before any rank starts."""
+    check = [
+        "python",
+        "-m",
+        "trainer.health",
+        f"--gpus={settings.gpus_per_node}",
+        f"--efa={settings.efa_per_node}",
+    ]
+    return [*check, "--", *ft_launcher_command(settings, rdzv_host_env, rdzv_port_env)]
+
+
 def efa_device_rdma(settings: JobSettings) -> bool:
     """GPUDirect RDMA over EFA: only with EFA, GPUs and an instance type known to support it."""
     return bool(settings.efa_per_node and settings.gpus_per_node) and (
@@ -417,7 +430,7 @@ def pytorchjob_manifest(settings: JobSettings) -> dict[str, Any]:
         "name": PYTORCHJOB_CONTAINER,
         "image": settings.image,
         "imagePullPolicy": settings.image_pull_policy,
-        "command": ft_launcher_command(settings, "MASTER_ADDR", "MASTER_PORT"),
+        "command": pod_command(settings, "MASTER_ADDR", "MASTER_PORT"),
         "env": training_env(settings),
         "volumeMounts": _volume_mounts(settings),
         "securityContext": container_security_context(settings),
@@ -480,7 +493,7 @@ def trainjob_manifest(settings: JobSettings) -> dict[str, Any]:
         "image": settings.image,
         "numNodes": settings.nnodes,
         "numProcPerNode": settings.nproc_per_node,
-        "command": ft_launcher_command(settings, "PET_MASTER_ADDR", "PET_MASTER_PORT"),
+        "command": pod_command(settings, "PET_MASTER_ADDR", "PET_MASTER_PORT"),
         "env": training_env(settings),
     }
     resources = _resources(settings)

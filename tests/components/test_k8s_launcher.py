@@ -240,7 +240,10 @@ def test_train_with_job_returns_the_summary_rank0_wrote(fake, tmp_path, launcher
         args = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["command"] if (
             job["kind"] == "PyTorchJob") else job["spec"]["trainer"]["command"]  # fmt: skip
         [inline] = [arg.removeprefix("--config=") for arg in args if arg.startswith("--config=")]
-        assert args[args.index("-m") + 1] == "rtp_prefork"  # restarted ranks are forked pre-imported
+        assert args[:3] == ["python", "-m", "trainer.health"]  # the node is checked first
+        launched = args[args.index("--") + 1 :]
+        assert launched[0] == "ft_launcher"
+        assert launched[launched.index("-m") + 1] == "rtp_prefork"  # restarted ranks are forked pre-imported
         pods_config = TrainConfig.from_json(inline)
         assert pods_config.run.workdir == str(run_folder / "train") and pods_config.run.steps == 4
         assert TrainConfig.read(run_folder / "train" / "config.json") == pods_config  # the run's record

@@ -316,8 +316,12 @@ def test_the_process_group_probe_reduces_host_and_device_tensors(tmp_path):
         "world_size": 1,
         "host_all_reduce": True,
         "device_all_reduce": True,
+        "node_health": [],  # the GPU node checks run on CUDA only
     }
     assert gpu_smoke.check_process_group(probe, exit_code=0, seconds=1.0, device="cpu")["status"] == "pass"
+    sick = {**probe, "node_health": [{"name": "gpus", "ok": False, "detail": "0 GPUs visible, 1 expected"}]}
+    verdict = gpu_smoke.check_process_group(sick, exit_code=0, seconds=1.0, device="cpu")
+    assert verdict["failures"] == ["node health: gpus: 0 GPUs visible, 1 expected"]
     wrong = gpu_smoke.check_process_group(
         {**probe, "device_all_reduce": False}, exit_code=0, seconds=1.0, device="cpu"
     )

@@ -252,7 +252,8 @@ def test_gpu_jobs_get_gpu_scale_restarts_and_cpu_jobs_keep_theirs():
         command = manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0][
             "command"
         ]
-        args = get_args_parser().parse_args(command[1:])
+        assert command[:3] == ["python", "-m", "trainer.health"] and f"--gpus={gpus}" in command
+        args = get_args_parser().parse_args(command[command.index("--") + 2 :])  # after "-- ft_launcher"
         assert args.max_restarts == scale.max_restarts
         assert args.term_timeout == scale.termination_grace_s - 60 or gpus == 0
     assert (CPU_SCALE.max_restarts, CPU_SCALE.backoff_limit) == (3, 2)  # unchanged CPU behaviour

@@ -1,0 +1,140 @@
+"""The node check a job's pod runs before ft_launcher: each unhealthy condition, simulated."""
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from trainer import health
+from trainer.config import resolve_config
+
+
+def test_a_writable_volume_and_fast_tier_pass(tmp_path):
+    assert health.volume_writable(tmp_path / "work", limit_s=30).ok
+    room = health.fast_tier_room(tmp_path / "shm", min_free_gib=0.0)
+    assert room.ok and "GiB free" in room.detail
+    assert not list((tmp_path / "work").iterdir()), "the probe file is removed"
+
+
+def test_an_unwritable_volume_fails_with_its_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    check = health.volume_writable(tmp_path / "file" / "work", limit_s=30)
+    assert not check.ok and check.detail.startswith("NotADirectoryError"), check
+
+
+def test_a_volume_slower_than_its_limit_fails(tmp_path):
+    check = health.volume_writable(tmp_path, limit_s=0.0)
+    assert not check.ok and "limit 0 s" in check.detail, check
+
+
+def test_a_fast_tier_without_room_names_the_fix(tmp_path):
+    check = health.fast_tier_room(tmp_path, min_free_gib=1e9)
+    assert not check.ok and "1e+09 GiB needed" in check.detail and "checkpoint.local_dir" in check.detail
+
+
+def test_missing_efa_devices_are_counted(tmp_path):
+    (tmp_path / "rdmap16s27").mkdir()
+    check = health.efa_devices(2, sysfs=tmp_path)
+    assert not check.ok and check.detail.startswith("1 EFA devices") and "rdmap16s27" in check.detail
+    (tmp_path / "rdmap32s27").mkdir()
+    assert health.efa_devices(2, sysfs=tmp_path).ok
+    assert not health.efa_devices(1, sysfs=tmp_path / "absent").ok
+
+
+def test_missing_or_miscomputing_gpus_fail():
+    def right(index, a, b):
+        return a @ b
+
+    assert health.gpus_compute(2, visible=lambda: 2, matmul_on=right).ok
+    fewer = health.gpus_compute(2, visible=lambda: 1, matmul_on=right)
+    assert not fewer.ok and "1 GPUs visible, 2 expected" in fewer.detail
+
+    def wrong_on_gpu_1(index, a, b):
+        return a @ b if index == 0 else (a @ b) * 0
+
+    wrong = health.gpus_compute(2, visible=lambda: 2, matmul_on=wrong_on_gpu_1)
+    assert not wrong.ok and wrong.detail.startswith("GPU 1 computed a wrong matmul")
+
+
+def test_uncorrected_ecc_errors_fail():
+    class NVMLError(Exception):
+        pass
+
+    def nvml(errors):
+        return SimpleNamespace(
+            nvmlInit=lambda: None,
+            nvmlShutdown=lambda: None,
+            nvmlDeviceGetHandleByIndex=lambda index: index,
+            nvmlDeviceGetTotalEccErrors=lambda handle, kind, counter: errors[handle],
+            NVML_MEMORY_ERROR_TYPE_UNCORRECTED=1,
+            NVML_VOLATILE_ECC=0,
+            NVMLError=NVMLError,
+        )
+
+    assert health.gpu_memory_errors(2, nvml=nvml([0, 0])).ok
+    bad = health.gpu_memory_errors(2, nvml=nvml([0, 3]))
+    assert not bad.ok and bad.detail == "GPU 1: 3 uncorrected ECC errors"
+
+
+def _inline_config(tmp_path, **named) -> str:
+    config = resolve_config(
+        named={"dataset_dir": str(tmp_path / "data"), "workdir": str(tmp_path / "work"), **named}
+    )
+    return "--config=" + config.to_compact_json()
+
+
+def test_an_unhealthy_node_exits_3_reports_and_never_runs_the_command(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(health, "TERMINATION_LOG", tmp_path / "termination-log")
+    marker = tmp_path / "ran"
+    command = ["touch", str(marker), _inline_config(tmp_path, checkpoint_local_dir=str(tmp_path / "shm"))]
+    code = health.main(["--efa", "4", "--min-fast-tier-gib", "1e9", "--", *command])
+    assert code == health.EXIT_UNHEALTHY_NODE and not marker.exists()
+    lines = capsys.readouterr().err.splitlines()
+    failed = [line for line in lines if "is unhealthy" in line]
+    assert [line.split(": ")[1] for line in failed] == ["fast_tier", "efa"], lines
+    assert (tmp_path / "termination-log").read_text().splitlines() == failed
+    [written] = (tmp_path / "work" / "node-health").glob("*.json")
+    report = json.loads(written.read_text())
+    assert report["healthy"] is False
+    assert {c["name"]: c["ok"] for c in report["checks"]} == {
+        "fast_tier": False,
+        "volume": True,
+        "efa": False,
+    }
+
+
+def test_a_healthy_node_becomes_the_command(tmp_path):
+    shm = tmp_path / "shm"
+    script = "import sys, os; print('launcher', os.getpid(), sys.argv[1][:9])"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import os, sys; from trainer.health import main; print('health', os.getpid(), flush=True); "
+            "sys.exit(main(sys.argv[1:]))",
+            "--min-fast-tier-gib",
+            "0",
+            "--",
+            sys.executable,
+            "-c",
+            script,
+            _inline_config(tmp_path, checkpoint_local_dir=str(shm)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    [ours, theirs] = done.stdout.split("\n")[:2]
+    assert theirs.startswith("launcher") and theirs.endswith("--config=")
+    assert ours.split()[1] == theirs.split()[1], "exec: the command keeps the pid"
+    assert "health: volume: ok" in done.stderr and "health: fast_tier: ok" in done.stderr
+    assert json.loads(next((tmp_path / "work" / "node-health").glob("*.json")).read_text())["healthy"]
+
+
+def test_help_names_the_exit_code(capsys):
+    with pytest.raises(SystemExit):
+        health.main(["--help"])
+    assert "Exits with 3" in capsys.readouterr().out
