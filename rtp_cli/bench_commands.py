@@ -1,4 +1,4 @@
-"""`rtp bench checkpoint | recovery | scale | staging | throughput`: the side-by-side benchmarks on the command line.
+"""`rtp bench checkpoint | recovery | scale | scaling | staging | throughput`: the side-by-side benchmarks on the command line.
 
 Each benchmark lives in `benchmarks/` and brings its own flags (`add_arguments`), its
 description (the module docstring) and its handler (`main`); this module only lists them
@@ -11,7 +11,7 @@ import argparse
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from benchmarks import checkpoint, recovery, scale, staging, throughput
+    from benchmarks import checkpoint, recovery, scale, scaling, staging, throughput
 
     p = sub.add_parser(
         "bench",
@@ -23,6 +23,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         ("checkpoint", checkpoint, "the same training under every checkpoint mode"),
         ("recovery", recovery, "the same soft fault under in-process, ft_launcher and cold restart"),
         ("scale", scale, "data, validate and register at two sizes each: what their memory grows with"),
+        ("scaling", scaling, "the same training as FSDP over every rank and as HSDP (replicate x shard)"),
         ("staging", staging, "rtp stage vs aws s3 sync vs a sequential boto3 loop on a real S3 server"),
         ("throughput", throughput, "the rtp training stack vs a bare FSDP loop: tokens/s, MFU, the tax"),
     ):

@@ -41,6 +41,7 @@ from trainer.config_sections import (  # noqa: F401  re-exported: callers import
     ModelConfig,
     ModelInit,
     OptimizerConfig,
+    ParallelismConfig,
     ResilienceConfig,
     RunConfig,
     TrainingConfig,
@@ -59,6 +60,7 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -438,6 +440,12 @@ def validate(config: TrainConfig) -> None:
             raise ConfigError(f"{key} {chosen!r} is not one of {', '.join(typing.get_args(allowed))}")
     if t.activation_checkpointing_every < 1:
         raise ConfigError("training.activation_checkpointing_every must be at least 1")
+    p = config.parallelism
+    if p.dp_replicate < 0 or p.dp_shard < 0:
+        raise ConfigError(
+            "parallelism.dp_replicate and dp_shard must be 0 (auto) or a number of ranks, "
+            f"got {p.dp_replicate} and {p.dp_shard}"
+        )
     try:
         parse_faults(config.run.faults)
     except FaultSpecError as exc:

@@ -1,5 +1,5 @@
 """The sections of the training configuration (model, data, optimizer, checkpoint, run,
-resilience, training) and `named()`, which marks a field as a named setting. `trainer.config`
+resilience, training, parallelism) and `named()`, which marks a field as a named setting. `trainer.config`
 assembles them into `TrainConfig` and is where every caller imports them from."""
 
 from __future__ import annotations
@@ -262,3 +262,18 @@ class TrainingConfig:
     same world size, GPUs and software. Without it a resumed GPU run ends close to an
     uninterrupted one, not equal. Slower. fp32 CPU training is deterministic either way and its
     weights do not change (trainer/determinism.py)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelismConfig:
+    """How the data-parallel ranks hold the state: FSDP over every rank, or HSDP, sharded
+    within groups of `dp_shard` ranks and replicated over `dp_replicate` such groups (a 2-D
+    mesh; the gradients are reduce-scattered in a group, then all-reduced across groups).
+    Checkpoints do not depend on it: a run may resume under another layout."""
+
+    dp_replicate: int = 0
+    """Replica groups; 0 = auto: one (plain FSDP) on one node; on several nodes, one per node
+    (shard within a node over NVLink, replicate across nodes over EFA) when a node's share
+    of the state fits in half of a GPU's memory, else one."""
+    dp_shard: int = 0
+    """Ranks each replica group shards over; 0 = the world size / dp_replicate."""

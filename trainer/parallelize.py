@@ -6,6 +6,10 @@ CUDA tensor runs on NCCL and one on a host tensor (a flag, a count, a pickled ob
 own FSDP unit so only one block's full parameters exist at a time; the root unit holds the
 embeddings, the final norm and the output head.
 
+With `parallelism.dp_replicate` > 1 (or auto on several nodes) the mesh is 2-D, (replicate,
+shard), and `fully_shard` over it is HSDP: a block's parameters are gathered within its
+shard group only, gradients reduce-scattered there and all-reduced across the groups.
+
 `parallelize` applies the `training` section on the way (torchtitan's order: compile and
 activation checkpointing per block first, then sharding): bf16 mixed precision is FSDP2's
 `MixedPrecisionPolicy` — each unit gathers bf16 copies of its parameters for compute and
@@ -27,8 +31,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from trainer import diagnostics, env
-from trainer.config import TrainingConfig
+from trainer import diagnostics, env, peer_abort
+from trainer.config import ConfigError, ParallelismConfig, TrainingConfig
 
 
 def training_device() -> torch.device:
@@ -85,6 +89,56 @@ def init_distributed(timeout_s: float = 120.0, store: dist.Store | None = None) 
                 timeout=join_timeout,
             )
     return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+HSDP_DIMS = ("dp_replicate", "dp_shard")
+STATE_BYTES_PER_PARAM = 16
+"""fp32 parameter, gradient and AdamW's two moments: what a rank's shard of the state weighs."""
+
+
+def mesh_shape(
+    parallelism: ParallelismConfig,
+    world: int,
+    local_world: int,
+    params: int,
+    device_memory: int | None,
+) -> tuple[int, int]:
+    """(replicate, shard) degrees for `world` ranks, `local_world` per node: the settings
+    when given (checked: their product is the world size), else auto (ParallelismConfig)."""
+    replicate, shard = parallelism.dp_replicate, parallelism.dp_shard
+    if replicate == 0 and shard == 0:
+        nodes = world // local_world if local_world and world % local_world == 0 else 1
+        fits = device_memory is None or params * STATE_BYTES_PER_PARAM / local_world <= device_memory / 2
+        replicate = nodes if nodes > 1 and fits else 1
+    elif replicate == 0:
+        replicate = world // shard if world % shard == 0 else 0
+    shard = shard or (world // replicate if replicate and world % replicate == 0 else 0)
+    if not replicate or replicate * shard != world:
+        raise ConfigError(
+            f"parallelism.dp_replicate ({parallelism.dp_replicate or 'auto'}) x dp_shard "
+            f"({parallelism.dp_shard or 'auto'}) must multiply to the world size, {world}: "
+            "set degrees that divide it, or 0 (auto)"
+        )
+    return replicate, shard
+
+
+def data_parallel_mesh(
+    world_mesh: DeviceMesh, parallelism: ParallelismConfig, model: nn.Module, device: torch.device
+) -> DeviceMesh:
+    """The mesh to shard `model` over (built, unsharded, possibly on the meta device): the
+    world's 1-D mesh, or a 2-D HSDP mesh whose groups a restart's abort shuts down too."""
+    params = sum(p.numel() for p in model.parameters())
+    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    replicate, shard = mesh_shape(parallelism, dist.get_world_size(), env.local_world_size(), params, memory)
+    if replicate == 1:
+        return world_mesh
+    with peer_abort.tracking():  # the sub-groups' connections, like the world group's
+        return init_device_mesh(device.type, (replicate, shard), mesh_dim_names=HSDP_DIMS)
+
+
+def mesh_layout(mesh: DeviceMesh) -> list[int]:
+    """The mesh's degrees: [world] for FSDP, [replicate, shard] for HSDP."""
+    return list(mesh.shape)
 
 
 def shutdown_distributed() -> None:

@@ -1,10 +1,19 @@
+import contextlib
 import json
+import os
 import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
+
+import psutil
+import pytest
 
 import rtp_prefork
 from trainer.config import TrainConfig, resolve_config
-from trainer.launch import LauncherSettings, run_local_training
+from trainer.launch import LauncherSettings, launch_tempdir, run_local_training
 
 
 def run_config(dataset_dir, workdir, steps: int = 12, every: int = 4, overrides=(), **named) -> TrainConfig:
@@ -100,3 +109,46 @@ PLAIN_OVERRIDES = (
     "resilience.hard_timeout_s=30",
     "run.log_every_steps=1",
 )
+
+
+@pytest.fixture
+def run_mark(monkeypatch) -> Iterator[str]:
+    """Tags every process the test starts (the variable is inherited by all of them: ranks,
+    writers, Managers, multiprocessing's resource tracker, torch_shm_manager) to find
+    leftovers. A test that failed before its own check still leaves nothing running.
+
+    The test's temporary folder (TMPDIR, and `tempfile`'s in this process) is a new empty
+    one, so that what the run leaves there is seen too."""
+    mark = uuid.uuid4().hex
+    monkeypatch.setenv("RTP_TEST_RUN_MARK", mark)
+    with launch_tempdir(os.environ, prefix="rtp-t-") as folder:
+        monkeypatch.setattr(tempfile, "tempdir", str(folder))
+        yield mark
+        for process in _leftovers(mark):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+
+
+def _leftovers(mark: str) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.pid != os.getpid() and process.environ().get("RTP_TEST_RUN_MARK") == mark:
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def assert_nothing_left(mark: str) -> None:
+    deadline = time.monotonic() + 15  # writers and monitors exit right after the launcher
+    while (left := _leftovers(mark)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    names = [(p.pid, " ".join(p.cmdline())[:120]) for p in left]
+    for process in left:
+        process.kill()
+    assert names == [], f"processes outlived the run: {names}"
+    # Nothing in the temporary folder either: sockets, log folders, multiprocessing's
+    # folders of killed processes (trainer.launch.launch_tempdir).
+    temporary = Path(tempfile.gettempdir())  # the test's own (run_mark)
+    assert sorted(p.name for p in temporary.iterdir()) == [], f"left in {temporary}"

@@ -8,18 +8,13 @@ recovery takes seconds on 2 CPU cores, yet high enough for a busy machine.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 
 import rtp_prefork
@@ -28,6 +23,7 @@ from tests.distributed.conftest import (
     PLAIN_EVERY,
     PLAIN_OVERRIDES,
     PLAIN_STEPS,
+    assert_nothing_left,
     events,
     restart_story,
     run_config,
@@ -44,49 +40,6 @@ FAST = [
     "resilience.soft_timeout_s=8",
     "resilience.hard_timeout_s=30",
 ]
-
-
-@pytest.fixture
-def run_mark(monkeypatch) -> Iterator[str]:
-    """Tags every process the test starts (the variable is inherited by all of them: ranks,
-    writers, Managers, multiprocessing's resource tracker, torch_shm_manager) to find
-    leftovers. A test that failed before its own check still leaves nothing running.
-
-    The test's temporary folder (TMPDIR, and `tempfile`'s in this process) is a new empty
-    one, so that what the run leaves there is seen too."""
-    mark = uuid.uuid4().hex
-    monkeypatch.setenv("RTP_TEST_RUN_MARK", mark)
-    with launch_tempdir(os.environ, prefix="rtp-t-") as folder:
-        monkeypatch.setattr(tempfile, "tempdir", str(folder))
-        yield mark
-        for process in _leftovers(mark):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.kill()
-
-
-def _leftovers(mark: str) -> list[psutil.Process]:
-    found = []
-    for process in psutil.process_iter():
-        try:
-            if process.pid != os.getpid() and process.environ().get("RTP_TEST_RUN_MARK") == mark:
-                found.append(process)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
-
-
-def assert_nothing_left(mark: str) -> None:
-    deadline = time.monotonic() + 15  # writers and monitors exit right after the launcher
-    while (left := _leftovers(mark)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    names = [(p.pid, " ".join(p.cmdline())[:120]) for p in left]
-    for process in left:
-        process.kill()
-    assert names == [], f"processes outlived the run: {names}"
-    # Nothing in the temporary folder either: sockets, log folders, multiprocessing's
-    # folders of killed processes (trainer.launch.launch_tempdir).
-    temporary = Path(tempfile.gettempdir())  # the test's own (run_mark)
-    assert sorted(p.name for p in temporary.iterdir()) == [], f"left in {temporary}"
 
 
 @pytest.fixture(scope="module")
@@ -443,40 +396,4 @@ def test_a_save_longer_than_the_soft_timeout_restarts_nothing(dataset_dir, tmp_p
     [slowed, last] = summary["checkpoint_saves"]
     assert slowed["step"] == 3 and slowed["blocked_s"] >= 8  # the save did block past the soft timeout
     assert last["step"] == 6
-    assert_nothing_left(run_mark)
-
-
-def test_a_warm_started_run_recovers_to_its_fault_free_twins_weights(dataset_dir, tmp_path, run_mark):
-    """Continual training: both runs start from a byte LM folder (what the stage-model step
-    stages from a registered version). An exception before the first durable checkpoint (the
-    new attempt builds from the parent's folder again, then resumes from the fast tier) and a
-    SIGKILL later end with the fault-free weights."""
-    import torch
-
-    from trainer.config_sections import ModelConfig
-    from trainer.models import byte_lm
-
-    parent = tmp_path / "parent"
-    torch.manual_seed(11)
-    architecture = ModelConfig(seq_len=32, d_model=32, n_layers=2, n_heads=4)
-    byte_lm.write_files(byte_lm.ByteLM(architecture).state_dict(), architecture, parent)
-    runs = {}
-    for name, faults in (("twin", []), ("faulted", ["exception@2:1", "sigkill@6:0"])):
-        runs[name] = train(
-            dataset_dir,
-            tmp_path / name,
-            steps=8,
-            every=4,
-            overrides=FAST,
-            faults=faults,
-            model_dir=str(parent),
-        )
-    twin, faulted = runs["twin"], runs["faulted"]
-    assert [(r["kind"], r["fault_step"]) for r in faulted["restarts"]] == [
-        ("exception", 2),
-        ("sigkill", 6),
-    ], restart_story(faulted, tmp_path / "faulted")
-    assert faulted["completed"] and faulted["model_sha256"] == twin["model_sha256"]
-    config = json.loads((tmp_path / "twin" / "config.json").read_text())
-    assert config["model"]["model_dir"] == str(parent) and config["model"]["seq_len"] == 32
     assert_nothing_left(run_mark)

@@ -126,3 +126,39 @@ def test_compile_captures_the_layer_and_checkpointing_composes_with_it():
     assert list(compiled.state_dict()) == list(plain.state_dict())
     for (name, p), q in zip(plain.named_parameters(), compiled.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_mesh_is_fsdp_on_one_node_and_hsdp_across_nodes_when_a_nodes_share_fits():
+    from trainer.config import ParallelismConfig
+    from trainer.parallelize import mesh_shape
+
+    auto = ParallelismConfig()
+    gib = 2**30
+    assert mesh_shape(auto, 8, 8, 8_000_000_000, 80 * gib) == (1, 8)  # one node: FSDP
+    # 8B on 2 nodes of 8 H100s: 16 GB a GPU within a node, so shard in the node.
+    assert mesh_shape(auto, 16, 8, 8_000_000_000, 80 * gib) == (2, 8)
+    # 70B: 140 GB a GPU within a node would not fit; shard over all 16.
+    assert mesh_shape(auto, 16, 8, 70_000_000_000, 80 * gib) == (1, 16)
+    assert mesh_shape(auto, 4, 2, 1000, None) == (2, 2)  # CPU: no device memory to fit
+    assert mesh_shape(ParallelismConfig(dp_replicate=2), 4, 4, 1000, None) == (2, 2)
+    assert mesh_shape(ParallelismConfig(dp_shard=2), 8, 8, 1000, None) == (4, 2)
+    assert mesh_shape(ParallelismConfig(dp_replicate=1), 16, 8, 1000, None) == (1, 16)
+
+
+@pytest.mark.parametrize(
+    "replicate, shard",
+    [(3, 0), (0, 3), (2, 3), (5, 1)],
+)
+def test_degrees_that_do_not_make_the_world_say_so_in_one_line(replicate, shard):
+    from trainer.config import ParallelismConfig
+    from trainer.parallelize import mesh_shape
+
+    with pytest.raises(ConfigError) as error:
+        mesh_shape(ParallelismConfig(dp_replicate=replicate, dp_shard=shard), 4, 4, 1000, None)
+    message = str(error.value)
+    assert "must multiply to the world size, 4" in message and "\n" not in message
+
+
+def test_negative_degrees_are_refused_when_the_config_is_read():
+    with pytest.raises(ConfigError, match=r"parallelism\.dp_replicate and dp_shard must be 0"):
+        build_config("tiny-cpu", ["parallelism.dp_replicate=-1"])

@@ -1,0 +1,118 @@
+"""HSDP on 4 CPU ranks over gloo, warm-started: a 2 x 2 mesh (replicated over 2 groups,
+sharded over 2 ranks in each) training from a byte LM folder (what the stage-model step
+stages from a registered version) recovers from an exception and a SIGKILL exactly, and
+checkpoints move between HSDP and FSDP in both directions (DCP reshards; the weights
+loaded are the weights saved)."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.conftest import (
+    PLAIN_OVERRIDES,
+    PLAIN_STEPS,
+    assert_nothing_left,
+    events,
+    restart_story,
+    train,
+)
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+
+STEPS, EVERY = 8, 4
+FAST = list(PLAIN_OVERRIDES[:3])
+HSDP = "parallelism.dp_replicate=2"
+
+
+def mesh_of(workdir: Path) -> list[int]:
+    [layout] = {tuple(e["mesh"]) for e in events(workdir) if e["kind"] == "parallelism"}
+    return list(layout)
+
+
+@pytest.fixture(scope="module")
+def parent(tmp_path_factory) -> Path:
+    """A byte LM folder, as a registered version is staged for continual training."""
+    import torch
+
+    from trainer.config_sections import ModelConfig
+    from trainer.models import byte_lm
+
+    folder = tmp_path_factory.mktemp("parent")
+    torch.manual_seed(11)
+    architecture = ModelConfig(seq_len=32, d_model=32, n_layers=2, n_heads=4)
+    byte_lm.write_files(byte_lm.ByteLM(architecture).state_dict(), architecture, folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hsdp_twin(dataset_dir, tmp_path_factory, parent) -> tuple[Path, dict]:
+    """The fault-free 4-rank HSDP run from the parent folder."""
+    workdir = tmp_path_factory.mktemp("hsdp-twin")
+    summary = train(
+        dataset_dir,
+        workdir,
+        nproc=4,
+        steps=STEPS,
+        every=EVERY,
+        overrides=[*FAST, HSDP],
+        model_dir=str(parent),
+    )
+    return workdir, summary
+
+
+def test_a_warm_started_hsdp_run_recovers_to_its_fault_free_twins_weights(
+    dataset_dir, tmp_path, hsdp_twin, parent, run_mark
+):
+    """An exception before the first durable checkpoint (the new attempt builds from the
+    parent's folder again, then resumes from the fast tier) and a SIGKILL later end with the
+    fault-free weights; every attempt builds the same 2-D mesh."""
+    twin_dir, twin = hsdp_twin
+    assert mesh_of(twin_dir) == [2, 2]
+    summary = train(
+        dataset_dir,
+        tmp_path,
+        nproc=4,
+        steps=STEPS,
+        every=EVERY,
+        overrides=[*FAST, HSDP],
+        faults=["exception@2:3", "sigkill@6:1"],
+        model_dir=str(parent),
+    )
+    assert [(r["kind"], r["mechanism"], r["fault_step"]) for r in summary["restarts"]] == [
+        ("exception", "inprocess", 2),
+        ("sigkill", "launcher", 6),
+    ], restart_story(summary, tmp_path)
+    assert mesh_of(tmp_path) == [2, 2]
+    assert summary["completed"] and summary["model_sha256"] == twin["model_sha256"]
+    config = json.loads((twin_dir / "config.json").read_text())
+    assert config["model"]["model_dir"] == str(parent) and config["model"]["seq_len"] == 32
+    assert config["parallelism"] == {"dp_replicate": 2, "dp_shard": 0}
+    assert_nothing_left(run_mark)
+
+
+def _resume_finished(
+    checkpoint: Path, dataset_dir, workdir: Path, nproc: int, steps: int, overrides, **named
+) -> dict:
+    """Load a finished run's last checkpoint in a new run folder and train to the same step:
+    no step runs, so the weights are exactly what was loaded."""
+    shutil.copytree(checkpoint, workdir / "checkpoints" / checkpoint.name)
+    return train(dataset_dir, workdir, nproc=nproc, steps=steps, every=EVERY, overrides=overrides, **named)
+
+
+def test_an_hsdp_checkpoint_loads_under_fsdp_and_an_fsdp_one_under_hsdp(
+    dataset_dir, tmp_path, hsdp_twin, parent, plain_two_rank_run
+):
+    _, twin = hsdp_twin
+    as_fsdp = _resume_finished(
+        Path(twin["checkpoint"]), dataset_dir, tmp_path / "fsdp", 4, STEPS, FAST, model_dir=str(parent)
+    )
+    assert mesh_of(tmp_path / "fsdp") == [4] and as_fsdp["steps_run"] == 0
+    assert as_fsdp["model_sha256"] == twin["model_sha256"]
+    # The session's 2-rank FSDP run, loaded as 2 replicas of 1 shard (every rank holds it all).
+    as_hsdp = _resume_finished(
+        Path(plain_two_rank_run["checkpoint"]), dataset_dir, tmp_path / "hsdp", 2, PLAIN_STEPS, [*FAST, HSDP]
+    )
+    assert mesh_of(tmp_path / "hsdp") == [2, 1] and as_hsdp["steps_run"] == 0
+    assert as_hsdp["model_sha256"] == plain_two_rank_run["model_sha256"]
