@@ -114,7 +114,7 @@ def build_pipeline(
             seed: Random seed for weights and data order.
             preset: Model size preset: {presets}.
             overrides: Extra trainer config as 'section.field=value' items separated by spaces, e.g. 'optimizer.lr=1e-3'.
-            faults: Faults to inject for a chaos drill, 'KIND@STEP[:RANK]' separated by commas (KIND: exception, hang, sigkill, sigkill-during-save, slow-save; slow@STEP:RANK:MS makes a rank a straggler); 'none' for a normal run.
+            faults: Faults to inject for a chaos drill, 'KIND@STEP[:RANK]' separated by commas (KIND: exception, hang, sigkill, sigkill-during-save, node-loss, slow-save; slow@STEP:RANK:MS makes a rank a straggler); 'none' for a normal run.
             max_loss: Highest holdout loss (nats per byte) a model may have to be registered.
             min_improvement: How much lower than the current champion's holdout loss a model's must be to become champion; otherwise it is registered as challenger.
             keep_runs: After registering, remove old run folders from the volume but the newest keep_runs, those a registered version with an alias came from and those changed in the last 48 h (rtp gc's rule); 0 removes nothing. Set it on a schedule.

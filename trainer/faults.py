@@ -15,6 +15,9 @@ Kinds:
 - `sigkill`: the rank is killed (a hard fault: only ft_launcher recovers it);
 - `sigkill-during-save`: the rank is killed right after it queued an asynchronous
   checkpoint, while the writer is still writing it;
+- `node-loss`: the rank's node is replaced: what it kept in the fast tier's node-local
+  folder (its captures, the replicas it holds) is removed, then it is killed; its state
+  must come from a peer (a replica, or under HSDP a twin) or the durable checkpoint;
 - `slow-save`: the save at STEP blocks every rank for twice `resilience.soft_timeout_s`
   (a slow file system; RANK is ignored, nothing is recorded, a redone step is slow again):
   the in-process watchdog and the launcher's heartbeats must stay alive through it;
@@ -30,11 +33,12 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-FAULT_KINDS = ("exception", "hang", "sigkill", "sigkill-during-save", "slow-save", "slow")
+FAULT_KINDS = ("exception", "hang", "sigkill", "sigkill-during-save", "node-loss", "slow-save", "slow")
 _SPEC = re.compile(r"^\s*(?P<kind>[a-z-]+)@(?P<step>\d+)(?::(?P<rank>\d+))?(?::(?P<ms>\d+))?\s*$")
 SLOW_MS = 200
 """A `slow` drill's default: milliseconds added to the rank's local work at every step from its step on."""
@@ -149,7 +153,7 @@ def recorded_fatal_error(workdir: str | Path) -> str | None:
 
 _AT_SAVE = ("sigkill-during-save", "slow-save")
 """Kinds that act at a save instead of at the start of a step."""
-HARD_FAULTS = ("sigkill", "sigkill-during-save")
+HARD_FAULTS = ("sigkill", "sigkill-during-save", "node-loss")
 """Faults the launcher recovers from by starting the worker group again."""
 
 
@@ -163,6 +167,7 @@ class FaultInjector:
         rank: int,
         world_size: int,
         slow_save_s: float = 0.0,
+        lose_node: Callable[[], None] | None = None,
     ) -> None:
         for spec in specs:
             if spec.rank >= world_size:
@@ -172,6 +177,7 @@ class FaultInjector:
         self.all_specs = list(specs)
         self.specs = [spec for spec in specs if spec.rank == rank]
         self.slow_save_s = slow_save_s
+        self.lose_node = lose_node  # `node-loss`: removes what this rank keeps on its node
         self.folder = faults_dir(workdir)
         self.rank = rank
 
@@ -227,4 +233,6 @@ class FaultInjector:
             # machinery (an asynchronous exception only lands between bytecodes).
             while True:
                 time.sleep(0.05)
+        if spec.kind == "node-loss" and self.lose_node is not None:
+            self.lose_node()
         os.kill(os.getpid(), signal.SIGKILL)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import math
@@ -37,6 +38,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from trainer import peer_abort
 from trainer.checkpointing import CheckpointManager, model_sha256
+from trainer.checkpointing.tier_slots import forget_rank, local_folder
 from trainer.config import TrainConfig
 from trainer.data import StepSampler, check_tokenizer, load_tokens, split_files
 from trainer.determinism import apply_determinism
@@ -189,6 +191,11 @@ class Trainer:
             self.rank,
             self.world,
             slow_save_s=2 * config.resilience.soft_timeout_s,
+            lose_node=functools.partial(
+                forget_rank,
+                local_folder(config.checkpoint.local_dir, config.checkpoint_dir()),
+                dist.get_rank(),
+            ),
         )
         r = config.resilience
         self.stragglers = StragglerMonitor(

@@ -1,8 +1,9 @@
 """HSDP on 4 CPU ranks over gloo, warm-started: a 2 x 2 mesh (replicated over 2 groups,
 sharded over 2 ranks in each) training from a byte LM folder (what the stage-model step
-stages from a registered version) recovers from an exception and a SIGKILL exactly, and
-checkpoints move between HSDP and FSDP in both directions (DCP reshards; the weights
-loaded are the weights saved)."""
+stages from a registered version) recovers exactly from an exception and from the loss of
+a rank's node (its fast-tier files gone: its state comes from its twin in the other replica
+group), and checkpoints move between HSDP and FSDP in both directions (DCP reshards; the
+weights loaded are the weights saved)."""
 
 import json
 import shutil
@@ -66,8 +67,10 @@ def test_a_warm_started_hsdp_run_recovers_to_its_fault_free_twins_weights(
     dataset_dir, tmp_path, hsdp_twin, parent, run_mark
 ):
     """An exception before the first durable checkpoint (the new attempt builds from the
-    parent's folder again, then resumes from the fast tier) and a SIGKILL later end with the
-    fault-free weights; every attempt builds the same 2-D mesh."""
+    parent's folder again, then resumes from the fast tier), then rank 1's node lost (its
+    captures removed, the rank killed): rank 1 resumes from rank 3's own capture, the same
+    shard in the other replica group, with no replica ever sent; the run ends with the
+    fault-free weights and every attempt builds the same 2-D mesh."""
     twin_dir, twin = hsdp_twin
     assert mesh_of(twin_dir) == [2, 2]
     summary = train(
@@ -77,15 +80,19 @@ def test_a_warm_started_hsdp_run_recovers_to_its_fault_free_twins_weights(
         steps=STEPS,
         every=EVERY,
         overrides=[*FAST, HSDP],
-        faults=["exception@2:3", "sigkill@6:1"],
+        faults=["exception@2:3", "node-loss@7:1"],
         model_dir=str(parent),
     )
     assert [(r["kind"], r["mechanism"], r["fault_step"]) for r in summary["restarts"]] == [
         ("exception", "inprocess", 2),
-        ("sigkill", "launcher", 6),
+        ("node-loss", "launcher", 7),
     ], restart_story(summary, tmp_path)
     assert mesh_of(tmp_path) == [2, 2]
     assert summary["completed"] and summary["model_sha256"] == twin["model_sha256"]
+    resume = [e for e in events(tmp_path) if e["kind"] == "resume"][-1]
+    assert resume["tier"] == "local" and resume["replicas"] == {"1": 3}, resume
+    redone = summary["restarts"][1]["steps_redone"]
+    assert redone <= 1, summary["restarts"][1]
     config = json.loads((twin_dir / "config.json").read_text())
     assert config["model"]["model_dir"] == str(parent) and config["model"]["seq_len"] == 32
     assert config["parallelism"] == {"dp_replicate": 2, "dp_shard": 0}

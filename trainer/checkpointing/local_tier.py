@@ -30,7 +30,7 @@ from torch import nn
 
 from trainer.checkpointing import replicas as peer_copies
 from trainer.checkpointing import tier_format as fmt
-from trainer.checkpointing import tier_resume
+from trainer.checkpointing import tier_restore, tier_resume
 from trainer.checkpointing import tier_slots as slots
 from trainer.checkpointing.tier_interval import CaptureInterval
 
@@ -92,6 +92,8 @@ class LocalTier:
         self._memory_only_said = False
         world = dist.get_world_size()
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        grid = slots.mesh_grid(self.params)
+        self.twins = tier_restore.twins_of(grid) if grid else {}  # HSDP: who holds this rank's state too
         self.sends_to, self.holds_for = peer_copies.peers(
             self.rank, world, local_world, replicas if self.enabled else 0
         )

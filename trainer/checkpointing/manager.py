@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from trainer.checkpointing import storage
+from trainer.checkpointing import tier_slots as slots
 from trainer.checkpointing.fingerprint import model_sha256
 from trainer.checkpointing.local_tier import Lease, LocalTier
 from trainer.checkpointing.nvrx_writer import NvrxAsyncWriter
@@ -117,6 +118,7 @@ class CheckpointManager:
             identity={
                 "model_hash": config.model_hash(),
                 "world_size": dist.get_world_size(),
+                "layout": _layout(model),  # a capture under another mesh holds other shards
             },
             model=model,
             optimizer=optimizer,
@@ -395,3 +397,9 @@ def efficiency_pct(blocked_s_total: float, wall_s: float) -> float:
     if wall_s <= 0:
         return 100.0
     return 100.0 - 100.0 * blocked_s_total / wall_s
+
+
+def _layout(model: nn.Module) -> list[int]:
+    """The data-parallel mesh's degrees: [replicate, shard] for HSDP, else [world size]."""
+    grid = slots.mesh_grid(list(model.parameters()))
+    return [len(grid), len(grid[0])] if grid else [dist.get_world_size()]

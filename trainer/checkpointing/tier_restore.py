@@ -3,7 +3,9 @@
 Each rank reports `{"own": [steps it holds itself], "held": {owner: [steps of owner's it
 holds as a replica]}}`; the list of those reports, indexed by rank, is what the restore's
 all-gather returns. A step can be restored when it is newer than the durable checkpoint and
-every rank's state after it is held somewhere: by the rank itself or by a peer.
+every rank's state after it is held somewhere: by the rank itself, by a peer as a replica,
+or (HSDP) by a twin: a rank of another replica group that holds the same shard, whose own
+capture is this rank's state too.
 """
 
 from __future__ import annotations
@@ -16,7 +18,26 @@ def replica_holders(gathered: list[dict[str, Any]], owner: int, step: int) -> li
     return [rank for rank, report in enumerate(gathered) if step in report["held"].get(owner, ())]
 
 
-def restorable_steps(gathered: list[dict[str, Any]], durable_step: int) -> list[int]:
+def twins_of(grid: list[list[int]]) -> dict[int, list[int]]:
+    """rank -> the ranks holding the same state, from an HSDP mesh's (replicate, shard) grid
+    of ranks: the same column in the other rows."""
+    return {
+        rank: [other[column] for other in grid if other is not row]
+        for row in grid
+        for column, rank in enumerate(row)
+    }
+
+
+def twin_holders(
+    gathered: list[dict[str, Any]], owner: int, step: int, twins: dict[int, list[int]]
+) -> list[int]:
+    """`owner`'s twins that hold their own state after `step`, lowest first."""
+    return sorted(t for t in twins.get(owner, ()) if step in gathered[t]["own"])
+
+
+def restorable_steps(
+    gathered: list[dict[str, Any]], durable_step: int, twins: dict[int, list[int]] | None = None
+) -> list[int]:
     """The steps every rank's state can be restored from, newer than `durable_step`, newest first."""
     steps = {s for report in gathered for s in report["own"]}
     steps |= {s for report in gathered for held in report["held"].values() for s in held}
@@ -26,7 +47,9 @@ def restorable_steps(gathered: list[dict[str, Any]], durable_step: int) -> list[
             for s in steps
             if s > durable_step
             and all(
-                s in report["own"] or replica_holders(gathered, owner, s)
+                s in report["own"]
+                or replica_holders(gathered, owner, s)
+                or twin_holders(gathered, owner, s, twins or {})
                 for owner, report in enumerate(gathered)
             )
         ),

@@ -1,6 +1,6 @@
 """The fast tier's restore: the ranks agree on the newest step every rank's state is held
-for (`tier_restore`'s rule over one all-gather), take a peer's replica where their own copy is
-missing or unreadable, and load it; and the replica transport is set up for the attempt.
+for (`tier_restore`'s rule over one all-gather), take a peer's replica (or, under HSDP, a
+twin's own capture) where their own copy is missing or unreadable, and load it; and the replica transport is set up for the attempt.
 """
 
 from __future__ import annotations
@@ -56,27 +56,39 @@ def restore(tier: LocalTier, durable_step: int) -> int | None:
     dist.all_gather_object(gathered, info)
     _start_replication(tier, gathered)
     world = len(gathered)
-    usable = tier_restore.restorable_steps(gathered, durable_step)
+    usable = tier_restore.restorable_steps(gathered, durable_step, tier.twins)
     for step in usable:
         snapshot, problem = _read(tier, mine[step]) if step in mine else (None, None)
         ok = problem is None and snapshot is not None and _matches(tier, snapshot, durable_step)
         own_ok: list[Any] = [None] * world
         dist.all_gather_object(own_ok, bool(ok))
-        # A rank whose own copy is missing or unreadable takes a peer's replica.
+        # A rank whose own copy is missing or unreadable takes a peer's replica, else (HSDP)
+        # a twin's own capture; either is checked before it is trained on.
         source: int | None = None
         for owner in range(world):
-            peers = tier_restore.replica_holders(gathered, owner, step)
-            if own_ok[owner] or not peers:
+            if own_ok[owner]:
                 continue
-            if tier.rank == peers[0]:
-                payload = fmt.read_bytes(held[owner][step])
+            replicas = tier_restore.replica_holders(gathered, owner, step)
+            twins = [t for t in tier_restore.twin_holders(gathered, owner, step, tier.twins) if own_ok[t]]
+            sender = replicas[0] if replicas else twins[0] if twins else None
+            if sender is None:
+                continue
+            if tier.rank == sender:
+                payload = fmt.read_bytes(held[owner][step]) if replicas else _own_payload(tier, mine[step])
                 dist.send_object_list([payload], dst=owner)
             elif tier.rank == owner:
                 received: list[Any] = [None]
-                dist.recv_object_list(received, src=peers[0])
-                snapshot, problem = fmt.load_bytes(received[0], f"rank {peers[0]}'s replica")
+                dist.recv_object_list(received, src=sender)
+                what = f"rank {sender}'s {'replica' if replicas else 'capture (its HSDP twin)'}"
+                snapshot, problem = (
+                    (received[0], None)
+                    if isinstance(received[0], dict)
+                    else fmt.load_bytes(received[0], what)
+                )
+                if snapshot is not None and problem is None and (bad := slots.non_finite(snapshot)):
+                    snapshot, problem = None, f"{what}: {bad}"
                 ok = problem is None and snapshot is not None and _matches(tier, snapshot, durable_step)
-                source = peers[0]
+                source = sender
         verdicts: list[Any] = [None] * world
         dist.all_gather_object(verdicts, (bool(ok), source))
         if all(good for good, _ in verdicts):
@@ -108,6 +120,17 @@ def _start_replication(tier: LocalTier, gathered: list[Any]) -> None:
     tier.sender.holders = {
         r: tuple(a) for r, a in enumerate(addresses) if a is not None and r in tier.sends_to
     }
+
+
+def _own_payload(tier: LocalTier, where: str) -> Any:
+    """This rank's own capture for a twin: the file's bytes (checked on arrival like a
+    replica's), or the capture itself when only memory holds it."""
+    if where == "memory":
+        return tier.cache.get(tier.key)
+    head = Path(where)
+    match = slots.HEAD_FILE.match(head.name)
+    assert match is not None
+    return fmt.read_bytes(head, head.with_name(slots.slot_name(tier.rank, int(match.group(3)))))
 
 
 def _read(tier: LocalTier, where: str) -> tuple[dict[str, Any] | None, str | None]:

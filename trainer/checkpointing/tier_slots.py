@@ -241,6 +241,39 @@ def capture_fits(
     return [tuple(t.shape) for t in snapshot["params"]] == [tuple(local_shard(p).shape) for p in params]
 
 
+def non_finite(snapshot: dict[str, Any]) -> str | None:
+    """What of a capture is not finite (NaN or Inf in a weight or optimizer tensor), or None;
+    a peer's copy is checked before it is trained on (a rank that computed garbage, or a
+    copy corrupted on the way)."""
+    for kind in ("params", "optim"):
+        for index, entry in enumerate(snapshot[kind]):
+            values = entry.values() if isinstance(entry, dict) else [entry]
+            for value in values:
+                if torch.is_tensor(value) and value.is_floating_point() and not torch.isfinite(value).all():
+                    return f"{kind} tensor {index} holds NaN or Inf"
+    return None
+
+
+def mesh_grid(params: Sequence[torch.Tensor]) -> list[list[int]] | None:
+    """An HSDP state's (replicate, shard) grid of ranks; None for FSDP or an unsharded state."""
+    from torch.distributed.tensor import DTensor
+
+    for p in params:
+        if isinstance(p, DTensor):
+            mesh = p.device_mesh
+            return mesh.mesh.tolist() if mesh.ndim == 2 else None
+    return None
+
+
+def forget_rank(folder: Path, rank: int) -> None:
+    """Remove what `rank` keeps in the node-local folder, its own captures and the replicas
+    it holds: what a node that is replaced takes with it (the `node-loss` drill)."""
+    mine = re.compile(rf"^(rank_{rank}_|replica_rank_\d+_step_\d+_on_{rank}\.pt$)")
+    for path in folder.glob("*"):
+        if mine.match(path.name):
+            path.unlink(missing_ok=True)
+
+
 def load_capture(
     snapshot: dict[str, Any],
     params: Sequence[torch.Tensor],
