@@ -23,6 +23,7 @@ from tests.distributed.conftest import (
     PLAIN_EVERY,
     PLAIN_OVERRIDES,
     PLAIN_STEPS,
+    assert_diagnosable,
     assert_nothing_left,
     events,
     restart_story,
@@ -66,42 +67,6 @@ CASES = {
 }
 # With the fast tier off (the durable checkpoint on the shared volume is the recovery
 # point), every kind is recovered exactly in test_several_faults_of_different_kinds_in_one_run.
-
-
-def assert_diagnosable(restart: dict, ranks: int, hung_rank: int, analyze: bool = True) -> None:
-    """The teardown before the restart left every rank's stacks and flight recorder dump,
-    the hung rank's stack shows where it hung, and torch's analyzer reads the dumps."""
-    import pickle
-    import subprocess
-    import sys
-
-    folder = Path(restart["diagnostics"])
-    assert folder.is_dir(), restart
-    for rank in range(ranks):
-        stacks = (folder / f"stacks_rank_{rank}.txt").read_text()
-        assert "Thread" in stacks and "File" in stacks, stacks
-        dump = pickle.loads((folder / f"fr_rank_{rank}").read_bytes())
-        assert any(str(e["profiling_name"]).startswith("gloo:") for e in dump["entries"]), dump["entries"][
-            -3:
-        ]
-    assert "in _fire" in (folder / f"stacks_rank_{hung_rank}.txt").read_text()
-    if not analyze:
-        return
-    analysis = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.flight_recorder.fr_trace",
-            str(folder),
-            "--prefix",
-            "fr_rank_",
-            "-j",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert analysis.returncode == 0, analysis.stderr[-2000:]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -1,7 +1,7 @@
 """HSDP on 4 CPU ranks over gloo, warm-started: a 2 x 2 mesh (replicated over 2 groups,
 sharded over 2 ranks in each) training from a byte LM folder (what the stage-model step
-stages from a registered version) recovers exactly from an exception and from the loss of
-a rank's node (its fast-tier files gone: its state comes from its twin in the other replica
+stages from a registered version) recovers exactly from a hang (leaving every rank's stacks and
+collective trace) and from the loss of a rank's node (its fast-tier files gone: its state comes from its twin in the other replica
 group), and checkpoints move between HSDP and FSDP in both directions (DCP reshards; the
 weights loaded are the weights saved)."""
 
@@ -14,6 +14,7 @@ import pytest
 from tests.distributed.conftest import (
     PLAIN_OVERRIDES,
     PLAIN_STEPS,
+    assert_diagnosable,
     assert_nothing_left,
     events,
     restart_story,
@@ -66,8 +67,10 @@ def hsdp_twin(dataset_dir, tmp_path_factory, parent) -> tuple[Path, dict]:
 def test_a_warm_started_hsdp_run_recovers_to_its_fault_free_twins_weights(
     dataset_dir, tmp_path, hsdp_twin, parent, run_mark
 ):
-    """An exception before the first durable checkpoint (the new attempt builds from the
-    parent's folder again, then resumes from the fast tier), then rank 1's node lost (its
+    """A hang on rank 3 before the first durable checkpoint (the watchdog restarts the
+    attempt in-process, every rank's stacks and flight recorder dump are left for it; the
+    new attempt builds from the parent's folder again, then resumes from the fast tier),
+    then rank 1's node lost (its
     captures removed, the rank killed): rank 1 resumes from rank 3's own capture, the same
     shard in the other replica group, with no replica ever sent; the run ends with the
     fault-free weights and every attempt builds the same 2-D mesh."""
@@ -80,13 +83,14 @@ def test_a_warm_started_hsdp_run_recovers_to_its_fault_free_twins_weights(
         steps=STEPS,
         every=EVERY,
         overrides=[*FAST, HSDP],
-        faults=["exception@2:3", "node-loss@7:1"],
+        faults=["hang@2:3", "node-loss@7:1"],
         model_dir=str(parent),
     )
     assert [(r["kind"], r["mechanism"], r["fault_step"]) for r in summary["restarts"]] == [
-        ("exception", "inprocess", 2),
+        ("hang", "inprocess", 2),
         ("node-loss", "launcher", 7),
     ], restart_story(summary, tmp_path)
+    assert_diagnosable(summary["restarts"][0], ranks=4, hung_rank=3)  # torch's analyzer reads all four
     assert mesh_of(tmp_path) == [2, 2]
     assert summary["completed"] and summary["model_sha256"] == twin["model_sha256"]
     resume = [e for e in events(tmp_path) if e["kind"] == "resume"][-1]
