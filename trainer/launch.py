@@ -110,12 +110,23 @@ def _has_cuda() -> bool:
 
 
 def _copy_output(process: subprocess.Popen[str], log_file: Any, echo: bool) -> None:
+    """Copy the launcher's output into the log (and to stdout) until the pipe's end; the
+    log file is closed here, by the last writer."""
     assert process.stdout is not None
-    for line in process.stdout:
-        log_file.write(line)
-        if echo:
-            sys.stdout.write(line)
-            sys.stdout.flush()
+    try:
+        for line in process.stdout:
+            log_file.write(line)
+            if echo:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+    finally:
+        log_file.close()
+
+
+CLEAN_EXIT_DRAIN_S = 0.5
+"""After a clean launcher exit, how long to wait for the pipe's end. What may still hold it
+is a helper a rank started (torch_shm_manager keeps its inherited stderr for about a second
+after its clients left) and writes nothing; the copy goes on in the background meanwhile."""
 
 
 _RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:\s*")
@@ -237,7 +248,8 @@ def run_local_training(
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
     command = build_launch_command(nproc, trainer_args, settings=settings, cpu=not _has_cuda())
-    with log_path.open("a") as log_file, launch_tempdir(env):
+    log_file = log_path.open("a")  # closed by the copier at the pipe's end
+    with launch_tempdir(env):
         log_file.write("$ " + " ".join(command) + "\n")
         log_file.flush()
         process = subprocess.Popen(
@@ -250,8 +262,11 @@ def run_local_training(
         copier.start()
         with _forward_sigterm(process):
             returncode = process.wait()
-        copier.join(timeout=10)
-        log_file.flush()
+        # A failure's message quotes the log's tail: wait for all of it then.
+        copier.join(timeout=10 if returncode else CLEAN_EXIT_DRAIN_S)
+        if copier.is_alive():
+            with contextlib.suppress(ValueError):  # closed by the copier meanwhile
+                log_file.flush()
     if returncode != 0:
         from trainer.checkpointing import latest_committed_checkpoint
         from trainer.faults import recorded_fatal_error
