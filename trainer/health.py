@@ -14,6 +14,7 @@ config, as job pods get it); without one those two checks are skipped.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -239,25 +240,15 @@ def report(checks: list[Check], workdir: Path | None) -> str:
     if workdir is not None:
         from trainer.events import write_json_atomic
 
-        with _quietly():
+        with contextlib.suppress(OSError):  # best effort: an unwritable volume is what the report says
             write_json_atomic(
                 workdir / "node-health" / f"{socket.gethostname()}.json",
                 {"time": time.time(), "healthy": not failed, "checks": [asdict(c) for c in checks]},
             )
     if failed:
-        with _quietly():
+        with contextlib.suppress(OSError):
             TERMINATION_LOG.write_text("\n".join(lines)[:4096])  # the kubelet keeps 4 KiB
     return "\n".join(lines)
-
-
-class _quietly:
-    """Reporting is best effort: an unwritable volume is already what the report says."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> bool:
-        return exc[0] is not None and issubclass(exc[0], OSError)  # type: ignore[arg-type]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,7 +51,6 @@ from trainer.parallelize import (
     compute_dtype,
     data_parallel_mesh,
     init_distributed,
-    mesh_layout,
     parallelize,
     peak_memory_bytes,
     set_collective_timeout,
@@ -238,10 +237,10 @@ class Trainer:
         self.model = self.spec.build_for_training(config.model, device, config.run.seed)
         mesh = data_parallel_mesh(mesh, config.parallelism, self.model, device)
         parallelize(self.model, mesh, self.spec.fsdp_units(self.model), config.training, device)
-        self.events.emit("parallelism", mesh=mesh_layout(mesh), dims=list(mesh.mesh_dim_names or ("dp",)))
+        self.events.emit("parallelism", mesh=list(mesh.shape), dims=list(mesh.mesh_dim_names or ("dp",)))
         if self.rank == 0:
             dtype = str(compute_dtype(config.training, device)).removeprefix("torch.")
-            log.info("compute dtype %s, data-parallel mesh %s", dtype, "x".join(map(str, mesh_layout(mesh))))
+            log.info("compute dtype %s, data-parallel mesh %s", dtype, "x".join(map(str, list(mesh.shape))))
         self.spec.init_weights(self.model, config.model, device, config.run.seed)
         opt = config.optimizer
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay)

@@ -136,11 +136,6 @@ def data_parallel_mesh(
         return init_device_mesh(device.type, (replicate, shard), mesh_dim_names=HSDP_DIMS)
 
 
-def mesh_layout(mesh: DeviceMesh) -> list[int]:
-    """The mesh's degrees: [world] for FSDP, [replicate, shard] for HSDP."""
-    return list(mesh.shape)
-
-
 def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
