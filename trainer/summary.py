@@ -47,11 +47,13 @@ class TrainSummary:
     """Budget mode: rank 0's median time of one copy, what the interval was chosen on."""
     local_tier_step_s: float | None = None
     """Budget mode: rank 0's median step time (steps without a copy in flight)."""
+    local_tier_checksum_s: float = 0.0
+    """Seconds rank 0's copy thread spent on its captures' CRC-32s (off the loop's path)."""
     local_replicas_sent: int = 0
+    """Fast-tier files rank 0 sent to its peers (checkpoint.local_replicas)."""
     stragglers: dict[str, Any] = field(default_factory=dict)
     """The newest comparison of the ranks' local work (trainer/stragglers.py): each rank's
     median and its ratio to the other ranks' median, and `slow`, the ranks named."""
-    """Fast-tier files rank 0 sent to its peers (checkpoint.local_replicas)."""
     efficiency_pct: float
     """Share of the loop's wall time not spent blocked on checkpoints."""
     final_drain_s: float

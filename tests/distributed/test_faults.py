@@ -267,11 +267,25 @@ def killed_without_restarts(dataset_dir, tmp_path_factory) -> Path:
     return workdir
 
 
+def _flip_a_weight_bit(path: Path) -> None:
+    """Flip the lowest bit of the first element of the file's largest weight shard."""
+    import torch
+
+    from trainer.checkpointing.tier_format import load_bytes, read_bytes
+
+    snapshot, problem = load_bytes(read_bytes(path), str(path))
+    assert snapshot is not None, problem
+    largest = max(snapshot["params"], key=lambda t: t.numel())
+    data = bytearray(path.read_bytes())
+    data[data.rindex(largest.contiguous().view(-1).view(torch.uint8).numpy().tobytes())] ^= 1
+    path.write_bytes(data)
+
+
 def _steps(folder: Path, pattern: str) -> dict[int, Path]:
     return {int(p.name.split("_step_")[1].split("_")[0].removesuffix(".pt")): p for p in folder.glob(pattern)}
 
 
-@pytest.mark.parametrize("damage", ["node-lost", "all-copies-lost"])
+@pytest.mark.parametrize("damage", ["node-lost", "replicas-corrupted", "all-copies-lost"])
 def test_a_cold_restart_resumes_from_the_fast_tier_or_a_peers_replica_and_falls_back(
     damage, dataset_dir, tmp_path, killed_without_restarts, fault_free, run_mark
 ):
@@ -282,6 +296,9 @@ def test_a_cold_restart_resumes_from_the_fast_tier_or_a_peers_replica_and_falls_
     - `node-lost`: what rank 1's node held is gone (its older copies and the replicas it
       held of rank 0) but for its newest capture, whose slot file is cut in half (a slot
       that no longer matches its header): rank 1 resumes from rank 0's replica of its state;
+    - `replicas-corrupted`: as `node-lost`, and one bit of a weight in each replica of rank 1
+      is flipped (still finite, the same length): the checksums taken at capture refuse
+      them, and the run resumes from the durable checkpoint;
     - `all-copies-lost`: rank 1's copies are gone everywhere: the durable checkpoint.
 
     Every case still ends with the fault-free weights."""
@@ -315,6 +332,10 @@ def test_a_cold_restart_resumes_from_the_fast_tier_or_a_peers_replica_and_falls_
         for path in replica_of_1.values():
             path.unlink()
         replica_of_1 = {}
+    if damage == "replicas-corrupted":
+        for path in replica_of_1.values():
+            _flip_a_weight_bit(path)
+        replica_of_1 = {}
     # The newest step both ranks' states are still held for (rank 1: by its peer only),
     # beyond the durable checkpoint (step 8, unless the kill came before its commit).
     latest = latest_committed_checkpoint(config.checkpoint_dir())
@@ -332,6 +353,9 @@ def test_a_cold_restart_resumes_from_the_fast_tier_or_a_peers_replica_and_falls_
     assert (resume["step"], resume.get("tier")) == expected, (own, replica_of_1, resume)
     if held:
         assert resume["replicas"] == {"1": 0}, resume  # rank 1's state came from rank 0
+    if damage == "replicas-corrupted":
+        log = (workdir / "logs" / "train.log").read_text()
+        assert "do not match the checksums taken at capture" in log, log[-3000:]
     assert not folder.exists() or not list(folder.glob("r*")), "a finished run leaves its fast tier behind"
     assert_nothing_left(run_mark)
 

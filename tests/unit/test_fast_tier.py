@@ -221,7 +221,7 @@ def test_a_slot_file_that_does_not_fit_keeps_the_captures_in_memory_and_says_wha
         forget_run("", tmp_path / "checkpoints")
 
 
-def test_a_fast_tier_file_holds_its_snapshot_exactly_and_a_torn_or_foreign_one_is_refused(
+def test_a_fast_tier_file_holds_its_snapshot_exactly_and_a_torn_flipped_or_foreign_one_is_refused(
     tmp_path, monkeypatch
 ):
     from trainer.checkpointing.tier_format import load_bytes, read_bytes, write_snapshot_file
@@ -256,6 +256,12 @@ def test_a_fast_tier_file_holds_its_snapshot_exactly_and_a_torn_or_foreign_one_i
     payload = path.read_bytes()
     torn, problem = load_bytes(payload[:-1], "torn")
     assert torn is None and "torn" in problem
+    # One flipped low mantissa bit of a weight: still finite, the same length; the checksum
+    # taken at capture names it.
+    flipped = bytearray(payload)
+    flipped[payload.rindex(snapshot["params"][0].numpy().tobytes()[:8])] ^= 1  # its first byte
+    corrupted, problem = load_bytes(flipped, "flipped")
+    assert corrupted is None and "do not match the checksums" in problem, problem
     foreign, problem = load_bytes(b"not a snapshot at all", "foreign")
     assert foreign is None and "not a fast-tier file" in problem
     # The header is read with weights_only: a file that would run code when loaded is refused.

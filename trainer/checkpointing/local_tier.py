@@ -89,6 +89,7 @@ class LocalTier:
         self.captures = 0
         self.host_bytes = 0  # what its slots held at most
         self.write_errors = 0
+        self.checksum_s = 0.0  # spent checksumming captures for their files
         self._memory_only_said = False
         world = dist.get_world_size()
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -254,14 +255,20 @@ class LocalTier:
         if self._cuda_copied is not None:
             self._cuda_copied.synchronize()
             copy_s = self._cuda_copy_began.elapsed_time(self._cuda_copied) / 1e3  # the transfer itself
+        sums = None
+        if target.path is not None:  # a file other processes may read: checked when read
+            began = time.perf_counter()
+            sums = fmt.checksums(target.data)
+            self.checksum_s += time.perf_counter() - began
+            copy_s += time.perf_counter() - began  # part of what a capture costs
         if self.schedule.measuring:
             self.schedule.record_copy(copy_s)
         if target.filled is None:
             target.filled = fmt.fill(plan.skeleton, target.tensors)
         captured = {**fmt.fill(dynamic, target.tensors), **target.filled}
-        if target.path is not None:
+        if sums is not None:
             try:
-                target.head = self._write_head(slot, plan, dynamic)
+                target.head = self._write_head(slot, plan, {**dynamic, "checksums": sums})
                 target.step = int(meta["step"])
             except OSError as exc:  # a full /dev/shm must not stop training
                 self._write_failed(exc)

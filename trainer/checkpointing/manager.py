@@ -355,6 +355,7 @@ class CheckpointManager:
         return {
             "local_tier_s": self.local_tier_s,
             "local_tier_captures": self.local.captures,
+            "local_tier_checksum_s": self.local.checksum_s,
             "local_replicas_sent": self.local.sender.sent,
             **self.local.summary(),
             "checkpoint": str(latest) if latest else None,

@@ -10,22 +10,31 @@ two sections saved with torch.save and read back with `weights_only=True`:
 where a section is its length (8 bytes) and its torch.save bytes. The static section (the
 skeleton of parameters and optimizer state over tensor indices, each tensor's dtype, shape
 and place, the total size) stays the same while the layout does and is made once; the
-capture section (step, scheduler, hyper-parameters, the RNG states' indices, ...) is the
-only part pickled at every capture. A file of another length (torn, or not ours) is refused.
+capture section (step, scheduler, hyper-parameters, the RNG states' indices, the tensor
+bytes' CRC-32s, ...) is the only part pickled at every capture. A file of another length
+(torn, or not ours), or whose tensor bytes do not match the CRC-32s recorded at capture
+(flipped bits at rest or on the way from a peer), is refused.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import pickle
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
-_MAGIC = b"RTPTIER2"
+_MAGIC = b"RTPTIER3"
 TENSOR_KEY = "__rtp_tensor__"
 _ALIGN = 64
+CHECKSUM_CHUNK = 64 * 2**20
+"""The tensor bytes are checksummed in pieces this large, several at once (zlib releases the GIL)."""
+CHECKSUM_THREADS = max(1, min(8, (os.cpu_count() or 1) // 8))
+"""Threads per checksum: one on a small machine, up to 8 where a GPU node has cores to spare."""
 
 
 def aligned(n: int) -> int:
@@ -62,6 +71,20 @@ def header_bytes(static: bytes, dynamic: dict[str, Any]) -> bytes:
     return prefix + bytes(aligned(len(prefix)) - len(prefix))
 
 
+def checksums(data: Any, start: int = 0) -> list[int]:
+    """CRC-32 of each `CHECKSUM_CHUNK` of `data` from `start` (a mapped slot, a file's bytes)."""
+    with memoryview(data) as whole:
+        parts = [whole[i : i + CHECKSUM_CHUNK] for i in range(start, len(whole), CHECKSUM_CHUNK)]
+        try:
+            if len(parts) < 2 or CHECKSUM_THREADS == 1:
+                return [zlib.crc32(part) for part in parts]
+            with ThreadPoolExecutor(CHECKSUM_THREADS, thread_name_prefix="rtp-checksum") as pool:
+                return list(pool.map(zlib.crc32, parts))
+        finally:
+            for part in parts:
+                part.release()
+
+
 def fill(value: Any, tensors: list[torch.Tensor]) -> Any:
     """The skeleton with each tensor index replaced by its tensor."""
     if isinstance(value, dict):
@@ -89,14 +112,14 @@ def write_snapshot_file(path: Path, snapshot: dict[str, Any]) -> None:
     skeleton = strip(snapshot)
     layout = layout_of(tensors)
     size = aligned(layout[-1][2] + layout[-1][3]) if layout else 0
-    header = header_bytes(static_section(skeleton, layout, size), {})
+    body = bytearray(size)
+    for tensor, (_, _, place, nbytes) in zip(tensors, layout, strict=True):
+        if nbytes:
+            body[place : place + nbytes] = tensor.reshape(-1).view(torch.uint8).numpy().data
+    header = header_bytes(static_section(skeleton, layout, size), {"checksums": checksums(body)})
     with path.open("wb", buffering=0) as handle:
         handle.write(header)
-        for tensor, (_, _, place, nbytes) in zip(tensors, layout, strict=True):
-            if nbytes:
-                handle.seek(len(header) + place)
-                handle.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
-        handle.truncate(len(header) + size)
+        handle.write(body)
 
 
 def read_snapshot_bytes(payload: bytes | bytearray) -> dict[str, Any]:
@@ -114,6 +137,11 @@ def read_snapshot_bytes(payload: bytes | bytearray) -> dict[str, Any]:
     start = aligned(place)
     if len(payload) != start + int(static["size"]):
         raise ValueError(f"{len(payload)} bytes where the header says {start + int(static['size'])}: torn")
+    expected = dynamic.pop("checksums", None)
+    if expected is None:
+        raise ValueError("no checksums in the header: not a capture of this version")
+    if checksums(payload, start) != expected:
+        raise ValueError("the tensor bytes do not match the checksums taken at capture: corrupted")
     data = payload if isinstance(payload, bytearray) else bytearray(payload)  # the tensors share it
     tensors = [view(data, dtype, shape, start + at, nbytes) for dtype, shape, at, nbytes in static["tensors"]]
     snapshot = fill({**dynamic, **static["skeleton"]}, tensors)
