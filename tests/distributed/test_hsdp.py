@@ -69,9 +69,9 @@ def test_a_warm_started_hsdp_run_recovers_to_its_fault_free_twins_weights(
 ):
     """A hang on rank 3 before the first durable checkpoint (the watchdog restarts the
     attempt in-process, every rank's stacks and flight recorder dump are left for it; the
-    new attempt builds from the parent's folder again, then resumes from the fast tier),
-    then rank 1's node lost (its
-    captures removed, the rank killed): rank 1 resumes from rank 3's own capture, the same
+    new attempt builds from the parent's folder again, then resumes from the fast tier), an
+    exception on rank 0 after the first durable checkpoint (in-process again), then rank 1's
+    node lost (its captures removed, the rank SIGKILLed): rank 1 resumes from rank 3's own capture, the same
     shard in the other replica group, with no replica ever sent; the run ends with the
     fault-free weights and every attempt builds the same 2-D mesh."""
     twin_dir, twin = hsdp_twin
@@ -83,11 +83,12 @@ def test_a_warm_started_hsdp_run_recovers_to_its_fault_free_twins_weights(
         steps=STEPS,
         every=EVERY,
         overrides=[*FAST, HSDP],
-        faults=["hang@2:3", "node-loss@7:1"],
+        faults=["hang@2:3", "exception@5:0", "node-loss@7:1"],
         model_dir=str(parent),
     )
     assert [(r["kind"], r["mechanism"], r["fault_step"]) for r in summary["restarts"]] == [
         ("hang", "inprocess", 2),
+        ("exception", "inprocess", 5),
         ("node-loss", "launcher", 7),
     ], restart_story(summary, tmp_path)
     assert_diagnosable(summary["restarts"][0], ranks=4, hung_rank=3)  # torch's analyzer reads all four
@@ -95,8 +96,8 @@ def test_a_warm_started_hsdp_run_recovers_to_its_fault_free_twins_weights(
     assert summary["completed"] and summary["model_sha256"] == twin["model_sha256"]
     resume = [e for e in events(tmp_path) if e["kind"] == "resume"][-1]
     assert resume["tier"] == "local" and resume["replicas"] == {"1": 3}, resume
-    redone = summary["restarts"][1]["steps_redone"]
-    assert redone <= 1, summary["restarts"][1]
+    redone = summary["restarts"][2]["steps_redone"]
+    assert redone <= 1, summary["restarts"][2]
     config = json.loads((twin_dir / "config.json").read_text())
     assert config["model"]["model_dir"] == str(parent) and config["model"]["seq_len"] == 32
     assert config["parallelism"] == {"dp_replicate": 2, "dp_shard": 0}
