@@ -4,12 +4,14 @@ No real Kubernetes cluster can run on the development machines, so these tests r
 launcher (the real `kubernetes` client, version 30.1.0) against `tests.fakes.kube_api`: a
 stateful stand-in on 127.0.0.1 that validates every created job strictly against the
 upstream CRD schemas in tests/specs/crds and simulates the job's phases, its rank-0
-pod's log and failures. What the fake cannot show (scheduling, real operators, EFA) is
-covered only by the manifests' schema checks and by docs/eks.md.
+pod's log and failures; one test runs a rendered pod's command for real, as a kubelet
+would, against a real MLflow server. What the fake cannot show (scheduling, real
+operators, EFA) is covered only by the manifests' schema checks and by docs/eks.md.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -710,3 +712,74 @@ def test_a_pod_waiting_for_an_unbound_pvc_is_told_to_check_the_claim_not_the_gpu
     reason = stuck_reason(pod, [], now=datetime(2026, 1, 1, 1, tzinfo=UTC), pending_timeout_s=900)
     assert reason is not None and "Check that PVC fsx-claim exists in the namespace and is Bound" in reason
     assert "GPU node group" not in reason
+
+
+def _run_pod_like_a_kubelet(container: dict, secrets: dict[str, dict[str, str]], workdir: Path) -> None:
+    """Run a rendered container's command here as a kubelet would start it: its env (secret
+    references read from `secrets`), `$(VAR)` expanded from that env, the engine's rendezvous
+    variables on loopback. `python` and `ft_launcher` are this environment's."""
+    import re
+    import socket
+    import subprocess
+    import sys
+
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    for item in container["env"]:
+        if "value" in item:
+            env[item["name"]] = item["value"]
+        else:
+            ref = item["valueFrom"]["secretKeyRef"]
+            env[item["name"]] = secrets[ref["name"]][ref["key"]]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(probe.getsockname()[1]))
+    command = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg) for arg in container["command"]]
+    command[0] = sys.executable if command[0] == "python" else command[0]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
+    log = workdir / "logs" / "train.log"
+    assert done.returncode == 0, (
+        done.stdout[-3000:],
+        done.stderr[-3000:],
+        log.exists() and log.read_text()[-3000:],
+    )
+
+
+def test_a_jobs_rank0_logs_its_live_metrics_into_the_mlflow_run_the_train_step_hands_on(
+    fake, tmp_path, dataset_dir, mlflow_server
+):
+    """The rendered PyTorchJob's Master command runs for real (node check, ft_launcher, one
+    rank) with the MLflow variables its env reads from the secret: rank 0's live metrics
+    land in an MLflow run, and the summary the train step reads from the volume names that
+    run, which is the `mlflow_run_id` the step's model artifact hands to validate and
+    register (they log into it: tests/integration/test_local_pipeline.py)."""
+    import mlflow
+
+    run_folder = tmp_path / "fsx" / "rtp" / "runs" / "r1"
+    secrets = {"team-mlflow": {"tracking_uri": mlflow_server, "username": "rtp", "password": "unused"}}
+
+    def master_pod_runs(job: dict) -> None:
+        [container] = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
+        _run_pod_like_a_kubelet(container, secrets, run_folder / "train")
+
+    fake.on_success = master_pod_runs
+    request = TrainRequest(
+        dataset_dir=str(dataset_dir), run_folder=run_folder, preset="tiny-cpu",
+        settings={"steps": 4, "checkpoint_every": 2, "seed": 1, "checkpoint_mode": "sync"},
+        overrides="run.log_every_steps=1",
+    )  # fmt: skip
+    result = train_with_job(
+        "pytorchjob", request, run_id=RUN_ID, namespace="team-a", image="example.com/rtp:1", nproc_per_node=1,
+        timeout_s=600, poll_interval_s=0.01, api_client=api_client(fake), nnodes=1, pvc_name="fsx-claim",
+        mount_path=str(tmp_path / "fsx"), mlflow_secret_name="team-mlflow",
+    )  # fmt: skip
+    summary = result.summary
+    assert summary.completed and summary.steps == 4 and summary.mlflow_run_id, summary
+    tracked = mlflow.MlflowClient(tracking_uri=mlflow_server)
+    history = tracked.get_metric_history(summary.mlflow_run_id, "loss")
+    assert sorted(m.step for m in history) == [1, 2, 3, 4], history
+    assert {m.step: round(m.value, 5) for m in history} == {
+        r["step"]: round(r["loss"], 5) for r in summary.losses
+    }
+    health = run_folder / "train" / "node-health"
+    assert [json.loads(p.read_text())["healthy"] for p in health.glob("*.json")] == [True]
