@@ -29,6 +29,7 @@ demo: $(STAMP)
 # pytest exits 5 when it collected nothing: a suite that ran no test must not pass.
 test: $(STAMP)
 	@scripts/install-ceph.sh
+	@scripts/install-rclone.sh
 	@$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5); check PYTEST_ARGS='$(PYTEST_ARGS)'" >&2; exit 1; fi; \
 	exit $$rc

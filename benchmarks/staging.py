@@ -1,14 +1,16 @@
-"""`rtp bench staging`: `rtp stage` vs `aws s3 sync` vs a plain sequential boto3 loop, side by side.
+"""`rtp bench staging`: `rtp stage` vs `rclone copy` vs `aws s3 sync` vs a plain sequential boto3 loop.
 
 One invocation starts a real S3 server on loopback (single-node Ceph RGW, unless
 `--endpoint-url` names one, with credentials from the environment), uploads the same data
 for every contender (`--objects` small objects of `--object-kib` KiB plus `--big-objects`
 objects of `--big-mib` MiB, multipart-uploaded), and times for each: a full stage into an
-empty folder, then a second run of the same command over the unchanged prefix. All three
-run as subprocesses, so each pays its own interpreter start-up: `rtp stage`, `aws s3 sync`,
-and a plain boto3 loop (`python -m benchmarks.staging boto3-loop`, one GET at a time, which
-skips files whose size already matches on the second run). Targets: full stage at least
-1.5x faster than `aws s3 sync`; a no-change re-stage at most 5% of the full stage.
+empty folder, then a second run of the same command over the unchanged prefix. All run as
+subprocesses, so each pays its own start-up: `rtp stage`, `rclone copy` (Debian's, installed
+by scripts/install-rclone.sh; skipped with the reason when absent) with the settings a user
+tuning it for speed would pick, `aws s3 sync`, and a plain boto3 loop (`python -m
+benchmarks.staging boto3-loop`, one GET at a time, which skips files whose size already
+matches on the second run). Each full stage's CPU seconds (user + system of the process
+and its children) are reported per GiB beside its wall time.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -58,12 +61,30 @@ def seed(
     return objects + big_objects, total
 
 
-def _timed(command: list[str], env: dict[str, str]) -> float:
+RCLONE_FLAGS = ("--transfers", "32", "--checkers", "32", "--multi-thread-streams", "8")
+"""rclone tuned for many objects and large ones, as the comparison in issue 32 ran it."""
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _timed(command: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """Wall and CPU seconds (user + system, its children included) of one command."""
+    cpu = _children_cpu_s()
     started = time.perf_counter()
     result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(command[:4])} ... failed: {result.stderr[-2000:]}")
-    return time.perf_counter() - started
+    return time.perf_counter() - started, _children_cpu_s() - cpu
+
+
+def _twice(command: list[str], env: dict[str, str]) -> dict[str, float]:
+    """A full copy into an empty folder, then the same command over the unchanged prefix."""
+    full, cpu = _timed(command, env)
+    nochange, _ = _timed(command, env)
+    return {"full_s": full, "full_cpu_s": cpu, "nochange_s": nochange}
 
 
 def _folder_bytes(folder: Path) -> tuple[int, int]:
@@ -78,10 +99,9 @@ def run_rtp(endpoint: str, dest: Path, env: dict[str, str], max_workers: int) ->
     ]  # fmt: skip
     if max_workers:
         command += ["--max-workers", str(max_workers)]
-    full = _timed(command, env)
-    nochange = _timed(command, env)
+    times = _twice(command, env)
     objects, size = _folder_bytes(dest / "rtp/datasets/bench/current/")
-    return {"full_s": full, "nochange_s": nochange, "bytes": size, "objects": objects}
+    return {**times, "bytes": size, "objects": objects}
 
 
 def aws_executable() -> str:
@@ -95,10 +115,35 @@ def aws_executable() -> str:
 def run_awscli(endpoint: str, dest: Path, env: dict[str, str]) -> dict[str, Any]:
     command = [aws_executable(), "s3", "sync", f"s3://{BUCKET}/{PREFIX}", str(dest), "--endpoint-url", endpoint,
                "--only-show-errors"]  # fmt: skip
-    full = _timed(command, env)
-    nochange = _timed(command, env)
+    times = _twice(command, env)
     objects, size = _folder_bytes(dest)
-    return {"full_s": full, "nochange_s": nochange, "bytes": size, "objects": objects}
+    return {**times, "bytes": size, "objects": objects}
+
+
+def rclone_missing() -> str:
+    """Why rclone cannot run here, or '' when it can."""
+    return "" if shutil.which("rclone") else "rclone not installed: run scripts/install-rclone.sh"
+
+
+def run_rclone(endpoint: str, dest: Path, env: dict[str, str], provider: str) -> dict[str, Any]:
+    """`rclone copy` from a remote configured through the environment (credentials from the
+    AWS variables, `env_auth`), so nothing is written to the user's rclone.conf."""
+    remote = {
+        "TYPE": "s3",
+        "PROVIDER": provider,
+        "ENV_AUTH": "true",
+        "ENDPOINT": endpoint,
+        "REGION": env.get("AWS_DEFAULT_REGION", "us-east-1"),
+    }
+    env = {**env, **{f"RCLONE_CONFIG_RTPBENCH_{key}": value for key, value in remote.items()}}
+    command = ["rclone", "copy", f"rtpbench:{BUCKET}/{PREFIX}", str(dest), *RCLONE_FLAGS]
+    # rclone's S3 SDK cannot load AWS_CA_BUNDLE into its own HTTP client: it takes the bundle as a flag.
+    bundle = env.pop("AWS_CA_BUNDLE", "")
+    if bundle and endpoint.startswith("https://"):
+        command += ["--ca-cert", bundle]
+    times = _twice(command, env)
+    objects, size = _folder_bytes(dest)
+    return {**times, "bytes": size, "objects": objects}
 
 
 def boto3_loop(endpoint: str, dest: Path) -> None:
@@ -120,10 +165,9 @@ def boto3_loop(endpoint: str, dest: Path) -> None:
 
 def run_boto3_sequential(endpoint: str, dest: Path, env: dict[str, str]) -> dict[str, Any]:
     command = [sys.executable, "-m", "benchmarks.staging", "boto3-loop", endpoint, str(dest)]
-    full = _timed(command, env)
-    nochange = _timed(command, env)
+    times = _twice(command, env)
     objects, size = _folder_bytes(dest)
-    return {"full_s": full, "nochange_s": nochange, "bytes": size, "objects": objects}
+    return {**times, "bytes": size, "objects": objects}
 
 
 def run_benchmark(
@@ -134,8 +178,9 @@ def run_benchmark(
     big_mib: int,
     endpoint_url: str = "",
     max_workers: int = 0,
-    contenders: tuple[str, ...] = ("rtp", "awscli", "boto3_sequential"),
+    contenders: tuple[str, ...] = ("rtp", "rclone", "awscli", "boto3_sequential"),
 ) -> dict[str, Any]:
+    """Each contender's figures; a contender that cannot run here is {"skipped": why}."""
     from benchmarks.ceph_rgw import CephRGW
     from components.stage_data.s3_clients import s3_client
 
@@ -161,12 +206,18 @@ def run_benchmark(
             results: dict[str, Any] = {}
             if "rtp" in contenders:
                 results["rtp"] = run_rtp(endpoint_url, root / "rtp", env, max_workers)
+            if "rclone" in contenders:
+                why = rclone_missing()
+                provider = "Ceph" if server is not None else "Other"
+                results["rclone"] = (
+                    {"skipped": why} if why else run_rclone(endpoint_url, root / "rclone", env, provider)
+                )
             if "awscli" in contenders:
                 results["awscli"] = run_awscli(endpoint_url, root / "awscli", env)
             if "boto3_sequential" in contenders:
                 results["boto3_sequential"] = run_boto3_sequential(endpoint_url, root / "boto3", env)
             for name, result in results.items():
-                if (result["objects"], result["bytes"]) != (count, size):
+                if "skipped" not in result and (result["objects"], result["bytes"]) != (count, size):
                     raise RuntimeError(f"{name} staged {result['objects']} objects / {result['bytes']} bytes, "
                                        f"expected {count} / {size}")  # fmt: skip
         finally:
@@ -175,27 +226,36 @@ def run_benchmark(
     return results
 
 
+TOOL_NAMES = {"rclone": "rclone copy", "awscli": "aws s3 sync"}
+
+
 def format_table(results: dict[str, Any]) -> str:
     lines = [
-        f"{'tool':<18} {'full s':>8} {'MiB/s':>8} {'no-change s':>12} {'no-change %':>12} {'objects':>8} {'MiB':>9}"
+        f"{'tool':<18} {'full s':>8} {'MiB/s':>8} {'CPU s/GiB':>10} {'no-change s':>12} {'no-change %':>12} "
+        f"{'objects':>8} {'MiB':>9}"
     ]
     for name, r in results.items():
+        if "skipped" in r:
+            lines.append(f"{name:<18} skipped: {r['skipped']}")
+            continue
+        cpu = f"{r['full_cpu_s'] / (r['bytes'] / 2**30):>10.2f}" if "full_cpu_s" in r else f"{'-':>10}"
         lines.append(
-            f"{name:<18} {r['full_s']:>8.2f} {r['bytes'] / MIB / r['full_s']:>8.1f} {r['nochange_s']:>12.2f} "
+            f"{name:<18} {r['full_s']:>8.2f} {r['bytes'] / MIB / r['full_s']:>8.1f} {cpu} {r['nochange_s']:>12.2f} "
             f"{100 * r['nochange_s'] / r['full_s']:>11.1f}% {r['objects']:>8} {r['bytes'] / MIB:>9.1f}"
         )
-    if "rtp" in results and "awscli" in results:
-        lines.append(
-            f"rtp full stage is {speed_comparison(results['rtp']['full_s'], results['awscli']['full_s'])}"
-        )
+    for other, tool in TOOL_NAMES.items():
+        if "rtp" in results and "full_s" in results.get(other, {}):
+            lines.append(
+                f"rtp full stage is {speed_comparison(results['rtp']['full_s'], results[other]['full_s'], tool)}"
+            )
     return "\n".join(lines)
 
 
-def speed_comparison(rtp_s: float, awscli_s: float) -> str:
-    """'1.80x faster than aws s3 sync' or '1.25x slower than aws s3 sync': the word follows the numbers."""
-    if rtp_s <= awscli_s:
-        return f"{awscli_s / rtp_s:.2f}x faster than aws s3 sync"
-    return f"{rtp_s / awscli_s:.2f}x slower than aws s3 sync"
+def speed_comparison(rtp_s: float, other_s: float, tool: str = "aws s3 sync") -> str:
+    """'1.80x faster than aws s3 sync' or '1.25x slower than rclone copy': the word follows the numbers."""
+    if rtp_s <= other_s:
+        return f"{other_s / rtp_s:.2f}x faster than {tool}"
+    return f"{rtp_s / other_s:.2f}x slower than {tool}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

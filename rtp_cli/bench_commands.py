@@ -24,7 +24,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         ("recovery", recovery, "the same soft fault under in-process, ft_launcher and cold restart"),
         ("scale", scale, "data, validate and register at two sizes each: what their memory grows with"),
         ("scaling", scaling, "the same training as FSDP over every rank and as HSDP (replicate x shard)"),
-        ("staging", staging, "rtp stage vs aws s3 sync vs a sequential boto3 loop on a real S3 server"),
+        (
+            "staging",
+            staging,
+            "rtp stage vs rclone vs aws s3 sync vs a boto3 loop on a real S3 server (wall, CPU s per GiB)",
+        ),
         ("throughput", throughput, "the rtp training stack vs a bare FSDP loop: tokens/s, MFU, the tax"),
     ):
         bench = kinds.add_parser(

@@ -42,13 +42,18 @@ def test_bench_staging_reports_every_contender(tmp_path):
         server.stop()
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert set(data) == {"rtp", "awscli", "boto3_sequential"}
+    assert set(data) == {"rtp", "rclone", "awscli", "boto3_sequential"}
     expected_bytes = sum(2048 - i % 7 + 8 for i in range(12)) + 9 * 2**20
     for name, row in data.items():
-        assert set(row) == {"full_s", "nochange_s", "bytes", "objects"}, name
+        if name == "rclone" and "skipped" in row:  # scripts/install-rclone.sh could not install it
+            assert row == {"skipped": "rclone not installed: run scripts/install-rclone.sh"}
+            assert "rclone             skipped: rclone not installed" in result.stdout
+            continue
+        assert set(row) == {"full_s", "full_cpu_s", "nochange_s", "bytes", "objects"}, name
         assert (row["objects"], row["bytes"]) == (13, expected_bytes), name
-        assert row["full_s"] > 0 and row["nochange_s"] > 0, name
+        assert row["full_s"] > 0 and row["nochange_s"] > 0 and row["full_cpu_s"] > 0, name
     assert "rtp" in result.stdout and "than aws s3 sync" in result.stdout
+    assert ("than rclone copy" in result.stdout) == ("skipped" not in data["rclone"])
 
 
 def test_the_table_says_slower_when_rtp_is_slower():
@@ -59,3 +64,15 @@ def test_the_table_says_slower_when_rtp_is_slower():
     assert slower.splitlines()[-1] == "rtp full stage is 1.25x slower than aws s3 sync"
     faster = format_table({"rtp": {**row, "full_s": 2.0}, "awscli": {**row, "full_s": 4.0}})
     assert faster.splitlines()[-1] == "rtp full stage is 2.00x faster than aws s3 sync"
+    both = format_table(
+        {
+            "rtp": {**row, "full_s": 2.0, "full_cpu_s": 3.0},
+            "rclone": {**row, "full_s": 3.0},
+            "awscli": {**row, "full_s": 4.0},
+        }
+    )
+    assert both.splitlines()[-2:] == [
+        "rtp full stage is 1.50x faster than rclone copy",
+        "rtp full stage is 2.00x faster than aws s3 sync",
+    ]
+    assert "   3072.00 " in both.splitlines()[1]  # 3 CPU seconds for 1 MiB, per GiB
