@@ -48,7 +48,7 @@ class TrainSummary:
     local_tier_step_s: float | None = None
     """Budget mode: rank 0's median step time (steps without a copy in flight)."""
     local_tier_checksum_s: float = 0.0
-    """Seconds rank 0's copy thread spent on its captures' CRC-32s (off the loop's path)."""
+    """Seconds rank 0's copy thread spent on its captures' checksums (off the loop's path)."""
     local_replicas_sent: int = 0
     """Fast-tier files rank 0 sent to its peers (checkpoint.local_replicas)."""
     stragglers: dict[str, Any] = field(default_factory=dict)
