@@ -157,21 +157,29 @@ def _matmul_on(index: int, a: Any, b: Any) -> Any:
     return result
 
 
+def _nvml(nvml: Any) -> Any:
+    """`nvml` (a test's stand-in) or the `pynvml` module; None where it is not installed."""
+    if nvml is not None:
+        return nvml
+    try:
+        import warnings
+
+        with warnings.catch_warnings():  # the pynvml shim's deprecation notice
+            warnings.simplefilter("ignore", FutureWarning)
+            import pynvml  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return pynvml
+
+
 def gpu_memory_errors(expected: int, nvml: Any = None) -> Check:
-    """No GPU reports uncorrected (volatile) ECC errors, read through NVML (`pynvml`) where
-    it is installed; skipped, and passing, where it is not."""
+    """No GPU reports uncorrected (volatile) ECC errors or a failed or pending row remapping,
+    read through NVML (`pynvml`) where it is installed; skipped, and passing, where it is not."""
 
     def probe() -> tuple[bool, str]:
-        module = nvml
+        module = _nvml(nvml)
         if module is None:
-            try:
-                import warnings
-
-                with warnings.catch_warnings():  # the pynvml shim's deprecation notice
-                    warnings.simplefilter("ignore", FutureWarning)
-                    import pynvml as module  # type: ignore[import-not-found,no-redef]
-            except ImportError:
-                return True, "skipped: pynvml is not installed"
+            return True, "skipped: pynvml is not installed"
         module.nvmlInit()
         try:
             bad = []
@@ -182,14 +190,101 @@ def gpu_memory_errors(expected: int, nvml: Any = None) -> Check:
                         handle, module.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, module.NVML_VOLATILE_ECC
                     )
                 except module.NVMLError:  # ECC off or not supported on this GPU
-                    continue
+                    errors = 0
                 if errors:
                     bad.append(f"GPU {index}: {errors} uncorrected ECC errors")
+                try:  # Ampere and later replace bad memory rows; before that, NotSupported
+                    _, _, pending, failed = module.nvmlDeviceGetRemappedRows(handle)
+                except module.NVMLError:
+                    continue
+                if failed:
+                    bad.append(f"GPU {index}: a memory row remapping failed (the GPU needs replacing)")
+                elif pending:
+                    bad.append(f"GPU {index}: a memory row remapping is pending (the GPU needs a reset)")
         finally:
             module.nvmlShutdown()
-        return (False, "; ".join(bad)) if bad else (True, f"no uncorrected ECC errors on {expected} GPUs")
+        if bad:
+            return False, "; ".join(bad)
+        return True, f"no uncorrected ECC errors or row remapping faults on {expected} GPUs"
 
     return _timed("gpu_memory", probe)
+
+
+class XidWatch:
+    """Critical Xid events (NVML's XidCriticalError: a GPU fault the driver logged) raised on
+    the GPUs while the `with` block runs, e.g. the compute check's kernels. NVML only reports
+    events that happen after registering, so past Xids stay in the kernel log.
+
+    `check` holds the result once the block has ended."""
+
+    def __init__(self, expected: int, nvml: Any = None, drain_ms: int = 200) -> None:
+        self.expected, self.drain_ms = expected, drain_ms
+        self.module = _nvml(nvml)
+        self.event_set: Any = None
+        self.watched: list[int] = []
+        self.started = 0.0
+        self.check = Check("gpu_xid", True, "not run")
+
+    def __enter__(self) -> XidWatch:
+        self.started = time.monotonic()
+        if self.module is None:
+            return self
+        try:
+            self.module.nvmlInit()
+            self.event_set = self.module.nvmlEventSetCreate()
+            for index in range(self.expected):
+                handle = self.module.nvmlDeviceGetHandleByIndex(index)
+                try:
+                    self.module.nvmlDeviceRegisterEvents(
+                        handle, self.module.nvmlEventTypeXidCriticalError, self.event_set
+                    )
+                    self.watched.append(index)
+                except self.module.NVMLError:  # this GPU cannot report Xid events
+                    continue
+        except Exception as exc:  # NVML unusable: the other GPU checks say why
+            self.check = Check(
+                "gpu_xid", True, f"skipped: NVML events unavailable ({type(exc).__name__}: {exc})"
+            )
+            self._close()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.module is None:
+            self.check = Check("gpu_xid", True, "skipped: pynvml is not installed")
+            return
+        if self.event_set is None:
+            return
+        raised = []
+        try:
+            while True:  # every event queued during the block, then none for drain_ms
+                try:
+                    event = self.module.nvmlEventSetWait_v2(self.event_set, self.drain_ms)
+                except self.module.NVMLError:  # NVML_ERROR_TIMEOUT: no further event
+                    break
+                raised.append(f"Xid {event.eventData} on {self._gpu_of(event.device)}")
+        finally:
+            self._close()
+        seconds = round(time.monotonic() - self.started, 3)
+        if raised:
+            detail = "; ".join(raised) + " (a GPU fault: see NVIDIA's Xid catalogue; drain the node)"
+            self.check = Check("gpu_xid", False, detail, seconds)
+        else:
+            watched = ", ".join(map(str, self.watched)) or "none"
+            self.check = Check("gpu_xid", True, f"no critical Xid events on GPUs {watched}", seconds)
+
+    def _gpu_of(self, device: Any) -> str:
+        try:
+            return f"GPU {self.module.nvmlDeviceGetIndex(device)}"
+        except self.module.NVMLError:
+            return "a GPU"
+
+    def _close(self) -> None:
+        with contextlib.suppress(Exception):
+            if self.event_set is not None:
+                self.module.nvmlEventSetFree(self.event_set)
+        self.event_set = None
+        with contextlib.suppress(Exception):
+            self.module.nvmlShutdown()
 
 
 def check_node(
@@ -203,7 +298,9 @@ def check_node(
 ) -> list[Check]:
     checks = []
     if gpus:
-        checks += [gpus_compute(gpus), gpu_memory_errors(gpus)]
+        with XidWatch(gpus) as xid:  # registered before the compute check's kernels
+            checks.append(gpus_compute(gpus))
+        checks += [xid.check, gpu_memory_errors(gpus)]
     if fast_tier is not None:
         checks.append(fast_tier_room(fast_tier, min_free_gib))
     if workdir is not None:

@@ -14,6 +14,7 @@ and watches them.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 from collections.abc import Callable
@@ -479,6 +480,45 @@ def pytorchjob_manifest(settings: JobSettings) -> dict[str, Any]:
     }
 
 
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+
+
+def _affinity_avoiding(pod_spec: dict[str, Any], nodes: list[str]) -> dict[str, Any]:
+    """The pod spec's affinity with `HOSTNAME_LABEL NotIn nodes` ANDed into every required
+    node selector term (the terms are ORed, so each must exclude the nodes)."""
+    affinity = copy.deepcopy(pod_spec.get("affinity") or {})
+    required = affinity.setdefault("nodeAffinity", {}).setdefault(
+        "requiredDuringSchedulingIgnoredDuringExecution", {}
+    )
+    avoid = {"key": HOSTNAME_LABEL, "operator": "NotIn", "values": sorted(set(nodes))}
+    terms = []
+    for term in required.get("nodeSelectorTerms") or [{}]:
+        kept = [
+            e
+            for e in term.get("matchExpressions") or []
+            if (e.get("key"), e.get("operator")) != (HOSTNAME_LABEL, "NotIn")
+        ]
+        terms.append({**term, "matchExpressions": [*kept, avoid]})
+    required["nodeSelectorTerms"] = terms
+    return affinity
+
+
+def pytorchjob_avoiding(manifest: dict[str, Any], nodes: list[str]) -> dict[str, Any]:
+    """A merge patch that keeps the PyTorchJob's pods created from now on off `nodes`: the
+    operator builds a replaced pod from the job's current replica template."""
+    replicas = manifest["spec"]["pytorchReplicaSpecs"]
+    return {
+        "spec": {
+            "pytorchReplicaSpecs": {
+                role: {
+                    "template": {"spec": {"affinity": _affinity_avoiding(spec["template"]["spec"], nodes)}}
+                }
+                for role, spec in replicas.items()
+            }
+        }
+    }
+
+
 def trainjob_manifest(settings: JobSettings) -> dict[str, Any]:
     """A `trainer.kubeflow.org/v1alpha1` TrainJob on a torch-distributed ClusterTrainingRuntime.
 
@@ -568,6 +608,9 @@ class JobKind:
     rank0_labels: str  # with job_label, selects node 0's pod (whose ranks include rank 0)
     container: str
     build: Callable[[JobSettings], dict[str, Any]]
+    avoiding: Callable[[dict[str, Any], list[str]], dict[str, Any]] | None
+    """A merge patch keeping the job's new pods off the given nodes; None where the job's
+    pod template cannot change while it runs (a TrainJob's belongs to its runtime)."""
 
     @property
     def group_version(self) -> tuple[str, str]:
@@ -592,6 +635,7 @@ JOB_KINDS = {
         rank0_labels="training.kubeflow.org/replica-type=master,training.kubeflow.org/replica-index=0",
         container=PYTORCHJOB_CONTAINER,
         build=pytorchjob_manifest,
+        avoiding=pytorchjob_avoiding,
     ),
     "trainjob": JobKind(
         kind="TrainJob",
@@ -604,6 +648,7 @@ JOB_KINDS = {
         "batch.kubernetes.io/job-completion-index=0",
         container=TRAINJOB_CONTAINER,
         build=trainjob_manifest,
+        avoiding=None,
     ),
 }
 """By the train step's `launcher` value; `job_kind_of` finds one by a manifest's `kind`."""

@@ -44,7 +44,7 @@ from components.train.jobs import (
     job_kind_of,
     run_id_label_value,
 )
-from components.train.pod_health import DEFAULT_PENDING_TIMEOUT_S, stuck_reason
+from components.train.pod_health import DEFAULT_PENDING_TIMEOUT_S, stuck_reason, unhealthy_node
 from trainer.launch import TrainingFailed
 
 log = logging.getLogger(__name__)
@@ -166,6 +166,14 @@ def _allowed_crash_restarts(manifest: dict[str, Any]) -> int:
     return job_scale(int(limits.get(GPU_RESOURCE, 0))).backoff_limit
 
 
+def job_nodes(manifest: dict[str, Any]) -> int:
+    """How many nodes (pods) the job runs on."""
+    spec = manifest.get("spec", {})
+    if "pytorchReplicaSpecs" in spec:
+        return sum(int(r.get("replicas", 1)) for r in spec["pytorchReplicaSpecs"].values())
+    return int(spec.get("trainer", {}).get("numNodes", 1))
+
+
 def step_pod_owner(
     api_client: Any, job_namespace: str, environ: Mapping[str, str] | None = None
 ) -> dict[str, str] | None:
@@ -212,10 +220,14 @@ class _PodWatcher:
     """Lists the job's pods (and the events about a pod that is not running) every poll and
     raises PodStuck with the reason when one will never get the job anywhere."""
 
-    def __init__(self, core: Any, ref: JobRef, pending_timeout_s: float, crash_restarts: int) -> None:
+    def __init__(
+        self, core: Any, ref: JobRef, pending_timeout_s: float, crash_restarts: int,
+        replacer: _NodeReplacer | None = None,
+    ) -> None:  # fmt: skip
         self.core, self.ref = core, ref
         self.selector = job_pods_selector(ref)
         self.pending_timeout_s, self.crash_restarts = pending_timeout_s, crash_restarts
+        self.replacer = replacer
         self.events_readable = True
         self.warned_sidecar = False
 
@@ -251,6 +263,12 @@ class _PodWatcher:
         for item in pods:
             pod = self.core.api_client.sanitize_for_serialization(item)
             self._warn_about_sidecars(pod)
+            verdict = unhealthy_node(pod)
+            if verdict is not None:
+                if self.replacer is None:
+                    raise PodStuck(unhealthy_message(self.ref, pod, *verdict, "node_replacements is 0"))
+                self.replacer.replace(pod, *verdict)  # PodStuck when it cannot
+                continue
             status = pod.get("status") or {}
             settled = status.get("phase") in ("Running", "Succeeded") and all(
                 "waiting" not in (c.get("state") or {}) for c in status.get("containerStatuses") or []
@@ -278,6 +296,78 @@ class _PodWatcher:
                 pod["metadata"]["name"],
                 ISTIO_INJECT_ANNOTATION,
             )
+
+
+def unhealthy_message(ref: JobRef, pod: dict[str, Any], node: str, reasons: str, why_not: str) -> str:
+    return (
+        f"{ref.kind} {ref.namespace}/{ref.name}: node {node or '?'} of pod {pod['metadata']['name']} failed "
+        f"the node check ({reasons}) and the pod was not moved ({why_not}); the job was deleted. "
+        f"Cordon the node (kubectl cordon {node or 'NODE'}) or fix it, then rerun: the run resumes"
+    )
+
+
+class _NodeReplacer:
+    """Moves a pod whose node failed the node check onto another node: patches the job so
+    that pods created from now on avoid every node found unhealthy (the operator builds a
+    replaced pod from the job's current template), then deletes the pod. At most
+    `max_replacements` nodes; past that, or where the job kind cannot be patched
+    (`JobKind.avoiding` is None) or the Role does not allow it, PodStuck."""
+
+    def __init__(
+        self, custom: Any, core: Any, ref: JobRef, manifest: dict[str, Any], max_replacements: int
+    ) -> None:
+        self.custom, self.core, self.ref, self.manifest = custom, core, ref, manifest
+        self.max_replacements = max_replacements
+        self.avoided: list[str] = []
+        self.moved: set[str] = set()  # pod uids already deleted
+
+    def replace(self, pod: dict[str, Any], node: str, reasons: str) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        meta = pod["metadata"]
+        if meta.get("uid", meta["name"]) in self.moved:
+            return  # deleted, not yet gone
+        ref, avoiding = self.ref, self.ref.job_kind.avoiding
+        if avoiding is None:
+            raise PodStuck(
+                unhealthy_message(
+                    ref, pod, node, reasons, f"a {ref.kind}'s pod template cannot change while it runs"
+                )
+            )
+        if not node:
+            raise PodStuck(unhealthy_message(ref, pod, node, reasons, "the pod names no node"))
+        if node in self.avoided:
+            why = "its replacement came back to it: the job's node affinity did not keep it off"
+            raise PodStuck(unhealthy_message(ref, pod, node, reasons, why))
+        if len(self.avoided) >= self.max_replacements:
+            raise PodStuck(
+                unhealthy_message(
+                    ref,
+                    pod,
+                    node,
+                    reasons,
+                    f"{len(self.avoided)} nodes were already replaced: {', '.join(self.avoided)}",
+                )
+            )
+        avoided = sorted({*self.avoided, node})
+        try:
+            self.custom.patch_namespaced_custom_object(
+                ref.group, ref.version, ref.namespace, ref.plural, ref.name, avoiding(self.manifest, avoided)
+            )
+            self.core.delete_namespaced_pod(meta["name"], ref.namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return  # the pod (or the job) is already gone: the next poll sees what replaced it
+            role = f"; the Role needs `patch` on {ref.plural} and `delete` on pods (deploy/eks)"
+            why = f"{_api_error(exc)}{role if exc.status == 403 else ''}"
+            raise PodStuck(unhealthy_message(ref, pod, node, reasons, why)) from exc
+        self.avoided = avoided
+        self.moved.add(meta.get("uid", meta["name"]))
+        log.warning(
+            "node %s failed the node check (%s): pod %s was deleted and its replacement avoids %s "
+            "(%d of %d node replacements)",
+            node, reasons, meta["name"], ", ".join(avoided), len(avoided), self.max_replacements,
+        )  # fmt: skip
 
 
 class _LogFollower:
@@ -432,12 +522,15 @@ def run_job(
     status_read_grace_s: float = STATUS_READ_GRACE_S,
     pending_timeout_s: float = DEFAULT_PENDING_TIMEOUT_S,
     crash_restarts: int | None = None,
+    node_replacements: int | None = None,
 ) -> dict[str, Any]:
     """Create the job, wait for it and return its final object. The job is deleted only
     when it is known to have failed, to be stuck (a pod unschedulable or waiting for
     `pending_timeout_s`, a volume that does not mount, a bad image, a crash loop past
     `crash_restarts`, by default the job's own allowance), timed out, or the step was terminated;
-    transient errors reading its status are retried with backoff for up to `status_read_grace_s`."""
+    transient errors reading its status are retried with backoff for up to `status_read_grace_s`.
+    A pod whose node fails the node check is moved to another node, for up to
+    `node_replacements` nodes (by default the job's node count; 0: the job fails instead)."""
     from kubernetes import client
 
     write = write or (lambda line: print(line, file=sys.stdout, flush=True))
@@ -445,8 +538,11 @@ def run_job(
     custom = client.CustomObjectsApi(api_client)
     core = client.CoreV1Api(api_client)
     allowed = crash_restarts if crash_restarts is not None else _allowed_crash_restarts(manifest)
+    replacements = node_replacements if node_replacements is not None else job_nodes(manifest)
+    replacer = _NodeReplacer(custom, core, ref, manifest, replacements) if replacements > 0 else None
     watch = _JobWatch(
-        custom, ref, _LogFollower(core, ref, write), _PodWatcher(core, ref, pending_timeout_s, allowed),
+        custom, ref, _LogFollower(core, ref, write),
+        _PodWatcher(core, ref, pending_timeout_s, allowed, replacer),
         timeout_s, poll_interval_s, status_read_grace_s,
     )  # fmt: skip
     _create(custom, ref, manifest, api_client)

@@ -24,6 +24,10 @@ reason when waiting longer is pointless:
 - an init container still running or waiting after `pending_timeout_s` (a worker whose
   master never came up).
 
+`unhealthy_node` reads the node check's verdict (trainer/health.py exits EXIT_UNHEALTHY_NODE
+with its reasons as the termination message) off a pod, so the launcher can move the pod
+to another node instead of letting it crash-loop on this one.
+
 Nothing here calls the API; `k8s_launcher` lists pods and events and calls this.
 """
 
@@ -31,6 +35,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from typing import Any
+
+from trainer.health import EXIT_UNHEALTHY_NODE
 
 FATAL_WAITING_REASONS = frozenset(
     {"ImagePullBackOff", "ErrImagePull", "InvalidImageName", "CreateContainerConfigError"}
@@ -209,4 +215,17 @@ def stuck_reason(
                 f"{(now - started).total_seconds():.0f} s (a worker waits there for the master pod's address: "
                 "is the master pod running?)"
             )
+    return None
+
+
+def unhealthy_node(pod: dict[str, Any]) -> tuple[str, str] | None:
+    """(node name, the node check's reasons) when a container of the pod last exited with
+    EXIT_UNHEALTHY_NODE (running again or not: the kubelet restarts it in place), else None."""
+    status = pod.get("status") or {}
+    for container in status.get("containerStatuses") or []:
+        for state in ("state", "lastState"):
+            terminated = (container.get(state) or {}).get("terminated") or {}
+            if terminated.get("exitCode") == EXIT_UNHEALTHY_NODE:
+                reasons = " ".join(str(terminated.get("message") or "no reason given").split())
+                return (pod.get("spec") or {}).get("nodeName", ""), reasons
     return None

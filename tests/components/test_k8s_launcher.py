@@ -546,7 +546,7 @@ def test_a_missing_mlflow_secret_in_the_jobs_namespace_fails_at_once_naming_it(f
 
 
 @pytest.mark.parametrize(
-    "trouble", ["mount-fail", "creating", "missing-secret", "unschedulable", "init-wait"]
+    "trouble", ["mount-fail", "creating", "missing-secret", "unschedulable", "init-wait", "unhealthy-node"]
 )
 def test_the_fakes_pods_and_events_are_valid_core_objects(fake, trouble):
     """The fake's pods and events must be what the API server could send: every field is one
@@ -783,3 +783,76 @@ def test_a_jobs_rank0_logs_its_live_metrics_into_the_mlflow_run_the_train_step_h
     }
     health = run_folder / "train" / "node-health"
     assert [json.loads(p.read_text())["healthy"] for p in health.glob("*.json")] == [True]
+
+
+def test_a_pod_whose_node_fails_the_node_check_is_moved_off_it_and_the_job_goes_on(fake):
+    """The node check exits EXIT_UNHEALTHY_NODE on worker 0's node: the step patches the job
+    so new pods avoid that node, deletes the pod, and the operator's replacement (same name,
+    new uid) lands elsewhere; the job then finishes. Without the patch the fake's scheduler
+    puts the replacement back on the same node, and the job would never finish."""
+    fake.default_scenario = Scenario(pod_troubles={1: PodTrouble("unhealthy-node")})
+    lines: list[str] = []
+    job = run_job(job_manifest("pytorchjob", settings()), api_client=api_client(fake), timeout_s=20,
+                  poll_interval_s=0.01, write=lines.append)  # fmt: skip
+    assert job["status"]["conditions"][-1]["type"] == "Succeeded"
+    assert fake.deleted_pods == ["rtp-train-test-worker-0"] and fake.deleted == []
+    [patch] = fake.patches
+    for role in ("Master", "Worker"):
+        affinity = patch["spec"]["pytorchReplicaSpecs"][role]["template"]["spec"]["affinity"]
+        [term] = affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+            "nodeSelectorTerms"
+        ]
+        assert term["matchExpressions"] == [
+            {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["ip-10-0-0-11"]}
+        ]
+    pods = client.CoreV1Api(api_client(fake)).list_namespaced_pod("team-a").items
+    assert {p.metadata.name: p.spec.node_name for p in pods} == {
+        "rtp-train-test-master-0": "ip-10-0-0-10",
+        "rtp-train-test-worker-0": "ip-10-0-1-0",
+    }
+
+
+def test_a_node_check_failure_the_step_may_not_move_fails_the_job_naming_the_node(fake):
+    manifest = job_manifest("pytorchjob", settings())
+    error = stuck_job(fake, "pytorchjob", {0: PodTrouble("unhealthy-node")}, node_replacements=0)
+    assert "node ip-10-0-0-10 of pod rtp-train-test-master-0 failed the node check" in str(error)
+    assert "efa: 0 EFA devices" in str(error) and "kubectl cordon ip-10-0-0-10" in str(error)
+    assert fake.deleted == ["rtp-train-test"] and fake.patches == []
+
+    fake.deleted.clear()
+    trainjob = stuck_job(fake, "trainjob", {1: PodTrouble("unhealthy-node")})
+    assert "a TrainJob's pod template cannot change while it runs" in str(trainjob)
+
+    fake.deleted.clear()
+    fake.forbidden = {"patch"}
+    forbidden = stuck_job(fake, "pytorchjob", {1: PodTrouble("unhealthy-node")})
+    assert "the Role needs `patch` on pytorchjobs and `delete` on pods" in str(forbidden)
+    assert fake.deleted_pods == [] and manifest["kind"] == "PyTorchJob"
+
+
+def test_a_replacement_that_lands_on_the_unhealthy_node_again_is_not_moved_forever(fake, monkeypatch):
+    """A patch that did not take effect (here: one that avoids no node) must not loop."""
+    import dataclasses
+
+    from components.train import jobs
+
+    no_effect = dataclasses.replace(
+        jobs.JOB_KINDS["pytorchjob"], avoiding=lambda manifest, nodes: {"spec": {}}
+    )
+    monkeypatch.setitem(jobs.JOB_KINDS, "pytorchjob", no_effect)
+    error = stuck_job(fake, "pytorchjob", {1: PodTrouble("unhealthy-node")})
+    assert "ip-10-0-0-11" in str(error) and "came back to it" in str(error), error
+    assert fake.deleted_pods == ["rtp-train-test-worker-0"]
+
+
+def test_the_fake_validates_a_patch_against_the_crd_like_a_create(fake):
+    custom = client.CustomObjectsApi(api_client(fake))
+    custom.create_namespaced_custom_object(
+        "kubeflow.org", "v1", "team-a", "pytorchjobs", job_manifest("pytorchjob", settings())
+    )
+    with pytest.raises(client.ApiException) as rejected:
+        custom.patch_namespaced_custom_object(
+            "kubeflow.org", "v1", "team-a", "pytorchjobs", "rtp-train-test", {"spec": {"notAField": 1}}
+        )
+    assert rejected.value.status == 422 and "notAField" in rejected.value.body
+    assert fake.patches == []

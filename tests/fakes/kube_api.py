@@ -14,7 +14,13 @@ or JobSet labels them; the rank-0 pod serves a growing log. A scenario can make 
 stuck the way a cluster shows it (`PodTrouble`): Pending and Unschedulable with the
 scheduler's FailedScheduling event, ImagePullBackOff, CrashLoopBackOff, an init container
 still running, a volume that does not mount (the kubelet's FailedMount events), a missing
-secret (CreateContainerConfigError); events are listed by `involvedObject` field selector.
+secret (CreateContainerConfigError), a node that fails the node check (`unhealthy-node`: the
+container crash-loops with the check's exit code and reasons); events are listed by
+`involvedObject` field selector. Each pod runs on a named node; a PATCH of a job (JSON merge
+patch, validated against the CRD like a create) changes the template its pods are built from,
+and a deleted job pod is recreated the way the operator and scheduler would: same name, new
+uid, on the node it had unless the job's current node affinity excludes it (then on a spare
+node). A job does not finish while one of its pods sits on an unhealthy node.
 A job pod's volumes are the job's pod template's. Standalone pods (`add_pod`, the train
 step's own pod) can be read by name; a job's `metadata.ownerReferences` are checked against
 the client's V1OwnerReference model, and the garbage collector is imitated: a job none of
@@ -26,6 +32,7 @@ admission webhooks.
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from collections.abc import Callable
@@ -37,6 +44,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 from tests.fakes.crd_schema import CustomResource, load_custom_resources
+from trainer.health import EXIT_UNHEALTHY_NODE
 
 _SUCCESS_CONDITION = {"PyTorchJob": "Succeeded", "TrainJob": "Complete"}
 
@@ -59,7 +67,7 @@ SCHEDULER_MESSAGE = (
 class PodTrouble:
     """What keeps one pod of a running job from getting anywhere, as the API shows it."""
 
-    kind: str  # unschedulable | no-scale-up | image-pull | crash-loop | init-wait | mount-fail | creating | missing-secret
+    kind: str  # unschedulable | no-scale-up | image-pull | crash-loop | init-wait | mount-fail | creating | missing-secret | unhealthy-node
     since_s: float = 0.0
     """How long ago the trouble began (condition, init container start)."""
     restarts: int = 5
@@ -85,6 +93,52 @@ class _Job:
     scenario: Scenario
     reads: int = 0
     phase: str = "Created"
+    nodes: dict[int, str] = field(default_factory=dict)
+    """The node each pod (by node index) runs on."""
+    generations: dict[int, int] = field(default_factory=dict)
+    """How often each pod was recreated (its uid changes)."""
+    bad_nodes: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        spec = self.body["spec"]
+        if self.resource.kind == "PyTorchJob":
+            count = sum(int(r.get("replicas", 1)) for r in spec["pytorchReplicaSpecs"].values())
+        else:
+            count = int(spec["trainer"].get("numNodes", 1))
+        self.nodes = {i: f"ip-10-0-0-{i + 10}" for i in range(count)}
+        self.generations = dict.fromkeys(self.nodes, 0)
+        self.bad_nodes = {
+            self.nodes[i] for i, t in self.scenario.pod_troubles.items() if t.kind == "unhealthy-node"
+        }
+
+    def avoided_nodes(self, index: int) -> set[str]:
+        """The nodes the current pod template of node `index`'s replica may not run on."""
+        if self.resource.kind != "PyTorchJob":
+            return set()
+        role = "Master" if index == 0 else "Worker"
+        template = self.body["spec"]["pytorchReplicaSpecs"][role]["template"]["spec"]
+        required = (template.get("affinity") or {}).get("nodeAffinity", {})
+        terms = required.get("requiredDuringSchedulingIgnoredDuringExecution", {}).get(
+            "nodeSelectorTerms", []
+        )
+        avoided: set[str] | None = None
+        for term in terms:  # ORed: a node is excluded when every term excludes it
+            excluded = {
+                value
+                for e in term.get("matchExpressions") or []
+                if e.get("key") == "kubernetes.io/hostname" and e.get("operator") == "NotIn"
+                for value in e.get("values", [])
+            }
+            avoided = excluded if avoided is None else avoided & excluded
+        return avoided or set()
+
+    def recreate(self, index: int) -> None:
+        """The operator recreates a deleted pod; the scheduler keeps its free node unless excluded."""
+        self.generations[index] += 1
+        avoided = self.avoided_nodes(index)
+        if self.nodes[index] in avoided:
+            used = set(self.nodes.values()) | avoided
+            self.nodes[index] = next(f"ip-10-0-1-{k}" for k in range(100) if f"ip-10-0-1-{k}" not in used)
 
 
 def _now() -> str:
@@ -97,6 +151,19 @@ def _matches(labels: dict[str, str], selector: str) -> bool:
         if labels.get(key) != value:
             return False
     return True
+
+
+def _merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch: objects merge key by key, null deletes, anything else replaces."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    merged = copy.deepcopy(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = _merge_patch(merged.get(key), value)
+    return merged
 
 
 def _template_volumes(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -156,6 +223,12 @@ class FakeKubernetes:
         self.on_success: Callable[[dict[str, Any]], None] | None = None
         self.events_forbidden = False
         """Answer 403 to event lists, like a Role without `events`."""
+        self.patches: list[dict[str, Any]] = []
+        """Every merge patch the fake applied to a job, in order."""
+        self.deleted_pods: list[str] = []
+        """Job pods deleted through the API (each then recreated, as the operator would)."""
+        self.forbidden: set[str] = set()
+        """Verbs answered 403 (`patch`, `delete-pod`), like a Role without them."""
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}
         """Standalone pods by (namespace, name): the train step's own pod (`add_pod`)."""
         self.collected: list[str] = []
@@ -224,8 +297,8 @@ class FakeKubernetes:
         kind = job.resource.kind
         order = ["Created", "Running", "Finished"]
         step = min(job.reads // job.scenario.reads_per_phase, 2)
-        if job.scenario.outcome == "hang":
-            step = min(step, 1)
+        if job.scenario.outcome == "hang" or job.bad_nodes & set(job.nodes.values()):
+            step = min(step, 1)  # a rank on an unhealthy node never joins: the job stays Running
         phase = order[step]
         if phase == job.phase:
             return
@@ -276,12 +349,15 @@ class FakeKubernetes:
                     "batch.kubernetes.io/job-completion-index": str(index),
                 }
                 pods.append((index, f"{name}-node-0-{index}-abcde", labels, "node", False))
-        return [
-            self._pod(
-                job, pod_name, namespace, labels, container, has_init, job.scenario.pod_troubles.get(index)
-            )
-            for index, pod_name, labels, container, has_init in pods
-        ]
+        made = []
+        for index, pod_name, labels, container, has_init in pods:
+            trouble = job.scenario.pod_troubles.get(index)
+            if trouble and trouble.kind == "unhealthy-node" and job.nodes[index] not in job.bad_nodes:
+                trouble = None  # moved to a healthy node
+            pod = self._pod(job, pod_name, namespace, labels, container, has_init, trouble, job.nodes[index])
+            pod["metadata"]["uid"] = f"{pod_name}-uid-{job.generations[index]}"
+            made.append(pod)
+        return made
 
     def _pod(
         self,
@@ -292,6 +368,7 @@ class FakeKubernetes:
         container: str,
         has_init: bool,
         trouble: PodTrouble | None,
+        node: str,
     ) -> dict[str, Any]:
         since = (datetime.now(UTC) - timedelta(seconds=trouble.since_s if trouble else 0)).strftime(
             "%Y-%m-%dT%H:%M:%SZ"
@@ -302,6 +379,8 @@ class FakeKubernetes:
             "containers": [{"name": container, "image": "fake"}],
             "volumes": _template_volumes(job.body),
         }
+        if not trouble or trouble.kind not in ("unschedulable", "no-scale-up"):
+            spec["nodeName"] = node  # scheduled
         if has_init:
             spec["initContainers"] = [{"name": "init-pytorch", "image": "alpine"}]
         base = {"name": container, "image": "fake", "imageID": "", "ready": False, "restartCount": 0}
@@ -345,6 +424,25 @@ class FakeKubernetes:
                         "waiting": {"reason": "CrashLoopBackOff", "message": "back-off 5m0s restarting"}
                     },
                     "lastState": {"terminated": {"exitCode": 1, "reason": "Error"}},
+                }
+            ]
+        elif kind == "unhealthy-node":
+            # The node check exits with its code and reasons; the kubelet restarts it in place.
+            status["containerStatuses"] = [
+                {
+                    **base,
+                    "restartCount": 1,
+                    "state": {
+                        "waiting": {"reason": "CrashLoopBackOff", "message": "back-off 10s restarting"}
+                    },
+                    "lastState": {
+                        "terminated": {
+                            "exitCode": EXIT_UNHEALTHY_NODE,
+                            "reason": "Error",
+                            "message": f"node {node} is unhealthy: efa: 0 EFA devices under "
+                            "/sys/class/infiniband (none), 32 expected",
+                        }
+                    },
                 }
             ]
         elif kind in ("mount-fail", "creating", "missing-secret"):
@@ -605,9 +703,59 @@ class FakeKubernetes:
                     fake._collect_garbage()
                     self._send(201, body)
 
+            def do_PATCH(self) -> None:
+                parts, _ = self._route()
+                length = int(self.headers.get("Content-Length", "0"))
+                patch = json.loads(self.rfile.read(length) or b"{}")
+                with fake._lock:
+                    if parts[:1] != ["apis"] or len(parts) != 7 or self._resource(parts) is None:
+                        return self._status(404, "NotFound", f"the fake has no route for PATCH {self.path}")
+                    if self.headers.get("Content-Type") != "application/merge-patch+json":
+                        return self._status(
+                            415,
+                            "UnsupportedMediaType",
+                            f"the fake takes merge patches, not {self.headers.get('Content-Type')}",
+                        )
+                    if "patch" in fake.forbidden:
+                        return self._status(
+                            403, "Forbidden", f'{parts[5]} is forbidden: cannot patch resource "{parts[5]}"'
+                        )
+                    job = fake.jobs.get((parts[5], parts[4], parts[6]))
+                    if job is None:
+                        return self._status(404, "NotFound", f'{parts[5]} "{parts[6]}" not found')
+                    merged = _merge_patch(job.body, patch)
+                    server_set = ("uid", "creationTimestamp")  # added by the fake on create
+                    metadata = {k: v for k, v in merged["metadata"].items() if k not in server_set}
+                    spec_only = {k: v for k, v in merged.items() if k != "status"}  # status is the operator's
+                    errors = job.resource.errors({**spec_only, "metadata": metadata})
+                    if errors:
+                        fake.rejected.append("; ".join(errors))
+                        return self._status(
+                            422, "Invalid", f"{job.resource.kind} is invalid: " + "; ".join(errors)
+                        )
+                    job.body = merged
+                    fake.patches.append(patch)
+                    self._send(200, merged)
+
+            def _delete_pod(self, parts: list[str]) -> None:
+                namespace, name = parts[3], parts[5]
+                if "delete-pod" in fake.forbidden:
+                    return self._status(403, "Forbidden", 'pods is forbidden: cannot delete resource "pods"')
+                for (_, ns, _), job in fake.jobs.items():
+                    if ns != namespace:
+                        continue
+                    for index, pod in enumerate(fake._job_pods(job)):
+                        if pod["metadata"]["name"] == name:
+                            fake.deleted_pods.append(name)
+                            job.recreate(index)
+                            return self._send(200, pod)
+                self._status(404, "NotFound", f'pods "{name}" not found')
+
             def do_DELETE(self) -> None:
                 parts, _ = self._route()
                 with fake._lock:
+                    if parts[:2] == ["api", "v1"] and len(parts) == 6 and parts[4] == "pods":
+                        return self._delete_pod(parts)
                     if parts[:1] != ["apis"] or len(parts) != 7 or self._resource(parts) is None:
                         return self._status(404, "NotFound", f"the fake has no route for DELETE {self.path}")
                     job = fake.jobs.pop((parts[5], parts[4], parts[6]), None)

@@ -125,6 +125,8 @@ def test_rbac_lets_the_pipelines_service_account_run_and_clean_up_jobs():
         for verb in ("create", "get", "list", "delete"):
             assert (group, plural, verb) in granted
     assert {("", "pods", "list"), ("", "pods/log", "get")} <= granted
+    # Moving a pod off a node that failed the node check: patch the job, delete the pod.
+    assert {("kubeflow.org", "pytorchjobs", "patch"), ("", "pods", "delete")} <= granted
     assert ("", "events", "list") in granted  # the stuck-pod watcher reads the scheduler's reasons
     binding = objects["RoleBinding"]
     assert binding["roleRef"]["name"] == objects["Role"]["metadata"]["name"]

@@ -58,24 +58,80 @@ def test_missing_or_miscomputing_gpus_fail():
     assert not wrong.ok and wrong.detail.startswith("GPU 1 computed a wrong matmul")
 
 
+class _NVMLError(Exception):
+    pass
+
+
+def _nvml(errors=(0, 0), rows=((0, 0, False, False), (0, 0, False, False)), xids=(), **extra):
+    """An NVML stand-in: ECC counts and remapped rows per GPU, and the Xid events (GPU, Xid)
+    queued once events are registered."""
+    queue = []
+
+    def register(handle, kind, event_set):
+        assert kind == 8 and event_set == "set"
+        queue.extend(SimpleNamespace(device=gpu, eventData=xid) for gpu, xid in xids if gpu == handle)
+
+    def wait(event_set, timeout_ms):
+        if not queue:
+            raise _NVMLError("Timeout")
+        return queue.pop(0)
+
+    def remapped(handle):
+        if rows[handle] is None:
+            raise _NVMLError("Not Supported")
+        return rows[handle]
+
+    functions = dict(
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetHandleByIndex=lambda index: index,
+        nvmlDeviceGetIndex=lambda handle: handle,
+        nvmlDeviceGetTotalEccErrors=lambda handle, kind, counter: errors[handle],
+        nvmlDeviceGetRemappedRows=remapped,
+        nvmlEventSetCreate=lambda: "set",
+        nvmlEventSetFree=lambda event_set: None,
+        nvmlDeviceRegisterEvents=register,
+        nvmlEventSetWait_v2=wait,
+        nvmlEventTypeXidCriticalError=8,
+        NVML_MEMORY_ERROR_TYPE_UNCORRECTED=1,
+        NVML_VOLATILE_ECC=0,
+        NVMLError=_NVMLError,
+    )
+    return SimpleNamespace(**{**functions, **extra})
+
+
 def test_uncorrected_ecc_errors_fail():
-    class NVMLError(Exception):
-        pass
-
-    def nvml(errors):
-        return SimpleNamespace(
-            nvmlInit=lambda: None,
-            nvmlShutdown=lambda: None,
-            nvmlDeviceGetHandleByIndex=lambda index: index,
-            nvmlDeviceGetTotalEccErrors=lambda handle, kind, counter: errors[handle],
-            NVML_MEMORY_ERROR_TYPE_UNCORRECTED=1,
-            NVML_VOLATILE_ECC=0,
-            NVMLError=NVMLError,
-        )
-
-    assert health.gpu_memory_errors(2, nvml=nvml([0, 0])).ok
-    bad = health.gpu_memory_errors(2, nvml=nvml([0, 3]))
+    assert health.gpu_memory_errors(2, nvml=_nvml()).ok
+    bad = health.gpu_memory_errors(2, nvml=_nvml(errors=[0, 3]))
     assert not bad.ok and bad.detail == "GPU 1: 3 uncorrected ECC errors"
+
+
+def test_failed_or_pending_row_remapping_fails():
+    older_gpu = health.gpu_memory_errors(2, nvml=_nvml(rows=[None, None]))
+    assert older_gpu.ok, "a GPU without row remapping (NotSupported) passes"
+    failed = health.gpu_memory_errors(2, nvml=_nvml(rows=[(0, 0, False, False), (0, 4, True, True)]))
+    assert not failed.ok and failed.detail == "GPU 1: a memory row remapping failed (the GPU needs replacing)"
+    pending = health.gpu_memory_errors(2, nvml=_nvml(rows=[(2, 1, True, False), (0, 0, False, False)]))
+    assert (
+        not pending.ok
+        and pending.detail == "GPU 0: a memory row remapping is pending (the GPU needs a reset)"
+    )
+
+
+def test_an_xid_raised_while_the_gpus_compute_fails_the_node():
+    with health.XidWatch(2, nvml=_nvml(), drain_ms=1) as quiet:
+        pass
+    assert quiet.check.ok and quiet.check.detail == "no critical Xid events on GPUs 0, 1"
+    with health.XidWatch(2, nvml=_nvml(xids=[(1, 79)]), drain_ms=1) as faulty:
+        pass
+    assert not faulty.check.ok and faulty.check.detail.startswith("Xid 79 on GPU 1 "), faulty.check
+
+    def refuse(handle, kind, event_set):
+        raise _NVMLError("Not Supported")
+
+    with health.XidWatch(1, nvml=_nvml(nvmlDeviceRegisterEvents=refuse), drain_ms=1) as unsupported:
+        pass
+    assert unsupported.check.ok and unsupported.check.detail == "no critical Xid events on GPUs none"
 
 
 def _inline_config(tmp_path, **named) -> str:
