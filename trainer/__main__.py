@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainer: error: {earlier} (not retried: a restart would fail the same way)", file=sys.stderr)
         return 2
     from trainer.data import DataError  # torch imports only once arguments are valid
+    from trainer.link_check import SlowInterconnect
     from trainer.parallelize import shutdown_distributed
     from trainer.resilience import fault_tolerance
 
@@ -54,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, ConfigError) as exc:
         print(f"trainer: error: {exc}", file=sys.stderr)
         return 2
+    except SlowInterconnect as exc:  # without the in-process layer; the launcher may retry
+        print(f"trainer: error: {exc}", file=sys.stderr)
+        return 1
     except BaseException as exc:
         if type(exc).__name__ != "RestartAbort":
             raise

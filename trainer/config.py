@@ -428,6 +428,15 @@ def validate(config: TrainConfig) -> None:
             "resilience.straggler_every_steps must be 0 (off) or more, and resilience.straggler_threshold "
             f"above 1 (times the other ranks' median), got {r.straggler_every_steps} and {r.straggler_threshold:g}"
         )
+    if (
+        r.allreduce_check_mib < 0
+        or r.min_allreduce_gbps < 0
+        or (r.min_allreduce_gbps and not r.allreduce_check_mib)
+    ):
+        raise ConfigError(
+            "resilience.allreduce_check_mib and min_allreduce_gbps must be 0 (off) or positive, and a "
+            f"floor needs a check to compare with, got {r.allreduce_check_mib:g} MiB and {r.min_allreduce_gbps:g} GB/s"
+        )
     # How collective_timeout_s must compare with hard_timeout_s depends on the device
     # (gloo or NCCL): trainer.gpu_defaults.check_timeouts, when a rank starts.
     t = config.training

@@ -229,6 +229,14 @@ class ResilienceConfig:
     and a rank slower than `straggler_threshold` times the median is named; 0 turns it off."""
     straggler_threshold: float = 1.5
     """How many times the median of the other ranks' local work makes a rank a straggler."""
+    allreduce_check_mib: float = 0.0
+    """Before a process's first attempt trains, the ranks time an all-reduce of this many MiB
+    over the world and report its bus bandwidth (trainer/link_check.py); 0 turns it off
+    (CPU runs' default; GPU runs get 256)."""
+    min_allreduce_gbps: float = 0.0
+    """A bus bandwidth (GB/s) below this ends the attempt (SlowInterconnect; the launcher's
+    restart measures again); 0 only reports. Take it from nccl-tests' all_reduce_perf on
+    a healthy pair of your nodes."""
     prefork_workers: bool = True
     """Ranks the launcher starts again after a hard fault are forked from a process per
     node that has imported torch and the trainer already, instead of importing everything

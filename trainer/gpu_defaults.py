@@ -36,6 +36,7 @@ GPU_RESILIENCE: dict[str, float] = {
     "hard_timeout_s": 600.0,
     "heartbeat_floor_s": 120.0,
     "blocking_work_limit_s": 3600.0,
+    "allreduce_check_mib": 256.0,
 }
 """`resilience.*` for GPU runs (a user's override still wins)."""
 

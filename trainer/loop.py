@@ -46,6 +46,7 @@ from trainer.events import EventLog
 from trainer.faults import FaultInjector, parse_faults
 from trainer.gpu_defaults import check_timeouts
 from trainer.hooks import Attempt, Callback, StepResult, TrainHooks
+from trainer.link_check import SlowInterconnect, check_links
 from trainer.models import model_spec
 from trainer.parallelize import (
     compute_dtype,
@@ -184,6 +185,8 @@ class Trainer:
         self.events.emit(
             "attempt_start", at=attempt_started_at, world_size=self.world, **self.attempt.as_dict()
         )
+        if not self.attempt.inprocess_iteration:  # an in-process restart keeps the same links
+            self._check_links()
         self.injector = FaultInjector(
             parse_faults(config.run.faults),
             self.workdir,
@@ -230,6 +233,18 @@ class Trainer:
             raise
         self.clock.phases["checkpoint_load_s"] = self.checkpoints.load_s
         self.clock.phases["checkpointer_start_s"] = self.checkpoints.start_s
+
+    def _check_links(self) -> None:
+        r = self.config.resilience
+        with self.clock.phase("link_check_s"):
+            link = check_links(r.allreduce_check_mib, r.min_allreduce_gbps, self.device)
+        if link is None:
+            return
+        self.events.emit("link_check", **link.as_dict())
+        if self.rank == 0:
+            log.info("link check: %s", link.line())
+        if link.too_slow:
+            raise SlowInterconnect(link.refusal())
 
     def _build_model(self, mesh: Any) -> None:
         config, device = self.config, self.device

@@ -47,6 +47,7 @@ from trainer.config import TrainConfig
 from trainer.env import forked_rank
 from trainer.faults import record_fatal_error
 from trainer.hooks import Abandonable, Attempt, Stateful, StepResult, TrainHooks
+from trainer.link_check import SlowInterconnect
 from trainer.loop import Trainer
 from trainer.summary import TrainSummary
 
@@ -349,6 +350,12 @@ def _attempts(
 
                 # RestartAbort (a BaseException) is how the wrapper is told to stop restarting.
                 raise RestartAbort(message) from exc
+            raise
+        except SlowInterconnect as exc:  # the same links in every in-process attempt
+            if call_wrapper is not None:
+                from nvidia_resiliency_ext.inprocess.exception import RestartAbort
+
+                raise RestartAbort(str(exc)) from exc
             raise
         except Exception:
             # Where it was raised (NVRx logs only the message); the wrapper then restarts.

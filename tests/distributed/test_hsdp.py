@@ -50,7 +50,8 @@ def parent(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def hsdp_twin(dataset_dir, tmp_path_factory, parent) -> tuple[Path, dict]:
-    """The fault-free 4-rank HSDP run from the parent folder."""
+    """The fault-free 4-rank HSDP run from the parent folder; it also times the all-reduce
+    check (which changes no weight)."""
     workdir = tmp_path_factory.mktemp("hsdp-twin")
     summary = train(
         dataset_dir,
@@ -58,7 +59,7 @@ def hsdp_twin(dataset_dir, tmp_path_factory, parent) -> tuple[Path, dict]:
         nproc=4,
         steps=STEPS,
         every=EVERY,
-        overrides=[*FAST, HSDP],
+        overrides=[*FAST, HSDP, "resilience.allreduce_check_mib=2"],
         model_dir=str(parent),
     )
     return workdir, summary
@@ -128,3 +129,13 @@ def test_an_hsdp_checkpoint_loads_under_fsdp_and_an_fsdp_one_under_hsdp(
     )
     assert mesh_of(tmp_path / "hsdp") == [2, 1] and as_hsdp["steps_run"] == 0
     assert as_hsdp["model_sha256"] == plain_two_rank_run["model_sha256"]
+
+
+def test_the_ranks_time_an_all_reduce_over_the_world_before_training(hsdp_twin):
+    workdir, _ = hsdp_twin
+    [check] = [e for e in events(workdir) if e["kind"] == "link_check"]
+    assert (check["world_size"], check["bytes"], check["floor_gbps"]) == (4, 2 * 2**20, 0.0)
+    expected = 2 * 3 / 4 * check["bytes"] / check["seconds"] / 1e9
+    assert check["busbw_gbps"] == pytest.approx(expected) and check["busbw_gbps"] > 0
+    [resumed] = [e for e in events(workdir) if e["kind"] == "resumed"]
+    assert 0 < resumed["phases"]["link_check_s"] < resumed["startup_s"]
