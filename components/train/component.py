@@ -41,6 +41,7 @@ def train_model(
     job_memory_per_node: str = "auto",
     job_shm_size: str = "auto",
     job_queue_name: str = "",
+    job_priority_class: str = "",
     job_max_restarts: int = -1,
     job_backoff_limit: int = -1,
     job_termination_grace_s: int = -1,

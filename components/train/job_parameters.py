@@ -129,6 +129,15 @@ JOB_PARAMETERS: tuple[JobParameter, ...] = (
         "empty = no queue (docs/eks.md, Gang scheduling).",
     ),
     JobParameter(
+        "job_priority_class",
+        "priority_class",
+        str,
+        "",
+        "PriorityClass of a pytorchjob's pods (priorityClassName; also the gang scheduler's priority): with "
+        "preemption on, a job of a higher class takes nodes from lower-priority pods; empty = the cluster's "
+        "default. A trainjob takes its runtime's.",
+    ),
+    JobParameter(
         "job_max_restarts",
         "max_restarts",
         int,

@@ -107,6 +107,9 @@ class JobSettings:
     queue_name: str = ""
     """Kueue LocalQueue the job is submitted to (label KUEUE_QUEUE_LABEL): Kueue keeps it
     suspended until the queue's quota admits all of its pods at once; empty = no queue."""
+    priority_class: str = ""
+    """PriorityClass of the PyTorchJob's pods and its gang scheduling policy; empty = the
+    cluster's default. A v2.3 TrainJob cannot set it (its runtime's pod template does)."""
     image_pull_policy: str = "IfNotPresent"
     image_pull_secrets: list[str] = field(default_factory=list)
     max_restarts: int | None = None
@@ -168,6 +171,13 @@ class JobSettings:
             problems.append(
                 f"job_queue_name {self.queue_name!r} must be a Kueue LocalQueue name "
                 "(a-z, 0-9, '-', '.', at most 63, alphanumeric at both ends) or empty for none"
+            )
+        if self.priority_class and (
+            len(self.priority_class) > 253 or not _DNS_SUBDOMAIN.fullmatch(self.priority_class)
+        ):
+            problems.append(
+                f"job_priority_class {self.priority_class!r} must be a PriorityClass name "
+                "(a-z, 0-9, '-', '.', at most 253) or empty for the cluster's default"
             )
         secret = self.mlflow_secret_name
         if secret and (len(secret) > 253 or not _DNS_SUBDOMAIN.fullmatch(secret)):
@@ -450,6 +460,7 @@ def pytorchjob_manifest(settings: JobSettings) -> dict[str, Any]:
                 "metadata": {"labels": _labels(settings), "annotations": _pod_annotations()},
                 "spec": {
                     **_scheduling(settings),
+                    **({"priorityClassName": settings.priority_class} if settings.priority_class else {}),
                     "terminationGracePeriodSeconds": settings.termination_grace_s,
                     # Training needs no Kubernetes API access: no token in the pods.
                     "automountServiceAccountToken": False,
@@ -474,6 +485,12 @@ def pytorchjob_manifest(settings: JobSettings) -> dict[str, Any]:
                 "activeDeadlineSeconds": settings.deadline_s,
                 "ttlSecondsAfterFinished": settings.ttl_after_finished_s,
                 "cleanPodPolicy": "None",
+                # What a gang scheduler (Volcano, scheduler-plugins) orders the job's pod group by.
+                **(
+                    {"schedulingPolicy": {"priorityClass": settings.priority_class}}
+                    if settings.priority_class
+                    else {}
+                ),
             },
             "pytorchReplicaSpecs": replicas,
         },
@@ -529,6 +546,11 @@ def trainjob_manifest(settings: JobSettings) -> dict[str, Any]:
     restarts the ranks inside each pod.
     """
     settings = settings.check().resolved()
+    if settings.priority_class:
+        raise JobSettingsError(
+            f"job_priority_class {settings.priority_class!r}: a v2.3 TrainJob cannot set its pods' priority; "
+            "set priorityClassName in the ClusterTrainingRuntime's pod template, or use launcher pytorchjob"
+        )
     trainer: dict[str, Any] = {
         "image": settings.image,
         "numNodes": settings.nnodes,

@@ -406,3 +406,20 @@ def test_a_queue_name_submits_the_job_to_kueue_and_a_bad_one_is_refused(launcher
     assert KUEUE_QUEUE_LABEL not in job_manifest(launcher, settings())["metadata"]["labels"]
     with pytest.raises(JobSettingsError, match="job_queue_name 'GPU queue'"):
         settings(queue_name="GPU queue").check()
+
+
+def test_a_priority_class_orders_a_pytorchjobs_pods_and_gang_and_a_trainjob_refuses_it(crds):
+    manifest = job_manifest("pytorchjob", settings(priority_class="training-high", nnodes=2).check())
+    assert crds["kubeflow.org/v1/PyTorchJob"].errors(manifest) == []
+    for replica in manifest["spec"]["pytorchReplicaSpecs"].values():
+        assert replica["template"]["spec"]["priorityClassName"] == "training-high"
+    assert manifest["spec"]["runPolicy"]["schedulingPolicy"] == {"priorityClass": "training-high"}
+    plain = job_manifest("pytorchjob", settings())
+    assert "priorityClassName" not in plain["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    assert "schedulingPolicy" not in plain["spec"]["runPolicy"]
+    with pytest.raises(
+        JobSettingsError, match="job_priority_class 'High Priority' must be a PriorityClass name"
+    ):
+        settings(priority_class="High Priority").check()
+    with pytest.raises(JobSettingsError, match=r"a v2\.3 TrainJob cannot set its pods' priority"):
+        job_manifest("trainjob", settings(priority_class="training-high"))
