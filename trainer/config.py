@@ -397,6 +397,11 @@ def validate(config: TrainConfig) -> None:
             f"data.global_batch ({config.data.global_batch}) must be 0 (batch_size x world size) or a "
             f"multiple of data.batch_size ({config.data.batch_size})"
         )
+    if config.data.eval_every_steps < 0 or (config.data.eval_every_steps and config.data.eval_windows < 1):
+        raise ConfigError(
+            f"data.eval_every_steps ({config.data.eval_every_steps}) must be 0 (off) or more, and needs "
+            f"data.eval_windows of at least 1 (got {config.data.eval_windows})"
+        )
     if not 0.0 < config.data.holdout_fraction < 1.0:
         raise ConfigError("data.holdout_fraction must be between 0 and 1 (exclusive)")
     if config.data.eval_windows < 0:

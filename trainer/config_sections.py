@@ -86,6 +86,10 @@ class DataConfig:
     """Holdout windows the training ranks score after the last step, written to <workdir>/eval.json
     for the validate step (which then never loads the whole model); 0: no record, validate scores
     the checkpoint in one process (small models only)."""
+    eval_every_steps: int = 0
+    """The validation pass: every this many steps the ranks score the model on the same
+    `eval_windows` holdout windows (collective; no weight changes) and report the loss in the
+    log, the events (`eval`) and MLflow (`eval.loss`, `eval.bits_per_byte`); 0: only the end."""
     eval_champion: str = ""
     """A registered model name: the training ranks also score its MLflow `champion` (a Hugging
     Face version, loaded sharded) on the same windows, into eval.json, so the validate step

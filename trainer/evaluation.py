@@ -352,6 +352,46 @@ def _champion_entry(
     }
 
 
+class PeriodicEval:
+    """Callback, the validation pass: every `config.data.eval_every_steps` steps score the
+    (sharded) model on the run's holdout windows on every rank, the same forwards on each
+    as FSDP's gathers require, and hand the score to `on_score(step, score)`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: Any,
+        device: torch.device,
+        on_score: Callable[[int, HoldoutScore], None],
+        keepalive: Callable[[], Any],
+    ) -> None:
+        from trainer.models import model_spec
+
+        self.model, self.config, self.device = model, config, device
+        self.on_score, self.keepalive = on_score, keepalive
+        self.spec = model_spec(config.model.kind)
+        self.tokenizer = self.spec.tokenizer(config.model)
+        self.batches: list[torch.Tensor] | None = None  # read at the first pass
+
+    def on_step_end(self, result: Any) -> None:
+        if result.step % self.config.data.eval_every_steps:
+            return
+        if self.batches is None:
+            from trainer.data import holdout_batches, load_tokens, split_files
+
+            _, holdout = split_files(self.config.data.dataset_dir, self.config.data.holdout_fraction)
+            windows = self.config.data.eval_windows
+            self.batches = list(
+                holdout_batches(load_tokens(holdout), self.config.model.seq_len, max_windows=windows)
+            )
+        with self.keepalive():
+            try:
+                score = score_windows(self.model, self.spec.loss, self.batches, self.tokenizer, self.device)
+            finally:
+                self.model.train(True)
+        self.on_score(result.step, score)
+
+
 def write_eval_record(
     model: nn.Module, config: Any, model_sha256: str, step: int, rank: int, device: torch.device
 ) -> Path | None:

@@ -206,6 +206,12 @@ class Trainer:
         self.callbacks.insert(0, self.stragglers)  # collective: at the same steps on every rank
         with self.clock.phase("model_build_s"):
             self._build_model(mesh)
+        if config.data.eval_every_steps:
+            from trainer.evaluation import PeriodicEval
+
+            self.callbacks.insert(
+                1, PeriodicEval(self.model, config, device, self._scored, self.hooks.keepalive)
+            )
         with self.clock.phase("loader_s"):
             self._build_sampler()
         self.losses: list[tuple[int, float]] = []
@@ -386,6 +392,16 @@ class Trainer:
             slow_ranks=slow, max_relative=worst,
         )  # fmt: skip
         self.progress.on_stragglers(report)
+
+    def _scored(self, step: int, score: Any) -> None:
+        self.events.emit(
+            "eval",
+            step=step,
+            loss=score.nats_per_token,
+            bits_per_byte=score.bits_per_byte,
+            tokens=score.tokens,
+        )
+        self.progress.on_eval(step, score.nats_per_token, score.bits_per_byte)
 
     def _record(self, result: StepResult) -> None:
         self.step_seconds += result.duration_s

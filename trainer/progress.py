@@ -122,6 +122,14 @@ class Progress:
                 int(fields["step"]),
             )
 
+    def on_eval(self, step: int, loss: float, bits_per_byte: float) -> None:
+        """A validation pass's holdout score: a log line, and MLflow metrics at its step."""
+        if not self.enabled:
+            return
+        log.info("eval at step %d: holdout loss %.4f (%.4f bits per byte)", step, loss, bits_per_byte)
+        if self.live is not None:
+            self.live.log({"eval.loss": loss, "eval.bits_per_byte": bits_per_byte}, step)
+
     def on_stragglers(self, report: dict[str, Any]) -> None:
         """A comparison of the ranks' local work (trainer/stragglers.py): the slow ones in the log, the worst ratio in MLflow."""
         if not self.enabled:

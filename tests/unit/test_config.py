@@ -57,6 +57,7 @@ def test_overrides_set_typed_values():
         ("optimizer.lr", "not key=value"),
         ("checkpoint.mode=fast", "torch-async"),
         ("checkpoint.keep_every_steps=-1", "keep_every_steps"),
+        ("data.eval_every_steps=-1", "eval_every_steps"),
     ],
 )
 def test_bad_overrides_name_the_problem(override, message):
@@ -85,3 +86,9 @@ def test_model_hash_changes_with_architecture_only():
 def test_parse_overrides_accepts_spaces_and_commas():
     assert parse_overrides(" a.b=1, c.d=2  e.f=3 ") == ["a.b=1", "c.d=2", "e.f=3"]
     assert parse_overrides("") == []
+
+
+def test_a_validation_pass_needs_holdout_windows_to_score():
+    with pytest.raises(ConfigError, match=r"needs data\.eval_windows of at least 1"):
+        build_config("tiny-cpu", ["data.eval_every_steps=10", "data.eval_windows=0"])
+    assert build_config("tiny-cpu", ["data.eval_every_steps=10"]).data.eval_every_steps == 10
