@@ -1,11 +1,13 @@
-"""`rtp bench staging`: `rtp stage` vs `rclone copy` vs `aws s3 sync` vs a plain sequential boto3 loop.
+"""`rtp bench staging`: `rtp stage` (one process, and 2 parts + a finisher) vs `rclone copy` vs `aws s3 sync` vs a plain sequential boto3 loop.
 
 One invocation starts a real S3 server on loopback (single-node Ceph RGW, unless
 `--endpoint-url` names one, with credentials from the environment), uploads the same data
 for every contender (`--objects` small objects of `--object-kib` KiB plus `--big-objects`
 objects of `--big-mib` MiB, multipart-uploaded), and times for each: a full stage into an
 empty folder, then a second run of the same command over the unchanged prefix. All run as
-subprocesses, so each pays its own start-up: `rtp stage`, `rclone copy` (Debian's, installed
+subprocesses, so each pays its own start-up: `rtp stage`, `rtp stage --part 0/2` and
+`--part 1/2` at once then `--finish 2` (`rtp_2_parts`: what two stage pods would do, here
+on the same two cores), `rclone copy` (Debian's, installed
 by scripts/install-rclone.sh; skipped with the reason when absent) with the settings a user
 tuning it for speed would pick, `aws s3 sync`, and a plain boto3 loop (`python -m
 benchmarks.staging boto3-loop`, one GET at a time, which skips files whose size already
@@ -104,6 +106,43 @@ def run_rtp(endpoint: str, dest: Path, env: dict[str, str], max_workers: int) ->
     return {**times, "bytes": size, "objects": objects}
 
 
+def _timed_together(commands: list[list[str]], env: dict[str, str]) -> tuple[float, float]:
+    """Wall and CPU seconds of commands run at the same time, until the last one ends."""
+    cpu = _children_cpu_s()
+    started = time.perf_counter()
+    processes = [
+        subprocess.Popen(c, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for c in commands
+    ]
+    errors = [p.communicate()[1] for p in processes]
+    for command, process, error in zip(commands, processes, errors, strict=True):
+        if process.returncode != 0:
+            raise RuntimeError(f"{' '.join(command[:4])} ... failed: {error[-2000:]}")
+    return time.perf_counter() - started, _children_cpu_s() - cpu
+
+
+def run_rtp_parts(
+    endpoint: str, dest: Path, env: dict[str, str], max_workers: int, parts: int
+) -> dict[str, Any]:
+    """`rtp stage --part I/N` for every part at once (as N pods would), then `--finish N`."""
+    command = [
+        sys.executable, "-m", "rtp_cli.main", "stage", "--source", f"s3://{BUCKET}/{PREFIX}",
+        "--endpoint-url", endpoint, "--fsx-mount-path", str(dest), "--dataset-name", "bench",
+    ]  # fmt: skip
+    if max_workers:
+        command += ["--max-workers", str(max_workers)]
+
+    def stage() -> tuple[float, float]:
+        wall, cpu = _timed_together([[*command, "--part", f"{i}/{parts}"] for i in range(parts)], env)
+        finish_wall, finish_cpu = _timed([*command, "--finish", str(parts)], env)
+        return wall + finish_wall, cpu + finish_cpu
+
+    full, cpu = stage()
+    nochange, _ = stage()
+    objects, size = _folder_bytes(dest / "rtp/datasets/bench/current/")
+    return {"full_s": full, "full_cpu_s": cpu, "nochange_s": nochange, "bytes": size, "objects": objects}
+
+
 def aws_executable() -> str:
     beside = Path(sys.executable).parent / "aws"
     found = str(beside) if beside.exists() else shutil.which("aws")
@@ -178,7 +217,7 @@ def run_benchmark(
     big_mib: int,
     endpoint_url: str = "",
     max_workers: int = 0,
-    contenders: tuple[str, ...] = ("rtp", "rclone", "awscli", "boto3_sequential"),
+    contenders: tuple[str, ...] = ("rtp", "rtp_2_parts", "rclone", "awscli", "boto3_sequential"),
 ) -> dict[str, Any]:
     """Each contender's figures; a contender that cannot run here is {"skipped": why}."""
     from benchmarks.ceph_rgw import CephRGW
@@ -206,6 +245,8 @@ def run_benchmark(
             results: dict[str, Any] = {}
             if "rtp" in contenders:
                 results["rtp"] = run_rtp(endpoint_url, root / "rtp", env, max_workers)
+            if "rtp_2_parts" in contenders:
+                results["rtp_2_parts"] = run_rtp_parts(endpoint_url, root / "rtp-parts", env, max_workers, 2)
             if "rclone" in contenders:
                 why = rclone_missing()
                 provider = "Ceph" if server is not None else "Other"

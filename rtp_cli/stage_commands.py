@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from typing import Any
 
 from components.stage_data.checksums import MIB
 from components.stage_data.stage import MODES, S3_CLIENTS, VERIFY_LOCAL
@@ -77,6 +78,21 @@ def add_stage_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--repository-dir", default="", help="with --mode repository: the FSx folder linked to the prefix"
     )
+    across = p.add_mutually_exclusive_group()
+    across.add_argument(
+        "--part",
+        default="",
+        metavar="I/N",
+        help="stage only part I (0-based) of N of the snapshot, balanced by bytes, and record it; "
+        "`--finish N` then commits it. Each part runs anywhere the volume is mounted (copy mode)",
+    )
+    across.add_argument(
+        "--finish",
+        type=int,
+        default=0,
+        metavar="N",
+        help="commit the snapshot that N parts (--part I/N) staged: every part's record is required",
+    )
     p.set_defaults(handler=_cmd_stage)
 
 
@@ -91,17 +107,28 @@ def _cmd_stage(args: argparse.Namespace) -> int:
         multipart_threshold_bytes=args.multipart_threshold_mib * MIB,
         part_size_bytes=args.part_size_mib * MIB,
     )
-    result = stage_dataset(
-        args.source,
-        args.fsx_mount_path,
-        args.dataset_name,
-        endpoint_url=args.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None,
-        settings=settings,
-        mode=args.mode,
-        repository_dir=args.repository_dir,
-        verify_local=args.verify_local,
-        s3_client_kind=args.s3_client,
-    )
+    common: dict[str, Any] = {
+        "endpoint_url": args.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None,
+        "settings": settings,
+        "verify_local": args.verify_local,
+        "s3_client_kind": args.s3_client,
+    }
+    where = (args.source, args.fsx_mount_path, args.dataset_name)
+    if args.part or args.finish:
+        from components.stage_data.parts import finish_stage, stage_part
+
+        if args.mode != "copy":
+            raise StageError("--part and --finish stage in copy mode only")
+        if args.finish:
+            print(json.dumps(finish_stage(*where, args.finish, **common).as_dict(), indent=2))
+            return 0
+        index, _, count = args.part.partition("/")
+        if not (index.isdigit() and count.isdigit()):
+            raise StageError(f"--part {args.part!r}: give I/N, e.g. 0/4")
+        record = stage_part(*where, int(index), int(count), **common)
+        print(json.dumps({k: v for k, v in record.items() if k != "files"}, indent=2))
+        return 0
+    result = stage_dataset(*where, mode=args.mode, repository_dir=args.repository_dir, **common)
     print(json.dumps(result.as_dict(), indent=2))
     return 0
 

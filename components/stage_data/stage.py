@@ -15,10 +15,12 @@ s3_clients, settings, transfer, fs_safety, snapshot_store, checksums, progress, 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -170,6 +172,63 @@ class StageRun:
         )
 
 
+@contextlib.contextmanager
+def open_stage(
+    source: str,
+    fsx_mount_path: str,
+    dataset_name: str,
+    endpoint_url: str | None = None,
+    max_workers: int | None = None,
+    client: Any = None,
+    *,
+    settings: TransferSettings | None = None,
+    mode: str = "copy",
+    verify_local: str = "stat",
+    progress_stream: Any = None,
+    s3_client_kind: str = "lean",
+    collection: str = "datasets",
+) -> Iterator[tuple[StageRun, list[SourceObject]]]:
+    """Check the arguments, list the source, name the snapshot and open its store: the
+    `StageRun` and the listed objects, for the time of the block (its pool stays open)."""
+    started = time.perf_counter()
+    if mode not in MODES:
+        raise StageError(f"mode {mode!r} is not one of {', '.join(MODES)}")
+    if verify_local not in VERIFY_LOCAL:
+        raise StageError(f"verify_local {verify_local!r} is not one of {', '.join(VERIFY_LOCAL)}")
+    if s3_client_kind not in S3_CLIENTS:
+        raise StageError(f"s3_client_kind {s3_client_kind!r} is not one of {', '.join(S3_CLIENTS)}")
+    settings = settings or (TransferSettings(max_workers=max_workers) if max_workers else TransferSettings())
+    parsed = parse_source(source)
+    if parsed.kind == "local":
+        client = LocalFolderClient()
+        objects = list_local_folder(parsed.bucket)
+    else:
+        if client is None:
+            client = s3_client(endpoint_url, settings.max_workers + 8, kind=s3_client_kind)
+        objects = list_objects(client, parsed.bucket, parsed.prefix)
+    paths = relative_paths((o.key for o in objects), parsed.prefix)
+    store = SnapshotStore.open(fsx_mount_path, dataset_name, collection)
+    lustre = Lustre()
+    lustre.check_destination(store.root)
+    with ThreadPoolExecutor(max_workers=settings.max_workers, thread_name_prefix="stage") as pool:
+        yield (
+            StageRun(
+                source=parsed,
+                client=client,
+                settings=settings,
+                pool=pool,
+                store=store,
+                snapshot_id=snapshot_id(objects),
+                paths=paths,
+                lustre=lustre,
+                verify_local=verify_local,
+                progress_stream=progress_stream,
+                started=started,
+            ),
+            objects,
+        )
+
+
 def stage_dataset(
     source: str,
     fsx_mount_path: str,
@@ -188,56 +247,26 @@ def stage_dataset(
 ) -> StageResult:
     """Stage `source` (s3://bucket/prefix or a local folder) as a snapshot of dataset `dataset_name`
     (or, with collection="models", of the model folder of that name)."""
-    started = time.perf_counter()
-    if mode not in MODES:
-        raise StageError(f"mode {mode!r} is not one of {', '.join(MODES)}")
-    if verify_local not in VERIFY_LOCAL:
-        raise StageError(f"verify_local {verify_local!r} is not one of {', '.join(VERIFY_LOCAL)}")
-    if s3_client_kind not in S3_CLIENTS:
-        raise StageError(f"s3_client_kind {s3_client_kind!r} is not one of {', '.join(S3_CLIENTS)}")
-    settings = settings or (TransferSettings(max_workers=max_workers) if max_workers else TransferSettings())
-    parsed = parse_source(source)
-    if parsed.kind == "local":
-        client = LocalFolderClient()
-        objects = list_local_folder(parsed.bucket)
-    else:
-        if client is None:
-            client = s3_client(endpoint_url, settings.max_workers + 8, kind=s3_client_kind)
-        objects = list_objects(client, parsed.bucket, parsed.prefix)
-    paths = relative_paths((o.key for o in objects), parsed.prefix)
-    snap = snapshot_id(objects)
-    store = SnapshotStore.open(fsx_mount_path, dataset_name, collection)
-    lustre = Lustre()
-    lustre.check_destination(store.root)
-
-    with ThreadPoolExecutor(max_workers=settings.max_workers, thread_name_prefix="stage") as pool:
-        run = StageRun(
-            source=parsed,
-            client=client,
-            settings=settings,
-            pool=pool,
-            store=store,
-            snapshot_id=snap,
-            paths=paths,
-            lustre=lustre,
-            verify_local=verify_local,
-            progress_stream=progress_stream,
-            started=started,
-        )
+    with open_stage(
+        source, fsx_mount_path, dataset_name, endpoint_url, max_workers, client, settings=settings, mode=mode,
+        verify_local=verify_local, progress_stream=progress_stream, s3_client_kind=s3_client_kind,
+        collection=collection,
+    ) as (run, objects):  # fmt: skip
+        snap, store = run.snapshot_id, run.store
         existing = read_manifest(store.snapshot_dir(snap))
         if existing is not None:
-            return _recheck_snapshot(run, existing)
+            return recheck_snapshot(run, existing)
 
         tree = store.staging_tree(snap)
-        todo, reused = _keep_what_is_already_there(run, objects, tree, link_from_current=mode == "copy")
+        todo, reused = keep_what_is_already_there(run, objects, tree, link_from_current=mode == "copy")
         if mode == "repository":
             fetched = _link_from_repository(run, Path(repository_dir), todo, tree)
             downloaded, downloaded_files = 0, len(fetched)
         else:
-            downloaded, fetched = _download_all(run, todo, tree)
+            downloaded, fetched = download_all(run, todo, tree)
             downloaded_files = len(fetched)
         described = {o.key: o for o in fetched}
-        store.commit(snap, source, [described.get(o.key, o) for o in objects], paths)
+        store.commit(snap, source, [described.get(o.key, o) for o in objects], run.paths)
     return run.result(
         objects,
         bytes_downloaded=downloaded,
@@ -260,7 +289,7 @@ def say_size_only_once(size_only: dict[str, str]) -> None:
     )
 
 
-def _keep_what_is_already_there(
+def keep_what_is_already_there(
     run: StageRun, objects: list[SourceObject], tree: SafeTree, *, link_from_current: bool
 ) -> tuple[list[SourceObject], int]:
     """Keep files an interrupted attempt finished and (copy mode) link those unchanged since
@@ -286,7 +315,7 @@ def _keep_what_is_already_there(
     return todo, reused
 
 
-def _download_all(run: StageRun, todo: list[SourceObject], tree: SafeTree) -> tuple[int, list[SourceObject]]:
+def download_all(run: StageRun, todo: list[SourceObject], tree: SafeTree) -> tuple[int, list[SourceObject]]:
     total = sum(o.size for o in todo)
     check_free_space(tree.root, total)
     described = (
@@ -343,7 +372,7 @@ def _link_from_repository(
     return checked
 
 
-def _recheck_snapshot(run: StageRun, manifest: dict[str, Any]) -> StageResult:
+def recheck_snapshot(run: StageRun, manifest: dict[str, Any]) -> StageResult:
     """The snapshot exists: transfer nothing unless a file in it was damaged, then re-fetch that one."""
     repaired = run.store.recheck(
         run.snapshot_id,

@@ -42,7 +42,7 @@ def test_bench_staging_reports_every_contender(tmp_path):
         server.stop()
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert set(data) == {"rtp", "rclone", "awscli", "boto3_sequential"}
+    assert set(data) == {"rtp", "rtp_2_parts", "rclone", "awscli", "boto3_sequential"}
     expected_bytes = sum(2048 - i % 7 + 8 for i in range(12)) + 9 * 2**20
     for name, row in data.items():
         if name == "rclone" and "skipped" in row:  # scripts/install-rclone.sh could not install it

@@ -1,0 +1,113 @@
+"""Staging across workers against a real S3 server (Ceph RGW): N `rtp stage --part I/N`
+processes and one `--finish N` give the snapshot one stage gives; a missing part stops the
+finisher, and that part retried alone completes it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from components.stage_data.parts import assign_parts, finish_stage, stage_part
+from components.stage_data.source import SourceObject
+from components.stage_data.stage import StageError, stage_dataset
+from tests.integration.test_stage_ceph import SETTINGS, _assert_snapshot, _seed
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def seeded(ceph_s3):
+    from components.stage_data.stage import s3_client
+
+    return ceph_s3, _seed(s3_client(ceph_s3.endpoint_url), "stage-parts"), "stage-parts"
+
+
+def _entries(snapshot: Path) -> tuple[dict, list[dict]]:
+    """The manifest without what differs between two stagings of the same listing (when, mtimes)."""
+    manifest = json.loads((snapshot / "manifest.json").read_text())
+    head = {k: v for k, v in manifest.items() if k not in ("files", "staged_at")}
+    return head, [{k: v for k, v in e.items() if k != "mtime_ns"} for e in manifest["files"]]
+
+
+def _stage_command(endpoint: str, bucket: str, dest: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "rtp_cli.main", "stage", "--source", f"s3://{bucket}/data/",
+        "--endpoint-url", endpoint, "--fsx-mount-path", str(dest), "--dataset-name", "ds",
+        "--max-workers", "4", "--multipart-threshold-mib", "4", "--part-size-mib", "4", *extra,
+    ]  # fmt: skip
+
+
+def test_parts_are_balanced_by_bytes_and_the_same_on_every_worker():
+    objects = [SourceObject("big-a", 100, "e"), SourceObject("big-b", 90, "e")]
+    objects += [SourceObject(f"s{i}", 1, "e") for i in range(10)]
+    parts = assign_parts(objects, 2)
+    assert {o.key for o in parts[0]} & {"big-a", "big-b"} != {"big-a", "big-b"}, "the two big ones split"
+    assert sorted(o.key for p in parts for o in p) == sorted(o.key for o in objects)
+    assert parts == assign_parts(list(reversed(objects)), 2), "the listing's order does not matter"
+    assert [len(p) for p in assign_parts(objects, 1)] == [12]
+
+
+def test_two_part_processes_and_a_finisher_give_the_snapshot_one_stage_gives(seeded, tmp_path):
+    server, expected, bucket = seeded
+    single = stage_dataset(
+        f"s3://{bucket}/data/", str(tmp_path / "one"), "ds", server.endpoint_url, settings=SETTINGS
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    parts = [
+        subprocess.Popen(_stage_command(server.endpoint_url, bucket, tmp_path / "two", "--part", f"{i}/2"),
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(2)
+    ]  # fmt: skip
+    records = []
+    for process in parts:
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err[-3000:]
+        records.append(json.loads(out))
+    assert not (tmp_path / "two/rtp/datasets/ds/current").exists(), "no part commits"
+    assert sum(r["files_downloaded"] for r in records) == len(expected)
+    assert all(r["files_downloaded"] > 0 for r in records), records
+    finish = subprocess.run(_stage_command(server.endpoint_url, bucket, tmp_path / "two", "--finish", "2"),
+                            env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert finish.returncode == 0, finish.stderr[-3000:]
+    result = json.loads(finish.stdout)
+    assert result["snapshot_id"] == single.snapshot_id
+    assert result["bytes_downloaded"] == single.bytes_downloaded == sum(map(len, expected.values()))
+    current = tmp_path / "two/rtp/datasets/ds/current"
+    _assert_snapshot(current, expected)
+    assert _entries(current) == _entries(tmp_path / "one/rtp/datasets/ds/current")
+    assert not list((tmp_path / "two/rtp/datasets/ds/.staging").iterdir()), "staging and part records gone"
+
+    again = finish_stage(f"s3://{bucket}/data/", str(tmp_path / "two"), "ds", 2,
+                         endpoint_url=server.endpoint_url, settings=SETTINGS)  # fmt: skip
+    assert (again.files_downloaded, again.snapshot_id) == (0, single.snapshot_id), "unchanged: re-checked"
+    skipped = stage_part(f"s3://{bucket}/data/", str(tmp_path / "two"), "ds", 1, 2,
+                         endpoint_url=server.endpoint_url, settings=SETTINGS)  # fmt: skip
+    assert skipped["already_staged"] is True
+
+
+def test_a_missing_part_stops_the_finisher_and_that_part_alone_completes_it(seeded, tmp_path):
+    server, expected, bucket = seeded
+    where = (f"s3://{bucket}/data/", str(tmp_path), "ds")
+    options = {"endpoint_url": server.endpoint_url, "settings": SETTINGS}
+    first = stage_part(*where, 0, 3, **options)
+    third = stage_part(*where, 2, 3, **options)
+    with pytest.raises(StageError, match=r"part 1 of 3 of snapshot \w+ has no record"):
+        finish_stage(*where, 3, **options)
+    assert not (tmp_path / "rtp/datasets/ds/current").exists()
+    second = stage_part(*where, 1, 3, **options)
+    assert second["files_reused"] == 0 and second["files_downloaded"] == len(second["files"])
+    done = finish_stage(*where, 3, **options)
+    assert (
+        done.files_downloaded
+        == first["files_downloaded"] + second["files_downloaded"] + third["files_downloaded"]
+    )
+    _assert_snapshot(tmp_path / "rtp/datasets/ds/current", expected)
+    with pytest.raises(StageError, match="0 <= part < parts"):
+        stage_part(*where, 3, 3, **options)
