@@ -76,6 +76,7 @@ def build_pipeline(
         source: str = DEFAULT_SOURCE,
         s3_endpoint_url: str = "",
         dataset_name: str = "demo-corpus",
+        stage_workers: int = 1,
         model_source: str = "",
         model_init: str = _default("model_init"),
         run_name: str = "",
@@ -104,6 +105,7 @@ def build_pipeline(
             source: S3 prefix holding the training text, as s3://bucket/prefix.
             s3_endpoint_url: S3-compatible endpoint URL; leave empty for AWS S3.
             dataset_name: Dataset folder name under <mount>/rtp/datasets.
+            stage_workers: Pods that fetch the dataset's objects, a share each balanced by bytes (a Kubernetes Indexed Job the stage step creates; each part is retried alone), before the stage step commits the snapshot; 1 fetches them in the stage step.
             model_source: S3 prefix of a Hugging Face model folder (config.json, *.safetensors, tokenizer files) to train, as s3://bucket/prefix/<model>/, staged under <mount>/rtp/models/<model>; or a version rtp registered, models:/<name>@<alias> (e.g. models:/rtp-model@champion: continue from the champion) or models:/<name>/<version>, resolved once, verified and staged under <mount>/rtp/models/<name>/versions. Empty trains a new built-in byte-level model. The dataset must be tokenized with this model's tokenizer (rtp prepare-data --tokenizer).
             model_init: How the Hugging Face model starts: pretrained (its weights) or random (from its config.json, for pretraining).
             run_name: Run folder name under <mount>/rtp/runs; empty uses the KFP run id (what a recurring run needs). Reuse a name to resume its checkpoints or, with more steps, train it further; a finished one is refused otherwise.
@@ -145,9 +147,14 @@ def build_pipeline(
             check.set_caching_options(False)
             platform.apply_common(check, options)
             stage = stage_op(
-                source=source, s3_endpoint_url=s3_endpoint_url, dataset_name=dataset_name, **run_folder
+                source=source,
+                s3_endpoint_url=s3_endpoint_url,
+                dataset_name=dataset_name,
+                **run_folder,
+                stage_workers=stage_workers,
             ).set_display_name("Stage the dataset from S3 onto FSx")
             stage.after(check)
+            _expose_pod_identity(stage)  # its part pods copy this pod's spec and are owned by it
             base_model = stage_model_op(
                 model_source=model_source, s3_endpoint_url=s3_endpoint_url, **run_folder
             ).set_display_name("Stage the model folder from S3 onto FSx")

@@ -40,6 +40,13 @@ def add_local_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--s3-endpoint-url", default="", help="S3-compatible endpoint for --source (default: AWS)")
     p.add_argument(
+        "--stage-workers",
+        type=int,
+        default=defaults.stage_workers,
+        help="fetch the dataset in this many parts at once (here: processes), then commit it: the "
+        "pipeline's stage_workers (default: %(default)s, fetched in the stage step)",
+    )
+    p.add_argument(
         "--model-source",
         default="",
         metavar="DIR|s3://…|models:/NAME@ALIAS",
@@ -102,6 +109,7 @@ def _cmd_local(args: argparse.Namespace) -> int:
         training=named_from_args(args, PIPELINE_SETTINGS),
         source=args.source,
         s3_endpoint_url=args.s3_endpoint_url,
+        stage_workers=args.stage_workers,
         mlflow_uri=args.mlflow_uri,
         model_name=model_name,
         max_loss=args.max_loss,
@@ -131,6 +139,7 @@ def _check_training_options(options: LocalOptions, model_dir: str = "") -> None:
                 "dataset_name": options.dataset_name,
                 "model_name": options.model_name,
                 "nproc": options.nproc,
+                "stage_workers": options.stage_workers,
             }
         )
     except RunParameterError as exc:

@@ -47,6 +47,8 @@ class LocalOptions:
     name; those not given, or None, keep the pipeline's defaults."""
     source: str = ""
     s3_endpoint_url: str = ""
+    stage_workers: int = 1
+    """Parts the dataset is fetched in at once (the pipeline's stage_workers; here processes)."""
     mlflow_uri: str = ""
     model_name: str = "rtp-byte-lm"
     max_loss: float = 4.0
@@ -154,6 +156,7 @@ def run_local(options: LocalOptions) -> dict[str, Any]:
                     source=source,
                     s3_endpoint_url=endpoint,
                     dataset_name=dataset_name,
+                    stage_workers=options.stage_workers,
                     model_source=model_source,
                     run_name=run_name,
                     nproc=options.nproc,

@@ -12,6 +12,7 @@ def check_run(
     source: str,
     model_source: str,
     dataset_name: str,
+    stage_workers: int,
     run_name: str,
     steps: int,
     checkpoint_every: int,
@@ -39,6 +40,7 @@ def check_run(
         source: the pipeline's source parameter.
         model_source: the pipeline's model_source parameter.
         dataset_name: the pipeline's dataset_name parameter.
+        stage_workers: the pipeline's stage_workers parameter.
         run_name: the pipeline's run_name parameter.
         steps: the pipeline's steps parameter.
         checkpoint_every: the pipeline's checkpoint_every parameter.

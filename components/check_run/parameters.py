@@ -20,7 +20,12 @@ from components.layout import check_name
 from components.mlflow_access import MODEL_NAME
 from trainer.config import named_settings
 
-POSITIVE = ("nproc", "nnodes", "job_timeout_s")  # the training numbers are checked by its config
+POSITIVE = (
+    "nproc",
+    "nnodes",
+    "job_timeout_s",
+    "stage_workers",
+)  # the training numbers are checked by its config
 NON_NEGATIVE = ("gpus_per_node", "efa_per_node", "keep_runs")
 INTEGERS = (
     *POSITIVE,

@@ -20,7 +20,9 @@ container crash-loops with the check's exit code and reasons); events are listed
 patch, validated against the CRD like a create) changes the template its pods are built from,
 and a deleted job pod is recreated the way the operator and scheduler would: same name, new
 uid, on the node it had unless the job's current node affinity excludes it (then on a spare
-node). A job does not finish while one of its pods sits on an unhealthy node.
+node). A job does not finish while one of its pods sits on an unhealthy node. `batch/v1` Jobs
+(the stage step's parts) are checked against the client's V1Job model and kept; a test's
+`batch_runner` runs their pods and says how they ended.
 A job pod's volumes are the job's pod template's. Standalone pods (`add_pod`, the train
 step's own pod) can be read by name; a job's `metadata.ownerReferences` are checked against
 the client's V1OwnerReference model, and the garbage collector is imitated: a job none of
@@ -231,6 +233,11 @@ class FakeKubernetes:
         """Verbs answered 403 (`patch`, `delete-pod`), like a Role without them."""
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}
         """Standalone pods by (namespace, name): the train step's own pod (`add_pod`)."""
+        self.batch_jobs: dict[tuple[str, str], dict[str, Any]] = {}
+        """batch/v1 Jobs by (namespace, name), each checked against the client's V1Job model."""
+        self.batch_runner: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+        """Runs a created batch Job's pods (in a thread) and returns the Job's final status."""
+        self.deleted_batch_jobs: list[str] = []
         self.collected: list[str] = []
         """Jobs the imitated garbage collector deleted (all their owners absent)."""
         self.failing_reads: list[int] = []
@@ -569,6 +576,12 @@ class FakeKubernetes:
 
             def do_GET(self) -> None:
                 parts, query = self._route()
+                if parts[:2] == ["apis", "batch"] and len(parts) == 7:
+                    with fake._lock:
+                        job = fake.batch_jobs.get((parts[4], parts[6]))
+                        if job is None:
+                            return self._status(404, "NotFound", f'jobs.batch "{parts[6]}" not found')
+                        return self._send(200, job)
                 with fake._lock:
                     if parts[:2] == ["api", "v1"] and len(parts) >= 4 and parts[2] == "namespaces":
                         return self._pods(parts, query)
@@ -669,10 +682,38 @@ class FakeKubernetes:
                     return self._status(404, "NotFound", f'pods "{parts[5]}" not found')
                 self._status(404, "NotFound", f"the fake has no route for GET {self.path}")
 
+            def _create_batch_job(self, namespace: str, body: dict[str, Any]) -> None:
+                from tests.fakes.k8s_models import core_object_errors
+
+                errors = core_object_errors(body) + _owner_reference_errors(body)
+                if errors:
+                    fake.rejected.append("; ".join(errors))
+                    return self._status(422, "Invalid", "Job.batch is invalid: " + "; ".join(errors))
+                key = (namespace, body["metadata"]["name"])
+                if key in fake.batch_jobs:
+                    return self._status(409, "AlreadyExists", f'jobs.batch "{key[1]}" already exists')
+                body["metadata"].update({"namespace": namespace, "uid": f"job-uid-{len(fake.batch_jobs)}"})
+                body["status"] = {"active": body["spec"].get("parallelism", 1)}
+                fake.batch_jobs[key] = body
+                if fake.batch_runner is not None:
+                    runner = fake.batch_runner
+
+                    def run() -> None:
+                        status = runner(copy.deepcopy(body))
+                        with fake._lock:
+                            if key in fake.batch_jobs:
+                                fake.batch_jobs[key]["status"] = status
+
+                    threading.Thread(target=run, daemon=True).start()
+                self._send(201, body)
+
             def do_POST(self) -> None:
                 parts, _ = self._route()
                 length = int(self.headers.get("Content-Length", "0"))
                 body = json.loads(self.rfile.read(length) or b"{}")
+                if parts[:4] == ["apis", "batch", "v1", "namespaces"] and parts[5:] == ["jobs"]:
+                    with fake._lock:
+                        return self._create_batch_job(parts[4], body)
                 with fake._lock:
                     if parts[:1] != ["apis"] or len(parts) != 6:
                         return self._status(404, "NotFound", f"the fake has no route for POST {self.path}")
@@ -754,6 +795,11 @@ class FakeKubernetes:
             def do_DELETE(self) -> None:
                 parts, _ = self._route()
                 with fake._lock:
+                    if parts[:2] == ["apis", "batch"] and len(parts) == 7:
+                        if fake.batch_jobs.pop((parts[4], parts[6]), None) is None:
+                            return self._status(404, "NotFound", f'jobs.batch "{parts[6]}" not found')
+                        fake.deleted_batch_jobs.append(parts[6])
+                        return self._send(200, {"kind": "Status", "apiVersion": "v1", "status": "Success"})
                     if parts[:2] == ["api", "v1"] and len(parts) == 6 and parts[4] == "pods":
                         return self._delete_pod(parts)
                     if parts[:1] != ["apis"] or len(parts) != 7 or self._resource(parts) is None:

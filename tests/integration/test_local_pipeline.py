@@ -137,9 +137,14 @@ def test_the_same_run_name_again_resumes_from_its_checkpoint(local_run, mlflow_s
     the run the tests above read (and registers under another name)."""
     workdir, _, first = local_run
     # Synchronous saves: the resume is the point here, and they start no writer processes.
+    # Staged in two parts this time (stage_workers): the snapshot exists, so the parts stop at
+    # once and the stage step re-checks it.
     _rtp_local(
-        workdir, mlflow_server, 14, 2, "rtp-e2e-resumed", "--checkpoint-mode", "sync", tmpdir=local_tmpdir
-    )
+        workdir, mlflow_server, 14, 2, "rtp-e2e-resumed", "--checkpoint-mode", "sync", "--stage-workers", "2",
+        tmpdir=local_tmpdir,
+    )  # fmt: skip
+    staged = json.loads((workdir / "fsx/rtp/runs/e2e/steps/stage.json").read_text())
+    assert staged["files_downloaded"] == 0 and staged["snapshot_dir"] == first["dataset_snapshot"], staged
     trained = json.loads((workdir / "fsx/rtp/runs/e2e/train/summary.json").read_text())
     assert trained["resumed_from"] == first["checkpoint"]  # step_12 of the first run
     assert trained["steps"] == 14 and trained["lost_steps"] == 0

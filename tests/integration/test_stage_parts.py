@@ -111,3 +111,145 @@ def test_a_missing_part_stops_the_finisher_and_that_part_alone_completes_it(seed
     _assert_snapshot(tmp_path / "rtp/datasets/ds/current", expected)
     with pytest.raises(StageError, match="0 <= part < parts"):
         stage_part(*where, 3, 3, **options)
+
+
+def _step_pod(fsx: Path) -> dict:
+    """The stage step's pod as the API shows it: KFP's `main` container with the FSx mount."""
+    return {
+        "metadata": {"name": "rtp-run-stage-data-abc", "namespace": "team-a"},
+        "spec": {
+            "serviceAccountName": "default-editor",
+            "nodeSelector": {"rtp.kubeflow.org/pool": "cpu"},
+            "containers": [
+                {"name": "wait", "image": "kfp-launcher"},
+                {
+                    "name": "main",
+                    "image": "example.com/rtp:1",
+                    "env": [
+                        {"name": "AWS_REGION", "value": "us-east-1"},
+                        {"name": "KFP_POD_NAME", "value": "x"},
+                    ],
+                    "volumeMounts": [
+                        {"name": "fsx", "mountPath": str(fsx)},
+                        {"name": "kfp-launcher", "mountPath": "/kfp-launcher"},
+                    ],
+                },
+            ],
+            "volumes": [
+                {"name": "fsx", "persistentVolumeClaim": {"claimName": "fsx-claim"}},
+                {"name": "kfp-launcher", "emptyDir": {}},
+            ],
+        },
+    }
+
+
+def _run_indexed_job_here(job: dict) -> dict:
+    """What the Job controller and kubelets would do: every index's pod command at once, with
+    JOB_COMPLETION_INDEX set and `$(VAR)` expanded; the Job's final status."""
+    import re
+
+    [container] = job["spec"]["template"]["spec"]["containers"]
+    count = job["spec"]["completions"]
+    runs = []
+    for index in range(count):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "JOB_COMPLETION_INDEX": str(index)}
+        env.update({e["name"]: e["value"] for e in container.get("env", [])})
+        command = [
+            re.sub(r"\$\((\w+)\)", lambda m, env=env: env[m.group(1)], a) for a in container["command"]
+        ]
+        command[0] = sys.executable if command[0] == "python" else command[0]
+        runs.append(
+            subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        )
+    failed = [i for i, run in enumerate(runs) if run.wait(timeout=300) != 0]
+    if failed:
+        return {"failed": len(failed), "failedIndexes": ",".join(map(str, failed)),
+                "conditions": [{"type": "Failed", "status": "True", "reason": "FailedIndexes",
+                                "message": "Job has failed indexes"}]}  # fmt: skip
+    return {"succeeded": count, "completedIndexes": f"0-{count - 1}",
+            "conditions": [{"type": "Complete", "status": "True"}]}  # fmt: skip
+
+
+@pytest.fixture
+def fake_api(upstream_specs):
+    from kubernetes import client
+
+    from tests.fakes.kube_api import FakeKubernetes
+
+    with FakeKubernetes(upstream_specs / "crds") as server:
+        configuration = client.Configuration()
+        configuration.host = server.url
+        yield server, client.ApiClient(configuration)
+
+
+def test_the_stage_step_stages_across_an_indexed_jobs_pods_then_commits(seeded, tmp_path, fake_api):
+    from components.stage_data.stage_job import stage_across_pods
+
+    server, expected, bucket = seeded
+    fake, api_client = fake_api
+    fake.batch_runner = _run_indexed_job_here
+    single = stage_dataset(
+        f"s3://{bucket}/data/", str(tmp_path / "one"), "ds", server.endpoint_url, settings=SETTINGS
+    )
+    fsx = tmp_path / "two"
+    owner = {"apiVersion": "v1", "kind": "Pod", "name": "rtp-run-stage-data-abc", "uid": "u1"}
+    result = stage_across_pods(
+        f"s3://{bucket}/data/", str(fsx), "ds", 2, endpoint_url=server.endpoint_url, api_client=api_client,
+        read_step_pod=lambda: (_step_pod(fsx), owner), poll_interval_s=0.05,
+    )  # fmt: skip
+    assert result.snapshot_id == single.snapshot_id and result.files_downloaded == len(expected)
+    assert _entries(fsx / "rtp/datasets/ds/current") == _entries(tmp_path / "one/rtp/datasets/ds/current")
+    [job] = fake.batch_jobs.values()
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    assert (
+        spec["completionMode"],
+        spec["completions"],
+        spec["backoffLimitPerIndex"],
+        spec["maxFailedIndexes"],
+    ) == (
+        "Indexed",
+        2,
+        3,
+        0,
+    )  # a failed part is retried alone; one out of retries fails the Job
+    assert pod["serviceAccountName"] == "default-editor" and pod["nodeSelector"] == {
+        "rtp.kubeflow.org/pool": "cpu"
+    }
+    assert [v["name"] for v in pod["volumes"]] == ["fsx"] and pod["containers"][0][
+        "image"
+    ] == "example.com/rtp:1"
+    assert pod["containers"][0]["env"] == [{"name": "AWS_REGION", "value": "us-east-1"}]
+    assert pod["containers"][0]["command"][-2:] == ["--part", "$(JOB_COMPLETION_INDEX)/2"]
+    assert job["metadata"]["ownerReferences"] == [owner] and fake.deleted_batch_jobs == []
+
+
+def test_a_part_job_that_fails_ends_the_step_naming_the_parts_and_is_deleted(seeded, tmp_path, fake_api):
+    from components.stage_data.stage_job import stage_across_pods
+
+    server, _, bucket = seeded
+    fake, api_client = fake_api
+    fake.batch_runner = lambda job: {
+        "failed": 4, "failedIndexes": "1",
+        "conditions": [{"type": "Failed", "status": "True", "reason": "FailedIndexes", "message": "Job has failed indexes"}],
+    }  # fmt: skip
+    fsx = tmp_path / "fsx"
+    with pytest.raises(StageError, match=r"failed: Job has failed indexes; failed parts: 1"):
+        stage_across_pods(f"s3://{bucket}/data/", str(fsx), "ds", 2, endpoint_url=server.endpoint_url,
+                          api_client=api_client, read_step_pod=lambda: (_step_pod(fsx), None), poll_interval_s=0.05)  # fmt: skip
+    assert fake.deleted_batch_jobs == ["rtp-run-stage-data-abc-parts"]
+    assert not (fsx / "rtp/datasets/ds/current").exists()
+
+
+def test_without_a_cluster_the_parts_run_as_local_processes(seeded, tmp_path, monkeypatch):
+    from components.stage_data.stage_job import stage_across_pods
+
+    server, expected, bucket = seeded
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    result = stage_across_pods(
+        f"s3://{bucket}/data/", str(tmp_path), "ds", 3, endpoint_url=server.endpoint_url
+    )
+    assert result.files_downloaded == len(expected)
+    _assert_snapshot(tmp_path / "rtp/datasets/ds/current", expected)
+    with pytest.raises(StageError, match="needs at least 2"):
+        stage_across_pods(f"s3://{bucket}/data/", str(tmp_path), "ds", 1)

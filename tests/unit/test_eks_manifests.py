@@ -127,6 +127,8 @@ def test_rbac_lets_the_pipelines_service_account_run_and_clean_up_jobs():
     assert {("", "pods", "list"), ("", "pods/log", "get")} <= granted
     # Moving a pod off a node that failed the node check: patch the job, delete the pod.
     assert {("kubeflow.org", "pytorchjobs", "patch"), ("", "pods", "delete")} <= granted
+    # The stage step's Indexed Job of part pods (stage_workers > 1).
+    assert {("batch", "jobs", verb) for verb in ("create", "get", "delete")} <= granted
     assert ("", "events", "list") in granted  # the stuck-pod watcher reads the scheduler's reasons
     binding = objects["RoleBinding"]
     assert binding["roleRef"]["name"] == objects["Role"]["metadata"]["name"]
