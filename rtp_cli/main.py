@@ -13,17 +13,7 @@ import logging
 import sys
 from collections.abc import Callable
 
-from rtp_cli.bench_commands import add_bench_parser
-from rtp_cli.checkpoint_commands import add_register_parser, add_validate_parser
-from rtp_cli.compile_commands import add_compile_parser
 from rtp_cli.errors import UserError
-from rtp_cli.gc_commands import add_gc_parser
-from rtp_cli.job_commands import add_render_job_parser
-from rtp_cli.kfp_commands import add_kfp_parsers
-from rtp_cli.local_commands import add_local_parser
-from rtp_cli.model_commands import add_make_tiny_model_parser
-from rtp_cli.stage_commands import add_prepare_data_parser, add_stage_parser
-from rtp_cli.train_commands import add_train_local_parser
 
 EPILOG = """examples:
   rtp local                              # whole pipeline on embedded defaults
@@ -39,7 +29,7 @@ EPILOG = """examples:
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _top_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     parser = argparse.ArgumentParser(
         prog="rtp",
         description="rtp — the resilient training pipeline: Kubeflow Pipelines components that stage data "
@@ -48,7 +38,22 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    return parser, parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from rtp_cli.bench_commands import add_bench_parser
+    from rtp_cli.checkpoint_commands import add_register_parser, add_validate_parser
+    from rtp_cli.compile_commands import add_compile_parser
+    from rtp_cli.gc_commands import add_gc_parser
+    from rtp_cli.job_commands import add_render_job_parser
+    from rtp_cli.kfp_commands import add_kfp_parsers
+    from rtp_cli.local_commands import add_local_parser
+    from rtp_cli.model_commands import add_make_tiny_model_parser
+    from rtp_cli.stage_commands import add_prepare_data_parser, add_stage_parser
+    from rtp_cli.train_commands import add_train_local_parser
+
+    parser, sub = _top_parser()
     for add in (
         add_local_parser,
         add_compile_parser,
@@ -97,8 +102,21 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     return tuple(found)
 
 
+def _parser_for(argv: list[str]) -> argparse.ArgumentParser:
+    """`rtp stage` alone builds only its own parser: a re-stage of an unchanged prefix is a
+    fraction of a second, which importing every other command's modules would double."""
+    command = next((arg for arg in argv if not arg.startswith("-")), "")
+    if command != "stage":
+        return build_parser()
+    from rtp_cli.stage_commands import add_stage_parser
+
+    parser, sub = _top_parser()
+    add_stage_parser(sub)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = _parser_for(sys.argv[1:] if argv is None else argv).parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
