@@ -335,13 +335,17 @@ def report(checks: list[Check], workdir: Path | None) -> str:
     failed = [c for c in checks if not c.ok]
     lines = [f"node {socket.gethostname()} is unhealthy: {c.name}: {c.detail}" for c in failed]
     if workdir is not None:
-        from trainer.events import write_json_atomic
+        from trainer.events import EventLog, write_json_atomic
 
         with contextlib.suppress(OSError):  # best effort: an unwritable volume is what the report says
             write_json_atomic(
                 workdir / "node-health" / f"{socket.gethostname()}.json",
                 {"time": time.time(), "healthy": not failed, "checks": [asdict(c) for c in checks]},
             )
+            if failed:  # one line appended to the run's event log, beside the ranks' events
+                EventLog(workdir, enabled=True).emit(
+                    "node_unhealthy", host=socket.gethostname(), failed={c.name: c.detail for c in failed}
+                )
     if failed:
         with contextlib.suppress(OSError):
             TERMINATION_LOG.write_text("\n".join(lines)[:4096])  # the kubelet keeps 4 KiB

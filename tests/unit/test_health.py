@@ -159,6 +159,8 @@ def test_an_unhealthy_node_exits_3_reports_and_never_runs_the_command(tmp_path, 
         "volume": True,
         "efa": False,
     }
+    [event] = [json.loads(line) for line in (tmp_path / "work" / "events.jsonl").read_text().splitlines()]
+    assert event["kind"] == "node_unhealthy" and sorted(event["failed"]) == ["efa", "fast_tier"]
 
 
 def test_a_healthy_node_becomes_the_command(tmp_path):
