@@ -103,8 +103,8 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
 
 
 def _parser_for(argv: list[str]) -> argparse.ArgumentParser:
-    """`rtp stage` alone builds only its own parser: a re-stage of an unchanged prefix is a
-    fraction of a second, which importing every other command's modules would double."""
+    """`rtp stage` builds only its own parser, so a re-stage of an unchanged prefix (a
+    fraction of a second of work) does not import every other command's modules."""
     command = next((arg for arg in argv if not arg.startswith("-")), "")
     if command != "stage":
         return build_parser()
