@@ -94,14 +94,16 @@ def _folder_bytes(folder: Path) -> tuple[int, int]:
     return len(files), sum(p.stat().st_size for p in files)
 
 
-def run_rtp(endpoint: str, dest: Path, env: dict[str, str], max_workers: int) -> dict[str, Any]:
+def _rtp_stage(endpoint: str, dest: Path, max_workers: int) -> list[str]:
     command = [
         sys.executable, "-m", "rtp_cli.main", "stage", "--source", f"s3://{BUCKET}/{PREFIX}",
         "--endpoint-url", endpoint, "--fsx-mount-path", str(dest), "--dataset-name", "bench",
     ]  # fmt: skip
-    if max_workers:
-        command += ["--max-workers", str(max_workers)]
-    times = _twice(command, env)
+    return command + (["--max-workers", str(max_workers)] if max_workers else [])
+
+
+def run_rtp(endpoint: str, dest: Path, env: dict[str, str], max_workers: int) -> dict[str, Any]:
+    times = _twice(_rtp_stage(endpoint, dest, max_workers), env)
     objects, size = _folder_bytes(dest / "rtp/datasets/bench/current/")
     return {**times, "bytes": size, "objects": objects}
 
@@ -125,12 +127,7 @@ def run_rtp_parts(
     endpoint: str, dest: Path, env: dict[str, str], max_workers: int, parts: int
 ) -> dict[str, Any]:
     """`rtp stage --part I/N` for every part at once (as N pods would), then `--finish N`."""
-    command = [
-        sys.executable, "-m", "rtp_cli.main", "stage", "--source", f"s3://{BUCKET}/{PREFIX}",
-        "--endpoint-url", endpoint, "--fsx-mount-path", str(dest), "--dataset-name", "bench",
-    ]  # fmt: skip
-    if max_workers:
-        command += ["--max-workers", str(max_workers)]
+    command = _rtp_stage(endpoint, dest, max_workers)
 
     def stage() -> tuple[float, float]:
         wall, cpu = _timed_together([[*command, "--part", f"{i}/{parts}"] for i in range(parts)], env)
