@@ -12,7 +12,7 @@ import psutil
 import pytest
 import torch
 
-from tests.distributed.conftest import events, train, train_local_command
+from tests.distributed.conftest import assert_nothing_left, events, train, train_local_command
 from trainer.checkpointing.storage import (
     committed_steps,
     latest_committed_checkpoint,
@@ -143,7 +143,7 @@ def test_sigterm_saves_a_final_checkpoint_and_exits_non_zero(dataset_dir, tmp_pa
     )
 
 
-def test_a_failing_rank_with_a_save_in_flight_exits_instead_of_hanging(dataset_dir, tmp_path):
+def test_a_failing_rank_with_a_save_in_flight_exits_instead_of_hanging(dataset_dir, tmp_path, run_mark):
     """A diverging run raises while an async save is queued: the writer is abandoned, the
     job fails with the reason, nothing half-written becomes a checkpoint, nothing lingers."""
     with pytest.raises(TrainingFailed, match="loss became"):
@@ -156,8 +156,6 @@ def test_a_failing_rank_with_a_save_in_flight_exits_instead_of_hanging(dataset_d
         )
     for _, folder in committed_steps(tmp_path / "checkpoints"):
         verify_checkpoint(folder, verify_hashes=True)
-    time.sleep(1)
-    leftovers = [
-        p for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])
-    ]
-    assert leftovers == []
+    # The same wait every leftover check takes: on a loaded machine the writer and monitor
+    # processes take more than a second to exit after the launcher.
+    assert_nothing_left(run_mark)
