@@ -132,10 +132,16 @@ def test_an_hsdp_checkpoint_loads_under_fsdp_and_an_fsdp_one_under_hsdp(
 
 
 def test_the_ranks_time_an_all_reduce_over_the_world_before_training(hsdp_twin):
+    """Once per process start: a launcher restart of the group (which a loaded machine can
+    cause) measures again, an in-process restart does not."""
     workdir, _ = hsdp_twin
-    [check] = [e for e in events(workdir) if e["kind"] == "link_check"]
-    assert (check["world_size"], check["bytes"], check["floor_gbps"]) == (4, 2 * 2**20, 0.0)
-    expected = 2 * 3 / 4 * check["bytes"] / check["seconds"] / 1e9
-    assert check["busbw_gbps"] == pytest.approx(expected) and check["busbw_gbps"] > 0
-    [resumed] = [e for e in events(workdir) if e["kind"] == "resumed"]
+    run = events(workdir)
+    checks = [e for e in run if e["kind"] == "link_check"]
+    group_starts = [e for e in run if e["kind"] == "attempt_start" and e["inprocess_iteration"] == 0]
+    assert len(checks) == len(group_starts) >= 1, [e["kind"] for e in run]
+    for check in checks:
+        assert (check["world_size"], check["bytes"], check["floor_gbps"]) == (4, 2 * 2**20, 0.0)
+        expected = 2 * 3 / 4 * check["bytes"] / check["seconds"] / 1e9
+        assert check["busbw_gbps"] == pytest.approx(expected) and check["busbw_gbps"] > 0
+    resumed = next(e for e in run if e["kind"] == "resumed")
     assert 0 < resumed["phases"]["link_check_s"] < resumed["startup_s"]
