@@ -177,7 +177,7 @@ class Digester:
         if exp.algorithm and (exp.algorithm != "CRC32C" or crc32c_available()):
             self._algorithms.append(exp.algorithm)
         self._part_digests = {a: [] for a in self._algorithms}
-        self._whole = {a: _new_hasher(a) for a in self._algorithms}
+        self._whole: dict[str, Any] = {}  # the first part's hashers, then fed every later part
 
     @property
     def checks_content(self) -> bool:
@@ -187,17 +187,24 @@ class Digester:
     def add_part(self, chunks: Iterable[bytes | memoryview]) -> None:
         """Feed one whole part (in order), chunk by chunk."""
         hashers = {a: _new_hasher(a) for a in self._algorithms}
+        wholes = list(self._whole.values())
         for chunk in chunks:
-            for algorithm, hasher in hashers.items():
+            for hasher in hashers.values():
                 hasher.update(chunk)
-                self._whole[algorithm].update(chunk)
+            for hasher in wholes:
+                hasher.update(chunk)
         for algorithm, hasher in hashers.items():
-            self._part_digests[algorithm].append(hasher.digest())
+            self._part_digests[algorithm].append(hasher.digest())  # digest() does not end a hasher
+        if not self._whole:
+            self._whole = hashers
 
     def add_part_digests(self, digests: dict[str, bytes]) -> None:
         """Record a part's digests computed elsewhere (parallel ranged download)."""
         for algorithm in self._algorithms:
             self._part_digests[algorithm].append(digests[algorithm])
+
+    def _whole_digest(self, algorithm: str) -> bytes:
+        return bytes((self._whole.get(algorithm) or _new_hasher(algorithm)).digest())
 
     def part_hashers(self) -> dict[str, Any]:
         return {a: _new_hasher(a) for a in self._algorithms}
@@ -218,7 +225,7 @@ class Digester:
                 if f"{composite}-{exp.etag_parts}" != exp.etag:
                     return f"multipart MD5 {composite}-{exp.etag_parts} != ETag {exp.etag}"
             elif not parallel_parts:
-                got = self._whole["MD5"].hexdigest()
+                got = self._whole_digest("MD5").hex()
                 if got != exp.etag:
                     return f"MD5 {got} != ETag {exp.etag}"
         if exp.algorithm in self._algorithms:
@@ -230,7 +237,7 @@ class Digester:
             elif parallel_parts:
                 return ""
             else:
-                got = base64.b64encode(self._whole[exp.algorithm].digest()).decode()
+                got = base64.b64encode(self._whole_digest(exp.algorithm)).decode()
                 parts = self._part_digests[exp.algorithm]
                 if got != exp.checksum and exp.upload_parts and len(parts) == exp.upload_parts:
                     # Some servers (moto 5) give a multipart object's composite checksum

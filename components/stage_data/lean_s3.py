@@ -1,16 +1,17 @@
-"""A lean S3 reader for staging: SigV4-signed LIST, HEAD and GET over a urllib3 pool.
+"""A lean S3 reader for staging: SigV4-signed LIST, HEAD and GET over a small keep-alive pool.
 
 botocore spends CPU on every request before and after the bytes move (endpoint rules, a
 dozen event hooks, header parsing into a modelled response, dateutil timestamps), and its
 client is slow to build (it loads the whole S3 model); docs/staging.md has the figures. For
 a prefix of thousands of small objects, on the same cores as everything else, that overhead
-*is* the stage. This client answers only the three calls staging makes, with botocore's
-own credential chain (IRSA, environment, profile, instance role; refreshed as botocore
-refreshes them) and its SigV4 signer, so authentication is botocore's; only the request
-plumbing is replaced. It mimics the slice of the botocore client API that staging uses
-(`get_object`, `head_object`, `get_paginator("list_objects_v2")`) and raises botocore's
-`ClientError` / `EndpointConnectionError` / `NoCredentialsError`, so retries and messages
-are shared with the botocore path (`rtp stage --s3-client botocore`). It is made by
+*is* the stage. This client answers only the three calls staging makes: its own SigV4
+signer with the day's key cached (sigv4.py; keys from the environment, or botocore's
+credential chain for IRSA, profiles and instance roles, refreshed as botocore refreshes
+them) over a small HTTP/1.1 keep-alive pool (http_pool.py). It mimics the slice of the
+botocore client API that staging uses (`get_object`, `head_object`,
+`get_paginator("list_objects_v2")`) and raises botocore's `ClientError` /
+`EndpointConnectionError` / `NoCredentialsError`, so retries and messages are shared with
+the botocore path (`rtp stage --s3-client botocore`). It is made by
 `s3_clients.s3_client(kind="lean")`.
 
 Addressing: an `--endpoint-url` is used path-style (`<endpoint>/<bucket>/<key>`), as the
@@ -27,9 +28,11 @@ import threading
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import quote, unquote, urlencode
+from urllib.parse import quote, unquote, urlsplit
 
+from components.stage_data.http_pool import ConnectFailed, Pool
 from components.stage_data.settings import TransferSettings, with_retries
+from components.stage_data.sigv4 import CredentialSource, Signer, canonical_query, region_from_environment
 
 S3_NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
 _DNS_BUCKET = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")  # no dots: TLS wildcard must match
@@ -81,7 +84,7 @@ def parse_list_page(body: bytes) -> dict[str, Any]:
 
 
 class _Body:
-    """The streaming body of a GET; returns its connection to the pool once read to the end."""
+    """The streaming body of a GET; its connection goes back to the pool once read to the end."""
 
     def __init__(self, response: Any) -> None:
         self._response = response
@@ -89,30 +92,19 @@ class _Body:
     def iter_chunks(self, chunk_size: int) -> Iterator[bytes]:
         try:
             yield from self._response.stream(chunk_size)
-        except BaseException:
-            self._response.close()  # a half-read connection must not be reused
-            raise
         finally:
-            self._response.release_conn()
+            self._response.release_conn()  # closed, unless read to its end
 
 
 class LeanS3Client:
     def __init__(self, endpoint_url: str | None = None, max_pool_connections: int = 64) -> None:
-        import botocore.session
-        import urllib3
-
-        session = botocore.session.get_session()
-        self._credentials = session.get_credentials()
-        self._region = session.get_config_variable("region") or "us-east-1"
+        self._credentials = CredentialSource()
+        self._region = region_from_environment()
         self._endpoint_url = (endpoint_url or "").rstrip("/")
         self._bucket_regions: dict[str, str] = {}
+        self._signers: dict[str, Signer] = {}
         self._lock = threading.Lock()
-        self._pool = urllib3.PoolManager(
-            maxsize=max_pool_connections,
-            block=False,
-            timeout=urllib3.Timeout(connect=10, read=30),
-            retries=False,  # with_retries decides, with backoff and jitter
-        )
+        self._pool = Pool(maxsize=max_pool_connections, connect_timeout_s=10, read_timeout_s=30)
 
     # -- plumbing
 
@@ -124,6 +116,13 @@ class LeanS3Client:
             return f"https://{bucket}.s3.{region}.amazonaws.com"
         return f"https://s3.{region}.amazonaws.com/{bucket}"
 
+    def _signer(self, region: str) -> Signer:
+        signer = self._signers.get(region)
+        if signer is None:
+            with self._lock:
+                signer = self._signers.setdefault(region, Signer(region))
+        return signer
+
     def _request(
         self,
         method: str,
@@ -134,31 +133,27 @@ class LeanS3Client:
         operation: str,
         stream: bool,
     ) -> Any:
-        from botocore.auth import S3SigV4Auth
-        from botocore.awsrequest import AWSRequest
         from botocore.exceptions import EndpointConnectionError, NoCredentialsError
-        from urllib3.exceptions import NewConnectionError
 
-        if self._credentials is None:
+        if not self._credentials.found:
             raise NoCredentialsError()
         for _redirect in range(2):
-            url = f"{self._base(bucket)}/{quote(key, safe='/~')}"
-            if query:
-                url += "?" + urlencode(query, quote_via=quote)
+            base = urlsplit(self._base(bucket))
+            scheme = base.scheme or "http"
+            host = base.hostname or ""
+            port = base.port or (443 if scheme == "https" else 80)
+            netloc = host if base.port is None else f"{host}:{base.port}"
+            path = f"{base.path}/{quote(key, safe='/~')}"
+            query_text = canonical_query(query)
             region = self._bucket_regions.get(bucket, self._region)
-            request = AWSRequest(method=method, url=url, headers=headers)
-            S3SigV4Auth(self._credentials.get_frozen_credentials(), "s3", region).add_auth(request)
+            signed = self._signer(region).sign(
+                method, netloc, path, query_text, headers, self._credentials.keys()
+            )
+            target = f"{path}?{query_text}" if query_text else path
             try:
-                response = self._pool.request(
-                    method,
-                    url,
-                    headers=dict(request.headers.items()),
-                    preload_content=False,
-                    redirect=False,
-                    enforce_content_length=True,
-                )
-            except NewConnectionError as exc:
-                raise EndpointConnectionError(endpoint_url=url.split("?")[0], error=exc) from exc
+                response = self._pool.request(method, scheme, host, port, target, {"Host": netloc, **signed})
+            except ConnectFailed as exc:
+                raise EndpointConnectionError(endpoint_url=f"{scheme}://{netloc}{path}", error=exc) from exc
             if response.status < 300:
                 if not stream:
                     response.release_conn()  # a HEAD: headers only
@@ -220,11 +215,7 @@ class LeanS3Client:
         if ContinuationToken:
             query["continuation-token"] = ContinuationToken
         response = self._request("GET", Bucket, "", query, {}, "ListObjectsV2", stream=True)
-        try:
-            body = response.read()
-        finally:
-            response.release_conn()
-        return parse_list_page(body)
+        return parse_list_page(response.read())
 
     def get_paginator(self, operation: str) -> _ListPaginator:
         if operation != "list_objects_v2":

@@ -73,9 +73,9 @@ class Progress:
             self.done_bytes += count
         self._maybe_report()
 
-    def add_file(self) -> None:
+    def add_file(self, count: int = 1) -> None:
         with self._lock:
-            self.done_files += 1
+            self.done_files += count
         self._maybe_report()
 
     def line(self) -> str:

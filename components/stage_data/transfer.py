@@ -40,7 +40,11 @@ from components.stage_data.checksums import (
     verify_file_any_part_size,
 )
 from components.stage_data.errors import StageError, VerificationError
-from components.stage_data.fs_safety import NO_SPACE_ERRNOS, disk_full_as_stage_error, open_no_follow
+from components.stage_data.fs_safety import (
+    NO_SPACE_ERRNOS,
+    disk_full_as_stage_error,
+    open_no_follow,
+)
 from components.stage_data.progress import Progress
 from components.stage_data.settings import TransferSettings, with_retries
 
@@ -191,6 +195,9 @@ class Downloader:
         return all(hasher.digest().hex() == digests[name] for name, hasher in hashers.items())
 
     # -- small objects
+
+    def fetch_wholes(self, jobs: list[ObjectJob]) -> int:
+        return sum(self.fetch_whole(job) for job in jobs)
 
     def fetch_whole(self, job: ObjectJob) -> int:
         """Download a small object in one GET, verify it, and give it its final name."""
@@ -404,10 +411,12 @@ def run_downloads(downloader: Downloader, jobs: list[ObjectJob], pool: Executor,
     there): `concurrent.futures.wait` over thousands of pending futures re-registers a
     waiter on every one of them per call, which costs more CPU than the small GETs do.
     """
-    finished: queue.SimpleQueue[tuple[Future[Any], str, ObjectJob]] = queue.SimpleQueue()
+    finished: queue.SimpleQueue[tuple[Future[Any], str, Any]] = queue.SimpleQueue()
     pending: set[Future[Any]] = set()
+    small: list[ObjectJob] = []
+    per_batch = max(1, min(32, len(jobs) // (8 * downloader.settings.max_workers)))
 
-    def submit(kind: str, job: ObjectJob, call: Any, *args: Any) -> None:
+    def submit(kind: str, job: Any, call: Any, *args: Any) -> None:
         future = pool.submit(call, job, *args)
         pending.add(future)
         future.add_done_callback(lambda f: finished.put((f, kind, job)))
@@ -415,7 +424,10 @@ def run_downloads(downloader: Downloader, jobs: list[ObjectJob], pool: Executor,
     def start(job: ObjectJob) -> None:
         downloader.plan(job)
         if not job.parallel:
-            submit("whole", job, downloader.fetch_whole)
+            small.append(job)  # small objects go in batches: one work item for several GETs
+            if len(small) >= per_batch:
+                submit("whole", small[:], downloader.fetch_wholes)
+                small.clear()
             return
         downloader.open_partial(job)
         todo = job.pending_ranges()
@@ -426,13 +438,16 @@ def run_downloads(downloader: Downloader, jobs: list[ObjectJob], pool: Executor,
 
     for job in jobs:
         start(job)
+    if small:
+        submit("whole", small[:], downloader.fetch_wholes)
+        small.clear()
     try:
         while pending:
             future, kind, job = finished.get()
             pending.discard(future)
             value = future.result()  # re-raises StageError from the worker
             if kind == "whole":
-                progress.add_file()
+                progress.add_file(len(job))
             elif kind == "range" and value:
                 submit("finish", job, downloader.finish_ranged)
             elif kind == "finish":

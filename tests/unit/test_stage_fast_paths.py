@@ -216,8 +216,9 @@ def test_lean_client_addresses_aws_and_follows_the_bucket_region(monkeypatch):
     assert lean._base("my.dotted.bucket") == "https://s3.us-east-1.amazonaws.com/my.dotted.bucket"
     seen = []
 
-    def request(method, url, headers, **_):
-        seen.append((url, headers["Authorization"]))
+    def request(method, scheme, host, port, target, headers):
+        assert headers["Host"] == host and port == 443
+        seen.append((f"{scheme}://{host}{target}", headers["Authorization"]))
         if len(seen) == 1:
             return _FakeResponse(301, {"x-amz-bucket-region": "eu-west-1"})
         return _FakeResponse(200, {"content-length": "7", "etag": '"e"'})
