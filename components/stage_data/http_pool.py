@@ -54,7 +54,8 @@ class Response:
     """Status, lower-cased headers, and the body: `read()` whole or `stream(n)` in chunks."""
 
     def __init__(self, pool: Pool, key: tuple[str, str, int], conn: _Connection, method: str) -> None:
-        self._pool, self._key, self._conn = pool, key, conn
+        self._pool, self._key = pool, key
+        self._conn: _Connection | None = conn
         line = conn.reader.readline(65537)
         if not line:
             raise ConnectionResetError("the server closed the connection before answering")
@@ -93,6 +94,8 @@ class Response:
             self.release_conn()
 
     def _chunks(self, size: int) -> Iterator[bytes]:
+        if self._conn is None:
+            raise ConnectionError("the answer's connection was already given back")
         reader = self._conn.reader
         if self._chunked:
             while True:
