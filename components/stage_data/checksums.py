@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import re
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -144,8 +145,11 @@ def etag_encryption(response: dict[str, Any]) -> str:
     return _OPAQUE_ETAG_ENCRYPTIONS.get(str(response.get("ServerSideEncryption", "")), "")
 
 
+_MD5_HEX = re.compile(r"[0-9a-fA-F]{32}")
+
+
 def is_md5_hex(value: str) -> bool:
-    return len(value) == 32 and all(c in "0123456789abcdef" for c in value.lower())
+    return _MD5_HEX.fullmatch(value) is not None
 
 
 def split_ranges(size: int, part_size: int) -> list[tuple[int, int]]:

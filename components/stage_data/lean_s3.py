@@ -103,6 +103,7 @@ class LeanS3Client:
         self._endpoint_url = (endpoint_url or "").rstrip("/")
         self._bucket_regions: dict[str, str] = {}
         self._signers: dict[str, Signer] = {}
+        self._addresses: dict[str, tuple[str, str, int, str, str]] = {}
         self._lock = threading.Lock()
         self._pool = Pool(maxsize=max_pool_connections, connect_timeout_s=10, read_timeout_s=30)
 
@@ -115,6 +116,19 @@ class LeanS3Client:
         if _DNS_BUCKET.match(bucket):
             return f"https://{bucket}.s3.{region}.amazonaws.com"
         return f"https://s3.{region}.amazonaws.com/{bucket}"
+
+    def _address(self, bucket: str) -> tuple[str, str, int, str, str]:
+        """(scheme, host, port, netloc, path) of the bucket's base URL, parsed once per base."""
+        base = self._base(bucket)
+        found = self._addresses.get(base)
+        if found is None:
+            parts = urlsplit(base)
+            scheme = parts.scheme or "http"
+            host = parts.hostname or ""
+            port = parts.port or (443 if scheme == "https" else 80)
+            netloc = host if parts.port is None else f"{host}:{parts.port}"
+            found = self._addresses[base] = (scheme, host, port, netloc, parts.path)
+        return found
 
     def _signer(self, region: str) -> Signer:
         signer = self._signers.get(region)
@@ -138,12 +152,8 @@ class LeanS3Client:
         if not self._credentials.found:
             raise NoCredentialsError()
         for _redirect in range(2):
-            base = urlsplit(self._base(bucket))
-            scheme = base.scheme or "http"
-            host = base.hostname or ""
-            port = base.port or (443 if scheme == "https" else 80)
-            netloc = host if base.port is None else f"{host}:{base.port}"
-            path = f"{base.path}/{quote(key, safe='/~')}"
+            scheme, host, port, netloc, base_path = self._address(bucket)
+            path = f"{base_path}/{quote(key, safe='/~')}"
             query_text = canonical_query(query)
             region = self._bucket_regions.get(bucket, self._region)
             signed = self._signer(region).sign(

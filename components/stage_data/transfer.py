@@ -44,6 +44,7 @@ from components.stage_data.fs_safety import (
     NO_SPACE_ERRNOS,
     disk_full_as_stage_error,
     open_no_follow,
+    write_all,
 )
 from components.stage_data.progress import Progress
 from components.stage_data.settings import TransferSettings, with_retries
@@ -87,13 +88,12 @@ class ObjectJob:
     attempts_left: int = 0
     part_size_guessed: bool = False  # ranges follow a guessed upload part size (see Downloader.plan)
 
-    @property
-    def partial(self) -> Path:
-        return self.target.with_name(self.target.name + ".part")
+    partial: Path = field(init=False)
+    sidecar: Path = field(init=False)
 
-    @property
-    def sidecar(self) -> Path:
-        return self.target.with_name(self.target.name + ".part.ranges")
+    def __post_init__(self) -> None:
+        self.partial = Path(f"{self.target}.part")  # made once: pathlib costs show per small object
+        self.sidecar = Path(f"{self.target}.part.ranges")
 
     def pending_ranges(self) -> list[int]:
         return [i for i in range(len(self.ranges)) if i not in self.done_ranges]
@@ -244,20 +244,18 @@ class Downloader:
             digester = Digester(exp)
             fd = open_no_follow(job.partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             try:
-                with os.fdopen(fd, "wb", closefd=False) as handle:
 
-                    def chunks() -> Any:
-                        nonlocal written
-                        if response is None:
-                            return
-                        for chunk in response["Body"].iter_chunks(self.settings.read_chunk_bytes):
-                            handle.write(chunk)
-                            written += len(chunk)
-                            self.on_bytes(len(chunk))
-                            yield chunk
+                def chunks() -> Any:
+                    nonlocal written
+                    if response is None:
+                        return
+                    for chunk in response["Body"].iter_chunks(self.settings.read_chunk_bytes):
+                        write_all(fd, chunk)
+                        written += len(chunk)
+                        self.on_bytes(len(chunk))
+                        yield chunk
 
-                    digester.add_part(chunks())
-                    handle.flush()
+                digester.add_part(chunks())
                 # No fsync here: see sync_filesystem, called once before the snapshot commits.
             finally:
                 os.close(fd)
