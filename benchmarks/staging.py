@@ -12,7 +12,9 @@ by scripts/install-rclone.sh; skipped with the reason when absent) with the sett
 tuning it for speed would pick, `aws s3 sync`, and a plain boto3 loop (`python -m
 benchmarks.staging boto3-loop`, one GET at a time, which skips files whose size already
 matches on the second run). Each full stage's CPU seconds (user + system of the process
-and its children) are reported per GiB beside its wall time.
+and its children) are reported per GiB beside its wall time. With `--rounds N` every
+contender runs N times in turn (each round starting with the next contender, so drift in
+the machine's speed spreads over all of them); the table gives medians and ranges.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 MIB = 2**20
+CONTENDERS = ("rtp", "rtp_2_parts", "rclone", "awscli", "boto3_sequential")
 BUCKET = "rtp-bench-staging"
 PREFIX = "data/"
 
@@ -214,9 +218,11 @@ def run_benchmark(
     big_mib: int,
     endpoint_url: str = "",
     max_workers: int = 0,
-    contenders: tuple[str, ...] = ("rtp", "rtp_2_parts", "rclone", "awscli", "boto3_sequential"),
+    contenders: tuple[str, ...] = CONTENDERS,
+    rounds: int = 1,
 ) -> dict[str, Any]:
-    """Each contender's figures; a contender that cannot run here is {"skipped": why}."""
+    """Each contender's figures (medians over `rounds`, each round's in "rounds"); a contender
+    that cannot run here is {"skipped": why}."""
     from benchmarks.ceph_rgw import CephRGW
     from components.stage_data.s3_clients import s3_client
 
@@ -239,21 +245,32 @@ def run_benchmark(
             os.environ.update(server.credentials())
         try:
             count, size = seed(s3_client(endpoint_url), objects, object_kib, big_objects, big_mib, root)
-            results: dict[str, Any] = {}
-            if "rtp" in contenders:
-                results["rtp"] = run_rtp(endpoint_url, root / "rtp", env, max_workers)
-            if "rtp_2_parts" in contenders:
-                results["rtp_2_parts"] = run_rtp_parts(endpoint_url, root / "rtp-parts", env, max_workers, 2)
-            if "rclone" in contenders:
-                why = rclone_missing()
-                provider = "Ceph" if server is not None else "Other"
-                results["rclone"] = (
-                    {"skipped": why} if why else run_rclone(endpoint_url, root / "rclone", env, provider)
-                )
-            if "awscli" in contenders:
-                results["awscli"] = run_awscli(endpoint_url, root / "awscli", env)
-            if "boto3_sequential" in contenders:
-                results["boto3_sequential"] = run_boto3_sequential(endpoint_url, root / "boto3", env)
+            provider = "Ceph" if server is not None else "Other"
+            runners = {
+                "rtp": lambda dest: run_rtp(endpoint_url, dest, env, max_workers),
+                "rtp_2_parts": lambda dest: run_rtp_parts(endpoint_url, dest, env, max_workers, 2),
+                "rclone": lambda dest: (
+                    {"skipped": rclone_missing()}
+                    if rclone_missing()
+                    else run_rclone(endpoint_url, dest, env, provider)
+                ),
+                "awscli": lambda dest: run_awscli(endpoint_url, dest, env),
+                "boto3_sequential": lambda dest: run_boto3_sequential(endpoint_url, dest, env),
+            }
+            unknown = set(contenders) - set(runners)
+            if unknown:
+                raise ValueError(f"unknown contenders {sorted(unknown)}: pick from {', '.join(runners)}")
+            runs: dict[str, list[dict[str, Any]]] = {name: [] for name in runners if name in contenders}
+            for round_ in range(rounds):
+                order = list(runs)
+                order = (
+                    order[round_ % len(order) :] + order[: round_ % len(order)]
+                )  # each round starts elsewhere
+                for name in order:
+                    # Nothing is deleted until the end: creating files where thousands were
+                    # just deleted costs some file systems (ext4) more than a fresh folder.
+                    runs[name].append(runners[name](root / f"{name}-{round_}"))
+            results = {name: combined(rows) for name, rows in runs.items()}
             for name, result in results.items():
                 if "skipped" not in result and (result["objects"], result["bytes"]) != (count, size):
                     raise RuntimeError(f"{name} staged {result['objects']} objects / {result['bytes']} bytes, "
@@ -265,6 +282,22 @@ def run_benchmark(
 
 
 TOOL_NAMES = {"rclone": "rclone copy", "awscli": "aws s3 sync"}
+
+
+def combined(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One contender's rounds: the median of each time, every round's times beside them."""
+    if "skipped" in rows[0]:
+        return rows[0]
+    timed = ("full_s", "full_cpu_s", "nochange_s")
+    result = {**rows[-1], **{key: statistics.median(r[key] for r in rows) for key in timed}}
+    if len(rows) > 1:
+        result["rounds"] = [{key: r[key] for key in timed} for r in rows]
+    return result
+
+
+def _spread(r: dict[str, Any], key: str) -> str:
+    values = [round_[key] for round_ in r.get("rounds", [])]
+    return f"{min(values):.2f}-{max(values):.2f} s"
 
 
 def format_table(results: dict[str, Any]) -> str:
@@ -281,6 +314,10 @@ def format_table(results: dict[str, Any]) -> str:
             f"{name:<18} {r['full_s']:>8.2f} {r['bytes'] / MIB / r['full_s']:>8.1f} {cpu} {r['nochange_s']:>12.2f} "
             f"{100 * r['nochange_s'] / r['full_s']:>11.1f}% {r['objects']:>8} {r['bytes'] / MIB:>9.1f}"
         )
+        if "rounds" in r:
+            lines.append(
+                f"{'':<18} full {_spread(r, 'full_s')}, no-change {_spread(r, 'nochange_s')}: {len(r['rounds'])} rounds"
+            )
     for other, tool in TOOL_NAMES.items():
         if "rtp" in results and "full_s" in results.get(other, {}):
             lines.append(
@@ -313,6 +350,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         help="use this S3 endpoint (credentials from the environment) instead of Ceph RGW",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every contender this many times, in turn, each round starting with the next one; "
+        "the table shows medians and the range (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--contenders",
+        default=",".join(CONTENDERS),
+        help="comma-separated subset to run (default: %(default)s)",
+    )
     parser.add_argument("--json", default="", metavar="PATH", help="also write the results as JSON here")
 
 
@@ -324,6 +373,8 @@ def main(args: argparse.Namespace) -> int:
         big_mib=args.big_mib,
         endpoint_url=args.endpoint_url,
         max_workers=args.max_workers,
+        contenders=tuple(name.strip() for name in args.contenders.split(",") if name.strip()),
+        rounds=max(1, args.rounds),
     )
     print(format_table(results))
     if args.json:

@@ -18,8 +18,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.events import write_json_atomic
-
 PIPELINE_NAME = "rtp-resilient-training"
 """The pipeline's name, also the MLflow experiment its train step logs to."""
 
@@ -60,6 +58,8 @@ def run_dir(mount: str | Path, run_name: str, job_id: str = "") -> Path:
 
 def record_step(run_folder: Path, pipeline_step: str, started_at: float, /, **fields: Any) -> dict[str, Any]:
     """Write steps/<step>.json (elapsed seconds + outputs) so a driver can summarize the run."""
+    from trainer.events import write_json_atomic  # here: importing trainer costs a stage's start-up
+
     record = {**fields, "pipeline_step": pipeline_step, "elapsed_s": round(time.time() - started_at, 3)}
     write_json_atomic(run_folder / "steps" / f"{pipeline_step}.json", record)
     return record

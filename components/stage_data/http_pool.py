@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import socket
-import ssl
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -166,6 +165,8 @@ class Pool:
 
     def _tls_context(self) -> Any:
         if self._tls is None:
+            import ssl  # only for https endpoints
+
             self._tls = ssl.create_default_context(cafile=os.environ.get("AWS_CA_BUNDLE") or None)
         return self._tls
 

@@ -56,6 +56,20 @@ def test_bench_staging_reports_every_contender(tmp_path):
     assert ("than rclone copy" in result.stdout) == ("skipped" not in data["rclone"])
 
 
+def test_rounds_give_medians_and_every_rounds_times():
+    from benchmarks.staging import combined, format_table
+
+    rows = [
+        {"full_s": t, "full_cpu_s": 2 * t, "nochange_s": t / 10, "bytes": 2**20, "objects": 1}
+        for t in (3, 1, 2)
+    ]
+    merged = combined(rows)
+    assert (merged["full_s"], merged["full_cpu_s"], merged["nochange_s"]) == (2, 4, 0.2)
+    assert [r["full_s"] for r in merged["rounds"]] == [3, 1, 2]
+    assert "range over 3 rounds: full 1.00-3.00 s, no-change 0.10-0.30 s" in format_table({"rtp": merged})
+    assert "rounds" not in combined(rows[:1]) and combined([{"skipped": "why"}]) == {"skipped": "why"}
+
+
 def test_the_table_says_slower_when_rtp_is_slower():
     from benchmarks.staging import format_table
 
