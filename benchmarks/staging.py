@@ -316,7 +316,8 @@ def format_table(results: dict[str, Any]) -> str:
         )
         if "rounds" in r:
             lines.append(
-                f"{'':<18} full {_spread(r, 'full_s')}, no-change {_spread(r, 'nochange_s')}: {len(r['rounds'])} rounds"
+                f"{'':<18} range over {len(r['rounds'])} rounds: full {_spread(r, 'full_s')}, "
+                f"no-change {_spread(r, 'nochange_s')}"
             )
     for other, tool in TOOL_NAMES.items():
         if "rtp" in results and "full_s" in results.get(other, {}):
