@@ -72,8 +72,9 @@ def add_stage_parser(sub: argparse._SubParsersAction) -> None:
         "--s3-client",
         choices=S3_CLIENTS,
         default="lean",
-        help="lean: SigV4-signed requests over a urllib3 pool (botocore's credentials and signer, a "
-        "fraction of its per-request CPU); botocore: the full botocore client (default: %(default)s)",
+        help="lean: rtp's own SigV4 signer over a small HTTP/1.1 keep-alive pool (credentials from "
+        "the environment, else botocore's chain; a fraction of botocore's CPU per request); "
+        "botocore: the full botocore client (default: %(default)s)",
     )
     p.add_argument(
         "--repository-dir", default="", help="with --mode repository: the FSx folder linked to the prefix"

@@ -78,6 +78,16 @@ def open_no_follow(path: Path, flags: int) -> int:
     return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
 
 
+def create_fresh(path: Path) -> int:
+    """A new file at `path` for writing. One already there is unlinked first, never written
+    through: it may be a hard link into an older snapshot."""
+    try:
+        return open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    except FileExistsError:
+        path.unlink()
+        return open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+
+
 def write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:

@@ -1,15 +1,16 @@
 """The one place S3 clients are made: `s3_client(endpoint_url, kind=...)`.
 
-Every client comes from botocore's standard credential chain (IRSA on EKS, environment,
-profile, instance role) and the same endpoint handling (an `--endpoint-url` is addressed
+Every client takes its credentials from botocore's standard chain (IRSA on EKS, environment,
+profile, instance role; the lean client reads static keys from the environment itself, as
+that chain would first) and the same endpoint handling (an `--endpoint-url` is addressed
 path-style). `kind` picks how much of the AWS SDK stands behind it:
 
 - `"boto3"` (the default): a full boto3 client, for writing (`create_bucket`, `upload_file`
   in prepare-data, the demo's embedded S3, tests and benchmarks);
 - `"botocore"`: botocore alone (no boto3/s3transfer import: a shorter start-up) with a
   fast timestamp parser: `rtp stage --s3-client botocore`;
-- `"lean"`: `LeanS3Client` (lean_s3.py), botocore's credentials and signer over a urllib3
-  pool: what `rtp stage` reads with by default.
+- `"lean"`: `LeanS3Client` (lean_s3.py), rtp's own SigV4 signer (sigv4.py) over a small
+  HTTP/1.1 keep-alive pool (http_pool.py): what `rtp stage` reads with by default.
 
 botocore's own retries stay on (standard mode) for the botocore-based kinds; downloads add
 their own backoff with jitter on top (settings.with_retries), because a stalled body is not

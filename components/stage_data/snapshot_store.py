@@ -134,11 +134,13 @@ def local_file_damage(folder: Path, entry: dict[str, Any], verify_local: str) ->
 
 
 def finished_by_earlier_attempt(target: Path, obj: SourceObject) -> bool:
-    """Whether an interrupted attempt already finished this file (only verified files get final names).
+    """Whether an interrupted attempt already finished this file.
 
-    Files are not fsynced one by one (one syncfs covers them at commit), so after a crash a
-    file may have its final name but not its bytes: it is re-hashed, which reads the disk but
-    downloads nothing.
+    A final name is given only to verified bytes, but files are not fsynced one by one (one
+    syncfs covers them at commit), and a small object's verified bytes are written under
+    their final name (transfer.IN_MEMORY_BYTES): after a crash or a kill a file may have its
+    final name but not all its bytes. So it is re-hashed, which reads the disk but downloads
+    nothing; one that cannot be checked beyond its size is fetched again.
     """
     if not target.is_file() or target.is_symlink() or target.stat().st_size != obj.size:
         return False

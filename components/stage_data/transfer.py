@@ -42,6 +42,7 @@ from components.stage_data.checksums import (
 from components.stage_data.errors import StageError, VerificationError
 from components.stage_data.fs_safety import (
     NO_SPACE_ERRNOS,
+    create_fresh,
     disk_full_as_stage_error,
     open_no_follow,
     write_all,
@@ -50,6 +51,9 @@ from components.stage_data.progress import Progress
 from components.stage_data.settings import TransferSettings, with_retries
 
 log = logging.getLogger(__name__)
+
+IN_MEMORY_BYTES = 8 * 2**20
+"""Small objects up to this size are verified in memory and written once, under their final name."""
 
 
 def with_response_checksum(expectation: Expectation, response: dict[str, Any]) -> Expectation:
@@ -229,20 +233,30 @@ class Downloader:
         return self.client.get_object(**params)
 
     def _fetch_whole_once(self, job: ObjectJob) -> str:
+        """One verified download of a small object; '' when it has its final name, else why not.
+
+        An object of up to IN_MEMORY_BYTES is held in memory until verified and then written
+        under its final name (one file created, no rename: on Lustre each is a metadata
+        round trip); a larger one, or a small multipart upload (checked part by part from the
+        file), goes through `<name>.part`. Either way a resumed stage re-hashes what it finds.
+        """
         from botocore.exceptions import ClientError
 
         exp = job.expectation
         digester = Digester(exp)
         written = 0
+        in_memory = exp.size <= IN_MEMORY_BYTES and not exp.needs_parts()
+        held: list[bytes] = []
 
         def attempt() -> None:
             nonlocal written, digester, exp
             written = 0
+            held.clear()
             response = self._get(job) if job.expectation.size else None
             exp = with_response_checksum(job.expectation, response or {})
             exp = job.expectation = with_response_encryption(exp, response or {})
             digester = Digester(exp)
-            fd = open_no_follow(job.partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            fd = -1 if in_memory else open_no_follow(job.partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             try:
 
                 def chunks() -> Any:
@@ -250,7 +264,10 @@ class Downloader:
                     if response is None:
                         return
                     for chunk in response["Body"].iter_chunks(self.settings.read_chunk_bytes):
-                        write_all(fd, chunk)
+                        if in_memory:
+                            held.append(chunk)
+                        else:
+                            write_all(fd, chunk)
                         written += len(chunk)
                         self.on_bytes(len(chunk))
                         yield chunk
@@ -258,7 +275,8 @@ class Downloader:
                 digester.add_part(chunks())
                 # No fsync here: see sync_filesystem, called once before the snapshot commits.
             finally:
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
 
         try:
             with disk_full_as_stage_error(job.partial):
@@ -271,6 +289,17 @@ class Downloader:
             raise
         if written != exp.size:
             return f"got {written} bytes, expected {exp.size}"
+        if in_memory:
+            reason = digester.mismatch()
+            if not reason:
+                with disk_full_as_stage_error(job.target):
+                    fd = create_fresh(job.target)
+                    try:
+                        for chunk in held:
+                            write_all(fd, chunk)
+                    finally:
+                        os.close(fd)
+            return reason
         # A small multipart upload was hashed as one part above; check it part by part.
         reason = verify_file_any_part_size(job.partial, exp) if exp.needs_parts() else digester.mismatch()
         if reason:

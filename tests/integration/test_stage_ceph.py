@@ -160,7 +160,13 @@ def test_killed_stage_resumes_without_downloading_again(seeded, tmp_path):
         deadline = time.monotonic() + 60
         done: list[Path] = []
         while time.monotonic() < deadline and process.poll() is None:
-            done = [p for p in staging.rglob("obj-*.bin")] if staging.exists() else []
+            # A file counts once it has all its bytes: a small object is written under its
+            # final name after it was verified in memory, so a kill may land between the two.
+            done = [
+                p
+                for p in (staging.rglob("obj-*.bin") if staging.exists() else [])
+                if p.stat().st_size == len(expected[f"data/{p.name}"])
+            ]
             if len(done) >= 10:
                 break
             time.sleep(0.05)
