@@ -228,3 +228,16 @@ def test_lean_client_addresses_aws_and_follows_the_bucket_region(monkeypatch):
     assert seen[0][0] == "https://my-bucket.s3.us-east-1.amazonaws.com/a%20b"
     assert seen[1][0] == "https://my-bucket.s3.eu-west-1.amazonaws.com/a%20b"
     assert "/eu-west-1/s3/" in seen[1][1] and "/us-east-1/s3/" in seen[0][1]
+
+
+def test_a_small_object_is_written_through_a_fresh_file_never_through_a_hard_link(tmp_path):
+    """The final name may be a hard link into an older snapshot (linked by an earlier attempt)."""
+    from components.stage_data.fs_safety import create_fresh
+
+    old, target = tmp_path / "old", tmp_path / "target"
+    old.write_bytes(b"older snapshot")
+    os.link(old, target)
+    fd = create_fresh(target)
+    os.write(fd, b"new")
+    os.close(fd)
+    assert (old.read_bytes(), target.read_bytes()) == (b"older snapshot", b"new")
