@@ -143,3 +143,16 @@ def test_slot_references_resolve_to_the_slot_files_bytes_and_leave_other_tensors
         assert torch.equal(source, value) and source.dtype == value.dtype
     memory_only = Slot(None, layout, slot.size)
     assert slot_refs.by_reference(buckets, memory_only) is buckets  # nothing another process could map
+
+
+def test_the_last_saves_shard_is_hashed_as_written_not_read_back(tmp_path, monkeypatch):
+    # Step 6 (the last) is written in this process, through storage.ShardWriter.
+    read_back: list[str] = []
+    sha256_file = storage.sha256_file
+    monkeypatch.setattr(
+        storage, "sha256_file", lambda path, *a: read_back.append(path.name) or sha256_file(path, *a)
+    )
+    _run_async(tmp_path, monkeypatch, local_every=1)
+    assert [name for name in read_back if name.endswith(".distcp")] == []
+    for step in (3, 6):  # the worker's shards and this process's: the manifests hold their real hashes
+        storage.verify_checkpoint(tmp_path / "checkpoints" / f"step_{step}", verify_hashes=True)

@@ -276,3 +276,46 @@ def test_a_sync_save_hashes_each_ranks_shards_on_that_rank_and_its_manifest_is_u
     fresh, fresh_optimizer = _trained_model(seed=1)
     load_checkpoint(root / "step_1", fresh, fresh_optimizer)  # two ranks' save into one process
     assert state_dict_sha256(fresh.state_dict()) == rank0["model_sha256"] == rank1["model_sha256"]
+
+
+def test_a_shard_writer_hashes_what_it_writes_and_leaves_the_sidecar_only_on_a_clean_close(
+    tmp_path, monkeypatch
+):
+    shard = tmp_path / "__0_0.distcp"
+    with storage.ShardWriter(shard) as stream:
+        assert stream.write(b"abc") == 3
+        stream.write(memoryview(b"defgh"))
+        assert stream.tell() == 8
+    assert shard.read_bytes() == b"abcdefgh"
+    assert (tmp_path / "__0_0.distcp.sha256").read_text() == storage.sha256_file(shard)
+    read_back = []
+    monkeypatch.setattr(storage, "sha256_file", lambda path, *a: read_back.append(path) or "x")
+    storage.write_hash_sidecars(tmp_path, rank=0)
+    assert read_back == []  # its sidecar stands: the shard is not read again
+
+    torn = tmp_path / "__0_1.distcp"
+    with pytest.raises(OSError), storage.ShardWriter(torn) as stream:
+        stream.write(b"half")
+        raise OSError("disk full")
+    assert torn.read_bytes() == b"half" and not (tmp_path / "__0_1.distcp.sha256").exists()
+    storage.write_hash_sidecars(tmp_path, rank=0)
+    assert read_back == [torn]  # no sidecar: the file itself is hashed
+    with pytest.raises(ValueError, match="mode 'wb'"):
+        storage.ShardWriter(tmp_path / "x", "ab")
+
+
+def test_shard_records_skip_the_zip_crc32_that_torch_load_never_checks(tmp_path):
+    import zipfile
+
+    tensor = torch.arange(4096, dtype=torch.float32)
+    before = torch.serialization.get_crc32_options()
+    with storage.shard_records_without_crc32():
+        torch.save(tensor, tmp_path / "no_crc.pt")
+    assert torch.serialization.get_crc32_options() == before
+    torch.save(tensor, tmp_path / "crc.pt")
+    crcs = {
+        name: {i.filename.rsplit("/", 1)[-1]: i.CRC for i in zipfile.ZipFile(tmp_path / name).infolist()}
+        for name in ("no_crc.pt", "crc.pt")
+    }
+    assert crcs["no_crc.pt"]["0"] == 0 != crcs["crc.pt"]["0"]  # the tensor's record
+    assert torch.equal(torch.load(tmp_path / "no_crc.pt"), tensor)

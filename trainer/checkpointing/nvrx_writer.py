@@ -77,6 +77,7 @@ class NvrxAsyncWriter(CheckpointWriter):
         from trainer.checkpointing.snapshot import HostSnapshot, share_snapshots_by_file_name
 
         share_snapshots_by_file_name()
+        nvrx_compat.hash_shards_as_written()  # the last save is written in this process
         # Save planning gathers plans from all ranks, and runs in the snapshot's thread
         # while the loop runs collectives of its own: a group of its own keeps them apart.
         with peer_abort.tracking():  # an in-process restart shuts its connections down
@@ -477,7 +478,10 @@ def _write_buckets_here(writer: Any) -> Any:
         outcome: queue.SimpleQueue[Any] = queue.SimpleQueue()
         done: queue.Queue[int] = queue.Queue()
         done.put(index)  # the writer takes one item off it and marks it done when finished
-        FileSystemWriterAsync.write_preloaded_data(transforms, index, bucket, outcome, done, use_fsync=True)
+        with storage.shard_records_without_crc32():
+            FileSystemWriterAsync.write_preloaded_data(
+                transforms, index, bucket, outcome, done, use_fsync=True
+            )
         _, written = outcome.get()
         if isinstance(written, BaseException):
             return written

@@ -171,10 +171,62 @@ def write_hash_sidecars(staging: str | Path, rank: int) -> None:
 
     Every rank runs it right after its shards are written (the async writers in their
     background thread), so the commit on rank 0 reads sidecars instead of re-reading every
-    rank's shards on the training thread while the other ranks wait at its barrier.
+    rank's shards on the training thread while the other ranks wait at its barrier. A shard
+    written through `ShardWriter` already has its sidecar and is not read back.
     """
     for shard in Path(staging).glob(f"__{rank}_*.distcp"):
-        shard.with_name(shard.name + HASH_SIDECAR).write_text(sha256_file(shard))
+        sidecar = shard.with_name(shard.name + HASH_SIDECAR)
+        if not sidecar.is_file():
+            sidecar.write_text(sha256_file(shard))
+
+
+class ShardWriter:
+    """A DCP shard written from its start that hashes its bytes on their way to the file, so
+    the shard is never read back to be hashed; closed without an error, it leaves its
+    `.sha256` sidecar (an error leaves none: `write_hash_sidecars` then reads the file)."""
+
+    def __init__(self, path: str | os.PathLike[str], mode: str = "wb") -> None:
+        if mode != "wb":
+            raise ValueError(f"ShardWriter writes a shard whole, from its start (mode 'wb'), not {mode!r}")
+        self.path = Path(path)
+        self._file = self.path.open("wb")
+        self._digest = hashlib.sha256()
+
+    def write(self, data: Any) -> int:
+        self._digest.update(data)
+        return self._file.write(data)
+
+    def tell(self) -> int:
+        return self._file.tell()
+
+    def seekable(self) -> bool:
+        return False  # a seek would leave the digest behind what the file holds
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def fileno(self) -> int:
+        return self._file.fileno()
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, error_type: type[BaseException] | None, *_: Any) -> None:
+        self._file.close()
+        if error_type is None:
+            self.path.with_name(self.path.name + HASH_SIDECAR).write_text(self._digest.hexdigest())
+
+
+@contextlib.contextmanager
+def shard_records_without_crc32() -> Any:
+    """torch.save skips each record's zip CRC-32 inside: torch.load never checks it, and the
+    manifest's SHA-256 covers every byte of the shard."""
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(previous)
 
 
 def _build_manifest(folder: Path) -> dict[str, Any]:
@@ -286,7 +338,8 @@ def save_checkpoint(
     started = time.perf_counter()
     staging, final = prepare_staging(root, step, rank_extra)
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(staging))
+    with shard_records_without_crc32():
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(staging))
     write_hash_sidecars(staging, dist.get_rank())
     bytes_total = commit(staging, final, step, meta)
     return SaveResult(path=final, step=step, blocked_s=time.perf_counter() - started, bytes_total=bytes_total)

@@ -29,7 +29,8 @@ class SyncWriter(CheckpointWriter):
     mode = "sync"
 
     def start_save(self, state: dict[str, Any], pending: PendingSave) -> None:
-        dcp.save(state, checkpoint_id=str(pending.staging))
+        with storage.shard_records_without_crc32():
+            dcp.save(state, checkpoint_id=str(pending.staging))
         # Every rank hashes its own shards at once, so rank 0's commit reads only their sidecars.
         storage.write_hash_sidecars(pending.staging, dist.get_rank())
         self._commit(pending, loop_waited_for_write=True)
