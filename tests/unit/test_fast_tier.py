@@ -300,3 +300,32 @@ def test_a_capture_after_the_optimizer_state_was_replaced_copies_the_new_tensors
         resumed.abandon()
     finally:
         forget_run("", tmp_path / "checkpoints")
+
+
+def _resident_bytes(address: int) -> int:
+    """Rss of this process's mapping that starts at `address`, from /proc/self/smaps."""
+    from pathlib import Path
+
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for index, line in enumerate(lines):
+        start, dash, _ = line.partition(" ")[0].partition("-")
+        if dash and int(start, 16) == address:
+            for field in lines[index + 1 :]:
+                if field.startswith("Rss:"):
+                    return int(field.split()[1]) * 1024
+    raise AssertionError(f"no mapping at {address:#x}")
+
+
+def test_a_new_slot_is_faulted_in_when_made_and_a_remapped_one_keeps_its_capture(tmp_path):
+    from trainer.checkpointing import tier_format as fmt
+    from trainer.checkpointing.tier_slots import Slot
+
+    values = torch.randn(1 << 20)
+    layout = fmt.layout_of([values])
+    size = fmt.aligned(layout[-1][2] + layout[-1][3])
+    slot = Slot(tmp_path / "rank_0_slot_0.data", layout, size)
+    # Every page is in before the first capture's copy, which the loop would wait for.
+    assert _resident_bytes(slot.address()) >= size
+    slot.tensors[0].copy_(values)
+    again = Slot(tmp_path / "rank_0_slot_0.data", layout, size)
+    assert torch.equal(again.tensors[0], values)  # faulting in never changes what a slot holds

@@ -201,6 +201,8 @@ class Slot:
                 data = mmap.mmap(handle.fileno(), max(size, 1), mmap.MAP_SHARED) if size else bytearray(1)
         self.data = data
         self.tensors = [fmt.view(data, dtype, shape, place, nbytes) for dtype, shape, place, nbytes in layout]
+        if path is not None and size:
+            populate(self.address(), size)
 
     def address(self) -> int:
         """Where the mapping starts in this process's memory."""
@@ -214,6 +216,21 @@ class Slot:
 
         if self.size:
             pin_host_range(self, self.address(), self.size)
+
+
+MADV_POPULATE_WRITE = 23
+"""Linux >= 5.14 (Python 3.11's mmap module does not name it)."""
+
+
+def populate(address: int, size: int) -> bool:
+    """Fault a new slot's pages in now, content unchanged: a fresh tmpfs page is zeroed at
+    its first touch, which would otherwise land in the first capture's copy, one the loop
+    waits for. Through ctypes, which lets go of the interpreter lock (mmap.madvise keeps
+    it). False where the kernel refuses (older than 5.14): the first copy pays then."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(size), MADV_POPULATE_WRITE) == 0
 
 
 def gib(n: int | None) -> str:
