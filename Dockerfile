@@ -60,7 +60,10 @@ COPY benchmarks benchmarks
 # The steps, the job pods (components/train/jobs.py) and deploy/eks/fsx-init-job.yaml all
 # expect uid and gid 1000: Ubuntu 24.04 bases already have a user `ubuntu` there, which is
 # removed first so the ids are rtp's and useradd does not fail on a taken uid.
+# `python -m` in WORKDIR imports these copies, not site-packages', and uid 1000 cannot write
+# their __pycache__: compiled here, each process does not compile them again.
 RUN python -m pip install --no-deps . \
+ && python -m compileall -q pipelines rtp_cli rtp_support components trainer rtp_prefork benchmarks \
  && python -c "import torch, kfp, kfp.kubernetes, nvidia_resiliency_ext, mlflow, boto3, trainer.loop, components, rtp_cli.main" \
  && if getent passwd 1000 >/dev/null; then userdel "$(getent passwd 1000 | cut -d: -f1)"; fi \
  && if getent group 1000 >/dev/null; then groupdel "$(getent group 1000 | cut -d: -f1)"; fi \

@@ -61,6 +61,13 @@ def error_from_response(status: int, body: bytes, headers: Any, operation: str) 
     return ClientError(response, operation)
 
 
+def _url_decoded(key: str) -> str:
+    """A listed key with encoding-type=url: most escape only their slashes (`%2F`), which a
+    replace decodes faster than `unquote`'s general path, run once per listed key."""
+    plain = key.replace("%2F", "/")
+    return plain if "%" not in plain else unquote(key)
+
+
 def parse_list_page(body: bytes) -> dict[str, Any]:
     """A ListObjectsV2 answer (with encoding-type=url) as botocore would page it."""
     root = ET.fromstring(body)
@@ -70,7 +77,7 @@ def parse_list_page(body: bytes) -> dict[str, Any]:
         key = item.findtext(f"{S3_NS}Key") or ""
         contents.append(
             {
-                "Key": unquote(key) if url_encoded else key,
+                "Key": _url_decoded(key) if url_encoded else key,
                 "Size": int(item.findtext(f"{S3_NS}Size") or 0),
                 "ETag": item.findtext(f"{S3_NS}ETag") or "",
                 "ChecksumAlgorithm": [e.text for e in item.iter(f"{S3_NS}ChecksumAlgorithm") if e.text],

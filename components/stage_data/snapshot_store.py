@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import posixpath
+import stat
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -48,17 +49,22 @@ def relative_paths(keys: Iterable[str], prefix: str) -> dict[str, str]:
     strip = prefix if prefix.endswith("/") or not prefix else prefix.rsplit("/", 1)[0] + "/"
     for key in keys:
         rest = key[len(strip) :] if key.startswith(strip) else key
-        normalized = posixpath.normpath(rest)
+        # normpath changes only keys with '//', a '.' or '..' part, or a trailing '/'
+        plain = rest and "//" not in rest and "/." not in rest and rest[0] != "." and rest[-1] != "/"
+        normalized = rest if plain else posixpath.normpath(rest)
         parts = normalized.split("/")
         if (
             rest.startswith("/")
             or normalized.startswith("..")
             or normalized in (".", "")
             or "\x00" in rest
-            or any(p in ("..",) for p in rest.split("/"))
+            or ".." in rest.split("/")
         ):
             raise StageError(f"S3 key {key!r} would be written outside the dataset folder; rename it")
-        if normalized == MANIFEST_NAME or any(p.endswith(TEMP_SUFFIXES) for p in parts):
+        if normalized == MANIFEST_NAME or (
+            any(suffix in normalized for suffix in TEMP_SUFFIXES)
+            and any(p.endswith(TEMP_SUFFIXES) for p in parts)
+        ):
             raise StageError(f"S3 key {key!r} collides with a name staging uses itself; rename it")
         folded = normalized.lower()
         if folded in seen:
@@ -116,18 +122,19 @@ def manifest_text(manifest: dict[str, Any]) -> str:
 
 
 def local_file_damage(folder: Path, entry: dict[str, Any], verify_local: str) -> str:
-    """'' when the snapshot file still is what the manifest says, else what is wrong."""
-    path = folder / entry["path"]
+    """'' when the snapshot file still is what the manifest says, else what is wrong. One
+    lstat per file: a no-change re-stage runs this for every file of the snapshot."""
+    path = os.path.join(folder, entry["path"])
     try:
-        info = path.lstat()
+        info = os.lstat(path)
     except FileNotFoundError:
         return "missing"
-    if not path.is_file() or path.is_symlink():
+    if not stat.S_ISREG(info.st_mode):  # a symlink's lstat is not a regular file either
         return "not a regular file"
     if info.st_size != int(entry["size"]):
         return f"size {info.st_size} != {entry['size']}"
     if verify_local == "full":
-        return verify_file_any_part_size(path, entry_object(entry).expectation())
+        return verify_file_any_part_size(Path(path), entry_object(entry).expectation())
     if "mtime_ns" in entry and info.st_mtime_ns != int(entry["mtime_ns"]):
         return "modified since it was staged (mtime changed)"
     return ""

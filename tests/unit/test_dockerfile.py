@@ -92,3 +92,18 @@ def test_the_image_user_is_uid_and_gid_1000_even_on_a_base_that_has_one():
     assert run.index("userdel") < run.index("groupadd --gid 1000 rtp") < run.index("useradd")
     assert "getent passwd 1000" in run and "getent group 1000" in run
     assert "useradd --create-home --uid 1000 --gid 1000 rtp" in run
+
+
+def test_every_package_copied_into_the_workdir_is_byte_compiled_after_the_copy():
+    # `python -m trainer` in WORKDIR imports these copies, which uid 1000 cannot compile into.
+    instructions = _instructions()
+    copied = [i.split()[1] for i in instructions if re.fullmatch(r"COPY (\w+) \1", i)]
+    assert {"trainer", "components", "rtp_cli", "rtp_prefork"} <= set(copied)
+    compiling = [n for n, i in enumerate(instructions) if "python -m compileall" in i]
+    assert compiling, "no RUN byte-compiles the copied packages"
+    run = instructions[compiling[0]]
+    last_copy = max(n for n, i in enumerate(instructions) if re.fullmatch(r"COPY (\w+) \1", i))
+    assert compiling[0] > last_copy
+    arguments = run.split("python -m compileall", 1)[1].split("&&", 1)[0].split()
+    assert set(copied) <= set(arguments)
+    assert instructions.index(run) < next(n for n, i in enumerate(instructions) if i.startswith("USER "))

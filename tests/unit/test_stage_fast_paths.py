@@ -241,3 +241,13 @@ def test_a_small_object_is_written_through_a_fresh_file_never_through_a_hard_lin
     os.write(fd, b"new")
     os.close(fd)
     assert (old.read_bytes(), target.read_bytes()) == (b"older snapshot", b"new")
+
+
+def test_listed_keys_escaped_with_encoding_type_url_decode_as_unquote_does():
+    from urllib.parse import quote, unquote
+
+    from components.stage_data.lean_s3 import _url_decoded
+
+    for key in ["data/small/000001.bin", "a b/c+d", "naïve/ü.txt", "100%/x", "a%2fb/c", "x/%41"]:
+        for encoded in (quote(key, safe=""), quote(key, safe="/"), key.replace("/", "%2F")):
+            assert _url_decoded(encoded) == unquote(encoded), encoded

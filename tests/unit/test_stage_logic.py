@@ -106,6 +106,52 @@ def test_key_mapping_refusals():
         relative_paths(["p/a", "p/a/b"], "p/")
 
 
+def test_key_mapping_normalizes_exactly_as_normpath_for_every_key_it_accepts():
+    import itertools
+    import posixpath
+
+    # Every key of up to 5 pieces over pieces that exercise normpath's rules.
+    pieces = ["a", ".", "..", "/", "b.part", ".h", "c/"]
+    for n in range(1, 6):
+        for combo in itertools.product(pieces, repeat=n):
+            key = "p/" + "".join(combo)
+            try:
+                mapped = relative_paths([key], "p/")[key]
+            except StageError:
+                continue
+            assert mapped == posixpath.normpath(key[2:]), key
+    assert relative_paths(["p/a//b", "p/./c", "p/d/"], "p/") == {"p/a//b": "a/b", "p/./c": "c", "p/d/": "d"}
+
+
+def test_a_snapshot_file_is_checked_with_one_lstat(tmp_path, monkeypatch):
+    import os
+
+    from components.stage_data import snapshot_store
+
+    (tmp_path / "f").write_bytes(b"abc")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "f")
+    mtime = (tmp_path / "f").stat().st_mtime_ns
+    calls = []
+    lstat = os.lstat
+    monkeypatch.setattr(snapshot_store.os, "lstat", lambda path: calls.append(path) or lstat(path))
+    damage = snapshot_store.local_file_damage
+
+    def entry(path, size=3, mtime_ns=mtime):
+        return {"path": path, "size": size, "mtime_ns": mtime_ns}
+
+    assert damage(tmp_path, entry("f"), "stat") == ""
+    assert len(calls) == 1
+    assert damage(tmp_path, entry("gone"), "stat") == "missing"
+    assert damage(tmp_path, entry("d"), "stat") == "not a regular file"
+    assert damage(tmp_path, entry("link"), "stat") == "not a regular file"
+    assert damage(tmp_path, entry("f", size=4), "stat") == "size 3 != 4"
+    assert (
+        damage(tmp_path, entry("f", mtime_ns=mtime + 1), "stat")
+        == "modified since it was staged (mtime changed)"
+    )
+
+
 def test_manifest_name_matches_the_trainer():
     from trainer.data import MANIFEST_NAME as TRAINER_MANIFEST
     from trainer.data import SHARD_INDEX_NAME as TRAINER_INDEX
