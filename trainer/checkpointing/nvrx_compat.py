@@ -58,13 +58,25 @@ import torch.distributed as dist
 from nvidia_resiliency_ext.checkpointing.async_ckpt import core, filesystem_async
 
 from trainer import env
-from trainer.checkpointing import storage
 
 
 def hash_shards_as_written() -> None:
     """(8) In this process, NVRx's bucket writer (its module's only `open`) writes through
-    `ShardWriter`."""
+    `ShardWriter`, and torch.save skips the CRC-32 where this process writes shards only."""
+    from trainer.checkpointing import storage
+
     filesystem_async.open = storage.ShardWriter  # type: ignore[attr-defined]
+
+
+def prepare_shard_writer_process() -> None:
+    """(8) In the persistent worker, at its first save (its start-up overlaps the ranks'
+    and imports nothing more): shards hashed as written, no CRC-32, and its start-up
+    objects frozen out of the garbage collector."""
+    if getattr(filesystem_async, "open", None) is not None:
+        return
+    hash_shards_as_written()
+    torch.serialization.set_crc32_options(False)
+    gc.freeze()
 
 
 def needs_cpu_adjustments() -> bool:
@@ -167,9 +179,6 @@ def _worker_main(rank_pid: int, local_rank: int, *loop_args: Any) -> None:
 
     prepare_background_writer(parent_pid=rank_pid)
     only_the_ranks_gpu(local_rank)
-    hash_shards_as_written()
-    torch.serialization.set_crc32_options(False)  # (8) this process writes shards only
-    gc.freeze()  # its collections skip the imported modules' objects
     core.PersistentAsyncCaller.async_loop(*loop_args)
 
 

@@ -491,6 +491,9 @@ def _write_buckets_here(writer: Any) -> Any:
 
 def _write_then_hash(save_fn: Callable[..., None], staging: str, rank: int, *args: Any) -> None:
     """The NVRx writer's job plus the shard hashes (runs in the background worker)."""
+    from trainer.checkpointing import nvrx_compat
+
+    nvrx_compat.prepare_shard_writer_process()
     if len(args) > 1:
         args = (args[0], slot_refs.resolve(args[1]), *args[2:])
     save_fn(*args)
