@@ -61,10 +61,7 @@ def relative_paths(keys: Iterable[str], prefix: str) -> dict[str, str]:
             or ".." in rest.split("/")
         ):
             raise StageError(f"S3 key {key!r} would be written outside the dataset folder; rename it")
-        if normalized == MANIFEST_NAME or (
-            any(suffix in normalized for suffix in TEMP_SUFFIXES)
-            and any(p.endswith(TEMP_SUFFIXES) for p in parts)
-        ):
+        if normalized == MANIFEST_NAME or any(p.endswith(TEMP_SUFFIXES) for p in parts):
             raise StageError(f"S3 key {key!r} collides with a name staging uses itself; rename it")
         folded = normalized.lower()
         if folded in seen:

@@ -156,3 +156,27 @@ def test_the_last_saves_shard_is_hashed_as_written_not_read_back(tmp_path, monke
     assert [name for name in read_back if name.endswith(".distcp")] == []
     for step in (3, 6):  # the worker's shards and this process's: the manifests hold their real hashes
         storage.verify_checkpoint(tmp_path / "checkpoints" / f"step_{step}", verify_hashes=True)
+
+
+def test_the_writer_process_is_set_up_for_shards_once_at_its_first_save(monkeypatch):
+    import gc
+
+    from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
+
+    from trainer.checkpointing import nvrx_compat
+
+    monkeypatch.setattr(nvrx_compat, "_shard_writer_prepared", False)
+    monkeypatch.delattr(filesystem_async, "open", raising=False)
+    crc = torch.serialization.get_crc32_options()
+    try:
+        nvrx_compat.prepare_shard_writer_process()
+        assert filesystem_async.open is storage.ShardWriter  # shards hashed as written
+        assert torch.serialization.get_crc32_options() is False
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        nvrx_compat.prepare_shard_writer_process()  # a later save: nothing again
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+        torch.serialization.set_crc32_options(crc)
+        monkeypatch.delattr(filesystem_async, "open", raising=False)

@@ -62,21 +62,26 @@ from trainer import env
 
 def hash_shards_as_written() -> None:
     """(8) In this process, NVRx's bucket writer (its module's only `open`) writes through
-    `ShardWriter`, and torch.save skips the CRC-32 where this process writes shards only."""
+    `ShardWriter`."""
     from trainer.checkpointing import storage
 
     filesystem_async.open = storage.ShardWriter  # type: ignore[attr-defined]
+
+
+_shard_writer_prepared = False
 
 
 def prepare_shard_writer_process() -> None:
     """(8) In the persistent worker, at its first save (its start-up overlaps the ranks'
     and imports nothing more): shards hashed as written, no CRC-32, and its start-up
     objects frozen out of the garbage collector."""
-    if getattr(filesystem_async, "open", None) is not None:
+    global _shard_writer_prepared
+    if _shard_writer_prepared:
         return
     hash_shards_as_written()
     torch.serialization.set_crc32_options(False)
     gc.freeze()
+    _shard_writer_prepared = True
 
 
 def needs_cpu_adjustments() -> bool:
