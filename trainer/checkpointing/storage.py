@@ -38,6 +38,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from trainer import collectives
+
 log = logging.getLogger(__name__)
 
 COMMIT_MARKER = "COMMITTED"
@@ -290,7 +292,7 @@ def prepare_staging(
         if final.exists():
             remove_committed(final)
         (staging / RANK_STATE_DIR).mkdir(parents=True)
-    dist.barrier(group=group)
+    collectives.barrier(group)
     torch.save(state, staging / RANK_STATE_DIR / f"rank_{rank}.pt")
     return staging, final
 
@@ -302,10 +304,10 @@ def commit(staging: Path, final: Path, step: int, meta: dict[str, Any]) -> int:
     the barriers make sure no rank reads or deletes around a half-committed folder.
     Returns the checkpoint's size in bytes.
     """
-    dist.barrier()
+    collectives.barrier()
     if dist.get_rank() == 0:
         commit_files(staging, final, step, meta, dist.get_world_size())
-    dist.barrier()
+    collectives.barrier()
     return checkpoint_bytes(final)
 
 
