@@ -102,10 +102,10 @@ def finish_stage(
 ) -> StageResult:
     """Commit the snapshot the `count` parts fetched (or re-check the existing one)."""
     _check_part(0, count)
-    with open_stage(source, fsx_mount_path, dataset_name, **options) as (run, objects):
-        existing = read_manifest(run.store.snapshot_dir(run.snapshot_id))
-        if existing is not None:
-            return recheck_snapshot(run, existing)
+    with open_stage(source, fsx_mount_path, dataset_name, **options, check_current=True) as (run, objects):
+        rechecked = recheck_snapshot(run)
+        if rechecked is not None:
+            return rechecked
         records = []
         for index in range(count):
             path = _record_path(run, index, count)

@@ -22,6 +22,7 @@ import posixpath
 import stat
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Executor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,43 @@ def local_file_damage(folder: Path, entry: dict[str, Any], verify_local: str) ->
     return ""
 
 
+CHECK_CHUNK_FILES = 256
+"""Files one pool task checks: at scale each check is a metadata round trip to the file
+server (or a whole read), so a snapshot's files are checked by many tasks at once."""
+
+
+def damaged_files(
+    folder: Path, entries: list[dict[str, Any]], verify_local: str
+) -> list[tuple[dict[str, Any], str]]:
+    """(entry, what is wrong) for each of `entries` whose file is not what the manifest says."""
+    return [
+        (entry, reason) for entry in entries if (reason := local_file_damage(folder, entry, verify_local))
+    ]
+
+
+class FileCheck:
+    """Every file of one snapshot checked against its manifest, in chunks on `pool` (inline
+    without one). A re-stage starts it on `current` while the source is being listed."""
+
+    def __init__(
+        self, snap: str, folder: Path, manifest: dict[str, Any], verify_local: str, pool: Executor | None
+    ) -> None:
+        self.snap, self.manifest, self.verify_local = snap, manifest, verify_local
+        files = manifest["files"]
+        chunks = [files[i : i + CHECK_CHUNK_FILES] for i in range(0, len(files), CHECK_CHUNK_FILES)]
+        if pool is None:
+            self._done = [damaged_files(folder, chunk, verify_local) for chunk in chunks]
+            self._parts = []
+        else:
+            self._parts = [pool.submit(damaged_files, folder, chunk, verify_local) for chunk in chunks]
+
+    def damaged(self) -> list[tuple[dict[str, Any], str]]:
+        """Waits for the check; the damaged files in manifest order."""
+        if self._parts:
+            self._done, self._parts = [part.result() for part in self._parts], []
+        return [found for chunk in self._done for found in chunk]
+
+
 def finished_by_earlier_attempt(target: Path, obj: SourceObject) -> bool:
     """Whether an interrupted attempt already finished this file.
 
@@ -213,6 +251,19 @@ class SnapshotStore:
         SafeTree(self.root).ensure_dir(staging)
         return SafeTree(staging)
 
+    def current_snapshot(self) -> str | None:
+        """The id `current` points at, if any."""
+        try:
+            return posixpath.basename(os.readlink(self.root / "current"))
+        except OSError:
+            return None
+
+    def start_check(self, snap: str, verify_local: str, pool: Executor | None) -> FileCheck | None:
+        """Start checking snapshot `snap`'s files (None: it has no manifest)."""
+        folder = self.snapshot_dir(snap)
+        manifest = read_manifest(folder)
+        return None if manifest is None else FileCheck(snap, folder, manifest, verify_local, pool)
+
     def previous_files(self) -> dict[tuple[str, int, str], tuple[Path, dict[str, Any]]]:
         """The `current` snapshot's files by (key, size, ETag): candidates to hard-link."""
         current = self.root / "current"
@@ -256,17 +307,14 @@ class SnapshotStore:
         os.replace(tmp, link)
         fsync_dir(self.root)
 
-    def recheck(
-        self, snap: str, manifest: dict[str, Any], verify_local: str, refetch: Refetch
-    ) -> list[SourceObject]:
+    def recheck(self, check: FileCheck, refetch: Refetch) -> list[SourceObject]:
         """The snapshot exists: fetch again only the files in it that were damaged; returns those."""
+        snap, manifest = check.snap, check.manifest
         final = self.snapshot_dir(snap)
         damaged = []
-        for entry in manifest["files"]:
-            reason = local_file_damage(final, entry, verify_local)
-            if reason:
-                log.warning("%s in snapshot %s: %s; fetching it again", entry["path"], snap, reason)
-                damaged.append(entry)
+        for entry, reason in check.damaged():
+            log.warning("%s in snapshot %s: %s; fetching it again", entry["path"], snap, reason)
+            damaged.append(entry)
         repaired = [entry_object(e) for e in damaged]
         if damaged:
             tree = SafeTree(final)

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from components.layout import snapshot_root
 from components.stage_data.checksums import verify_file_any_part_size
 from components.stage_data.errors import StageError
 from components.stage_data.fs_safety import SafeTree, check_free_space, link_or_copy
@@ -36,11 +37,11 @@ from components.stage_data.settings import TransferSettings
 from components.stage_data.snapshot_store import (
     MANIFEST_NAME,
     VERIFY_LOCAL,
+    FileCheck,
     SnapshotStore,
     entry_object,
     finished_by_earlier_attempt,
     local_file_damage,
-    read_manifest,
     relative_paths,
     snapshot_id,
 )
@@ -123,6 +124,8 @@ class StageRun:
     """Where the progress bar goes (None: stderr)."""
     started: float
     """time.perf_counter() when the stage began."""
+    current_check: FileCheck | None = None
+    """The size-and-mtime check of `current`'s files, started before the listing."""
 
     def fetch(
         self, objects_and_targets: list[tuple[SourceObject, Path]], *, stripe_large_files: bool
@@ -187,9 +190,14 @@ def open_stage(
     progress_stream: Any = None,
     s3_client_kind: str = "lean",
     collection: str = "datasets",
+    check_current: bool = False,
 ) -> Iterator[tuple[StageRun, list[SourceObject]]]:
     """Check the arguments, list the source, name the snapshot and open its store: the
-    `StageRun` and the listed objects, for the time of the block (its pool stays open)."""
+    `StageRun` and the listed objects, for the time of the block (its pool stays open).
+
+    With `check_current`, the files of the snapshot `current` points at are checked (size
+    and mtime) on the pool while the source is listed: an unchanged source re-checks
+    exactly them, and a changed one links the intact ones."""
     started = time.perf_counter()
     if mode not in MODES:
         raise StageError(f"mode {mode!r} is not one of {', '.join(MODES)}")
@@ -199,18 +207,27 @@ def open_stage(
         raise StageError(f"s3_client_kind {s3_client_kind!r} is not one of {', '.join(S3_CLIENTS)}")
     settings = settings or (TransferSettings(max_workers=max_workers) if max_workers else TransferSettings())
     parsed = parse_source(source)
-    if parsed.kind == "local":
-        client = LocalFolderClient()
-        objects = list_local_folder(parsed.bucket)
-    else:
-        if client is None:
-            client = s3_client(endpoint_url, settings.max_workers + 8, kind=s3_client_kind)
-        objects = list_objects(client, parsed.bucket, parsed.prefix)
-    paths = relative_paths((o.key for o in objects), parsed.prefix)
-    store = SnapshotStore.open(fsx_mount_path, dataset_name, collection)
-    lustre = Lustre()
-    lustre.check_destination(store.root)
     with ThreadPoolExecutor(max_workers=settings.max_workers, thread_name_prefix="stage") as pool:
+        try:
+            current_check = (
+                _start_current_check(fsx_mount_path, collection, dataset_name, pool)
+                if check_current
+                else None
+            )
+            if parsed.kind == "local":
+                client = LocalFolderClient()
+                objects = list_local_folder(parsed.bucket)
+            else:
+                if client is None:
+                    client = s3_client(endpoint_url, settings.max_workers + 8, kind=s3_client_kind)
+                objects = list_objects(client, parsed.bucket, parsed.prefix)
+            paths = relative_paths((o.key for o in objects), parsed.prefix)
+            store = SnapshotStore.open(fsx_mount_path, dataset_name, collection)
+            lustre = Lustre()
+            lustre.check_destination(store.root)
+        except BaseException:
+            pool.shutdown(cancel_futures=True)  # an error is reported without waiting for the check
+            raise
         yield (
             StageRun(
                 source=parsed,
@@ -224,9 +241,23 @@ def open_stage(
                 verify_local=verify_local,
                 progress_stream=progress_stream,
                 started=started,
+                current_check=current_check,
             ),
             objects,
         )
+
+
+def _start_current_check(
+    fsx_mount_path: str, collection: str, dataset_name: str, pool: ThreadPoolExecutor
+) -> FileCheck | None:
+    """The size-and-mtime check of `current`'s files, started on `pool` (None: no `current`).
+    Reads only: the store is opened (and checked) after the listing."""
+    root = snapshot_root(fsx_mount_path, collection, dataset_name)
+    if root.is_symlink():
+        return None  # SnapshotStore.open refuses it
+    store = SnapshotStore(root)
+    current = store.current_snapshot()
+    return None if current is None else store.start_check(current, "stat", pool)
 
 
 def stage_dataset(
@@ -250,12 +281,12 @@ def stage_dataset(
     with open_stage(
         source, fsx_mount_path, dataset_name, endpoint_url, max_workers, client, settings=settings, mode=mode,
         verify_local=verify_local, progress_stream=progress_stream, s3_client_kind=s3_client_kind,
-        collection=collection,
+        collection=collection, check_current=True,
     ) as (run, objects):  # fmt: skip
         snap, store = run.snapshot_id, run.store
-        existing = read_manifest(store.snapshot_dir(snap))
-        if existing is not None:
-            return recheck_snapshot(run, existing)
+        rechecked = recheck_snapshot(run)
+        if rechecked is not None:
+            return rechecked
 
         tree = store.staging_tree(snap)
         todo, reused = keep_what_is_already_there(run, objects, tree, link_from_current=mode == "copy")
@@ -295,6 +326,12 @@ def keep_what_is_already_there(
     """Keep files an interrupted attempt finished and (copy mode) link those unchanged since
     `current`; returns the objects still to fetch and how many were kept."""
     previous = run.store.previous_files()
+    checked = run.current_check
+    damaged = (
+        {e["path"] for e, _ in checked.damaged()}
+        if checked and checked.snap == run.store.current_snapshot()
+        else None
+    )
     todo: list[SourceObject] = []
     reused = 0
     for obj in objects:
@@ -306,7 +343,11 @@ def keep_what_is_already_there(
         if (
             old is not None
             and link_from_current
-            and not local_file_damage(old[0].parent, {**old[1], "path": old[0].name}, "stat")
+            and (
+                old[1]["path"] not in damaged
+                if damaged is not None
+                else not local_file_damage(old[0].parent, {**old[1], "path": old[0].name}, "stat")
+            )
         ):
             link_or_copy(old[0], target)
             reused += 1
@@ -372,15 +413,16 @@ def _link_from_repository(
     return checked
 
 
-def recheck_snapshot(run: StageRun, manifest: dict[str, Any]) -> StageResult:
-    """The snapshot exists: transfer nothing unless a file in it was damaged, then re-fetch that one."""
-    repaired = run.store.recheck(
-        run.snapshot_id,
-        manifest,
-        run.verify_local,
-        lambda targets: run.fetch(targets, stripe_large_files=False),
-    )
-    listed = [entry_object(e) for e in manifest["files"]]
+def recheck_snapshot(run: StageRun) -> StageResult | None:
+    """The snapshot exists: transfer nothing unless a file in it was damaged, then re-fetch
+    that one. None when it does not exist."""
+    check = run.current_check
+    if check is None or check.snap != run.snapshot_id or check.verify_local != run.verify_local:
+        check = run.store.start_check(run.snapshot_id, run.verify_local, run.pool)
+    if check is None:
+        return None
+    repaired = run.store.recheck(check, lambda targets: run.fetch(targets, stripe_large_files=False))
+    listed = [entry_object(e) for e in check.manifest["files"]]
     return run.result(
         listed,
         bytes_downloaded=sum(o.size for o in repaired),

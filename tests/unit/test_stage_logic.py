@@ -7,9 +7,12 @@ import hashlib
 import io
 import json
 import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
+from components.stage_data import snapshot_store, stage
 from components.stage_data.checksums import (
     Expectation,
     plausible_part_sizes,
@@ -19,7 +22,7 @@ from components.stage_data.checksums import (
 from components.stage_data.prepare_data import SHARD_INDEX_NAME, write_shards
 from components.stage_data.progress import Progress, format_progress
 from components.stage_data.settings import TransferSettings, backoff_s
-from components.stage_data.snapshot_store import MANIFEST_NAME, SnapshotStore, read_manifest, relative_paths
+from components.stage_data.snapshot_store import MANIFEST_NAME, SnapshotStore, relative_paths
 from components.stage_data.stage import StageError, stage_dataset
 
 MIB = 2**20
@@ -126,8 +129,6 @@ def test_key_mapping_normalizes_exactly_as_normpath_for_every_key_it_accepts():
 def test_a_snapshot_file_is_checked_with_one_lstat(tmp_path, monkeypatch):
     import os
 
-    from components.stage_data import snapshot_store
-
     (tmp_path / "f").write_bytes(b"abc")
     (tmp_path / "d").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "f")
@@ -225,8 +226,68 @@ def test_snapshot_store_recheck_asks_for_exactly_the_damaged_files(tmp_path):
             assert not target.exists()  # a shared hard link is broken before writing
             target.write_bytes((source / obj.key).read_bytes())
 
-    manifest = read_manifest(store.snapshot_dir(first.snapshot_id))
-    repaired = store.recheck(first.snapshot_id, manifest, "stat", refetch)
+    assert store.current_snapshot() is None
+    repaired = store.recheck(store.start_check(first.snapshot_id, "stat", None), refetch)
     assert [o.key for o in repaired] == ["f1.txt"] and asked == [("f1.txt", damaged)]
     assert (store.root / "current").resolve() == store.snapshot_dir(first.snapshot_id)
-    assert store.recheck(first.snapshot_id, read_manifest(damaged.parent), "stat", refetch) == []
+    assert store.current_snapshot() == first.snapshot_id
+    with ThreadPoolExecutor(2) as pool:
+        assert store.recheck(store.start_check(first.snapshot_id, "stat", pool), refetch) == []
+    assert store.start_check("0123456789abcdef", "stat", None) is None  # no such snapshot
+
+
+def test_a_file_check_in_chunks_on_a_pool_finds_every_damaged_file_in_manifest_order(tmp_path, monkeypatch):
+    monkeypatch.setattr(snapshot_store, "CHECK_CHUNK_FILES", 3)
+    source = tmp_path / "src"
+    source.mkdir()
+    for i in range(10):
+        (source / f"f{i}.txt").write_bytes(b"x" * (10 + i))
+    staged = stage_dataset(str(source), str(tmp_path / "fsx"), "ds")
+    store = SnapshotStore(tmp_path / "fsx/rtp/datasets/ds")
+    folder = store.snapshot_dir(staged.snapshot_id)
+    (folder / "f1.txt").unlink()
+    (folder / "f5.txt").write_bytes(b"short")
+    (folder / "f9.txt").write_bytes(b"y" * 19)  # same size, new mtime
+    with ThreadPoolExecutor(4) as pool:
+        check = store.start_check(staged.snapshot_id, "stat", pool)
+        assert len(check._parts) == 4
+        found = [(entry["path"], reason.split(" ")[0]) for entry, reason in check.damaged()]
+    assert found == [("f1.txt", "missing"), ("f5.txt", "size"), ("f9.txt", "modified")]
+
+
+def test_a_restage_checks_each_current_file_once_whether_or_not_the_source_changed(tmp_path, monkeypatch):
+    """The check of `current` started before the listing serves both the no-change re-check
+    and the links of a changed source; a damaged file it found is fetched, never linked."""
+    source = tmp_path / "src"
+    source.mkdir()
+    for i in range(6):
+        (source / f"f{i}.txt").write_bytes(f"file {i}\n".encode() * 20)
+    first = stage_dataset(str(source), str(tmp_path / "fsx"), "ds")
+    checked: list[str] = []
+    check_one = snapshot_store.local_file_damage
+
+    def counted(folder, entry, verify_local):
+        checked.append(entry["path"])
+        return check_one(folder, entry, verify_local)
+
+    order: list[str] = []
+    start_check, list_folder = SnapshotStore.start_check, stage.list_local_folder
+    monkeypatch.setattr(snapshot_store, "local_file_damage", counted)
+    monkeypatch.setattr(SnapshotStore, "start_check", lambda *a: order.append("check") or start_check(*a))
+    monkeypatch.setattr(stage, "list_local_folder", lambda *a: order.append("list") or list_folder(*a))
+    again = stage_dataset(str(source), str(tmp_path / "fsx"), "ds")
+    assert again.snapshot_id == first.snapshot_id and again.bytes_downloaded == 0
+    assert sorted(checked) == [f"f{i}.txt" for i in range(6)]
+    assert order == ["check", "list"]  # the check runs while the source is listed
+
+    checked.clear()
+    old = SnapshotStore(tmp_path / "fsx/rtp/datasets/ds").snapshot_dir(first.snapshot_id)
+    (old / "f2.txt").write_bytes(b"?" * (old / "f2.txt").stat().st_size)  # damaged in `current`
+    (source / "f5.txt").write_bytes(b"changed\n")
+    changed = stage_dataset(str(source), str(tmp_path / "fsx"), "ds")
+    assert changed.snapshot_id != first.snapshot_id
+    assert sorted(checked) == [f"f{i}.txt" for i in range(6)]
+    assert (changed.files_downloaded, changed.files_reused) == (2, 4)
+    new = Path(changed.snapshot_dir)
+    assert (new / "f2.txt").read_bytes() == (source / "f2.txt").read_bytes()
+    assert (new / "f0.txt").stat().st_ino == (old / "f0.txt").stat().st_ino
