@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from trainer import collectives, peer_abort
+from trainer import peer_abort, waiting
 from trainer.checkpointing import CheckpointManager, model_sha256
 from trainer.checkpointing.tier_slots import forget_rank, local_folder
 from trainer.config import TrainConfig
@@ -369,7 +369,7 @@ class Trainer:
             _freeze_startup_objects(self.attempt)
         with self.clock.phase("barrier_s"):
             # Start-up took different times on each rank; the short timeout starts even.
-            collectives.barrier()
+            waiting.barrier()
         set_collective_timeout(self.config.resilience.collective_timeout_s)
         loop_start = time.perf_counter()
         startup_s = loop_start - self.clock.started

@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 from nvidia_resiliency_ext.checkpointing.async_ckpt import core, filesystem_async
 
-from trainer import collectives, env
+from trainer import env, waiting
 
 
 def hash_shards_as_written() -> None:
@@ -203,7 +203,7 @@ def warm_up(calls: core.AsyncCallsQueue, scratch_dir: Path, wait: bool = True) -
     if dist.get_rank() == 0:
         shutil.rmtree(scratch_dir, ignore_errors=True)
         scratch_dir.mkdir(parents=True)
-    collectives.barrier()
+    waiting.barrier()
     writer = filesystem_async.FileSystemWriterAsync(str(scratch_dir))
     # A key per rank: DCP writes a replicated tensor from one rank only, and a rank with
     # nothing to write would not start its worker.

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from trainer import lifecycle, peer_abort
+from trainer import lifecycle, peer_abort, waiting
 from trainer.checkpointing import slot_refs, storage
 from trainer.checkpointing.writer import CheckpointWriter, PendingSave
 
@@ -290,7 +290,7 @@ class NvrxAsyncWriter(CheckpointWriter):
         finisher, self._finisher = self._finisher, None
         if finisher is None:
             return
-        finisher.join()
+        waiting.join(finisher)  # may wait minutes for the previous write
         error, self._finisher_error = self._finisher_error, None
         pending, self._finishing = self._finishing, None
         if self._pending is pending:

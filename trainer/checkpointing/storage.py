@@ -38,7 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from trainer import collectives
+from trainer import waiting
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +292,7 @@ def prepare_staging(
         if final.exists():
             remove_committed(final)
         (staging / RANK_STATE_DIR).mkdir(parents=True)
-    collectives.barrier(group)
+    waiting.barrier(group)
     torch.save(state, staging / RANK_STATE_DIR / f"rank_{rank}.pt")
     return staging, final
 
@@ -304,10 +304,10 @@ def commit(staging: Path, final: Path, step: int, meta: dict[str, Any]) -> int:
     the barriers make sure no rank reads or deletes around a half-committed folder.
     Returns the checkpoint's size in bytes.
     """
-    collectives.barrier()
+    waiting.barrier()
     if dist.get_rank() == 0:
         commit_files(staging, final, step, meta, dist.get_world_size())
-    collectives.barrier()
+    waiting.barrier()
     return checkpoint_bytes(final)
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from trainer import peer_abort
+from trainer import peer_abort, waiting
 from trainer.checkpointing import storage
 from trainer.checkpointing.writer import CheckpointWriter, PendingSave
 
@@ -89,7 +89,7 @@ class TorchAsyncWriter(CheckpointWriter):
     def _finish(self) -> None:
         pending = self._pending
         assert pending is not None
-        pending.future.result()  # re-raises a failed background write
+        waiting.result(pending.future)  # re-raises a failed background write
         self._commit(pending)
         self._pending = None
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch.distributed as dist
 
+from trainer import waiting
 from trainer.checkpointing import storage
 
 if TYPE_CHECKING:
@@ -178,7 +179,7 @@ class CheckpointWriter(ABC):
         """Collective: finalize, then release what `start()` created (safe to call twice)."""
         self.finalize()
         if self._retention is not None:
-            self._retention.join()
+            waiting.join(self._retention)
 
     def abandon(self) -> None:  # noqa: B027 (optional: a default that does nothing)
         """Not collective: drop pending work without committing it (its process group is
@@ -194,7 +195,7 @@ class CheckpointWriter(ABC):
         if dist.get_rank() == 0:
             # Deleting hundreds of MB is slow on some file systems; it need not block a step.
             if self._retention is not None:
-                self._retention.join()
+                waiting.join(self._retention)
             self._retention = threading.Thread(
                 target=storage.apply_retention,
                 args=(self.root, self.keep_last, self.keep_every),

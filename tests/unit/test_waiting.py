@@ -1,7 +1,8 @@
-"""A rank waiting for a slower peer keeps NVRx's automatic progress stamp fresh."""
+"""Long waits keep NVRx's automatic progress stamp fresh: collectives, thread joins, futures."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import datetime
 import itertools
@@ -12,7 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch.distributed as dist
 
-from trainer import collectives
+from trainer import waiting
 
 PEER_DELAY_S = 1.0
 STAMP_EVERY_S = 0.05
@@ -76,7 +77,7 @@ def late_peer(group: dist.ProcessGroup) -> threading.Thread:
 def test_a_rank_waiting_in_a_polled_barrier_keeps_stamping_progress() -> None:
     rank0, rank1 = two_ranks()
     peer = late_peer(rank1)
-    gap = longest_gap_between_stamps(lambda: collectives.wait_polled(rank0.barrier()))
+    gap = longest_gap_between_stamps(lambda: waiting.wait_polled(rank0.barrier()))
     peer.join()
     assert gap < PEER_DELAY_S / 3
 
@@ -94,5 +95,34 @@ def test_a_collective_whose_peer_never_comes_raises_at_the_groups_timeout() -> N
     rank0, _ = two_ranks(timeout_s=1.0)
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=r"(?i)timed out|timeout"):
-        collectives.wait_polled(rank0.barrier())  # rank 1 never calls it
+        waiting.wait_polled(rank0.barrier())  # rank 1 never calls it
     assert time.monotonic() - started < 10
+
+
+def test_joining_a_long_thread_returns_to_python_every_block(monkeypatch) -> None:
+    monkeypatch.setattr(waiting, "BLOCK_S", 0.2)
+    writer = threading.Thread(target=time.sleep, args=(PEER_DELAY_S,))
+    writer.start()
+    gap = longest_gap_between_stamps(lambda: waiting.join(writer))
+    assert not writer.is_alive() and gap < PEER_DELAY_S / 2
+
+    writer = threading.Thread(target=time.sleep, args=(PEER_DELAY_S,))
+    writer.start()
+    assert longest_gap_between_stamps(writer.join) > PEER_DELAY_S * 0.8  # the plain join, for contrast
+
+
+def test_a_long_futures_result_or_error_comes_back_while_python_runs(monkeypatch) -> None:
+    monkeypatch.setattr(waiting, "BLOCK_S", 0.2)
+
+    def write(fail: bool) -> str:
+        time.sleep(PEER_DELAY_S)
+        if fail:
+            raise OSError("disk full")
+        return "written"
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        outcome: list[str] = []
+        gap = longest_gap_between_stamps(lambda: outcome.append(waiting.result(pool.submit(write, False))))
+        assert outcome == ["written"] and gap < PEER_DELAY_S / 2
+        with pytest.raises(OSError, match="disk full"):
+            waiting.result(pool.submit(write, True))
