@@ -154,9 +154,9 @@ class LeanS3Client:
         operation: str,
         stream: bool,
     ) -> Any:
-        from botocore.exceptions import EndpointConnectionError, NoCredentialsError
-
         if not self._credentials.found:
+            from botocore.exceptions import NoCredentialsError  # imported on errors only
+
             raise NoCredentialsError()
         for _redirect in range(2):
             scheme, host, port, netloc, base_path = self._address(bucket)
@@ -170,6 +170,8 @@ class LeanS3Client:
             try:
                 response = self._pool.request(method, scheme, host, port, target, {"Host": netloc, **signed})
             except ConnectFailed as exc:
+                from botocore.exceptions import EndpointConnectionError
+
                 raise EndpointConnectionError(endpoint_url=f"{scheme}://{netloc}{path}", error=exc) from exc
             if response.status < 300:
                 if not stream:

@@ -70,8 +70,6 @@ def parse_source(uri: str) -> Source:
 
 
 def list_objects(client: Any, bucket: str, prefix: str) -> list[SourceObject]:
-    from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
-
     objects = []
     try:
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
@@ -87,10 +85,25 @@ def list_objects(client: Any, bucket: str, prefix: str) -> list[SourceObject]:
                         checksum_algorithm=algorithms[0] if algorithms else "",
                     )
                 )
-    except ClientError as exc:
+    except Exception as exc:
+        error = _listing_error(exc, bucket, prefix)
+        if error is None:
+            raise
+        raise error from exc
+    if not objects:
+        raise StageError(f"s3://{bucket}/{prefix} holds no objects: check the prefix (it is case-sensitive)")
+    return objects
+
+
+def _listing_error(exc: Exception, bucket: str, prefix: str) -> StageError | None:
+    """What a failed listing tells the user (None: not an S3 or connection error to explain).
+    botocore's exceptions are imported here only: a listing that succeeds needs none of them."""
+    from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
+
+    if isinstance(exc, ClientError):
         code = exc.response.get("Error", {}).get("Code", "")
         if code == "NoSuchBucket":
-            raise StageError(f"bucket {bucket!r} does not exist: check the source URI and endpoint") from exc
+            return StageError(f"bucket {bucket!r} does not exist: check the source URI and endpoint")
         if code in (
             "AccessDenied",
             "403",
@@ -98,20 +111,18 @@ def list_objects(client: Any, bucket: str, prefix: str) -> list[SourceObject]:
             "SignatureDoesNotMatch",
             "AllAccessDisabled",
         ):
-            raise StageError(
+            return StageError(
                 f"access to s3://{bucket}/{prefix} denied ({code}): give the pod's service account "
                 "(IRSA) or your AWS profile s3:ListBucket and s3:GetObject on it"
-            ) from exc
-        raise StageError(f"listing s3://{bucket}/{prefix} failed: {exc}") from exc
-    except NoCredentialsError as exc:
-        raise StageError(
+            )
+        return StageError(f"listing s3://{bucket}/{prefix} failed: {exc}")
+    if isinstance(exc, NoCredentialsError):
+        return StageError(
             "no AWS credentials found: use IRSA on EKS, or AWS_PROFILE / AWS_ACCESS_KEY_ID locally"
-        ) from exc
-    except EndpointConnectionError as exc:
-        raise StageError(f"cannot reach the S3 endpoint: {exc}; check --endpoint-url") from exc
-    if not objects:
-        raise StageError(f"s3://{bucket}/{prefix} holds no objects: check the prefix (it is case-sensitive)")
-    return objects
+        )
+    if isinstance(exc, EndpointConnectionError):
+        return StageError(f"cannot reach the S3 endpoint: {exc}; check --endpoint-url")
+    return None
 
 
 def describe_object(client: Any, bucket: str, obj: SourceObject, settings: TransferSettings) -> SourceObject:

@@ -7,6 +7,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 from datetime import UTC, datetime
 
 import pytest
@@ -251,3 +253,21 @@ def test_listed_keys_escaped_with_encoding_type_url_decode_as_unquote_does():
     for key in ["data/small/000001.bin", "a b/c+d", "naïve/ü.txt", "100%/x", "a%2fb/c", "x/%41"]:
         for encoded in (quote(key, safe=""), quote(key, safe="/"), key.replace("/", "%2F")):
             assert _url_decoded(encoded) == unquote(encoded), encoded
+
+
+def test_a_restage_of_an_unchanged_prefix_imports_no_botocore(bucket, tmp_path, s3_endpoint):
+    """The lean client's success path needs none of botocore (about 10 ms of imports):
+    its exceptions are imported only to raise or explain an error."""
+    _, name = bucket
+    stage_dataset(f"s3://{name}/data/", str(tmp_path / "fsx"), "ds", s3_endpoint)
+    code = (
+        "import sys\n"
+        "from components.stage_data.stage import stage_dataset\n"
+        f"result = stage_dataset('s3://{name}/data/', {str(tmp_path / 'fsx')!r}, 'ds', {s3_endpoint!r})\n"
+        "assert result.bytes_downloaded == 0 and result.files == 5, result\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('botocore', 'boto3'))))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]"
