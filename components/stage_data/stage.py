@@ -35,6 +35,7 @@ from components.stage_data.progress import Progress
 from components.stage_data.s3_clients import S3_CLIENTS, s3_client
 from components.stage_data.settings import TransferSettings
 from components.stage_data.snapshot_store import (
+    CHECK_CHUNK_FILES,
     MANIFEST_NAME,
     VERIFY_LOCAL,
     FileCheck,
@@ -324,36 +325,37 @@ def keep_what_is_already_there(
     run: StageRun, objects: list[SourceObject], tree: SafeTree, *, link_from_current: bool
 ) -> tuple[list[SourceObject], int]:
     """Keep files an interrupted attempt finished and (copy mode) link those unchanged since
-    `current`; returns the objects still to fetch and how many were kept."""
-    previous = run.store.previous_files()
+    `current`; returns the objects still to fetch and how many were kept. Chunks of objects
+    run on the pool: each file costs metadata round trips (a resumed one a re-hash) that on
+    FSx take far longer than the Python around them."""
+    previous = run.store.previous_files() if link_from_current else {}
     checked = run.current_check
     damaged = (
-        {e["path"] for e, _ in checked.damaged()}
-        if checked and checked.snap == run.store.current_snapshot()
+        {entry["path"] for entry, _ in checked.damaged()}
+        if checked is not None and checked.snap == run.store.current_snapshot()
         else None
     )
-    todo: list[SourceObject] = []
-    reused = 0
-    for obj in objects:
-        target = tree.target(run.paths[obj.key])
-        if finished_by_earlier_attempt(target, obj):
-            reused += 1
-            continue
-        old = previous.get((obj.key, obj.size, obj.etag))
-        if (
-            old is not None
-            and link_from_current
-            and (
+
+    def keep(chunk: list[SourceObject]) -> list[SourceObject]:
+        todo = []
+        for obj in chunk:
+            target = tree.target(run.paths[obj.key])
+            if finished_by_earlier_attempt(target, obj):
+                continue
+            old = previous.get((obj.key, obj.size, obj.etag))
+            if old is not None and (
                 old[1]["path"] not in damaged
                 if damaged is not None
                 else not local_file_damage(old[0].parent, {**old[1], "path": old[0].name}, "stat")
-            )
-        ):
-            link_or_copy(old[0], target)
-            reused += 1
-            continue
-        todo.append(obj)
-    return todo, reused
+            ):
+                link_or_copy(old[0], target)
+                continue
+            todo.append(obj)
+        return todo
+
+    chunks = [objects[i : i + CHECK_CHUNK_FILES] for i in range(0, len(objects), CHECK_CHUNK_FILES)]
+    todo = [obj for chunk_todo in run.pool.map(keep, chunks) for obj in chunk_todo]
+    return todo, len(objects) - len(todo)
 
 
 def download_all(run: StageRun, todo: list[SourceObject], tree: SafeTree) -> tuple[int, list[SourceObject]]:

@@ -6,6 +6,7 @@ import base64
 import hashlib
 import io
 import json
+import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -291,3 +292,29 @@ def test_a_restage_checks_each_current_file_once_whether_or_not_the_source_chang
     new = Path(changed.snapshot_dir)
     assert (new / "f2.txt").read_bytes() == (source / "f2.txt").read_bytes()
     assert (new / "f0.txt").stat().st_ino == (old / "f0.txt").stat().st_ino
+
+
+def test_files_to_keep_are_checked_and_linked_in_chunks_on_the_stage_pool(tmp_path, monkeypatch):
+    monkeypatch.setattr(stage, "CHECK_CHUNK_FILES", 3)
+    source = tmp_path / "src"
+    source.mkdir()
+    for i in range(10):
+        (source / f"f{i}.txt").write_bytes(f"file {i}\n".encode() * 30)
+    first = stage_dataset(str(source), str(tmp_path / "fsx"), "ds")
+    threads: set[str] = set()
+    finished = stage.finished_by_earlier_attempt
+
+    def seen(target, obj):
+        threads.add(threading.current_thread().name)
+        return finished(target, obj)
+
+    monkeypatch.setattr(stage, "finished_by_earlier_attempt", seen)
+    (source / "f7.txt").write_bytes(b"changed\n")
+    changed = stage_dataset(str(source), str(tmp_path / "fsx"), "ds")
+    assert (changed.files_reused, changed.files_downloaded) == (9, 1)
+    assert threads and all(name.startswith("stage") for name in threads)
+    old, new = Path(first.snapshot_dir), Path(changed.snapshot_dir)
+    assert all(
+        (new / f"f{i}.txt").stat().st_ino == (old / f"f{i}.txt").stat().st_ino for i in range(10) if i != 7
+    )
+    assert (new / "f7.txt").read_bytes() == b"changed\n"
