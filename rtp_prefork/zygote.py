@@ -14,7 +14,8 @@ directory and streams (docs/fault-tolerance.md has the process tree):
 
 A restarted rank that finds the zygote still importing waits for it (`run_forked`); where
 none lives, a rank starts the usual way. Fork safety: the zygote runs no torch operation,
-initializes no CUDA and starts no Python thread (it checks), and imports at the lowest CPU
+initializes no CUDA and holds no Python thread when it forks (it checks: the thread that
+ends it with the launcher while it imports is joined first), and imports at the lowest CPU
 priority.
 """
 
@@ -39,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -322,7 +324,8 @@ def serve(launcher_pid: int, config_json: str, lock_fd: int | None = None) -> in
             launcher = os.pidfd_open(launcher_pid)
         except ProcessLookupError:
             return 0
-        warm_up(modules_for(config_json))
+        with _ending_with(launcher, path + ".lock" if lock_fd is not None else None):
+            warm_up(modules_for(config_json))
         unsafe = _fork_hazard()
         if unsafe:
             _log(f"not serving: {unsafe}")
@@ -351,6 +354,33 @@ def serve(launcher_pid: int, config_json: str, lock_fd: int | None = None) -> in
         if lock_fd is not None and os.getpid() == zygote:
             with contextlib.suppress(OSError):
                 os.unlink(path + ".lock")
+
+
+@contextlib.contextmanager
+def _ending_with(launcher: int, lock_path: str | None) -> Iterator[None]:
+    """End this process as soon as the launcher (its pidfd) ends while the block runs: the
+    imports, which at nice 19 on a busy node can outlast the launcher by a minute. The
+    watcher thread is joined before the block returns: none is left to fork."""
+    stop_r, stop_w = os.pipe()
+
+    def watch() -> None:
+        ready, _, _ = select.select([launcher, stop_r], [], [])
+        if stop_r not in ready:
+            _log("launcher ended while importing")
+            if lock_path is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(lock_path)
+            os._exit(0)
+
+    watcher = threading.Thread(target=watch, name="rtp-prefork-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        os.write(stop_w, b"x")
+        watcher.join()
+        os.close(stop_r)
+        os.close(stop_w)
 
 
 def _fork_on_request(listener: socket.socket, launcher: int, lock_fd: int | None, nice: int | None) -> int:

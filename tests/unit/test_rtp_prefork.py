@@ -196,6 +196,49 @@ def test_the_zygote_ends_with_its_launcher_and_leaves_no_socket(tmp_path):
     assert "serving" in log and "ended; forked 0 ranks" in log
 
 
+SERVE_SLOWLY = (
+    "import sys; from rtp_prefork import zygote as prefork; "
+    "prefork.WARM_MODULES = ('slow_import',); sys.exit(prefork.serve(int(sys.argv[1]), '{}', 3))"
+)
+
+
+def test_a_zygote_still_importing_ends_with_its_launcher(tmp_path):
+    """A busy node can starve the zygote's low-priority imports past a short run's end: it
+    must not outlive its launcher until they finish (here: an import that sleeps 10 minutes)."""
+    (tmp_path / "slow_import.py").write_text(
+        "import pathlib, sys, time\npathlib.Path(sys.argv[2]).touch()\ntime.sleep(600)\n"
+    )
+    launcher = subprocess.Popen(["sleep", "600"])
+    lock = prefork.socket_path(launcher.pid) + ".lock"
+    Path(lock).touch()
+    importing = tmp_path / "importing"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    zygote = subprocess.Popen(
+        [sys.executable, "-c", SERVE_SLOWLY, str(launcher.pid), str(importing)],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not importing.exists():
+            assert zygote.poll() is None and time.monotonic() < deadline, zygote.stdout
+            time.sleep(0.05)
+        time.sleep(0.2)
+        assert zygote.poll() is None  # importing
+        launcher.kill()
+        launcher.wait()
+        assert zygote.wait(timeout=10) == 0
+        assert "launcher ended while importing" in zygote.stdout.read()
+        assert not os.path.exists(lock)
+    finally:
+        for process in (launcher, zygote):
+            process.kill()
+            process.wait()
+        with contextlib.suppress(OSError):
+            os.unlink(lock)
+
+
 def _wait_for(path: Path) -> str:
     deadline = time.monotonic() + 60
     while not path.exists() or not path.read_text():
