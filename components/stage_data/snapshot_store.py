@@ -22,7 +22,7 @@ import posixpath
 import stat
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -139,8 +139,12 @@ def local_file_damage(folder: Path, entry: dict[str, Any], verify_local: str) ->
 
 
 CHECK_CHUNK_FILES = 256
-"""Files one pool task checks: at scale each check is a metadata round trip to the file
-server (or a whole read), so a snapshot's files are checked by many tasks at once."""
+"""Files one pool task checks."""
+SLOW_CHECK_S = 200e-6
+"""Mean time per file of the first chunk above which the other chunks are checked in
+parallel: a metadata round trip to a network file system's servers (FSx, or a whole read
+with `verify_local=hash`). Local stats take microseconds, and pool threads running them
+would only contend with the listing for the interpreter lock (docs/staging.md)."""
 
 
 def damaged_files(
@@ -153,8 +157,10 @@ def damaged_files(
 
 
 class FileCheck:
-    """Every file of one snapshot checked against its manifest, in chunks on `pool` (inline
-    without one). A re-stage starts it on `current` while the source is being listed."""
+    """Every file of one snapshot checked against its manifest (inline without a pool). On a
+    pool one task checks the first chunk and goes on alone where files are quick to check,
+    or hands the other chunks to the pool where they are slow. A re-stage starts it on
+    `current` while the source is being listed."""
 
     def __init__(
         self, snap: str, folder: Path, manifest: dict[str, Any], verify_local: str, pool: Executor | None
@@ -162,16 +168,31 @@ class FileCheck:
         self.snap, self.manifest, self.verify_local = snap, manifest, verify_local
         files = manifest["files"]
         chunks = [files[i : i + CHECK_CHUNK_FILES] for i in range(0, len(files), CHECK_CHUNK_FILES)]
+        self.parallel = False
+        self._started: Future[list[Any]] | None = None
         if pool is None:
             self._done = [damaged_files(folder, chunk, verify_local) for chunk in chunks]
-            self._parts = []
         else:
-            self._parts = [pool.submit(damaged_files, folder, chunk, verify_local) for chunk in chunks]
+            self._started = pool.submit(self._check, folder, chunks, pool)
+
+    def _check(self, folder: Path, chunks: list[list[dict[str, Any]]], pool: Executor) -> list[Any]:
+        if not chunks:
+            return []
+        started = time.perf_counter()
+        first = damaged_files(folder, chunks[0], self.verify_local)
+        self.parallel = time.perf_counter() - started > SLOW_CHECK_S * len(chunks[0])
+        if self.parallel:
+            return [
+                first,
+                *(pool.submit(damaged_files, folder, chunk, self.verify_local) for chunk in chunks[1:]),
+            ]
+        return [first, *(damaged_files(folder, chunk, self.verify_local) for chunk in chunks[1:])]
 
     def damaged(self) -> list[tuple[dict[str, Any], str]]:
         """Waits for the check; the damaged files in manifest order."""
-        if self._parts:
-            self._done, self._parts = [part.result() for part in self._parts], []
+        if self._started is not None:
+            parts, self._started = self._started.result(), None
+            self._done = [part.result() if isinstance(part, Future) else part for part in parts]
         return [found for chunk in self._done for found in chunk]
 
 

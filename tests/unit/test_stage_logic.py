@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import threading
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -237,7 +238,11 @@ def test_snapshot_store_recheck_asks_for_exactly_the_damaged_files(tmp_path):
     assert store.start_check("0123456789abcdef", "stat", None) is None  # no such snapshot
 
 
-def test_a_file_check_in_chunks_on_a_pool_finds_every_damaged_file_in_manifest_order(tmp_path, monkeypatch):
+@pytest.mark.parametrize("slow", [False, True], ids=["local-speed", "network-speed"])
+def test_a_file_check_on_a_pool_finds_every_damaged_file_in_manifest_order(tmp_path, monkeypatch, slow):
+    """Files as quick to check as on a local disk are checked by one pool task (more would
+    only contend for the interpreter lock); slower ones (a network file system: here every
+    check sleeps) in chunks spread over the pool."""
     monkeypatch.setattr(snapshot_store, "CHECK_CHUNK_FILES", 3)
     source = tmp_path / "src"
     source.mkdir()
@@ -249,11 +254,25 @@ def test_a_file_check_in_chunks_on_a_pool_finds_every_damaged_file_in_manifest_o
     (folder / "f1.txt").unlink()
     (folder / "f5.txt").write_bytes(b"short")
     (folder / "f9.txt").write_bytes(b"y" * 19)  # same size, new mtime
-    with ThreadPoolExecutor(4) as pool:
+    threads: set[str] = set()
+    check_one = snapshot_store.local_file_damage
+
+    def timed(folder, entry, verify_local):
+        threads.add(threading.current_thread().name)
+        if slow:
+            time.sleep(0.05)  # far above SLOW_CHECK_S (0.2 ms)
+        return check_one(folder, entry, verify_local)
+
+    monkeypatch.setattr(snapshot_store, "local_file_damage", timed)
+    if not slow:
+        monkeypatch.setattr(snapshot_store, "SLOW_CHECK_S", 60.0)  # however busy the machine
+    with ThreadPoolExecutor(4, thread_name_prefix="stage") as pool:
         check = store.start_check(staged.snapshot_id, "stat", pool)
-        assert len(check._parts) == 4
         found = [(entry["path"], reason.split(" ")[0]) for entry, reason in check.damaged()]
     assert found == [("f1.txt", "missing"), ("f5.txt", "size"), ("f9.txt", "modified")]
+    assert check.parallel == slow
+    assert all(name.startswith("stage") for name in threads)
+    assert len(threads) > 1 if slow else len(threads) == 1
 
 
 def test_a_restage_checks_each_current_file_once_whether_or_not_the_source_changed(tmp_path, monkeypatch):
