@@ -14,6 +14,7 @@ Nothing here talks to S3.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -25,7 +26,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, Future
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from components.layout import snapshot_root
 from components.stage_data.checksums import verify_file_any_part_size
@@ -38,6 +39,8 @@ TEMP_SUFFIXES = (".part", ".part.ranges")
 VERIFY_LOCAL = ("stat", "full")
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 # ---------------------------------------------------------------- pure: ids, paths, manifests
@@ -147,8 +150,27 @@ with `verify_local=hash`). Local stats take microseconds, and pool threads runni
 would only contend with the listing for the interpreter lock (docs/staging.md)."""
 
 
+def chunked(work: Callable[[list[T]], R], items: list[T], pool: Executor) -> list[R | Future[R]]:
+    """`work` over `items` in chunks of CHECK_CHUNK_FILES, each chunk's result or its future:
+    the first chunk here, the others here too where it took under SLOW_CHECK_S per item,
+    else submitted to `pool` at once (not waited for: `results`)."""
+    chunks = [items[i : i + CHECK_CHUNK_FILES] for i in range(0, len(items), CHECK_CHUNK_FILES)]
+    if not chunks:
+        return []
+    started = time.perf_counter()
+    first = work(chunks[0])
+    if time.perf_counter() - started <= SLOW_CHECK_S * len(chunks[0]):
+        return [first, *(work(chunk) for chunk in chunks[1:])]
+    return [first, *(pool.submit(work, chunk) for chunk in chunks[1:])]
+
+
+def results(parts: list[R | Future[R]]) -> list[R]:
+    """`chunked`'s results, waited for."""
+    return [part.result() if isinstance(part, Future) else part for part in parts]
+
+
 def damaged_files(
-    folder: Path, entries: list[dict[str, Any]], verify_local: str
+    folder: Path, verify_local: str, entries: list[dict[str, Any]]
 ) -> list[tuple[dict[str, Any], str]]:
     """(entry, what is wrong) for each of `entries` whose file is not what the manifest says."""
     return [
@@ -157,42 +179,28 @@ def damaged_files(
 
 
 class FileCheck:
-    """Every file of one snapshot checked against its manifest (inline without a pool). On a
-    pool one task checks the first chunk and goes on alone where files are quick to check,
-    or hands the other chunks to the pool where they are slow. A re-stage starts it on
-    `current` while the source is being listed."""
+    """Every file of one snapshot checked against its manifest (inline without a pool, else
+    `chunked` in one pool task). A re-stage starts it on `current` while the source is
+    being listed."""
 
     def __init__(
         self, snap: str, folder: Path, manifest: dict[str, Any], verify_local: str, pool: Executor | None
     ) -> None:
         self.snap, self.manifest, self.verify_local = snap, manifest, verify_local
-        files = manifest["files"]
-        chunks = [files[i : i + CHECK_CHUNK_FILES] for i in range(0, len(files), CHECK_CHUNK_FILES)]
+        check = functools.partial(damaged_files, folder, verify_local)
         self.parallel = False
         self._started: Future[list[Any]] | None = None
         if pool is None:
-            self._done = [damaged_files(folder, chunk, verify_local) for chunk in chunks]
+            self._done = [check(manifest["files"])]
         else:
-            self._started = pool.submit(self._check, folder, chunks, pool)
-
-    def _check(self, folder: Path, chunks: list[list[dict[str, Any]]], pool: Executor) -> list[Any]:
-        if not chunks:
-            return []
-        started = time.perf_counter()
-        first = damaged_files(folder, chunks[0], self.verify_local)
-        self.parallel = time.perf_counter() - started > SLOW_CHECK_S * len(chunks[0])
-        if self.parallel:
-            return [
-                first,
-                *(pool.submit(damaged_files, folder, chunk, self.verify_local) for chunk in chunks[1:]),
-            ]
-        return [first, *(damaged_files(folder, chunk, self.verify_local) for chunk in chunks[1:])]
+            self._started = pool.submit(chunked, check, manifest["files"], pool)
 
     def damaged(self) -> list[tuple[dict[str, Any], str]]:
         """Waits for the check; the damaged files in manifest order."""
         if self._started is not None:
             parts, self._started = self._started.result(), None
-            self._done = [part.result() if isinstance(part, Future) else part for part in parts]
+            self.parallel = any(isinstance(part, Future) for part in parts)
+            self._done = results(parts)
         return [found for chunk in self._done for found in chunk]
 
 
@@ -291,10 +299,8 @@ class SnapshotStore:
         manifest = read_manifest(current) if current.is_dir() else None
         if manifest is None:
             return {}
-        return {
-            (e["key"], int(e["size"]), e["etag"]): (current.resolve() / e["path"], e)
-            for e in manifest["files"]
-        }
+        folder = current.resolve()  # once: per file it is a walk of stats (round trips on FSx)
+        return {(e["key"], int(e["size"]), e["etag"]): (folder / e["path"], e) for e in manifest["files"]}
 
     def commit(self, snap: str, source_uri: str, objects: list[SourceObject], paths: dict[str, str]) -> Path:
         """Turn the complete `.staging/<snap>/` into `snapshots/<snap>/` and make it `current`."""

@@ -35,15 +35,16 @@ from components.stage_data.progress import Progress
 from components.stage_data.s3_clients import S3_CLIENTS, s3_client
 from components.stage_data.settings import TransferSettings
 from components.stage_data.snapshot_store import (
-    CHECK_CHUNK_FILES,
     MANIFEST_NAME,
     VERIFY_LOCAL,
     FileCheck,
     SnapshotStore,
+    chunked,
     entry_object,
     finished_by_earlier_attempt,
     local_file_damage,
     relative_paths,
+    results,
     snapshot_id,
 )
 from components.stage_data.source import (
@@ -325,9 +326,9 @@ def keep_what_is_already_there(
     run: StageRun, objects: list[SourceObject], tree: SafeTree, *, link_from_current: bool
 ) -> tuple[list[SourceObject], int]:
     """Keep files an interrupted attempt finished and (copy mode) link those unchanged since
-    `current`; returns the objects still to fetch and how many were kept. Chunks of objects
-    run on the pool: each file costs metadata round trips (a resumed one a re-hash) that on
-    FSx take far longer than the Python around them."""
+    `current`; returns the objects still to fetch and how many were kept. In chunks, on the
+    pool where files are slow to check (on FSx each costs metadata round trips, a resumed
+    one a re-hash)."""
     previous = run.store.previous_files() if link_from_current else {}
     checked = run.current_check
     damaged = (
@@ -353,8 +354,7 @@ def keep_what_is_already_there(
             todo.append(obj)
         return todo
 
-    chunks = [objects[i : i + CHECK_CHUNK_FILES] for i in range(0, len(objects), CHECK_CHUNK_FILES)]
-    todo = [obj for chunk_todo in run.pool.map(keep, chunks) for obj in chunk_todo]
+    todo = [obj for chunk_todo in results(chunked(keep, objects, run.pool)) for obj in chunk_todo]
     return todo, len(objects) - len(todo)
 
 

@@ -313,8 +313,12 @@ def test_a_restage_checks_each_current_file_once_whether_or_not_the_source_chang
     assert (new / "f0.txt").stat().st_ino == (old / "f0.txt").stat().st_ino
 
 
-def test_files_to_keep_are_checked_and_linked_in_chunks_on_the_stage_pool(tmp_path, monkeypatch):
-    monkeypatch.setattr(stage, "CHECK_CHUNK_FILES", 3)
+@pytest.mark.parametrize("slow", [False, True], ids=["local-speed", "network-speed"])
+def test_files_to_keep_are_checked_and_linked_in_chunks_on_the_pool_where_slow(tmp_path, monkeypatch, slow):
+    """Files quick to check and link (a local disk) are kept by the stage's own thread;
+    slower ones (here every check sleeps, as a metadata round trip would) on the pool."""
+    monkeypatch.setattr(snapshot_store, "CHECK_CHUNK_FILES", 3)
+    monkeypatch.setattr(snapshot_store, "SLOW_CHECK_S", 0.02 if slow else 60.0)
     source = tmp_path / "src"
     source.mkdir()
     for i in range(10):
@@ -325,13 +329,20 @@ def test_files_to_keep_are_checked_and_linked_in_chunks_on_the_stage_pool(tmp_pa
 
     def seen(target, obj):
         threads.add(threading.current_thread().name)
+        if slow:
+            time.sleep(0.05)
         return finished(target, obj)
 
     monkeypatch.setattr(stage, "finished_by_earlier_attempt", seen)
     (source / "f7.txt").write_bytes(b"changed\n")
     changed = stage_dataset(str(source), str(tmp_path / "fsx"), "ds")
     assert (changed.files_reused, changed.files_downloaded) == (9, 1)
-    assert threads and all(name.startswith("stage") for name in threads)
+    if slow:
+        assert threading.current_thread().name in threads and any(
+            name.startswith("stage") for name in threads
+        )
+    else:
+        assert threads == {threading.current_thread().name}
     old, new = Path(first.snapshot_dir), Path(changed.snapshot_dir)
     assert all(
         (new / f"f{i}.txt").stat().st_ino == (old / f"f{i}.txt").stat().st_ino for i in range(10) if i != 7
