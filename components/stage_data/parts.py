@@ -132,7 +132,7 @@ def finish_stage(
                 raise StageError(
                     f"{path} (s3 key {key}) is missing or incomplete: run its part again, then finish"
                 )
-        run.store.commit(run.snapshot_id, source, [described[o.key] for o in objects], run.paths)
+        run.store.commit(run.snapshot_id, source, [described[o.key] for o in objects], run.paths, run.pool)
         for index in range(count):
             _record_path(run, index, count).unlink(missing_ok=True)
         with contextlib.suppress(OSError):  # a stray temporary of a killed part stays

@@ -150,16 +150,16 @@ with `verify_local=hash`). Local stats take microseconds, and pool threads runni
 would only contend with the listing for the interpreter lock (docs/staging.md)."""
 
 
-def chunked(work: Callable[[list[T]], R], items: list[T], pool: Executor) -> list[R | Future[R]]:
+def chunked(work: Callable[[list[T]], R], items: list[T], pool: Executor | None) -> list[R | Future[R]]:
     """`work` over `items` in chunks of CHECK_CHUNK_FILES, each chunk's result or its future:
-    the first chunk here, the others here too where it took under SLOW_CHECK_S per item,
-    else submitted to `pool` at once (not waited for: `results`)."""
+    the first chunk here, the others here too where it took under SLOW_CHECK_S per item (or
+    there is no pool), else submitted to `pool` at once (not waited for: `results`)."""
     chunks = [items[i : i + CHECK_CHUNK_FILES] for i in range(0, len(items), CHECK_CHUNK_FILES)]
     if not chunks:
         return []
     started = time.perf_counter()
     first = work(chunks[0])
-    if time.perf_counter() - started <= SLOW_CHECK_S * len(chunks[0]):
+    if pool is None or time.perf_counter() - started <= SLOW_CHECK_S * len(chunks[0]):
         return [first, *(work(chunk) for chunk in chunks[1:])]
     return [first, *(pool.submit(work, chunk) for chunk in chunks[1:])]
 
@@ -302,13 +302,26 @@ class SnapshotStore:
         folder = current.resolve()  # once: per file it is a walk of stats (round trips on FSx)
         return {(e["key"], int(e["size"]), e["etag"]): (folder / e["path"], e) for e in manifest["files"]}
 
-    def commit(self, snap: str, source_uri: str, objects: list[SourceObject], paths: dict[str, str]) -> Path:
-        """Turn the complete `.staging/<snap>/` into `snapshots/<snap>/` and make it `current`."""
+    def commit(
+        self,
+        snap: str,
+        source_uri: str,
+        objects: list[SourceObject],
+        paths: dict[str, str],
+        pool: Executor | None = None,
+    ) -> Path:
+        """Turn the complete `.staging/<snap>/` into `snapshots/<snap>/` and make it `current`
+        (the files' modification times are read by `chunked` on `pool`, where given)."""
         staging = self.staging_dir(snap)
-        entries = [
-            manifest_entry(obj, paths[obj.key], (staging / paths[obj.key]).stat().st_mtime_ns)
-            for obj in sorted(objects, key=lambda o: o.key)
-        ]
+
+        def entries_of(chunk: list[SourceObject]) -> list[dict[str, Any]]:
+            return [
+                manifest_entry(obj, paths[obj.key], (staging / paths[obj.key]).stat().st_mtime_ns)
+                for obj in chunk
+            ]
+
+        ordered = sorted(objects, key=lambda o: o.key)
+        entries = [entry for part in results(chunked(entries_of, ordered, pool)) for entry in part]
         sync_filesystem(staging)  # every file durable before the snapshot can become `current`
         manifest = {
             "source": source_uri,

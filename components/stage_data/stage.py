@@ -299,7 +299,7 @@ def stage_dataset(
             downloaded, fetched = download_all(run, todo, tree)
             downloaded_files = len(fetched)
         described = {o.key: o for o in fetched}
-        store.commit(snap, source, [described.get(o.key, o) for o in objects], run.paths)
+        store.commit(snap, source, [described.get(o.key, o) for o in objects], run.paths, run.pool)
     return run.result(
         objects,
         bytes_downloaded=downloaded,

@@ -348,3 +348,26 @@ def test_files_to_keep_are_checked_and_linked_in_chunks_on_the_pool_where_slow(t
         (new / f"f{i}.txt").stat().st_ino == (old / f"f{i}.txt").stat().st_ino for i in range(10) if i != 7
     )
     assert (new / "f7.txt").read_bytes() == b"changed\n"
+
+
+def test_the_manifest_records_each_files_mtime_in_key_order_when_read_on_the_pool(tmp_path, monkeypatch):
+    monkeypatch.setattr(snapshot_store, "CHECK_CHUNK_FILES", 3)
+    monkeypatch.setattr(snapshot_store, "SLOW_CHECK_S", 0.0)  # every chunk counts as slow
+    threads: set[str] = set()
+    entry = snapshot_store.manifest_entry
+
+    def seen(*args):
+        threads.add(threading.current_thread().name)
+        return entry(*args)
+
+    monkeypatch.setattr(snapshot_store, "manifest_entry", seen)
+    source = tmp_path / "src"
+    source.mkdir()
+    for i in reversed(range(10)):
+        (source / f"f{i}.txt").write_bytes(b"x" * i)
+    staged = stage_dataset(str(source), str(tmp_path / "fsx"), "ds")
+    folder = Path(staged.snapshot_dir)
+    files = json.loads((folder / MANIFEST_NAME).read_text())["files"]
+    assert [f["path"] for f in files] == [f"f{i}.txt" for i in range(10)]
+    assert all(f["mtime_ns"] == (folder / f["path"]).stat().st_mtime_ns for f in files)
+    assert any(name.startswith("stage") for name in threads)
