@@ -283,6 +283,8 @@ def check_process_group(
             failures.append(f"probe ran on {probe.get('device')!r}, expected {device!r}")
         if not probe.get("host_all_reduce") or not probe.get("device_all_reduce"):
             failures.append("an all-reduce returned a wrong value")
+        if not probe.get("polled_barrier"):
+            failures.append("the polled barrier (trainer/waiting.py) did not complete")
         for check in probe.get("node_health", []):  # trainer/health.py's GPU checks, on CUDA
             if not check["ok"]:
                 failures.append(f"node health: {check['name']}: {check['detail']}")
@@ -295,10 +297,13 @@ def _verdict(result: dict[str, Any], failures: list[str]) -> dict[str, Any]:
 
 def probe_process_group() -> dict[str, Any]:
     """In a fresh process with RANK/WORLD_SIZE/MASTER_* set: the trainer's process group,
-    an all-reduce of a host tensor (gloo) and of a training-device tensor (NCCL on CUDA)."""
+    an all-reduce of a host tensor (gloo) and of a training-device tensor (NCCL on CUDA),
+    and the barrier the training thread polls (`waiting.barrier`: `is_completed()` on
+    NCCL work)."""
     import torch
     import torch.distributed as dist
 
+    from trainer import waiting
     from trainer.parallelize import init_distributed, shutdown_distributed, training_device
 
     device = training_device()
@@ -316,12 +321,14 @@ def probe_process_group() -> dict[str, Any]:
         on_device = torch.tensor([3.0], device=device)
         dist.all_reduce(on_device)
         world = dist.get_world_size()
+        waiting.barrier()
         return {
             "device": device.type,
             "backend": str(dist.get_backend()),
             "world_size": world,
             "host_all_reduce": host.tolist() == [1.5 * world, 2.0 * world],
             "device_all_reduce": on_device.cpu().tolist() == [3.0 * world],
+            "polled_barrier": True,
             "node_health": node_health,
         }
     finally:

@@ -142,11 +142,11 @@ def local_file_damage(folder: Path, entry: dict[str, Any], verify_local: str) ->
 
 
 CHECK_CHUNK_FILES = 256
-"""Files one pool task checks."""
+"""Files per chunk of `chunked` work (checks, keeps, manifest mtimes)."""
 SLOW_CHECK_S = 200e-6
 """Mean time per file of the first chunk above which the other chunks are checked in
 parallel: a metadata round trip to a network file system's servers (FSx, or a whole read
-with `verify_local=hash`). Local stats take microseconds, and pool threads running them
+with `verify_local=full`). Local stats take microseconds, and pool threads running them
 would only contend with the listing for the interpreter lock (docs/staging.md)."""
 
 

@@ -241,6 +241,7 @@ def _stand_in_launcher(bad: dict[str, dict]):
                 "world_size": 1,
                 "host_all_reduce": True,
                 "device_all_reduce": True,
+                "polled_barrier": True,
             }
             log_path.write_text(json.dumps(probe) + "\n")
             return gpu_smoke.Outcome(0, 0.5)
@@ -316,6 +317,7 @@ def test_the_process_group_probe_reduces_host_and_device_tensors(tmp_path):
         "world_size": 1,
         "host_all_reduce": True,
         "device_all_reduce": True,
+        "polled_barrier": True,
         "node_health": [],  # the GPU node checks run on CUDA only
     }
     assert gpu_smoke.check_process_group(probe, exit_code=0, seconds=1.0, device="cpu")["status"] == "pass"
@@ -326,6 +328,10 @@ def test_the_process_group_probe_reduces_host_and_device_tensors(tmp_path):
         {**probe, "device_all_reduce": False}, exit_code=0, seconds=1.0, device="cpu"
     )
     assert wrong["status"] == "fail"
+    stuck = gpu_smoke.check_process_group(
+        {**probe, "polled_barrier": False}, exit_code=0, seconds=1.0, device="cpu"
+    )
+    assert stuck["failures"] == ["the polled barrier (trainer/waiting.py) did not complete"]
     assert gpu_smoke.check_process_group(probe, exit_code=0, seconds=1.0, device="cuda")["status"] == "fail"
 
 
