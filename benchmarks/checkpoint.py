@@ -16,8 +16,8 @@ summary.json:
   `--local-every` to change): its copies are part of the blocked time and efficiency of
   every mode but `off`, which runs without it and so is the baseline of `wall_vs_off`;
   `local_tier_ms_per_copy` is one copy's mean;
-- host: the host memory checkpointing held at most (the fast tier's two slots and the
-  writer's own buffers), in copies of a rank's state.
+- host: the host memory checkpointing held at most (the host-state engine's slots: two
+  with the fast tier on, one with it off, for `async` saves), in copies of a rank's state.
 """
 
 from __future__ import annotations

@@ -328,7 +328,7 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), self.config.optimizer.grad_clip_norm
         )
-        # An async save's snapshot copy ran beside this forward and backward; it must be
+        # A save step's host capture ran beside this forward and backward; it must be
         # complete before the optimizer changes the weights in place.
         cast(CheckpointManager, self.checkpoints).maybe_wait_for_staging()
         with self.stragglers.local_work(step):  # no collective in it: what the ranks compare

@@ -64,12 +64,23 @@ def test_a_save_step_writes_from_the_fast_tiers_capture_without_a_copy_of_its_ow
         assert torch.equal(expected, saved)
 
 
-def test_without_the_fast_tier_the_writer_copies_the_state_itself(tmp_path, monkeypatch):
+def test_without_the_fast_tier_saves_are_captured_into_one_slot_that_publishes_nothing(tmp_path, monkeypatch):
+    """Tier off: the same engine captures the save steps only, into one slot, with no header,
+    no cache entry for a restart and no files left after the run."""
+    from trainer.checkpointing.local_tier import LocalTier
+
+    published: list[int] = []
+    write_head = LocalTier._write_head
+    monkeypatch.setattr(
+        LocalTier, "_write_head", lambda self, slot, *a: published.append(slot) or write_head(self, slot, *a)
+    )
     manager, at_3, sent = _run_async(tmp_path, monkeypatch, local_every=0)
-    assert sent == []  # nothing lent
-    state_bytes = manager._state_bytes()
-    assert manager.writer.host_bytes == state_bytes
-    assert manager.summary(1.0)["checkpoint_host_copies"] == pytest.approx(1.0)
+    assert len(sent) == 1 and sent[0] > 0  # step 3 went to the writer as slot references
+    assert manager.writer.host_bytes == 0 and published == []
+    assert manager.summary(1.0)["checkpoint_host_copies"] == pytest.approx(1.0, abs=0.05)
+    assert manager.local.captures == 1  # step 3 (the last save is written from the live state on a CPU)
+    assert manager.local.cache.get(manager.local.key) is None
+    assert not manager.local.folder.exists() or list(manager.local.folder.iterdir()) == []
     for expected, saved in zip(at_3, _saved_params(tmp_path, 3), strict=True):
         assert torch.equal(expected, saved)
 
@@ -180,3 +191,99 @@ def test_the_writer_process_is_set_up_for_shards_once_at_its_first_save(monkeypa
         gc.unfreeze()
         torch.serialization.set_crc32_options(crc)
         monkeypatch.delattr(filesystem_async, "open", raising=False)
+
+
+def test_a_saves_capture_is_taken_while_measuring_when_the_sender_reads_and_behind_a_slot_being_made(
+    tmp_path, monkeypatch
+):
+    """A save is never left without its capture: not at an off-step of the budget's
+    measuring, not while the replica sender reads the slot due (the newer slot goes), not
+    while large slots are still being made (the capture queues behind them)."""
+    import threading
+
+    from tests.unit.checkpoint_helpers import hold_slot_preparation
+    from trainer.checkpointing.local_tier import forget_run
+
+    model, optimizer = _trained_model()
+    manager = _manager(tmp_path, "off", model, optimizer, extra=["checkpoint.local_every_steps=budget"])
+    tier = manager.local
+    try:
+        _step(model, optimizer)
+        assert tier.schedule.measuring and tier.capture(1, 0)  # the window's first step: captured
+        _step(model, optimizer)
+        assert not tier.capture(2, 0)  # an off-step of the measuring window
+        _step(model, optimizer)
+        assert tier.capture(3, 0)
+        _step(model, optimizer)
+        lease = tier.capture_for_save(4, 0)  # an off-step: taken all the same, and published
+        assert lease is not None and lease.wait().step == 4
+        lease.release()
+        tier.wait_copy()
+        assert len(tier.schedule._marks) == 4 and tier.schedule._marks[-1][1]  # step 4 counted as a copy
+
+        with tier._lock:
+            tier.sender._sending = tier._slot  # the sender reads the slot the next capture would take
+        due = tier._slot
+        _step(model, optimizer)
+        lease = tier.capture_for_save(5, 0)
+        assert lease.slot == 1 - due
+        with tier._lock:
+            tier.sender._sending = None
+        lease.release()
+        tier.wait_copy()
+    finally:
+        manager.abandon()
+        forget_run("", tmp_path / "checkpoints")
+
+    release = hold_slot_preparation(monkeypatch)
+    model, optimizer = _trained_model()
+    manager = _manager(tmp_path, "async", model, optimizer, extra=["checkpoint.local_every_steps=0"])
+    try:
+        _step(model, optimizer)
+        manager.local.prepare_for_saves()  # the slot is made ahead, in the copy thread
+        assert manager.local._preparing is not None and not manager.local._preparing.done()
+        threading.Timer(0.3, release.set).start()
+        _step(model, optimizer)
+        lease = manager.local.capture_for_save(2, 0)  # waits for the slot, not skipped
+        assert lease.wait() is manager.local._slots[0] and manager.local._slots[1] is None
+        lease.release()
+    finally:
+        release.set()
+        manager.abandon()
+
+
+def test_a_state_over_a_capture_copies_what_the_capture_lacks_and_planning_errors_reach_the_loop(
+    tmp_path, monkeypatch
+):
+    from trainer.checkpointing import nvrx_writer
+
+    model, optimizer = _trained_model()
+    manager = _manager(tmp_path, "off", model, optimizer, extra=["checkpoint.local_every_steps=0"])
+    try:
+        _step(model, optimizer)
+        lease = manager.local.capture_for_save(1, 0)
+        extra = torch.arange(4.0)
+        state = {"model": dict(model.state_dict()), "extra": extra, "lr": 0.5}
+        over = lease.state_over(state)
+        weight = next(iter(model.state_dict()))
+        assert torch.equal(over["model"][weight], model.state_dict()[weight])
+        assert over["model"][weight].data_ptr() != model.state_dict()[weight].data_ptr()  # the slot's copy
+        assert lease.serving is manager.local._slots[lease.slot]
+        assert torch.equal(over["extra"], extra) and over["extra"].data_ptr() != extra.data_ptr()
+        assert over["lr"] == 0.5
+        lease.release()
+    finally:
+        manager.abandon()
+
+    planner = nvrx_writer.Planner()
+    assert planner.submit(lambda: threading_name()).result(timeout=10) == "rtp-ckpt-plan"
+    failed = planner.submit(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failed.result(timeout=10)
+    planner.close()
+
+
+def threading_name() -> str:
+    import threading
+
+    return threading.current_thread().name

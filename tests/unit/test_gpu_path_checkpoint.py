@@ -1,6 +1,6 @@
 """Checkpoint work on the GPU path, checked in one process over a one-rank gloo group: the
-async mode's last save goes through host buffers when the state is on a device, blocking
-checkpoint work runs inside the hooks' keep-alive, and NVRx's worker never preloads."""
+async mode's last save of a device state is written from the host capture of its step,
+blocking checkpoint work runs inside the hooks' keep-alive, and NVRx's worker never preloads."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.unit.checkpoint_helpers import _manager, _trained_model
-from trainer.checkpointing import nvrx_compat, nvrx_writer, storage
+from trainer.checkpointing import nvrx_compat, slot_refs, storage
 from trainer.hooks import TrainHooks
 
 pytestmark = pytest.mark.usefixtures("single_rank_group")
@@ -21,7 +21,7 @@ def test_the_async_last_save_of_device_tensors_is_written_from_host_copies(tmp_p
     it. Here the state is on the host, so the check that it is a device state is forced."""
     from nvidia_resiliency_ext.checkpointing.async_ckpt import state_dict_saver
 
-    monkeypatch.setattr(nvrx_writer, "holds_device_tensors", lambda state: True)
+    monkeypatch.setattr(slot_refs, "holds_device_tensors", lambda state: True)
     planned: list[dict] = []
     real_plan = state_dict_saver.save_state_dict_async_plan
 

@@ -5,8 +5,9 @@
   `close()` (or `abandon()` on the error path) — and the summary's figures.
 - `writer`: the `CheckpointWriter` interface and the `off` writer; `torch_writers`: `sync`
   and `torch-async`; `nvrx_writer`: `async` (NVRx's persistent worker).
-- `nvrx_compat`: what NVRx 0.4.1 needs on a CPU build of torch; `snapshot`: host copies
-  of the state taken beside forward and backward.
+- `local_tier`: the host-state engine, one host copy of each rank's shards per capture,
+  read by the fast tier (with `tier_*`, `replicas`) and by `async` saves (`slot_refs`).
+- `nvrx_compat`: what NVRx 0.4.1 needs on a CPU build of torch.
 - `storage`: the on-disk format — staging, atomic commit, manifest, retention, loading,
   `latest_committed_checkpoint`; no training state, usable from a single process.
 - `fingerprint`: SHA-256 of the weights, what the exactness checks compare.

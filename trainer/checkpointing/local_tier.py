@@ -1,5 +1,5 @@
-"""The fast checkpoint tier: each rank's own shard of the training state, every few steps,
-in process memory and in a node-local folder (docs/fault-tolerance.md).
+"""The host-state engine: each rank's shards copied to host once, beside forward and
+backward, read by the fast checkpoint tier and by durable saves (docs/fault-tolerance.md).
 
 A capture is a host copy of the shards each rank already holds (parameters, optimizer
 state, hyper-parameters, scheduler, RNG, step): no collective, no planning. Its interval is
@@ -11,6 +11,10 @@ holds, itself or as a peer's replica (`tier_restore`, `replicas`); it is used on
 is newer than the latest committed durable checkpoint and belongs to the same run. The
 durable checkpoint stays the recovery point for losing the job or a node, and the only
 thing validate and register read.
+
+A durable save of the `async` mode writes from the capture of its step, lent to it
+(`capture_for_save`, `Lease`); with the tier off (interval 0) the engine captures only
+for saves, into one slot, and publishes nothing for recovery.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from trainer.checkpointing import replicas as peer_copies
 from trainer.checkpointing import tier_format as fmt
 from trainer.checkpointing import tier_restore, tier_resume
 from trainer.checkpointing import tier_slots as slots
+from trainer.checkpointing.slot_refs import Lease
 from trainer.checkpointing.tier_interval import CaptureInterval
 
 log = logging.getLogger(__name__)
@@ -139,17 +144,21 @@ class LocalTier:
         return step % self.interval == 0 and self._capture(step, durable_step)
 
     def capture_for_save(self, step: int, durable_step: int) -> Lease | None:
-        """Capture step `step` (a durable save's) whatever the interval, and lend the slot to
-        that save: it is not overwritten until the lease is released, so the save writes
-        from the capture instead of copying the state again. None: no capture now (the
-        tier is off or measuring its interval, or the slot is busy); the save copies."""
-        if not self.enabled or self.schedule.measuring:
-            return None
+        """Capture step `step` (a durable save's) whatever the interval, also with the tier
+        off, and lend the slot to that save: it is not overwritten until the lease is
+        released, so the save writes from it without another copy of the state. None only
+        while an earlier save still holds a slot."""
         with self._lock:
             if self._held is not None:
                 return None
-        if not self._capture(step, durable_step, hold=True):
-            return None
+        if self.schedule.measuring:
+            captured = self.schedule.measure(
+                step, lambda: self._capture(step, durable_step, hold=True), self.wait_copy, force=True
+            )
+        else:
+            captured = self._capture(step, durable_step, hold=True)
+        if not captured:
+            raise RuntimeError(f"the host capture of step {step} for its checkpoint was not taken")
         with self._lock:
             held = self._held
         assert held is not None and self._copy is not None
@@ -164,27 +173,21 @@ class LocalTier:
         """Queue the copy of this rank's state after step `step` (False: skipped). `hold`:
         the slot stays the save's until `_release`."""
         with self._lock:
-            slot = self._slot
+            slot = self._slot if self.enabled else 0  # saves only: one slot is enough
             if self._held == slot:  # a save still writes from it: overwrite the newer one
                 slot = 1 - slot
             if self.sender.reading(slot):  # the sender still reads this slot: skip one
-                return False
+                if not hold:
+                    return False
+                slot = 1 - slot  # a save's capture is not skipped: the newer one goes
+                self.sender.reading(slot)
             self._slot = 1 - slot
             if hold:
                 self._held = slot
         # What changes outside the optimizer step is taken now; the shards are copied
         # beside the next step's forward and backward (they change only in its optimizer
         # step, which `before_optimizer_step()` holds until the copy is complete).
-        meta = {
-            "step": step,
-            "durable_step": durable_step,
-            "identity": dict(self.identity),
-            "groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
-            "scheduler": self.scheduler.state_dict(),
-            "torch_rng": torch.get_rng_state(),
-        }
-        if torch.cuda.is_available():
-            meta["cuda_rng"] = torch.cuda.get_rng_state()
+        meta = self._meta(step, durable_step)
         step_done = None
         if self.params and self.params[0].is_cuda:
             step_done = torch.cuda.Event()  # the copies must see the finished step
@@ -195,7 +198,7 @@ class LocalTier:
         # The walk over the state runs here, between steps: in the copy thread it would
         # compete with the training thread for the interpreter lock.
         plan = self._plan_for(meta)
-        if not self._slots_ready(plan):
+        if not self._slots_ready(plan, wait=hold):
             with self._lock:
                 self._slot = slot  # not taken: the next capture fills it
                 if hold:
@@ -205,31 +208,56 @@ class LocalTier:
         self._copy = self._copier.submit(self._capture_into, slot, meta, plan, step_done)
         return True
 
-    def _slots_ready(self, plan: slots.Plan) -> bool:
+    def prepare_for_saves(self) -> None:
+        """Not collective, after the first optimizer step: with the tier off, the slot the
+        saves are captured into is made ahead, while training goes on."""
+        if not self.enabled and self.params:
+            if self._copier is None:
+                self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rtp-local-copy")
+            self._slots_ready(self._plan_for(self._meta(0, 0)), wait=False)
+
+    def _meta(self, step: int, durable_step: int) -> dict[str, Any]:
+        meta = {
+            "step": step,
+            "durable_step": durable_step,
+            "identity": dict(self.identity),
+            "groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+            "scheduler": self.scheduler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            meta["cuda_rng"] = torch.cuda.get_rng_state()
+        return meta
+
+    def _slots_ready(self, plan: slots.Plan, wait: bool) -> bool:
         """Whether a capture of `plan` may be queued now: its slot is made by the capture
-        itself when small; large slots (`PREPARE_AHEAD_BYTES`) are prepared ahead, both at
-        once, by the copy thread, and captures wait (skipped, the loop does not) until then.
-        The loop would otherwise wait for the reservation in `before_optimizer_step()`: two
-        12 GB slots at 1B parameters are seconds each, and more with page-locking."""
+        itself when small; large slots (`PREPARE_AHEAD_BYTES`) are prepared ahead by the
+        copy thread, and captures wait (skipped, the loop does not) until then, except a
+        save's (`wait`). The loop would otherwise wait for the reservation in
+        `before_optimizer_step()`: seconds for 12 GB slots, more with page-locking."""
         if plan.size < PREPARE_AHEAD_BYTES:
             return True
         preparing = self._preparing
         if preparing is not None:
             if not preparing.done():
-                return False
+                return wait  # a save's capture queues behind it (one copy thread)
             self._preparing = None
             preparing.result()  # raises what failed in the thread
-        if all(s is not None and s.layout == plan.layout for s in self._slots):
+        if all(s is not None and s.layout == plan.layout for s in self._slots[: self._slot_count]):
             return True
         assert self._copier is not None
         self._preparing = self._copier.submit(self._prepare_slots, plan)
-        return False
+        return wait
+
+    @property
+    def _slot_count(self) -> int:
+        return 2 if self.enabled else 1
 
     def _prepare_slots(self, plan: slots.Plan) -> None:
         """The copy thread: map both slots for `plan` without touching what they hold (an
         earlier attempt's capture and its header stay usable until the slot is overwritten:
         its headers are removed then, see `_slot_for`)."""
-        for slot in (0, 1):
+        for slot in range(self._slot_count):
             current = self._slots[slot]
             if slot == self._held:  # a save reads its file: remapped once released
                 continue
@@ -256,7 +284,7 @@ class LocalTier:
             self._cuda_copied.synchronize()
             copy_s = self._cuda_copy_began.elapsed_time(self._cuda_copied) / 1e3  # the transfer itself
         sums = None
-        if target.path is not None:  # a file other processes may read: checked when read
+        if target.path is not None and self.enabled:  # a file other processes may read: checked when read
             began = time.perf_counter()
             sums = fmt.checksums(target.data)
             self.checksum_s += time.perf_counter() - began
@@ -272,7 +300,8 @@ class LocalTier:
                 target.step = int(meta["step"])
             except OSError as exc:  # a full /dev/shm must not stop training
                 self._write_failed(exc)
-        self.cache.put(self.key, captured, slot)  # complete: what an in-process restart resumes from
+        if self.enabled:
+            self.cache.put(self.key, captured, slot)  # complete: what an in-process restart resumes from
         with self._lock:
             self.captures += 1
             if target.head is not None and self.sends_to:
@@ -420,7 +449,7 @@ class LocalTier:
         if self._receiver is not None:
             self._receiver.close()
             self._receiver = None
-        if discard:
+        if discard or not self.enabled:  # saves only: nothing to recover from
             self.cache.drop(self.key)
             self._slots = [None, None]
             self._delete_files()
@@ -449,25 +478,3 @@ class LocalTier:
         optimizer, scheduler and RNG and return its step; else None (load the durable
         checkpoint). Also starts this attempt's replica receiver and learns its peers'."""
         return tier_resume.restore(self, durable_step)
-
-
-class Lease:
-    """A capture lent to a durable save: `wait()` for its copy, `release()` once written."""
-
-    def __init__(self, tier: LocalTier, slot: int, copy: Future[None]) -> None:
-        self._tier = tier
-        self.slot = slot
-        self._copy = copy
-        self.serving: slots.Slot | None = None  # set by the save that reads the slot
-
-    def wait(self) -> slots.Slot:
-        """The slot holding the complete capture (raises what failed the copy)."""
-        self._copy.result()
-        target = self._tier._slots[self.slot]
-        assert target is not None
-        return target
-
-    def release(self) -> None:
-        """The save no longer reads the slot (written, failed or abandoned); idempotent."""
-        self.serving = None
-        self._tier._release(self.slot)

@@ -26,11 +26,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from trainer.checkpointing import storage
+from trainer.checkpointing import slot_refs, storage
 from trainer.checkpointing import tier_slots as slots
 from trainer.checkpointing.fingerprint import model_sha256
-from trainer.checkpointing.local_tier import Lease, LocalTier
+from trainer.checkpointing.local_tier import LocalTier
 from trainer.checkpointing.nvrx_writer import NvrxAsyncWriter
+from trainer.checkpointing.slot_refs import Lease
 from trainer.checkpointing.torch_writers import SyncWriter, TorchAsyncWriter
 from trainer.checkpointing.writer import CheckpointWriter, NoCheckpoints, PendingSave, SaveRecord
 from trainer.config import TrainConfig
@@ -233,11 +234,11 @@ class CheckpointManager:
         record = self._maybe_save(step, loss, last_step)
         self.writer.poll()
         if not self._prepared:
-            # After the attempt's first step: the writer may allocate for the state ahead,
-            # unless the fast tier's captures are what it writes from.
+            # After the attempt's first step the state's layout is known: a slot for the
+            # saves' captures is made ahead (with the tier on, the captures make theirs).
             self._prepared = True
-            if not (self.writer.reads_captures and self.local.enabled):
-                self.writer.prepare(self._state_dict)
+            if self.writer.reads_captures:
+                self.local.prepare_for_saves()
         return record
 
     def _maybe_save(self, step: int, loss_value: float, final: bool) -> SaveRecord | None:
@@ -284,12 +285,13 @@ class CheckpointManager:
         began = time.perf_counter()
         self.writer.finalize()  # the previous save commits first: its slot or buffers are reused
         previous_wait_s = time.perf_counter() - began
+        state = self._state_dict()
         # The last save is written from the live state, except that device tensors need a host copy.
-        on_device = bool(self.local.params) and self.local.params[0].is_cuda
-        lease = self._capture(step, for_save=self.writer.reads_captures and (on_device or not last))
+        lease = self._capture(
+            step, for_save=self.writer.reads_captures and (not last or slot_refs.holds_device_tensors(state))
+        )
         started = time.perf_counter() - previous_wait_s  # the capture counts as the tier's, not the save's
         staging, final, state_of_rank = self.writer.stage(step, rank_extra)
-        state = self._state_dict()
         if self.during_save is not None:
             self.during_save(step)
         record = SaveRecord(

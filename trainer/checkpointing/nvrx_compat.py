@@ -11,13 +11,13 @@ the writer itself (`nvrx_writer`) reads the same on CPU and GPU:
 2. The preload step. The writer's `preload_fn` calls `torch.cuda.synchronize()` inside
    the persistent worker: on CPU that kills the worker and the trainer then waits forever;
    on a GPU it opens a CUDA context on the worker's current device, GPU 0, for every local
-   rank. No request passes one (the warm-up's tensor is on the host; real saves' snapshot,
+   rank. No request passes one (the warm-up's tensor is on the host; real saves' capture,
    point 3, already is the device-to-host copy), and the worker sees only its rank's GPU.
 3. Torn checkpoints. CPU tensors are handed to the worker in place (moved to shared
    memory) and written while the optimizer keeps changing them, so a saved step would mix
    weights from later steps. Every save is
-   therefore a copy into host buffers first (`snapshot`, on CUDA as well, where it
-   replaces NVRx's preload), taken beside the next forward and backward.
+   therefore written from the host-state engine's capture of its step (`local_tier`, on
+   CUDA as well, where it replaces NVRx's preload), taken beside the next forward and backward.
 4. Warm-up. 0.4.1 has no warm-up API: the first save pays for spawning the worker and the
    write-results Manager, and the first real write for the worker's
    first fork of writer processes. `warm_up` writes a one-tensor DCP checkpoint into a
@@ -49,6 +49,7 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -235,3 +236,38 @@ def finish_warm_up(scratch_dir: Path) -> None:
     """After the warm-up save was finalized (a collective: every rank wrote its part)."""
     if dist.get_rank() == 0:
         shutil.rmtree(scratch_dir, ignore_errors=True)
+
+
+def write_buckets_here(writer: Any) -> Any:
+    """This rank's write results (or the exception that failed it): NVRx's bucket writer,
+    called in this process instead of in processes forked for it."""
+    import queue
+
+    from trainer.checkpointing import storage
+
+    transforms = [writer.transforms] if hasattr(writer, "transforms") else []
+    results: list[Any] = []
+    for index, bucket in enumerate(writer.write_buckets or []):
+        outcome: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        done: queue.Queue[int] = queue.Queue()
+        done.put(index)  # the writer takes one item off it and marks it done when finished
+        with storage.shard_records_without_crc32():
+            filesystem_async.FileSystemWriterAsync.write_preloaded_data(
+                transforms, index, bucket, outcome, done, use_fsync=True
+            )
+        _, written = outcome.get()
+        if isinstance(written, BaseException):
+            return written
+        results.extend(written)
+    return results
+
+
+def write_then_hash(save_fn: Callable[..., None], staging: str, rank: int, *args: Any) -> None:
+    """The NVRx writer's job plus the shard hashes (runs in the background worker)."""
+    from trainer.checkpointing import slot_refs, storage
+
+    prepare_shard_writer_process()
+    if len(args) > 1:
+        args = (args[0], slot_refs.resolve(args[1]), *args[2:])
+    save_fn(*args)
+    storage.write_hash_sidecars(staging, rank)

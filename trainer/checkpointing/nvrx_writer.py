@@ -1,28 +1,26 @@
 """The `async` checkpoint mode: NVRx's persistent writer process, one per rank.
 
 NVRx 0.4.1's persistent writer process with the DCP plan / background write / finalize
-split of `FileSystemWriterAsync`. The state is the fast tier's capture of the step, lent to
-the save (its tensors reach the worker as references into the slot file: `slot_refs`), or
-else copied to host buffers (`snapshot`); it is planned and sent to the worker by a
-background thread while the next step's forward and backward run; `wait_for_staging()`, before every `optimizer.step()`, waits for
-that thread if it is still running and then starts the save's *finisher* thread. The
-finisher waits for the worker to report the write done, gathers every rank's write results
-over the writer's own gloo group (NVRx's finalize, with the request numbers compared), and
-on rank 0 writes DCP's metadata and commits; `poll()` (every step) only looks whether it
-ended, and reports the commit from the loop. The next save or `finalize()` joins it.
+split of `FileSystemWriterAsync`. A save writes the host capture of its step, lent by the
+host-state engine (`local_tier.Lease`); its tensors reach the worker as references into
+the slot file (`slot_refs`). The writer's planner thread waits for the capture, plans the
+write and sends it to the worker while the next step's forward and backward run;
+`wait_for_staging()`, before every `optimizer.step()`, waits for the planner if it is
+still running and then starts the save's *finisher* thread. The finisher waits for the
+worker to report the write done, gathers every rank's write results over the writer's own
+gloo group (NVRx's finalize, with the request numbers compared), and on rank 0 writes
+DCP's metadata and commits; `poll()` (every step) only looks whether it ended, and
+reports the commit from the loop. The next save or `finalize()` joins it.
 
-NVRx's own finalizing (`AsyncCallsQueue.maybe_finalize_async_calls`) runs on the loop: an
-all-reduce on every step while a write is in flight, then the gather and the metadata, each
-waiting for a CPU beside the background write (its cost: docs/checkpointing.md). It is
-used for the start-up warm-up only. What 0.4.1 needs on a CPU build lives in `nvrx_compat`.
+NVRx's own finalizing (`AsyncCallsQueue.maybe_finalize_async_calls`) runs collectives on
+the loop at every step; it is used for the start-up warm-up only (docs/checkpointing.md).
+What 0.4.1 needs on a CPU build lives in `nvrx_compat`.
 
-The attempt's last save (its last step, or a stop was requested) is the exception: no step
-follows it to hide a background write behind, and the loop waits for it in `finalize()`
-anyway. On the host it skips the snapshot copy (on a GPU it takes the fast tier's capture
-of that step, or copies to host buffers: NVRx's writer writes host tensors only), and it skips the hand-offs to the writer process (the snapshot
-thread, the worker, its forked writer, NVRx's results Manager, the finisher thread: each
-a wait for a CPU on a busy machine) and is written by `finalize()`, in this process, with
-torch DCP into the same layout, with the same shard hashes and commit.
+The attempt's last save (its last step, or a stop was requested) has no step to hide a
+background write behind: `finalize()` writes it in this process with NVRx's bucket writer
+(from the live state on the host, from the lent capture on a GPU), into the same layout,
+with the same shard hashes and commit, and without the hand-offs to other threads and
+processes.
 """
 
 from __future__ import annotations
@@ -31,11 +29,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+import torch.multiprocessing
 
 from trainer import lifecycle, peer_abort, waiting
 from trainer.checkpointing import slot_refs, storage
@@ -46,7 +46,7 @@ from trainer.checkpointing.writer import CheckpointWriter, PendingSave
 
 
 class NvrxAsyncWriter(CheckpointWriter):
-    """`async`: returns from `start_save()` once the snapshot copy started."""
+    """`async`: returns from `start_save()` once the save's planning is queued."""
 
     mode = "async"
     reads_captures = True
@@ -57,7 +57,8 @@ class NvrxAsyncWriter(CheckpointWriter):
         self._handoff: PendingSave | None = None
         self._calls: Any = None
         self._group: Any = None
-        self._snapshot: Any = None
+        self._planner: Planner | None = None
+        self._planned: Future[Callable[[], None]] | None = None
         self._plan_cache: Any = None
         self._finisher: threading.Thread | None = None
         self._finishing: PendingSave | None = None  # the save the finisher finishes
@@ -74,37 +75,28 @@ class NvrxAsyncWriter(CheckpointWriter):
         )
 
         from trainer.checkpointing import nvrx_compat
-        from trainer.checkpointing.snapshot import HostSnapshot, share_snapshots_by_file_name
 
-        share_snapshots_by_file_name()
+        # What is not a slot reference travels by shared-memory file name, not descriptor.
+        torch.multiprocessing.set_sharing_strategy("file_system")
         nvrx_compat.hash_shards_as_written()  # the last save is written in this process
-        # Save planning gathers plans from all ranks, and runs in the snapshot's thread
+        # Save planning gathers plans from all ranks, and runs in the planner thread
         # while the loop runs collectives of its own: a group of its own keeps them apart.
         with peer_abort.tracking():  # an in-process restart shuts its connections down
             self._group = dist.new_group(backend="gloo")
-        self._snapshot = HostSnapshot()
+        self._planner = Planner()
         self._plan_cache = CheckpointMetadataCache()
         with lifecycle.children_ignore_sigterm():  # the results Manager starts here too
             self._calls = nvrx_compat.new_calls_queue()
             nvrx_compat.warm_up(self._calls, self.root / ".warm-up", wait=not background)
         self._warming_up = background
 
-    def prepare(self, state: Callable[[], dict[str, Any]]) -> None:
-        """The snapshot's host buffers are allocated (on CUDA also page-locked) by its
-        thread now, while training goes on, not by the first save: at 1B parameters that is
-        12 GB, seconds the loop would wait for at the optimizer step after that save."""
-        if self._snapshot is not None:
-            self._snapshot.prepare(state())
-
     def start_save(self, state: dict[str, Any], pending: PendingSave) -> None:
-        """Start the snapshot copy. The write is planned over the snapshot's buffers and
-        sent to the writer process as soon as the copy is complete; the loop registers it
-        for finalizing in `_hand_off()`, before the next optimizer step.
-
-        The snapshot's thread plans and sends the write right after the copy, so the write
-        starts while the loop is still in forward and backward. Planning runs collectives
-        (the first two saves gather plans from all ranks; later ones reuse NVRx's cached
-        plan) over the writer's own gloo group, never the loop's.
+        """Queue the save's planning: the planner thread waits for the lent capture, plans
+        the write over it and sends it to the writer process, while the loop is still in
+        forward and backward; the loop registers it for finalizing in `_hand_off()`, before
+        the next optimizer step. Planning runs collectives (the first two saves gather
+        plans from all ranks; later ones reuse NVRx's cached plan) over the writer's own
+        gloo group, never the loop's.
 
         The attempt's last save (`pending.last`) is only remembered: `finalize()` writes it."""
         if pending.last:
@@ -115,22 +107,24 @@ class NvrxAsyncWriter(CheckpointWriter):
             return
         from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
 
+        if pending.lease is None or self._planner is None:
+            raise RuntimeError(
+                "an async save needs the host capture of its step (CheckpointManager lends it)"
+            )
         writer = FileSystemWriterAsync(str(pending.staging))
         # NVRx numbers requests in the order every rank schedules them; taken here, on the loop.
         self._calls.call_idx += 1
-        self._snapshot.start(
-            state,
-            after_copy=partial(self._plan_and_send, writer, pending, self._calls.call_idx),
-            lease=pending.lease,
+        self._planned = self._planner.submit(
+            partial(self._plan_and_send, writer, pending, self._calls.call_idx, state)
         )
         self._pending = self._handoff = pending
         pending.record.queue_s = pending.record.blocked_s = time.perf_counter() - pending.started_at
 
     def _plan_and_send(
-        self, writer: Any, pending: PendingSave, call_idx: int, snapshot: dict[str, Any]
+        self, writer: Any, pending: PendingSave, call_idx: int, state: dict[str, Any]
     ) -> Callable[[], None]:
-        """Plan the write over the complete snapshot and send it to the writer process;
-        returns what finishes it (`_finish`, for the finisher thread).
+        """The planner thread: plan the write over the complete capture and send it to the
+        writer process; returns what finishes it (`_finish`, for the finisher thread).
 
         This is the first half of NVRx's `AsyncCallsQueue.schedule_async_request` (number,
         freeze, send to the persistent worker); the finalize half is `_finish`."""
@@ -138,13 +132,14 @@ class NvrxAsyncWriter(CheckpointWriter):
 
         from trainer.checkpointing import nvrx_compat
 
+        assert pending.lease is not None
+        snapshot = pending.lease.state_over(state)
         self._stage(pending)
         writer, metadata, dist_wrapper = save_state_dict_async_plan(
             snapshot, writer, process_group=self._group, enable_cache=True, metadata_cache=self._plan_cache
         )
         save_fn, _preload_fn, save_args = writer.get_save_function_and_args()
-        self.host_bytes = max(self.host_bytes, self._snapshot.buffer_bytes)
-        if save_args and pending.lease is not None and pending.lease.serving is not None:
+        if save_args and pending.lease.serving is not None:
             # The lent slot's tensors travel as references into its file: no copy on the way.
             save_args = [
                 save_args[0],
@@ -152,10 +147,12 @@ class NvrxAsyncWriter(CheckpointWriter):
                 *save_args[2:],
             ]
         request = nvrx_compat.CpuSafeAsyncRequest(
-            partial(_write_then_hash, save_fn, str(pending.staging), dist.get_rank()) if save_fn else None,
+            partial(nvrx_compat.write_then_hash, save_fn, str(pending.staging), dist.get_rank())
+            if save_fn
+            else None,
             save_args,
             [],
-            # The snapshot already is the device-to-host copy; NVRx's preload would copy
+            # The capture already is the device-to-host copy; NVRx's preload would copy
             # again and make the loop wait for the worker to do it.
             preload_fn=None,
             call_idx=call_idx,
@@ -169,18 +166,18 @@ class NvrxAsyncWriter(CheckpointWriter):
         return self._warming_up
 
     def stage(self, step: int, rank_extra: dict[str, Any]) -> tuple[Path, Path, dict[str, Any] | None]:
-        """The RNG state is taken now; the folder is made later, by the snapshot's thread
-        or `_write_last()` (`_stage`)."""
+        """The RNG state is taken now; the folder is made later, by the planner thread or
+        `_write_last()` (`_stage`)."""
         staging, final = storage.staging_paths(self.root, step)
         return staging, final, storage.rank_state(rank_extra)
 
     def wait_for_staging(self) -> None:
-        """Completes the hand-off of a save whose snapshot was copied while forward and
-        backward ran (waiting for the copy if needed), then reports it queued."""
+        """Completes the hand-off of a save captured and planned while forward and backward
+        ran (waiting for the planner if needed), then reports it queued."""
         pending = self._handoff
         if pending is None:
             return
-        with self.keepalive():  # may wait for a snapshot copy of the whole state
+        with self.keepalive():  # may wait for a capture of the whole state
             started = time.perf_counter()
             self._hand_off()
             elapsed = time.perf_counter() - started
@@ -201,12 +198,15 @@ class NvrxAsyncWriter(CheckpointWriter):
             self._write_last()  # no optimizer step was to follow; write it before one does
             return
         pending, self._handoff = self._handoff, None
-        assert pending is not None
+        planned, self._planned = self._planned, None
+        assert pending is not None and planned is not None
         try:
-            finish = self._snapshot.wait()  # planned and sent
-        except BaseException:
+            finish = planned.result()  # planned and sent
+        except BaseException as exc:
             _release(pending)
-            raise
+            raise storage.CheckpointError(
+                f"planning the checkpoint of step {pending.record.step} failed: {exc}"
+            ) from exc
         assert self._finisher is None  # the save began by finalizing the previous one
         self._finishing = pending
         # A daemon: a rank that dies must not be kept alive by it (a commit is atomic).
@@ -352,18 +352,18 @@ class NvrxAsyncWriter(CheckpointWriter):
         from torch.distributed.checkpoint import CheckpointException
         from torch.distributed.checkpoint.utils import _get_failure_dict
 
+        from trainer.checkpointing import nvrx_compat
+
         state, self._last_state = self._last_state, None
         pending, self._handoff = self._pending, None
         assert state is not None and pending is not None
         self._join_finisher()
         self._pending = None
         try:
-            if holds_device_tensors(state):
-                # NVRx's bucket writer writes host tensors only: the fast tier's capture of
-                # this step, else a copy through the snapshot's buffers (free again: the
-                # previous save's write has finished).
-                self._snapshot.start(state, lease=pending.lease)
-                state = self._snapshot.wait()
+            if slot_refs.holds_device_tensors(state):
+                # NVRx's bucket writer writes host tensors only: the capture of this step.
+                assert pending.lease is not None
+                state = pending.lease.state_over(state, shared=False)
             self._stage(pending)
             writer, metadata, dist_wrapper = save_state_dict_async_plan(
                 state,
@@ -372,7 +372,7 @@ class NvrxAsyncWriter(CheckpointWriter):
                 enable_cache=True,
                 metadata_cache=self._plan_cache,
             )
-            results = _write_buckets_here(writer)
+            results = nvrx_compat.write_buckets_here(writer)
         finally:
             _release(pending)
         storage.write_hash_sidecars(pending.staging, dist.get_rank())
@@ -397,9 +397,9 @@ class NvrxAsyncWriter(CheckpointWriter):
     def close(self) -> None:
         """Also stops the writer process."""
         super().close()
-        if self._snapshot is not None:
-            self._snapshot.close()
-            self._snapshot = None
+        if self._planner is not None:
+            self._planner.close()
+            self._planner = None
         if self._calls is not None:
             self._calls.close()
             self._calls = None
@@ -423,10 +423,10 @@ class NvrxAsyncWriter(CheckpointWriter):
         with self._commit_lock:
             self._abandoned.set()
             committing = self._committing
-        if self._snapshot is not None:
-            self._snapshot.discard()
-            self._snapshot.close()
-            self._snapshot = None
+        if self._planner is not None:
+            # Its planning ends on its own (a gather fails once the peers' connections go).
+            self._planner.close()
+            self._planner = self._planned = None
         if self._finisher is not None:
             # Waiting for the write, it stops within 50 ms; in the writer group's gather it
             # may wait for a peer's write, and ends when the peers' connections go down (the
@@ -457,44 +457,27 @@ def _release(pending: PendingSave) -> None:
         pending.lease.release()
 
 
-def holds_device_tensors(state: dict[str, Any]) -> bool:
-    """Whether any tensor of `state` lives off the host (a DTensor by its local shard)."""
-    import torch
-    from torch.utils._pytree import tree_leaves
+class Planner:
+    """One daemon thread running the saves' planning in order: one started per save would
+    make the loop wait for the interpreter lock it takes; a daemon, for a rank dying
+    mid-plan must not be kept alive by it."""
 
-    return any(isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu" for leaf in tree_leaves(state))
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="rtp-ckpt-plan", daemon=True).start()
 
+    def submit(self, job: Callable[[], Any]) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._jobs.put((job, future))
+        return future
 
-def _write_buckets_here(writer: Any) -> Any:
-    """This rank's write results (or the exception that failed it): NVRx's bucket writer,
-    called in this process instead of in processes forked for it."""
-    import queue
+    def close(self) -> None:
+        self._jobs.put(None)
 
-    from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
-
-    transforms = [writer.transforms] if hasattr(writer, "transforms") else []
-    results: list[Any] = []
-    for index, bucket in enumerate(writer.write_buckets or []):
-        outcome: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        done: queue.Queue[int] = queue.Queue()
-        done.put(index)  # the writer takes one item off it and marks it done when finished
-        with storage.shard_records_without_crc32():
-            FileSystemWriterAsync.write_preloaded_data(
-                transforms, index, bucket, outcome, done, use_fsync=True
-            )
-        _, written = outcome.get()
-        if isinstance(written, BaseException):
-            return written
-        results.extend(written)
-    return results
-
-
-def _write_then_hash(save_fn: Callable[..., None], staging: str, rank: int, *args: Any) -> None:
-    """The NVRx writer's job plus the shard hashes (runs in the background worker)."""
-    from trainer.checkpointing import nvrx_compat
-
-    nvrx_compat.prepare_shard_writer_process()
-    if len(args) > 1:
-        args = (args[0], slot_refs.resolve(args[1]), *args[2:])
-    save_fn(*args)
-    storage.write_hash_sidecars(staging, rank)
+    def _serve(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            job, future = item
+            try:
+                future.set_result(job())
+            except BaseException as exc:  # raised where the future is waited for
+                future.set_exception(exc)

@@ -1,5 +1,6 @@
-"""How a durable save's tensors that live in a fast-tier slot reach the writer process: as
-references into the slot file, not as tensors.
+"""How a durable save reads the host-state engine's capture of its step: a `Lease` on the
+slot (not overwritten until released), the state dict over the slot's tensors, and the
+slot's tensors sent to the writer process as references into the slot file.
 
 torch's pickling of a tensor for another process moves its storage into new shared memory
 (a full copy, and the slot's view would no longer see the slot). A slot is already a file
@@ -13,12 +14,24 @@ from __future__ import annotations
 
 import mmap
 import os
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainer.checkpointing import tier_slots as slots
 from trainer.checkpointing.tier_slots import Slot
+
+if TYPE_CHECKING:
+    from trainer.checkpointing.local_tier import LocalTier
+
+
+def holds_device_tensors(state: dict[str, Any]) -> bool:
+    """Whether any tensor of `state` lives off the host (a DTensor by its local shard)."""
+    from torch.utils._pytree import tree_leaves
+
+    return any(isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu" for leaf in tree_leaves(state))
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,3 +91,54 @@ def resolve(buckets: list[Any]) -> list[Any]:
         (file_path, name, (bytes_data, [(item, tensor(value)) for item, value in tensor_data]))
         for file_path, name, (bytes_data, tensor_data) in buckets
     ]
+
+
+class Lease:
+    """A capture lent to a durable save: `wait()` for its copy, `release()` once written."""
+
+    def __init__(self, tier: LocalTier, slot: int, copy: Future[None]) -> None:
+        self._tier = tier
+        self.slot = slot
+        self._copy = copy
+        self.serving: Slot | None = None  # set by the save that reads the slot
+
+    def wait(self) -> Slot:
+        """The slot holding the complete capture (raises what failed the copy)."""
+        self._copy.result()
+        target = self._tier._slots[self.slot]
+        assert target is not None
+        return target
+
+    def release(self) -> None:
+        """The save no longer reads the slot (written, failed or abandoned); idempotent."""
+        self.serving = None
+        self._tier._release(self.slot)
+
+    def state_over(self, state: dict[str, Any], shared: bool = True) -> dict[str, Any]:
+        """`state` (a state dict of the captured step) with each tensor replaced by its copy
+        in the slot, matched by the local shard's address, shape and dtype: the state dict's
+        tensors are views of the shards the capture copied. One the capture lacks is copied
+        here. `shared`: for another process, which reads a slot in memory only as a copy."""
+        from torch.distributed.tensor import DTensor
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+
+        slot = self.wait()
+        self.serving = slot if slot.path is not None else None
+        assert slot.plan is not None
+        held = {
+            (s.data_ptr(), tuple(s.shape), s.dtype): host
+            for s, host in zip(slot.plan.sources, slot.tensors, strict=False)
+            if s.numel()
+        }
+        leaves, spec = tree_flatten(state)
+        for index, value in enumerate(leaves):
+            if not isinstance(value, torch.Tensor):
+                continue
+            local = slots.local_shard(value)
+            host = held.get((local.data_ptr(), tuple(local.shape), local.dtype))
+            if host is None or (shared and slot.path is None):
+                host = local.detach().to("cpu", copy=True)
+            if isinstance(value, DTensor):  # built directly: this runs off the training thread
+                host = DTensor(host, value._spec, requires_grad=False)
+            leaves[index] = host
+        return tree_unflatten(leaves, spec)

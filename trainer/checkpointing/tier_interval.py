@@ -77,18 +77,21 @@ class CaptureInterval:
         with self._lock:
             self._copy_seconds.append(seconds)
 
-    def measure(self, step: int, capture: Callable[[], bool], wait_copy: Callable[[], Any]) -> bool:
+    def measure(
+        self, step: int, capture: Callable[[], bool], wait_copy: Callable[[], Any], force: bool = False
+    ) -> bool:
         """While measuring: `capture()` every other step for `CALIBRATION_STEPS` steps, timing
         each step after one without a copy (a capture slows the next step: its optimizer step
-        waits for the copy); then the agreement (`_agree`). Whether it captured."""
+        waits for the copy); then the agreement (`_agree`). `force`: a save's capture, taken
+        at any step. Whether it captured."""
         now = time.perf_counter()
         if self._window_start is None:
             self._window_start = step
         elif step - self._window_start >= CALIBRATION_STEPS:
             self._agree(step, now, wait_copy)
             if not self.measuring:
-                return step % self.interval == 0 and capture()
-        copied = (step - self._window_start) % 2 == 0 and capture()
+                return (force or step % self.interval == 0) and capture()
+        copied = (force or (step - self._window_start) % 2 == 0) and capture()
         self._marks.append((now, copied))
         return copied
 

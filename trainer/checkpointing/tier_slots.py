@@ -210,12 +210,17 @@ class Slot:
 
         return ctypes.addressof(ctypes.c_char.from_buffer(self.data))
 
-    def pin(self) -> None:
-        """Page-lock the mapping, so that device-to-host copies into it are asynchronous."""
-        from trainer.checkpointing.snapshot import pin_host_range
+    def pin(self) -> bool:
+        """Page-lock the mapping (for every device: flag 1, "portable") until the slot is
+        collected, so that device-to-host copies into it are asynchronous; False if CUDA
+        refused (still correct, only slower: copies then go through staging memory)."""
+        import weakref
 
-        if self.size:
-            pin_host_range(self, self.address(), self.size)
+        cudart = torch.cuda.cudart()
+        if not self.size or int(cudart.cudaHostRegister(self.address(), self.size, 1)) != 0:
+            return False
+        weakref.finalize(self, cudart.cudaHostUnregister, self.address())
+        return True
 
 
 MADV_POPULATE_WRITE = 23

@@ -32,7 +32,7 @@ from trainer import waiting
 from trainer.checkpointing import storage
 
 if TYPE_CHECKING:
-    from trainer.checkpointing.local_tier import Lease
+    from trainer.checkpointing.slot_refs import Lease
 
 
 @dataclass(slots=True)
@@ -50,7 +50,7 @@ class SaveRecord:
     write had not finished within the checkpoint interval)."""
     handoff_s: float = 0.0
     """async only: the part of `blocked_s` spent before the next optimizer step, waiting for
-    the snapshot copy that ran beside forward and backward, and queueing the write."""
+    the capture and planning that ran beside forward and backward, and starting the finisher."""
     finalize_s: float = 0.0
     """The part of `blocked_s` spent in later steps agreeing that the write finished,
     finalizing and committing it."""
@@ -84,8 +84,8 @@ class PendingSave:
     """The attempt's last save (its last step, or a stop was requested): no optimizer step
     follows it, so the live state stays as saved until `finalize()`."""
     lease: Lease | None = None
-    """The fast tier's capture of this step, lent to a writer that `reads_captures`: its slot
-    is not overwritten until the writer releases it."""
+    """The host capture of this step, lent to a writer that `reads_captures`: its slot is
+    not overwritten until the writer releases it."""
 
 
 OnCommit = Callable[[SaveRecord], None]
@@ -104,7 +104,7 @@ class CheckpointWriter(ABC):
     mode: ClassVar[str]
     writes_checkpoints: ClassVar[bool] = True
     reads_captures: ClassVar[bool] = False
-    """Writes a save from the fast tier's capture of its step (`PendingSave.lease`)."""
+    """Writes a save from the host capture of its step (`PendingSave.lease`)."""
     host_bytes = 0
     """Host memory its own copies of the state held at most (for the summary)."""
 
@@ -152,11 +152,6 @@ class CheckpointWriter(ABC):
     @abstractmethod
     def start_save(self, state: dict[str, Any], pending: PendingSave) -> None:
         """Collective: begin writing `state` (model and optimizer) into `pending.staging`."""
-
-    def prepare(self, state: Callable[[], dict[str, Any]]) -> None:  # noqa: B027 (optional: a default that does nothing)
-        """Not collective: the state's layout is known (after the first optimizer step made
-        the optimizer's state); a writer may allocate for it in the background, before the
-        first save. `state()` makes the state dict (a `get_state_dict`): call it only if used."""
 
     @property
     def warming_up(self) -> bool:
