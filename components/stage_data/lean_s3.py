@@ -229,10 +229,14 @@ class LeanS3Client:
         query = {"partNumber": str(PartNumber)} if PartNumber else {}
         return self._described(self._request("HEAD", Bucket, Key, query, headers, "HeadObject", stream=False))
 
-    def list_objects_v2(self, Bucket: str, Prefix: str = "", ContinuationToken: str = "") -> dict[str, Any]:
+    def list_objects_v2(
+        self, Bucket: str, Prefix: str = "", ContinuationToken: str = "", StartAfter: str = ""
+    ) -> dict[str, Any]:
         query = {"list-type": "2", "encoding-type": "url", "prefix": Prefix}
         if ContinuationToken:
             query["continuation-token"] = ContinuationToken
+        elif StartAfter:  # S3 ignores it beside a continuation token
+            query["start-after"] = StartAfter
         response = self._request("GET", Bucket, "", query, {}, "ListObjectsV2", stream=True)
         return parse_list_page(response.read())
 
@@ -246,13 +250,17 @@ class _ListPaginator:
     def __init__(self, client: LeanS3Client) -> None:
         self._client = client
 
-    def paginate(self, Bucket: str, Prefix: str = "") -> Iterator[dict[str, Any]]:
+    def paginate(self, Bucket: str, Prefix: str = "", StartAfter: str = "") -> Iterator[dict[str, Any]]:
         token = ""
         while True:
             page = with_retries(
                 f"LIST s3://{Bucket}/{Prefix}",
                 functools.partial(
-                    self._client.list_objects_v2, Bucket=Bucket, Prefix=Prefix, ContinuationToken=token
+                    self._client.list_objects_v2,
+                    Bucket=Bucket,
+                    Prefix=Prefix,
+                    ContinuationToken=token,
+                    StartAfter=StartAfter,
                 ),
                 TransferSettings(),
             )

@@ -10,6 +10,7 @@ which answers the few S3 calls staging makes, so both sources share one download
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -69,30 +70,76 @@ def parse_source(uri: str) -> Source:
     raise StageError(f"source {uri!r} is neither s3://bucket/prefix nor a local folder (absolute path)")
 
 
-def list_objects(client: Any, bucket: str, prefix: str) -> list[SourceObject]:
-    objects = []
+LIST_PAGE_KEYS = 1000
+"""The most keys one ListObjectsV2 answer holds."""
+
+
+def list_objects(
+    client: Any, bucket: str, prefix: str, known_keys: Sequence[str] = (), pool: Executor | None = None
+) -> list[SourceObject]:
+    """Every object under `prefix`, in key order. `known_keys`: a sorted earlier listing (the
+    current snapshot's keys); its every `LIST_PAGE_KEYS`-th key bounds a key range, and the
+    ranges are listed at once on `pool`, one page each while the source is unchanged, instead
+    of one page after another. Any source is listed completely: a range reads on until its
+    bound."""
+    bounds = key_ranges(known_keys, prefix) if pool is not None else [("", None)]
     try:
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-            for item in page.get("Contents", []):
-                if item["Key"].endswith("/"):
-                    continue  # "folder" placeholder objects carry no data
-                algorithms = [a for a in ADDITIONAL_ALGORITHMS if a in item.get("ChecksumAlgorithm", [])]
-                objects.append(
-                    SourceObject(
-                        item["Key"],
-                        int(item["Size"]),
-                        item.get("ETag", "").strip('"'),
-                        checksum_algorithm=algorithms[0] if algorithms else "",
-                    )
-                )
+        if len(bounds) == 1:
+            items = _list_range(client, bucket, prefix, *bounds[0])
+        else:
+            assert pool is not None
+            ranges = [pool.submit(_list_range, client, bucket, prefix, *bound) for bound in bounds]
+            items = [item for listed in ranges for item in listed.result()]
     except Exception as exc:
         error = _listing_error(exc, bucket, prefix)
         if error is None:
             raise
         raise error from exc
+    objects = []
+    for item in items:
+        if item["Key"].endswith("/"):
+            continue  # "folder" placeholder objects carry no data
+        algorithms = [a for a in ADDITIONAL_ALGORITHMS if a in item.get("ChecksumAlgorithm", [])]
+        objects.append(
+            SourceObject(
+                item["Key"],
+                int(item["Size"]),
+                item.get("ETag", "").strip('"'),
+                checksum_algorithm=algorithms[0] if algorithms else "",
+            )
+        )
     if not objects:
         raise StageError(f"s3://{bucket}/{prefix} holds no objects: check the prefix (it is case-sensitive)")
     return objects
+
+
+def key_ranges(known_keys: Sequence[str], prefix: str) -> list[tuple[str, str | None]]:
+    """(after, up to) key ranges covering every key once: bounded by every `LIST_PAGE_KEYS`-th
+    of `known_keys` under `prefix` ("": from the start, None: to the end). Keys compare as S3
+    orders them: UTF-8 bytes, which is code point order."""
+    under = [key for key in known_keys if key.startswith(prefix)]
+    cuts = under[LIST_PAGE_KEYS - 1 :: LIST_PAGE_KEYS]
+    return list(zip(["", *cuts], [*cuts, None], strict=True))
+
+
+def _list_range(client: Any, bucket: str, prefix: str, after: str, upto: str | None) -> list[dict[str, Any]]:
+    """The listed items with `after` < key <= `upto`, in order."""
+    items: list[dict[str, Any]] = []
+    pages = client.get_paginator("list_objects_v2").paginate(
+        Bucket=bucket, Prefix=prefix, **({"StartAfter": after} if after else {})
+    )
+    for page in pages:
+        contents = page.get("Contents", [])
+        if upto is None:
+            items += contents
+            continue
+        for item in contents:
+            if item["Key"] > upto:
+                return items
+            items.append(item)
+        if contents and contents[-1]["Key"] == upto:
+            return items  # the range is complete: later keys are larger
+    return items
 
 
 def _listing_error(exc: Exception, bucket: str, prefix: str) -> StageError | None:

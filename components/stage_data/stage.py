@@ -199,7 +199,8 @@ def open_stage(
 
     With `check_current`, the files of the snapshot `current` points at are checked (size
     and mtime) on the pool while the source is listed: an unchanged source re-checks
-    exactly them, and a changed one links the intact ones."""
+    exactly them, and a changed one links the intact ones. Their keys split the listing
+    into key ranges listed in parallel on the pool (`source.list_objects`)."""
     started = time.perf_counter()
     if mode not in MODES:
         raise StageError(f"mode {mode!r} is not one of {', '.join(MODES)}")
@@ -222,7 +223,9 @@ def open_stage(
             else:
                 if client is None:
                     client = s3_client(endpoint_url, settings.max_workers + 8, kind=s3_client_kind)
-                objects = list_objects(client, parsed.bucket, parsed.prefix)
+                # The current snapshot's keys split the listing into ranges listed at once.
+                known = sorted(e["key"] for e in current_check.manifest["files"]) if current_check else []
+                objects = list_objects(client, parsed.bucket, parsed.prefix, known, pool)
             paths = relative_paths((o.key for o in objects), parsed.prefix)
             store = SnapshotStore.open(fsx_mount_path, dataset_name, collection)
             lustre = Lustre()

@@ -105,6 +105,49 @@ def test_lean_client_pages_through_long_listings(s3_endpoint):
     assert keys == [f"k/{i:05d}" for i in range(1003)]
 
 
+def test_key_ranges_cut_a_known_listing_every_page_and_cover_every_key_once():
+    from components.stage_data.source import LIST_PAGE_KEYS, key_ranges
+
+    assert key_ranges([], "p/") == [("", None)]
+    known = [f"p/{i:05d}" for i in range(2 * LIST_PAGE_KEYS + 5)] + ["q/other"]
+    cuts = [known[LIST_PAGE_KEYS - 1], known[2 * LIST_PAGE_KEYS - 1]]
+    assert key_ranges(known, "p/") == [("", cuts[0]), (cuts[0], cuts[1]), (cuts[1], None)]
+
+
+@pytest.mark.parametrize("kind", ["lean", "boto3"])
+def test_a_listing_split_by_the_known_keys_finds_what_a_plain_one_does(s3_endpoint, monkeypatch, kind):
+    """Ranges cut from an earlier listing are listed at once, one request each while the
+    source is unchanged; keys added before, between and after the cuts and a removed cut key
+    are listed as a plain listing lists them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from components.stage_data import source
+
+    monkeypatch.setattr(source, "LIST_PAGE_KEYS", 4)
+    client = s3_client(s3_endpoint)
+    name = f"ranges-{kind}"
+    client.create_bucket(Bucket=name)
+    for i in range(0, 40, 2):
+        client.put_object(Bucket=name, Key=f"k/{i:03d}", Body=b"x")
+    lister = LeanS3Client(s3_endpoint) if kind == "lean" else s3_client(s3_endpoint, kind="boto3")
+    known = [o.key for o in list_objects(lister, name, "k/")]
+    requests: list[str] = []
+    if kind == "lean":
+        listing = lister.list_objects_v2
+        monkeypatch.setattr(lister, "list_objects_v2", lambda **kw: requests.append(kw["StartAfter"]) or listing(**kw))
+    with ThreadPoolExecutor(4) as pool:
+        assert list_objects(lister, name, "k/", known, pool) == list_objects(lister, name, "k/")
+        if kind == "lean":  # 20 keys, cut every 4th: 6 ranges, one answer each, then 1 plain one
+            assert sorted(requests[:6]) == sorted(["", "k/006", "k/014", "k/022", "k/030", "k/038"])
+            assert len(requests) == 7
+        for key in ("k/", "k/001", "k/015", "k/0150", "k/999"):
+            client.put_object(Bucket=name, Key=key, Body=b"y")
+        client.delete_object(Bucket=name, Key="k/014")  # a cut
+        plain = list_objects(lister, name, "k/")
+        split = list_objects(lister, name, "k/", known, pool)
+    assert split == plain and len({o.key for o in split}) == len(split) == 20 - 1 + 4  # "k/": a folder
+
+
 def test_both_clients_stage_the_same_snapshot(bucket, tmp_path, s3_endpoint):
     _, name = bucket
     lean = stage_dataset(f"s3://{name}/data/", str(tmp_path / "a"), "ds", s3_endpoint)
