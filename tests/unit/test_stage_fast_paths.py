@@ -134,7 +134,9 @@ def test_a_listing_split_by_the_known_keys_finds_what_a_plain_one_does(s3_endpoi
     requests: list[str] = []
     if kind == "lean":
         listing = lister.list_objects_v2
-        monkeypatch.setattr(lister, "list_objects_v2", lambda **kw: requests.append(kw["StartAfter"]) or listing(**kw))
+        monkeypatch.setattr(
+            lister, "list_objects_v2", lambda **kw: requests.append(kw["StartAfter"]) or listing(**kw)
+        )
     with ThreadPoolExecutor(4) as pool:
         assert list_objects(lister, name, "k/", known, pool) == list_objects(lister, name, "k/")
         if kind == "lean":  # 20 keys, cut every 4th: 6 ranges, one answer each, then 1 plain one
