@@ -4,7 +4,10 @@ one GPU at all? Short runs of the user's own command, `rtp train-local`, then on
 Runs (one rank each, preset small-cpu on CUDA, 6 steps, a durable save every 2 steps, the
 fast tier every step, so a fault redoes at most one step):
 
-- a fault-free run in every checkpoint mode (off, sync, torch-async, async);
+- a fault-free run in every checkpoint mode (off, sync, torch-async, async), and one of
+  async with the fast tier off (`async-tier-off`: saves captured into the host-state
+  engine's one slot; host memory must be one copy of the state, the weights those of the
+  async run);
 - per mode in `--fault-modes`: `exception@3` (must be recovered in process: one restart of
   kind exception, mechanism inprocess, whose teardown left rank 0's stacks and a flight
   recorder dump with NCCL collectives in it) and `sigkill@4` (recovered by ft_launcher: kind
@@ -75,6 +78,8 @@ class SmokeRun:
     mode: str
     fault: str = ""
     """KIND@STEP, empty for a fault-free run."""
+    local_every: int = 1
+    """`checkpoint.local_every_steps` (0: the fast tier off)."""
 
     @property
     def fault_kind(self) -> str:
@@ -83,7 +88,7 @@ class SmokeRun:
     @property
     def baseline(self) -> str | None:
         """The fault-free run of the same mode that this run's weights are compared with."""
-        return self.mode if self.fault else None
+        return self.mode if self.fault or self.local_every != 1 else None
 
 
 def plan_runs(fault_modes: Sequence[str], slow_save_mode: str = "async") -> list[SmokeRun]:
@@ -91,6 +96,8 @@ def plan_runs(fault_modes: Sequence[str], slow_save_mode: str = "async") -> list
     runs: list[SmokeRun] = []
     for mode in MODES:
         runs.append(SmokeRun(mode, mode))
+        if mode == "async":
+            runs.append(SmokeRun("async-tier-off", mode, local_every=0))
         if mode in fault_modes:
             for kind in ("exception", "sigkill"):
                 runs.append(SmokeRun(f"{mode}-{kind}", mode, f"{kind}@{FAULT_STEP[kind]}"))
@@ -121,7 +128,7 @@ def train_args(run: SmokeRun, root: Path, dataset: Path, *, cpu: bool, determini
         f"--checkpoint-mode={run.mode}",
         "--seed=5",
         *[f"--override=resilience.{key}={value:g}" for key, value in timeouts.items()],
-        "--override=checkpoint.local_every_steps=1",
+        f"--override=checkpoint.local_every_steps={run.local_every}",
         "--override=run.log_every_steps=1",
     ]
     if run.fault:
@@ -231,6 +238,13 @@ def check_run(
             failures.append(
                 f"the save at step {step} blocked {blocked[0] if blocked else 'never'} s, expected at least "
                 f"{2 * soft_timeout_s:g} s (twice the soft timeout): the slow save did not happen"
+            )
+    if run.local_every == 0:
+        copies = result["host_copies"] = summary.get("checkpoint_host_copies")
+        if not isinstance(copies, int | float) or copies > 1.1:
+            failures.append(
+                f"checkpointing held {copies} copies of the state in host memory, expected one slot "
+                "(the fast tier is off)"
             )
     if run.baseline is not None:
         if baseline is None or not baseline.get("model_sha256"):

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU smoke check: at most ~3 minutes on one GPU. Does rtp train, save, fault and resume there?
-# Short `rtp train-local` runs (preset small-cpu, 6 steps, one rank): every checkpoint mode,
+# Short `rtp train-local` runs (preset small-cpu, 6 steps, one rank): every checkpoint mode
+# (async also with the fast tier off),
 # an in-process exception and a SIGKILL per checkpointing mode, a save slowed past the soft
 # timeout, and a process-group probe (benchmarks/gpu_smoke.py says what each must show).
 #

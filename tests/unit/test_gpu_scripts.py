@@ -32,6 +32,7 @@ PLANNED = {
     "async-exception",
     "async-sigkill",
     "async-slow-save",
+    "async-tier-off",
     "sync",
     "sync-exception",
     "sync-sigkill",
@@ -97,6 +98,7 @@ def test_the_plan_covers_every_mode_both_faults_and_the_slow_save():
     assert runs["sync-exception"].fault == "exception@3" and runs["sync-exception"].baseline == "sync"
     assert runs["torch-async-sigkill"].fault == "sigkill@4"
     assert runs["async-slow-save"].fault == "slow-save@4" and runs["off"].baseline is None
+    assert runs["async-tier-off"].local_every == 0 and runs["async-tier-off"].baseline == "async"
 
 
 def test_dry_run_parses_every_command_into_a_config_a_cuda_rank_accepts(tmp_path):
@@ -125,7 +127,8 @@ def test_dry_run_parses_every_command_into_a_config_a_cuda_rank_accepts(tmp_path
             40.0,
             60.0,
         )
-        assert settings["local_every_steps"] == 1 and settings["checkpoint_mode"] == check["mode"]
+        tier = 0 if name == "async-tier-off" else 1
+        assert settings["local_every_steps"] == tier and settings["checkpoint_mode"] == check["mode"]
         assert settings["faults"] == (check["fault"] or ""), name
         assert check["command"][1:4] == ["-m", "rtp_cli.main", "train-local"]
         assert f"--workdir={tmp_path / 'work' / name}" in check["command"]
@@ -216,6 +219,19 @@ def test_weights_equality_fails_only_where_training_is_deterministic():
     assert informative["status"] == "pass" and informative["same_as_fault_free"] is False
     missing = verdict(run, summary(restarts=[("exception", "inprocess")]), baseline={}, exact=False)
     assert missing["status"] == "fail" and "no fault-free async run" in missing["failures"][0]
+
+
+def test_the_tier_off_run_must_hold_one_copy_of_the_state_and_the_async_runs_weights():
+    run = SmokeRun("async-tier-off", "async", local_every=0)
+    one_slot = verdict(run, summary(checkpoint_host_copies=1.006))
+    assert (
+        one_slot["status"] == "pass" and one_slot["host_copies"] == 1.006 and one_slot["same_as_fault_free"]
+    )
+    two = verdict(run, summary(checkpoint_host_copies=2.01))
+    assert two["status"] == "fail" and "expected one slot" in two["failures"][0]
+    assert verdict(run, summary())["status"] == "fail"  # a summary without the figure says nothing
+    other = verdict(run, summary(checkpoint_host_copies=1.0, sha="c" * 64))
+    assert other["status"] == "fail" and "differs from the fault-free async run" in other["failures"][0]
 
 
 def test_the_slow_save_must_block_past_the_soft_timeout_without_a_restart():
