@@ -155,13 +155,15 @@ class CheckpointConfig:
     """The fast tier: every N steps each rank keeps a copy of its own shard of the training
     state in memory (an in-process restart resumes from it) and in local_dir (a restarted
     worker group resumes from it), so a fault redoes at most N steps instead of every step
-    since the last durable checkpoint; 0 = off. `budget`: the ranks measure the copy and the
+    since the last durable checkpoint; 0 = off (`async` saves are still copied to host
+    through one slot file in local_dir). `budget`: the ranks measure the copy and the
     step over an attempt's first steps and agree on the shortest interval whose copies take
     at most 1% of the loop's time. `auto`: budget on CUDA, every step on CPU
     (trainer/checkpointing/local_tier.py)."""
     local_dir: str = named("checkpoint_local_dir", "", path=True)
-    """Node-local folder of the fast tier's files (the rank processes' survivor, not the
-    node's); empty = /dev/shm/rtp-local (a pod's memory-backed /dev/shm)."""
+    """Node-local folder of the fast tier's files and of the slots `async` saves are written
+    from (the rank processes' survivor, not the node's); empty = /dev/shm/rtp-local (a pod's
+    memory-backed /dev/shm)."""
     local_replicas: int = 0
     """Peers that also hold each rank's fast-tier file (ranks on other nodes; on one node,
     the next ranks), so a rank whose node is lost resumes from a peer's copy instead of
