@@ -86,9 +86,9 @@ GPU_SCALE = JobScale(
     # EC2 Spot gives 2 minutes whatever is set here; a node drain honours it.
     termination_grace_s=600,
     # p5.48xlarge: 8 H100, 192 vCPU, 2048 GiB; leave 12 vCPU and ~250 GiB to the system
-    # and daemon sets (180 CPU, 1800Gi per 8 GPUs). /dev/shm holds the fast tier's two slots
-    # and the async snapshot, ~3x a rank's state shard (12 B/parameter / GPUs): 8B on one
-    # node or gpu-1b on one GPU needs ~34 GiB per GPU (docs/checkpointing.md): 320Gi per 8 GPUs.
+    # and daemon sets (180 CPU, 1800Gi per 8 GPUs). /dev/shm holds the fast tier's two slots,
+    # which async saves write from, 2x a rank's state shard (12 B/parameter / GPUs): 8B on one
+    # node or gpu-1b on one GPU needs ~23 GiB per GPU, plus loader buffers (docs/checkpointing.md).
     cpu_per_gpu=22.5,
     memory_gib_per_gpu=225,
     shm_gib_per_gpu=40,
