@@ -345,8 +345,8 @@ class NvrxAsyncWriter(CheckpointWriter):
         bucket by NVRx's own bucket writer in this process, then finalized and committed
         as `_finish` does. Any earlier save was committed before this one started
         (`manager._save`), and the state is the live one: nothing changed it since
-        `start_save()`. Host tensors are written as they are; device tensors are copied to
-        host buffers first."""
+        `start_save()`. Host tensors are written as they are; device tensors from the host
+        capture of the step."""
         from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
         from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
         from torch.distributed.checkpoint import CheckpointException
