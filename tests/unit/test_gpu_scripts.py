@@ -143,7 +143,7 @@ def test_a_dry_run_reports_a_command_that_does_not_resolve(monkeypatch, tmp_path
     document = json.loads((tmp_path / "out" / "gpu-smoke.json").read_text())
     assert code == 1 and not document["ok"]
     failed = [c for c in document["checks"] if c["status"] == "fail"]
-    assert len(failed) == 11 and "must exceed resilience.hard_timeout_s" in failed[0]["failures"][0]
+    assert len(failed) == 12 and "must exceed resilience.hard_timeout_s" in failed[0]["failures"][0]
 
 
 def test_an_in_process_restart_on_nccl_must_leave_its_flight_recorder_dump():
@@ -269,7 +269,14 @@ def _stand_in_launcher(bad: dict[str, dict]):
         restarts = [(kind, gpu_smoke.EXPECTED_RESTART[kind])] if kind in gpu_smoke.EXPECTED_RESTART else []
         blocked = 2 * gpu_smoke.CPU_TIMEOUTS["soft_timeout_s"]
         saves = [{"step": 4, "blocked_s": blocked}] if kind == "slow-save" else []
-        written = summary(flags["checkpoint-mode"], restarts=restarts, device="cpu", checkpoint_saves=saves)
+        tier_off = "--override=checkpoint.local_every_steps=0" in command
+        written = summary(
+            flags["checkpoint-mode"],
+            restarts=restarts,
+            device="cpu",
+            checkpoint_saves=saves,
+            checkpoint_host_copies=1.006 if tier_off else 2.01,
+        )
         written.update(bad.get(workdir.name, {}))
         (workdir / "logs").mkdir(parents=True)
         (workdir / "logs" / "train.log").write_text("rank 0\n")
