@@ -18,6 +18,11 @@ summary.json:
   `local_tier_ms_per_copy` is one copy's mean;
 - host: the host memory checkpointing held at most (the host-state engine's slots: two
   with the fast tier on, one with it off, for `async` saves), in copies of a rank's state.
+
+With `--rounds N` the modes run N times in turn, each round starting one mode further on.
+Every figure is then the median over the rounds, and `wall_vs_off` is the median of each
+round's ratio to that round's `off` run (each round's in `wall_vs_off_rounds`, its wall
+in `wall_s_rounds`), so a slow minute on a shared machine moves one pair, not the comparison.
 """
 
 from __future__ import annotations
@@ -108,6 +113,7 @@ def run_benchmark(
     local_every: int | None = None,
     overrides: Sequence[str] = (),
     workdir: Path | None = None,
+    rounds: int = 1,
 ) -> dict[str, Any]:
     import torch
 
@@ -121,24 +127,27 @@ def run_benchmark(
     with tempfile.TemporaryDirectory(prefix="rtp-bench-ckpt-") as tmp:
         root = workdir or Path(tmp)
         dataset = write_local_dataset(root / "dataset", budget_bytes=500_000)
-        results = {}
-        for mode in modes:
-            results[mode] = run_mode(
-                mode,
-                dataset,
-                root / mode,
-                nproc=nproc,
-                steps=steps,
-                every=every,
-                preset=preset,
-                local_every=local_every,
-                overrides=overrides,
-            )
-            # The next mode must not find its disk full of this one's checkpoints (gpu-1b: 12 GB each).
-            shutil.rmtree(root / mode / "checkpoints", ignore_errors=True)
-    if "off" in results:
-        for mode_result in results.values():
-            mode_result["wall_vs_off"] = mode_result["wall_s"] / results["off"]["wall_s"]
+        runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
+        for round_ in range(rounds):
+            shift = round_ % len(modes)
+            for mode in modes[shift:] + modes[:shift]:
+                folder = root / f"{mode}-{round_}"
+                runs[mode].append(
+                    run_mode(
+                        mode,
+                        dataset,
+                        folder,
+                        nproc=nproc,
+                        steps=steps,
+                        every=every,
+                        preset=preset,
+                        local_every=local_every,
+                        overrides=overrides,
+                    )
+                )
+                # The next run must not find its disk full of this one's checkpoints (gpu-1b: 12 GB each).
+                shutil.rmtree(folder, ignore_errors=True)
+    results = combine_rounds(runs)
     return {
         "modes": results,
         "model_params": params,
@@ -150,7 +159,29 @@ def run_benchmark(
         "local_every_steps": build_config(preset).checkpoint.local_every_steps
         if local_every is None
         else local_every,
+        "rounds": rounds,
     }
+
+
+def combine_rounds(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Each mode's median over its rounds; `wall_vs_off` pairs every round with that round's `off`."""
+    results: dict[str, dict[str, Any]] = {}
+    for mode, rows in runs.items():
+        results[mode] = {
+            key: statistics.median(row[key] for row in rows)
+            if isinstance(value, (int, float)) and not isinstance(value, bool)
+            else value
+            for key, value in rows[-1].items()
+        }
+        results[mode]["wall_s_rounds"] = [row["wall_s"] for row in rows]
+        if len({row["model_sha256"] for row in rows}) != 1:
+            raise RuntimeError(f"mode {mode} trained different weights in different rounds")
+    if "off" in runs:
+        for mode, rows in runs.items():
+            ratios = [row["wall_s"] / off["wall_s"] for row, off in zip(rows, runs["off"], strict=True)]
+            results[mode]["wall_vs_off"] = statistics.median(ratios)
+            results[mode]["wall_vs_off_rounds"] = ratios
+    return results
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -158,10 +189,11 @@ def format_table(result: dict[str, Any]) -> str:
         f"{'mode':<12} {'blocked/save med':>16} {'max':>8} {'write/save':>10} {'efficiency':>10} "
         f"{'wall':>8} {'vs off':>7} {'saves':>5} {'ckpt MB':>8} {'tier/copy':>10} {'host':>5}"
     )
+    rounds = result.get("rounds", 1)
     lines = [
         f"model {result['model_params'] / 1e6:.1f}M params, {result['steps']} steps, save every "
         f"{result['interval_steps']}, {result['nproc']} ranks, fast tier every {result['local_every_steps']} "
-        "(off: none)",
+        "(off: none)" + (f", medians of {rounds} rounds" if rounds > 1 else ""),
         header,
     ]
     for mode, r in result["modes"].items():
@@ -171,6 +203,13 @@ def format_table(result: dict[str, Any]) -> str:
             f"{r['write_s_per_save_median']:>9.3f}s {r['efficiency_pct']:>9.1f}% {r['wall_s']:>7.1f}s {vs_off:>7} "
             f"{r['saves']:>5} {r['checkpoint_bytes'] / 1e6:>8.1f} {r['local_tier_ms_per_copy']:>8.1f}ms {r['host_copies']:>4.1f}x"
         )
+    if rounds > 1 and "off" in result["modes"]:
+        spreads = ", ".join(
+            f"{mode} " + ", ".join(f"{ratio:.2f}x" for ratio in r["wall_vs_off_rounds"])
+            for mode, r in result["modes"].items()
+            if mode != "off"
+        )
+        lines.append(f"wall vs off, round by round: {spreads}")
     return "\n".join(lines)
 
 
@@ -206,11 +245,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="config override for every mode, e.g. resilience.soft_timeout_s=300 (repeatable)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the modes this many times in turn and report medians (default: %(default)s)",
+    )
     parser.add_argument("--json", dest="json_path", help="also write the results as JSON to this file")
 
 
 def main(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
     unknown = sorted(set(modes) - set(CHECKPOINT_MODES))
     if unknown:
         raise ValueError(
@@ -224,5 +271,6 @@ def main(args: argparse.Namespace) -> int:
         preset=args.preset,
         local_every=args.local_every,
         overrides=args.override,
+        rounds=args.rounds,
     )
     return report(result, args.json_path, format_table)

@@ -4,9 +4,9 @@ import pytest
 
 from tests.benchmarks import run_bench
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
-
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
 def test_bench_checkpoint_reports_every_mode(tmp_path):
     out = tmp_path / "bench.json"
     data, printed = run_bench(
@@ -36,3 +36,49 @@ def test_bench_checkpoint_reports_every_mode(tmp_path):
     # every mode trains the same run: the weights agree
     assert len({row["model_sha256"] for row in data["modes"].values()}) == 1
     assert "efficiency" in printed and "torch-async" in printed
+
+
+def test_bench_checkpoint_rounds_pair_each_mode_with_its_rounds_off_run(monkeypatch, tmp_path):
+    """With --rounds the modes run in turn, each round starting one mode further on, and the
+    wall ratio is the median of per-round ratios (a slow minute moves one pair only)."""
+    from benchmarks import checkpoint
+
+    order = []
+    walls = {("off", 0): 10.0, ("async", 0): 10.5, ("off", 1): 20.0, ("async", 1): 30.0,
+             ("off", 2): 10.0, ("async", 2): 11.0}  # fmt: skip
+
+    def stand_in(mode, dataset_dir, workdir, **kwargs):  # the launcher is not run
+        round_ = int(workdir.name.rsplit("-", 1)[1])
+        order.append(mode)
+        assert dataset_dir.is_dir() and not workdir.exists()
+        return {"wall_s": walls[mode, round_], "saves": round_, "model_sha256": "same", "final_loss": 1.0}
+
+    monkeypatch.setattr(checkpoint, "run_mode", stand_in)
+    result = checkpoint.run_benchmark(
+        modes=["off", "async"], nproc=1, steps=2, every=1, preset="tiny-cpu", workdir=tmp_path, rounds=3
+    )
+    assert order == ["off", "async", "async", "off", "off", "async"]
+    off, async_ = result["modes"]["off"], result["modes"]["async"]
+    assert (off["wall_s"], async_["wall_s"], async_["saves"]) == (10.0, 11.0, 1)
+    # Per-round ratios 1.05, 1.5, 1.1: the median pairs rounds, unlike 11.0 / 10.0.
+    assert async_["wall_vs_off"] == pytest.approx(1.1)
+    assert async_["wall_vs_off_rounds"] == pytest.approx([1.05, 1.5, 1.1])
+    assert async_["wall_s_rounds"] == [10.5, 30.0, 11.0]
+    assert off["wall_vs_off"] == 1.0 and result["rounds"] == 3
+    table = checkpoint.format_table({**result, "modes": {m: _row(r) for m, r in result["modes"].items()}})
+    assert "medians of 3 rounds" in table and "async 1.05x, 1.50x, 1.10x" in table
+
+
+def test_bench_checkpoint_refuses_rounds_that_trained_different_weights():
+    from benchmarks import checkpoint
+
+    rows = [{"wall_s": 1.0, "model_sha256": "a"}, {"wall_s": 1.0, "model_sha256": "b"}]
+    with pytest.raises(RuntimeError, match="different weights"):
+        checkpoint.combine_rounds({"off": rows})
+
+
+def _row(r):
+    """A stand-in row with every figure the table prints."""
+    figures = ("blocked_s_per_save_median", "blocked_s_per_save_max", "write_s_per_save_median",
+               "efficiency_pct", "checkpoint_bytes", "local_tier_ms_per_copy", "host_copies")  # fmt: skip
+    return {**dict.fromkeys(figures, 0.0), **r}
