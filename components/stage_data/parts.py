@@ -15,15 +15,17 @@ single stage does; an unchanged prefix is re-checked there, and the parts do not
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
 from components.stage_data.errors import StageError
 from components.stage_data.fs_safety import fsync_dir, sync_filesystem
-from components.stage_data.snapshot_store import entry_object, manifest_entry, read_manifest
+from components.stage_data.snapshot_store import chunked, entry_object, manifest_entry, read_manifest, results
 from components.stage_data.source import SourceObject
 from components.stage_data.stage import (
     StageResult,
@@ -97,6 +99,24 @@ def stage_part(
         return record
 
 
+def _not_staged(
+    staging: str, paths: dict[str, str], items: list[tuple[str, SourceObject]]
+) -> list[tuple[str, str]]:
+    """(path, key) of each item whose staged file is absent, not a regular file or of another
+    size: one `lstat` each (a metadata round trip on FSx, so `chunked` may spread them)."""
+    found = []
+    for key, obj in items:
+        path = os.path.join(staging, paths[key])
+        try:
+            info = os.lstat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            found.append((path, key))
+            continue
+        if not stat.S_ISREG(info.st_mode) or info.st_size != obj.size:
+            found.append((path, key))
+    return found
+
+
 def finish_stage(
     source: str, fsx_mount_path: str, dataset_name: str, count: int, **options: Any
 ) -> StageResult:
@@ -125,13 +145,19 @@ def finish_stage(
                 f"the {count} parts' records do not cover the listing of snapshot {run.snapshot_id}: stage "
                 "every part again with the same number of parts"
             )
-        staging = run.store.staging_dir(run.snapshot_id)
-        for key, obj in described.items():
-            path = staging / run.paths[key]
-            if not path.is_file() or path.stat().st_size != obj.size:
-                raise StageError(
-                    f"{path} (s3 key {key}) is missing or incomplete: run its part again, then finish"
-                )
+        staging = str(run.store.staging_dir(run.snapshot_id))
+        check = functools.partial(_not_staged, staging, run.paths)
+        bad = [
+            found for chunk in results(chunked(check, list(described.items()), run.pool)) for found in chunk
+        ]
+        if bad:
+            owner = {e["key"]: r["part"] for r in records for e in r["files"]}
+            rerun = ", ".join(str(i) for i in sorted({owner[key] for _, key in bad}))
+            more = f" and {len(bad) - 1} more file(s) are" if len(bad) > 1 else " is"
+            raise StageError(
+                f"{bad[0][0]} (s3 key {bad[0][1]}){more} missing or incomplete: run part(s) {rerun} of "
+                f"{count} again (each keeps what is intact), then finish"
+            )
         run.store.commit(run.snapshot_id, source, [described[o.key] for o in objects], run.paths, run.pool)
         for index in range(count):
             _record_path(run, index, count).unlink(missing_ok=True)

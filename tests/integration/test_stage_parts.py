@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from components.stage_data.parts import assign_parts, finish_stage, stage_part
+from components.stage_data.parts import _not_staged, assign_parts, finish_stage, stage_part
 from components.stage_data.source import SourceObject
 from components.stage_data.stage import StageError, stage_dataset
 from tests.integration.test_stage_ceph import SETTINGS, _assert_snapshot, _seed
@@ -52,6 +52,17 @@ def test_parts_are_balanced_by_bytes_and_the_same_on_every_worker():
     assert sorted(o.key for p in parts for o in p) == sorted(o.key for o in objects)
     assert parts == assign_parts(list(reversed(objects)), 2), "the listing's order does not matter"
     assert [len(p) for p in assign_parts(objects, 1)] == [12]
+
+
+def test_the_finisher_accepts_only_regular_files_of_the_recorded_size(tmp_path):
+    (tmp_path / "ok").write_bytes(b"abc")
+    (tmp_path / "short").write_bytes(b"ab")
+    (tmp_path / "link").symlink_to(tmp_path / "ok")  # the right size through a link: refused
+    (tmp_path / "file").write_bytes(b"abc")  # a file where a folder is expected
+    keys = ["ok", "short", "link", "missing", "under-file"]
+    paths = {"ok": "ok", "short": "short", "link": "link", "missing": "missing", "under-file": "file/x"}
+    items = [(key, SourceObject(key, 3, "e")) for key in keys]
+    assert [key for _, key in _not_staged(str(tmp_path), paths, items)] == keys[1:]
 
 
 def test_two_part_processes_and_a_finisher_give_the_snapshot_one_stage_gives(seeded, tmp_path):
@@ -103,6 +114,18 @@ def test_a_missing_part_stops_the_finisher_and_that_part_alone_completes_it(seed
     assert not (tmp_path / "rtp/datasets/ds/current").exists()
     second = stage_part(*where, 1, 3, **options)
     assert second["files_reused"] == 0 and second["files_downloaded"] == len(second["files"])
+    # A recorded part's file lost or cut short after its record: the finisher names that part.
+    staging = tmp_path / "rtp/datasets/ds/.staging" / third["snapshot_id"]
+    lost, cut = (staging / third["files"][0]["path"]), (staging / third["files"][1]["path"])
+    lost.unlink()
+    cut.write_bytes(cut.read_bytes()[:-1])
+    with pytest.raises(
+        StageError, match=r"and 1 more file\(s\) are missing or incomplete: run part\(s\) 2 of 3"
+    ):
+        finish_stage(*where, 3, **options)
+    assert not (tmp_path / "rtp/datasets/ds/current").exists()
+    third = stage_part(*where, 2, 3, **options)
+    assert third["files_downloaded"] == 2 and third["files_reused"] == len(third["files"]) - 2
     done = finish_stage(*where, 3, **options)
     assert (
         done.files_downloaded
