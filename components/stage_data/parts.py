@@ -99,22 +99,25 @@ def stage_part(
         return record
 
 
-def _not_staged(
+def _staged(
     staging: str, paths: dict[str, str], items: list[tuple[str, SourceObject]]
-) -> list[tuple[str, str]]:
+) -> tuple[list[tuple[str, str]], dict[str, int]]:
     """(path, key) of each item whose staged file is absent, not a regular file or of another
-    size: one `lstat` each (a metadata round trip on FSx, so `chunked` may spread them)."""
-    found = []
+    size, and the others' modification times by key: one `lstat` each (a metadata round trip
+    on FSx, so `chunked` may spread them, and the commit reads no file's again)."""
+    bad, mtimes = [], {}
     for key, obj in items:
         path = os.path.join(staging, paths[key])
         try:
             info = os.lstat(path)
         except (FileNotFoundError, NotADirectoryError):
-            found.append((path, key))
+            bad.append((path, key))
             continue
         if not stat.S_ISREG(info.st_mode) or info.st_size != obj.size:
-            found.append((path, key))
-    return found
+            bad.append((path, key))
+        else:
+            mtimes[key] = info.st_mtime_ns
+    return bad, mtimes
 
 
 def finish_stage(
@@ -146,10 +149,12 @@ def finish_stage(
                 "every part again with the same number of parts"
             )
         staging = str(run.store.staging_dir(run.snapshot_id))
-        check = functools.partial(_not_staged, staging, run.paths)
-        bad = [
-            found for chunk in results(chunked(check, list(described.items()), run.pool)) for found in chunk
-        ]
+        check = functools.partial(_staged, staging, run.paths)
+        bad: list[tuple[str, str]] = []
+        mtimes: dict[str, int] = {}
+        for chunk_bad, chunk_mtimes in results(chunked(check, list(described.items()), run.pool)):
+            bad += chunk_bad
+            mtimes |= chunk_mtimes
         if bad:
             owner = {e["key"]: r["part"] for r in records for e in r["files"]}
             rerun = ", ".join(str(i) for i in sorted({owner[key] for _, key in bad}))
@@ -158,7 +163,9 @@ def finish_stage(
                 f"{bad[0][0]} (s3 key {bad[0][1]}){more} missing or incomplete: run part(s) {rerun} of "
                 f"{count} again (each keeps what is intact), then finish"
             )
-        run.store.commit(run.snapshot_id, source, [described[o.key] for o in objects], run.paths, run.pool)
+        run.store.commit(
+            run.snapshot_id, source, [described[o.key] for o in objects], run.paths, mtimes=mtimes
+        )
         for index in range(count):
             _record_path(run, index, count).unlink(missing_ok=True)
         with contextlib.suppress(OSError):  # a stray temporary of a killed part stays

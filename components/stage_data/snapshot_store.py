@@ -309,14 +309,19 @@ class SnapshotStore:
         objects: list[SourceObject],
         paths: dict[str, str],
         pool: Executor | None = None,
+        mtimes: dict[str, int] | None = None,
     ) -> Path:
         """Turn the complete `.staging/<snap>/` into `snapshots/<snap>/` and make it `current`
-        (the files' modification times are read by `chunked` on `pool`, where given)."""
+        (the files' modification times by key from `mtimes`, else read by `chunked` on `pool`)."""
         staging = self.staging_dir(snap)
 
         def entries_of(chunk: list[SourceObject]) -> list[dict[str, Any]]:
             return [
-                manifest_entry(obj, paths[obj.key], (staging / paths[obj.key]).stat().st_mtime_ns)
+                manifest_entry(
+                    obj,
+                    paths[obj.key],
+                    mtimes[obj.key] if mtimes is not None else (staging / paths[obj.key]).stat().st_mtime_ns,
+                )
                 for obj in chunk
             ]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from components.stage_data.parts import _not_staged, assign_parts, finish_stage, stage_part
+from components.stage_data.parts import _staged, assign_parts, finish_stage, stage_part
 from components.stage_data.source import SourceObject
 from components.stage_data.stage import StageError, stage_dataset
 from tests.integration.test_stage_ceph import SETTINGS, _assert_snapshot, _seed
@@ -62,7 +62,9 @@ def test_the_finisher_accepts_only_regular_files_of_the_recorded_size(tmp_path):
     keys = ["ok", "short", "link", "missing", "under-file"]
     paths = {"ok": "ok", "short": "short", "link": "link", "missing": "missing", "under-file": "file/x"}
     items = [(key, SourceObject(key, 3, "e")) for key in keys]
-    assert [key for _, key in _not_staged(str(tmp_path), paths, items)] == keys[1:]
+    bad, mtimes = _staged(str(tmp_path), paths, items)
+    assert [key for _, key in bad] == keys[1:]
+    assert mtimes == {"ok": (tmp_path / "ok").stat().st_mtime_ns}, "what the commit records"
 
 
 def test_two_part_processes_and_a_finisher_give_the_snapshot_one_stage_gives(seeded, tmp_path):
