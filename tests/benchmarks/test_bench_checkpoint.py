@@ -44,8 +44,8 @@ def test_bench_checkpoint_rounds_pair_each_mode_with_its_rounds_off_run(monkeypa
     from benchmarks import checkpoint
 
     order = []
-    walls = {("off", 0): 10.0, ("async", 0): 10.5, ("off", 1): 20.0, ("async", 1): 30.0,
-             ("off", 2): 10.0, ("async", 2): 11.0}  # fmt: skip
+    walls = {("off", 0): 10.0, ("async", 0): 25.0, ("off", 1): 20.0, ("async", 1): 21.0,
+             ("off", 2): 30.0, ("async", 2): 31.5}  # fmt: skip
 
     def stand_in(mode, dataset_dir, workdir, **kwargs):  # the launcher is not run
         round_ = int(workdir.name.rsplit("-", 1)[1])
@@ -59,14 +59,14 @@ def test_bench_checkpoint_rounds_pair_each_mode_with_its_rounds_off_run(monkeypa
     )
     assert order == ["off", "async", "async", "off", "off", "async"]
     off, async_ = result["modes"]["off"], result["modes"]["async"]
-    assert (off["wall_s"], async_["wall_s"], async_["saves"]) == (10.0, 11.0, 1)
-    # Per-round ratios 1.05, 1.5, 1.1: the median pairs rounds, unlike 11.0 / 10.0.
-    assert async_["wall_vs_off"] == pytest.approx(1.1)
-    assert async_["wall_vs_off_rounds"] == pytest.approx([1.05, 1.5, 1.1])
-    assert async_["wall_s_rounds"] == [10.5, 30.0, 11.0]
+    assert (off["wall_s"], async_["wall_s"], async_["saves"]) == (20.0, 25.0, 1)
+    # Per-round ratios 2.5, 1.05, 1.05: their median, not the medians' ratio 25 / 20 = 1.25.
+    assert async_["wall_vs_off"] == pytest.approx(1.05)
+    assert async_["wall_vs_off_rounds"] == pytest.approx([2.5, 1.05, 1.05])
+    assert async_["wall_s_rounds"] == [25.0, 21.0, 31.5]
     assert off["wall_vs_off"] == 1.0 and result["rounds"] == 3
     table = checkpoint.format_table({**result, "modes": {m: _row(r) for m, r in result["modes"].items()}})
-    assert "medians of 3 rounds" in table and "async 1.05x, 1.50x, 1.10x" in table
+    assert "medians of 3 rounds" in table and "async 2.50x, 1.05x, 1.05x" in table
 
 
 def test_bench_checkpoint_refuses_rounds_that_trained_different_weights():

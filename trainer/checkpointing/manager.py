@@ -285,15 +285,14 @@ class CheckpointManager:
         began = time.perf_counter()
         self.writer.finalize()  # the previous save commits first: its slot or buffers are reused
         previous_wait_s = time.perf_counter() - began
-        state_began = time.perf_counter()
         state = self._state_dict()
-        state_s = time.perf_counter() - state_began
+        capture_began = time.perf_counter()
         # The last save is written from the live state, except that device tensors need a host copy.
         lease = self._capture(
             step, for_save=self.writer.reads_captures and (not last or slot_refs.holds_device_tensors(state))
         )
-        # Blocked from here: the previous save and the state dict count, the capture is the tier's.
-        started = time.perf_counter() - previous_wait_s - state_s
+        # Blocked since `began`, less the capture: that is the tier's time.
+        started = began + (time.perf_counter() - capture_began)
         staging, final, state_of_rank = self.writer.stage(step, rank_extra)
         if self.during_save is not None:
             self.during_save(step)
