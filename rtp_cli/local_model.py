@@ -126,8 +126,12 @@ def download_tokenizer_files(model_source: str, folder: Path) -> tuple[str, Path
     if origin.kind != "hf":
         return origin.kind, None
     base = f"models:/{origin.model_name}/{origin.version}/{PAYLOAD_FOLDERS['hf']}"
+    landed = folder
     for entry in mlflow.artifacts.list_artifacts(artifact_uri=base):
         name = Path(entry.path).name
         if not entry.is_dir and not name.endswith(".safetensors"):
-            mlflow.artifacts.download_artifacts(artifact_uri=f"{base}/{name}", dst_path=str(folder))
-    return origin.kind, folder
+            # MLflow keeps the artifact's folder under dst_path (`<folder>/model/<name>`):
+            # the files are where it says it put them, not directly in `folder`.
+            path = mlflow.artifacts.download_artifacts(artifact_uri=f"{base}/{name}", dst_path=str(folder))
+            landed = Path(path).parent
+    return origin.kind, landed

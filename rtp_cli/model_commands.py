@@ -37,6 +37,12 @@ def add_make_tiny_model_parser(sub: argparse._SubParsersAction) -> None:
         help="tokenizer vocabulary to train (default: %(default)s)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: %(default)s)")
+    p.add_argument(
+        "--tie-embeddings",
+        action="store_true",
+        help="tie the output head to the input embeddings (one shared weight), as SmolLM, "
+        "Llama-3.2-1B/3B and the small Qwen2.5 models do",
+    )
     p.set_defaults(handler=_cmd_make_tiny_model)
 
 
@@ -52,10 +58,19 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
             f"--vocab-size must be at least 300 (256 bytes + EOS + merges), got {args.vocab_size}"
         )
     texts = (path.read_text(encoding="utf-8", errors="replace") for _, path in demo_corpus())
-    write_tiny_model(out, args.arch, texts=texts, tokenizer_vocab_size=args.vocab_size, seed=args.seed)
+    write_tiny_model(
+        out,
+        args.arch,
+        texts=texts,
+        tokenizer_vocab_size=args.vocab_size,
+        seed=args.seed,
+        tie=args.tie_embeddings,
+    )
     config = json.loads((out / "config.json").read_text())
     print(
         f"rtp make-tiny-model: wrote a random {args.arch} model ({config['num_hidden_layers']} layers, "
-        f"hidden {config['hidden_size']}, vocabulary {config['vocab_size']}) and its tokenizer to {out}"
+        f"hidden {config['hidden_size']}, vocabulary {config['vocab_size']}"
+        f"{', head tied to the embeddings' if config.get('tie_word_embeddings') else ''}) "
+        f"and its tokenizer to {out}"
     )
     return 0

@@ -9,7 +9,7 @@ its reasons, so every rule is tested without a checkpoint or a server.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 MODEL_PREFIX = "model."
@@ -47,17 +47,32 @@ def shape_problems(stored: dict[str, tuple[int, ...]], expected: dict[str, tuple
     return problems
 
 
-def optimizer_problems(stored_keys: Iterable[str], parameter_names: Iterable[str]) -> list[str]:
-    """Parameters without any optimizer state in the checkpoint (resuming would restart them cold)."""
+def optimizer_problems(stored_keys: Iterable[str], parameters: Iterable[Sequence[str]]) -> list[str]:
+    """Parameters without any optimizer state in the checkpoint (resuming would restart them cold).
+
+    `parameters` holds one tuple of names per parameter: a tied weight (an output head sharing
+    the embedding's) is one parameter under several names, and torch keeps its optimizer state
+    under one of them."""
     have = set()
     for key in stored_keys:
         if key.startswith(OPTIMIZER_STATE_PREFIX):
             have.add(key[len(OPTIMIZER_STATE_PREFIX) :])
-    missing = [name for name in parameter_names if not any(k.startswith(f"{name}.") for k in have)]
+    missing = [
+        names[0] for names in parameters if not any(k.startswith(f"{name}.") for name in names for k in have)
+    ]
     if not missing:
         return []
     shown = ", ".join(repr(n) for n in missing[:5]) + (" ..." if len(missing) > 5 else "")
     return [f"no optimizer state for {len(missing)} parameter(s): {shown}"]
+
+
+def parameter_names(named: Iterable[tuple[str, object]]) -> list[tuple[str, ...]]:
+    """One tuple of names per distinct parameter, from `named_parameters(remove_duplicate=False)`:
+    tied names share a tuple, in the order the model lists them."""
+    groups: dict[int, list[str]] = {}
+    for name, param in named:
+        groups.setdefault(id(param), []).append(name)
+    return [tuple(names) for names in groups.values()]
 
 
 def decide(

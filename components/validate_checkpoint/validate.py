@@ -39,6 +39,7 @@ from components.validate_checkpoint.checks import (
     decide,
     eval_record_problems,
     optimizer_problems,
+    parameter_names,
     shape_problems,
 )
 from components.validate_checkpoint.scoring import HoldoutScore, champion_windows, score_windows
@@ -154,8 +155,15 @@ def stored_tensor_shapes(checkpoint_dir: str | Path) -> dict[str, tuple[int, ...
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    model = model_spec(config.kind).build(config, torch.device("meta"))  # shapes only: no memory
-    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    return _expected(config)[0]
+
+
+def _expected(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]], list[tuple[str, ...]]]:
+    """(state-dict name -> shape, one tuple of names per distinct parameter) of the configured
+    model, built on the meta device (no memory); tied names share a tuple."""
+    model = model_spec(config.kind).build(config, torch.device("meta"))
+    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    return shapes, parameter_names(model.named_parameters(remove_duplicate=False))
 
 
 def _model_entries(checkpoint_dir: str | Path) -> list[tuple[str, Any]]:
@@ -250,13 +258,13 @@ def _verify_files(
     passed.append("every file in the SHA-256 manifest present with the right size and hash")
     config = TrainConfig.from_dict(meta["config"])
     stored = stored_tensor_shapes(checkpoint_dir)
-    expected = expected_shapes(config.model)
+    expected, parameters = _expected(config.model)
     problems = shape_problems(stored, expected)
     if problems:
         raise storage.CheckpointError(f"{checkpoint_dir}: {'; '.join(problems)}")
     passed.append(f"all {len(expected)} model tensors have the shapes the model config gives")
     if require_optimizer_state:
-        problems = optimizer_problems(stored, expected)
+        problems = optimizer_problems(stored, parameters)
         if problems:
             raise storage.CheckpointError(f"{checkpoint_dir} cannot be resumed: {'; '.join(problems)}")
         passed.append("optimizer state present for every parameter (the run can resume from it)")

@@ -252,3 +252,30 @@ def test_without_eval_windows_the_training_writes_no_record_and_validate_scores_
     result = validate_checkpoint(summary["checkpoint"], str(dataset_dir), 10.0)
     assert result.scored_by == "validate"
     assert any(f"no eval.json in {tmp_path}" in check for check in result.checks)
+
+
+def test_a_tied_head_checkpoint_is_resumable_and_loads_tied(single_rank_group, tmp_path):
+    """An output head tied to the embeddings (SmolLM, Llama-3.2-1B) is one parameter: its
+    optimizer state is stored once, and validation neither asks for a second one nor unties it."""
+    from components.validate_checkpoint.validate import load_validated_model
+    from tests.hf_tiny import write_tiny_model
+    from trainer.config import ModelConfig, TrainConfig
+
+    model_dir = write_tiny_model(tmp_path / "model", "llama", tie=True)
+    config = TrainConfig(
+        model=ModelConfig(kind="hf", model_dir=str(model_dir), init="pretrained", seq_len=16)
+    )
+    spec = model_spec("hf")
+    model = spec.build(config.model, torch.device("cpu"))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    optimizer = torch.optim.AdamW(model.parameters())
+    spec.loss(model, torch.arange(34).reshape(2, 17) % 200).backward()
+    optimizer.step()
+    save_checkpoint(tmp_path / "ckpt", 1, model, optimizer, meta={"config": config.to_dict()}, rank_extra={})
+    checks: list[str] = []
+    loaded, _, _ = load_validated_model(
+        tmp_path / "ckpt" / "step_1", require_optimizer_state=True, checks=checks
+    )
+    assert any("optimizer state present for every parameter" in line for line in checks)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)

@@ -120,11 +120,13 @@ def test_two_rank_sharded_init_equals_one_process_build(architecture, init, tie,
 
 @pytest.fixture(scope="module")
 def hf_run_inputs(tmp_path_factory):
-    """A tiny pretrained Llama folder and the demo-sized corpus tokenized with its tokenizer."""
+    """A tiny pretrained Llama folder whose output head is tied to the embeddings (as in
+    SmolLM, Llama-3.2-1B and the small Qwen2.5 models), and the demo-sized corpus tokenized
+    with its tokenizer: every exactness test below runs on a tied model."""
     from tests.hf_tiny import write_corpus, write_token_snapshot
 
     root = tmp_path_factory.mktemp("hf-run")
-    model_dir = write_tiny_model(root / "model", "llama")
+    model_dir = write_tiny_model(root / "model", "llama", tie=True)
     snapshot = write_token_snapshot(
         write_corpus(root / "corpus", documents=120), model_dir, root / "snapshot"
     )
@@ -188,12 +190,23 @@ def test_hf_model_trains_resumes_exactly_and_exports(hf_run_inputs, hf_uninterru
     assert state_dict_sha256(model.state_dict()) == full["model_sha256"]
     from components.validate_checkpoint.validate import validate_checkpoint
 
-    validation = validate_checkpoint(full["checkpoint"], str(snapshot), max_loss=100.0)
+    # The tied head is one parameter: its optimizer state is there once, and the run can resume.
+    validation = validate_checkpoint(
+        full["checkpoint"], str(snapshot), max_loss=100.0, require_optimizer_state=True
+    )
     assert validation.decision == "champion" and validation.holdout_loss < 100.0
+    assert model.lm_head.weight is model.model.embed_tokens.weight
     exported = spec.export(model.state_dict(), config, tmp_path / "export")
+    # The export keeps the tie in config.json and writes the shared weight once.
+    assert json.loads((exported / "config.json").read_text())["tie_word_embeddings"] is True
+    from safetensors import safe_open
+
+    with safe_open(str(exported / "model.safetensors"), framework="pt") as handle:
+        assert "lm_head.weight" not in set(handle.keys())
     loaded = AutoModelForCausalLM.from_pretrained(
         str(exported), local_files_only=True, dtype=torch.float32
     ).eval()
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     x = torch.arange(20).reshape(1, 20) % 300
     assert torch.equal(loaded(x).logits, model.eval()(x).logits)
 

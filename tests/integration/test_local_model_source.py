@@ -1,5 +1,5 @@
 """End to end with a Hugging Face model: `rtp make-tiny-model` writes a tiny Llama folder
-offline, and `rtp local --model-source FOLDER` uploads it into the embedded S3, tokenizes
+offline (its output head tied to the embeddings, as in SmolLM and Llama-3.2-1B), and `rtp local --model-source FOLDER` uploads it into the embedded S3, tokenizes
 the demo corpus with its tokenizer, and runs stage -> stage model -> train -> validate
 through kfp.local. What each step produced is checked against the files it left.
 
@@ -37,7 +37,7 @@ def model_run(tmp_path_factory):
     model_dir = root / "tiny-llama"
     # In this process (torch and transformers are loaded already): the command's handler,
     # as `rtp make-tiny-model --arch llama DIR` runs it, without a fresh interpreter.
-    assert main(["make-tiny-model", "--arch", "llama", str(model_dir)]) == 0
+    assert main(["make-tiny-model", "--arch", "llama", "--tie-embeddings", str(model_dir)]) == 0
     workdir = root / "work"
     # max_loss is in nats per byte: a few steps of a random 512-token model pass 10, so the
     # run registers the model in MLflow (transformers flavor).
@@ -112,4 +112,26 @@ def test_the_registered_model_loads_with_the_transformers_flavor(model_run, tmp_
         dst_path=str(tmp_path),  # MLflow's default is a new folder in /tmp, never removed
     )
     assert type(components["model"]).__name__ == "LlamaForCausalLM"
+    # the tie survives the export and the registry: one weight, kept in config.json
+    model = components["model"]
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
     assert components["tokenizer"]("def add").input_ids
+
+
+def test_a_registered_versions_tokenizer_is_found_for_continual_training(model_run, tmp_path, monkeypatch):
+    """`rtp local --model-source models:/NAME@champion` tokenizes the demo corpus with the
+    version's tokenizer: its files are found where MLflow downloads them."""
+    import mlflow
+
+    from rtp_cli.local_model import download_tokenizer_files
+    from trainer.models.hf_causal_lm import tokenizer_identity
+
+    model_dir, _, _, summary = model_run
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    mlflow.set_tracking_uri(summary["mlflow"]["tracking_uri"])
+    kind, folder = download_tokenizer_files(
+        f"models:/{summary['mlflow']['model_name']}@champion", tmp_path / "tok"
+    )
+    assert kind == "hf" and folder is not None
+    assert tokenizer_identity(folder) == tokenizer_identity(model_dir)
+    assert (folder / "config.json").is_file() and not list(folder.glob("*.safetensors"))

@@ -5,12 +5,13 @@ import json
 
 import pytest
 import requests
+import torch
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INTERNAL_ERROR, RESOURCE_DOES_NOT_EXIST, TEMPORARILY_UNAVAILABLE
 
 from components.mlflow_access import RegistryUnavailable, RetryPolicy, call_with_retries, is_transient
 from components.register_model.lineage import Lineage, lineage_tags, training_figures
-from components.validate_checkpoint.checks import decide, optimizer_problems, shape_problems
+from components.validate_checkpoint.checks import decide, optimizer_problems, parameter_names, shape_problems
 from components.validate_checkpoint.validate import expected_shapes
 from trainer.config import ModelConfig
 
@@ -39,11 +40,34 @@ def test_expected_shapes_follow_the_config():
 
 def test_optimizer_state_must_cover_every_parameter():
     keys = ["optim.state.tok_emb.weight.exp_avg", "optim.state.tok_emb.weight.step"]
-    assert optimizer_problems(keys, ["tok_emb.weight"]) == []
-    problems = optimizer_problems(keys, ["tok_emb.weight", "ln.bias"])
+    assert optimizer_problems(keys, [("tok_emb.weight",)]) == []
+    problems = optimizer_problems(keys, [("tok_emb.weight",), ("ln.bias",)])
     assert problems == ["no optimizer state for 1 parameter(s): 'ln.bias'"]
     # a parameter whose name is a prefix of another's is not covered by the other's state
-    assert optimizer_problems(["optim.state.ln.bias2.step"], ["ln.bias"])
+    assert optimizer_problems(["optim.state.ln.bias2.step"], [("ln.bias",)])
+
+
+def test_a_tied_head_is_one_parameter_whose_state_is_under_either_name(tmp_path):
+    """A tied head shares the embedding's weight: torch keeps one optimizer state for both names."""
+    from transformers import AutoModelForCausalLM
+
+    from rtp_support.tiny_models import tiny_config
+
+    with torch.device("meta"):
+        tied = AutoModelForCausalLM.from_config(tiny_config("llama", 64, tie=True))
+        untied = AutoModelForCausalLM.from_config(tiny_config("llama", 64, tie=False))
+    groups = parameter_names(tied.named_parameters(remove_duplicate=False))
+    assert ("model.embed_tokens.weight", "lm_head.weight") in groups
+    assert ("lm_head.weight",) in parameter_names(untied.named_parameters(remove_duplicate=False))
+    stored = [f"optim.state.{names[0]}.exp_avg" for names in groups]
+    assert optimizer_problems(stored, groups) == []
+    head_only = [k.replace("model.embed_tokens.weight", "lm_head.weight") for k in stored]
+    assert optimizer_problems(head_only, groups) == []
+    # untied, the head is its own parameter and needs its own state
+    untied_groups = parameter_names(untied.named_parameters(remove_duplicate=False))
+    assert optimizer_problems(stored, untied_groups) == [
+        "no optimizer state for 1 parameter(s): 'lm_head.weight'"
+    ]
 
 
 @pytest.mark.parametrize(
