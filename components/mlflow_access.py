@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
+from trainer.env import strip_secret_newlines
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -101,6 +103,8 @@ def tracking_uri_is_configured() -> bool:
     """MLFLOW_TRACKING_URI is set, or mlflow.set_tracking_uri() was called (the CLI's --mlflow-uri)."""
     from mlflow.tracking._tracking_service.utils import is_tracking_uri_set
 
+    strip_secret_newlines()  # before MLflow reads them: every step asks this first
+
     return bool(is_tracking_uri_set())
 
 
@@ -122,6 +126,7 @@ def step_deadline(policy: RetryPolicy | None = None) -> Iterator[None]:
 
     Nested uses keep the outer (earlier) deadline: a step's deadline is its first one.
     """
+    strip_secret_newlines()
     if _deadline.get() is not None:
         yield
         return

@@ -394,7 +394,7 @@ def check_backend_version(host: str, tag_name: str | None) -> str | None:
         raise KfpError(
             f"the Kubeflow Pipelines backend at {host} is {'.'.join(map(str, found))} but rtp's pipeline "
             f"needs {needed} or later (older drivers reject or ignore its PVC, secret, node selector and "
-            f"toleration parameters): upgrade Kubeflow Pipelines to {needed}+ (docs/eks.md, step 3)"
+            f"toleration parameters): upgrade Kubeflow Pipelines to {needed}+ (docs/eks.md, step 2)"
         )
     return None
 

@@ -32,9 +32,10 @@ def check_run(
     job_timeout_s: int,
     gpu_node_selector: dict,
     gpu_tolerations: list,
+    mlflow_secret_name: str,
     report: Output[Markdown],
 ) -> None:
-    """Check every run parameter (names, numbers, choices, S3 URIs, node selector and tolerations, the training config) before any staging.
+    """Check every run parameter (names, numbers, choices, S3 URIs, node selector and tolerations, the MLflow secret's name, the training config) before any staging.
 
     Args:
         source: the pipeline's source parameter.
@@ -60,6 +61,7 @@ def check_run(
         job_timeout_s: the pipeline's job_timeout_s parameter.
         gpu_node_selector: the pipeline's gpu_node_selector parameter.
         gpu_tolerations: the pipeline's gpu_tolerations parameter.
+        mlflow_secret_name: the pipeline's mlflow_secret_name parameter.
         report: what was checked, or the list of wrong parameters.
     """
     parameters = {name: value for name, value in locals().items() if name != "report"}

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from components.layout import check_name
-from components.mlflow_access import MODEL_NAME
+from components.mlflow_access import DEFAULT_MLFLOW_SECRET, MODEL_NAME
 from trainer.config import named_settings
 
 POSITIVE = (
@@ -101,6 +101,8 @@ def check_run_parameters(values: Mapping[str, Any]) -> None:
                 f"{name} {value!r} must look like s3://bucket/prefix"
                 + (" (or models:/<name>@<alias>, a registered version)" if name == "model_source" else "")
             )
+    if "mlflow_secret_name" in values:
+        problems += _secret_name_problems(str(values["mlflow_secret_name"] or ""))
     if "source" in values and not values["source"]:
         problems.append("source is empty: give the S3 prefix of the training data, s3://bucket/prefix")
     selector = values.get("gpu_node_selector")
@@ -121,6 +123,24 @@ def check_run_parameters(values: Mapping[str, Any]) -> None:
     problems += _training_problems(values)
     if problems:
         raise RunParameterError("; ".join(problems))
+
+
+def _secret_name_problems(name: str) -> list[str]:
+    """Every step that reads the MLflow secret, and every job pod, references it by name: an
+    empty name renders `secretKeyRef.name: ""`, which the API server refuses for every pod."""
+    from components.train.jobs import _DNS_SUBDOMAIN  # the pattern the job manifest checks too
+
+    if not name.strip():
+        return [
+            "mlflow_secret_name is empty: the steps and job pods read MLflow's settings from that "
+            "secret and Kubernetes refuses a pod whose secret has no name; give the secret's name "
+            f"(default {DEFAULT_MLFLOW_SECRET}, docs/eks.md step 6)"
+        ]
+    if len(name) > 253 or not _DNS_SUBDOMAIN.fullmatch(name):
+        return [
+            f"mlflow_secret_name {name!r} must be a Kubernetes secret name (a-z, 0-9, '-', '.', at most 253)"
+        ]
+    return []
 
 
 def _training_problems(values: Mapping[str, Any]) -> list[str]:

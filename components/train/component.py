@@ -76,7 +76,7 @@ def train_model(
         node_selector: node labels the job's pods must match.
         tolerations: tolerations of the job's pods (Kubernetes toleration objects).
         image_pull_secrets: names of the image pull secrets of the job's pods.
-        mlflow_secret_name: secret (keys tracking_uri, username, password) the job's pods read as MLFLOW_TRACKING_* by reference, required like in this pod; empty = none.
+        mlflow_secret_name: secret (keys tracking_uri, username, password) the job's pods read as MLFLOW_TRACKING_* by reference, required like in this pod (the check step refuses an empty name).
         pipeline_version: version of the pipeline definition (a tag of the run's MLflow run).
         model_name: registered model whose MLflow champion the training ranks score beside the model (data.eval_champion); empty = none.
 

@@ -633,6 +633,10 @@ class JobKind:
     avoiding: Callable[[dict[str, Any], list[str]], dict[str, Any]] | None
     """A merge patch keeping the job's new pods off the given nodes; None where the job's
     pod template cannot change while it runs (a TrainJob's belongs to its runtime)."""
+    oldest_engine: str
+    """The oldest engine release whose CRD declares every field the manifest sets (checked
+    against the upstream CRDs of each release, docs/eks.md): an older API server drops the
+    rest, so the job is created with strict field validation and refused otherwise."""
 
     @property
     def group_version(self) -> tuple[str, str]:
@@ -658,6 +662,7 @@ JOB_KINDS = {
         container=PYTORCHJOB_CONTAINER,
         build=pytorchjob_manifest,
         avoiding=pytorchjob_avoiding,
+        oldest_engine="v1.7.0",
     ),
     "trainjob": JobKind(
         kind="TrainJob",
@@ -671,6 +676,9 @@ JOB_KINDS = {
         container=TRAINJOB_CONTAINER,
         build=trainjob_manifest,
         avoiding=None,
+        # v2.1.0 (Kubeflow 1.11's) has no runtimePatches or activeDeadlineSeconds; v2.2.0's
+        # runtime patch has no terminationGracePeriodSeconds.
+        oldest_engine="v2.3.0",
     ),
 }
 """By the train step's `launcher` value; `job_kind_of` finds one by a manifest's `kind`."""

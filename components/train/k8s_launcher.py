@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -166,6 +167,16 @@ def _allowed_crash_restarts(manifest: dict[str, Any]) -> int:
     return job_scale(int(limits.get(GPU_RESOURCE, 0))).backoff_limit
 
 
+def is_suspended(job: dict[str, Any]) -> bool:
+    """Whether the job is held back on purpose (Kueue suspends a job until its quota admits
+    it: a PyTorchJob's `runPolicy.suspend`, a TrainJob's `suspend`), so it has no pods yet."""
+    spec = job.get("spec") or {}
+    if spec.get("suspend") or (spec.get("runPolicy") or {}).get("suspend"):
+        return True
+    conditions = (job.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Suspended" and c.get("status") == "True" for c in conditions)
+
+
 def job_nodes(manifest: dict[str, Any]) -> int:
     """How many nodes (pods) the job runs on."""
     spec = manifest.get("spec", {})
@@ -230,6 +241,8 @@ class _PodWatcher:
         self.replacer = replacer
         self.events_readable = True
         self.warned_sidecar = False
+        self.podless_since: float | None = None
+        """When the watch first saw the job, not suspended, without a single pod."""
 
     def _events(self, pod_name: str) -> list[dict[str, Any]]:
         from kubernetes.client.exceptions import ApiException
@@ -247,7 +260,7 @@ class _PodWatcher:
             return []
         return [self.core.api_client.sanitize_for_serialization(event) for event in events]
 
-    def check(self) -> None:
+    def check(self, job: dict[str, Any]) -> None:
         from datetime import UTC, datetime
 
         from kubernetes.client.exceptions import ApiException
@@ -259,6 +272,10 @@ class _PodWatcher:
                 raise
             log.debug("could not list the job's pods: %s", _api_error(exc))
             return
+        if not pods:
+            self._check_podless(job)
+            return
+        self.podless_since = None
         now = datetime.now(UTC)
         for item in pods:
             pod = self.core.api_client.sanitize_for_serialization(item)
@@ -285,6 +302,65 @@ class _PodWatcher:
                 raise PodStuck(
                     f"{self.ref.kind} {self.ref.namespace}/{self.ref.name}: {reason}; the job was deleted"
                 )
+
+    def _check_podless(self, job: dict[str, Any]) -> None:
+        """PodStuck when the job has had no pod for `pending_timeout_s` (at once when the API
+        server refused its pods for the namespace's Pod Security level, which waiting cannot
+        change), quoting the engine's FailedCreate events. A suspended job (queued by Kueue)
+        has no pods by design and is left to job_timeout_s."""
+        if is_suspended(job):
+            self.podless_since = None
+            return
+        now = time.monotonic()
+        self.podless_since = now if self.podless_since is None else self.podless_since
+        waited_s = now - self.podless_since
+        refusals = self._creation_refusals()
+        pod_security = any("violates PodSecurity" in message for message in refusals)
+        if waited_s < self.pending_timeout_s and not pod_security:
+            return
+        ref = self.ref
+        said = "; ".join(refusals[:2]) if refusals else "no FailedCreate event was found"
+        hint = (
+            "the namespace's Pod Security level refuses the job's pods (Kubeflow 1.11 enforces "
+            "`baseline` on profile namespaces, which refuses the IPC_LOCK capability of EFA pods): "
+            "run the job in a namespace that admits them (job_namespace; docs/eks.md, "
+            '"Jobs in another namespace")'
+            if pod_security
+            else f"check the {ref.job_kind.engine}'s controller log and the namespace's quotas and "
+            "admission policies"
+        )
+        raise PodStuck(
+            f"{ref.kind} {ref.namespace}/{ref.name} has no pod after {waited_s:.0f} s "
+            f"(job_pending_timeout_s {self.pending_timeout_s:.0f}): {said}; {hint}; the job was deleted"
+        )
+
+    def _creation_refusals(self) -> list[str]:
+        """The messages of the Warning events that say the job's pods could not be created:
+        `FailedCreatePod` on a PyTorchJob (Training Operator), `FailedCreate` on the batch
+        Jobs a TrainJob's JobSet creates (named after the job)."""
+        from kubernetes.client.exceptions import ApiException
+
+        if not self.events_readable:
+            return []
+        try:
+            events = self.core.list_namespaced_event(self.ref.namespace, field_selector="type=Warning").items
+        except Exception as exc:
+            if isinstance(exc, ApiException) and exc.status == 403:
+                log.warning("cannot list events (%s): add `events` to the Role (deploy/eks)", _api_error(exc))
+                self.events_readable = False
+            elif not isinstance(exc, ApiException) and not is_transient(exc):
+                raise
+            return []
+        name = self.ref.name
+        refusals = []
+        for event in events:
+            involved = event.involved_object
+            ours = involved.name == name or (
+                involved.kind in ("Job", "JobSet") and involved.name.startswith(f"{name}-")
+            )
+            if ours and event.reason in ("FailedCreate", "FailedCreatePod"):
+                refusals.append(f"{involved.kind} {involved.name}: {event.reason}: {event.message}")
+        return refusals
 
     def _warn_about_sidecars(self, pod: dict[str, Any]) -> None:
         names = [c.get("name") for c in pod.get("spec", {}).get("containers") or []]
@@ -352,7 +428,13 @@ class _NodeReplacer:
         avoided = sorted({*self.avoided, node})
         try:
             self.custom.patch_namespaced_custom_object(
-                ref.group, ref.version, ref.namespace, ref.plural, ref.name, avoiding(self.manifest, avoided)
+                ref.group,
+                ref.version,
+                ref.namespace,
+                ref.plural,
+                ref.name,
+                avoiding(self.manifest, avoided),
+                field_validation=STRICT_FIELDS,
             )
             self.core.delete_namespaced_pod(meta["name"], ref.namespace)
         except ApiException as exc:
@@ -455,12 +537,28 @@ def delete_job(api_client: Any, ref: JobRef) -> bool:
     return True
 
 
+STRICT_FIELDS = "Strict"
+"""fieldValidation for every job rtp creates or patches: without it an API server (default
+Warn since Kubernetes 1.23) drops the fields an older engine's CRD lacks and keeps the rest,
+so the pods would silently run without their volumes, node selector or tolerations."""
+
+
+def older_engine_message(ref: JobRef, server_message: str) -> str:
+    """One line for a job the API server refused because its CRD lacks fields rtp sets."""
+    fields = re.findall(r'unknown field "([^"]+)"', server_message) or [server_message]
+    return (
+        f"the cluster's {ref.job_kind.engine} is older than rtp's {ref.kind} needs: its CRD has no "
+        f"{', '.join(fields)}; install {ref.job_kind.engine} {ref.job_kind.oldest_engine} or later in place "
+        "of the one the cluster runs, or pick another launcher (docs/eks.md, step 4)"
+    )
+
+
 def _create(custom: Any, ref: JobRef, manifest: dict[str, Any], api_client: Any) -> None:
     from kubernetes.client.exceptions import ApiException
 
     args = (ref.group, ref.version, ref.namespace, ref.plural)
     try:
-        custom.create_namespaced_custom_object(*args, manifest)
+        custom.create_namespaced_custom_object(*args, manifest, field_validation=STRICT_FIELDS)
         return
     except ApiException as exc:
         if exc.status == 404:
@@ -469,6 +567,8 @@ def _create(custom: Any, ref: JobRef, manifest: dict[str, Any], api_client: Any)
                 f"{ref.job_kind.engine} "
                 "or pick another launcher (docs/eks.md)"
             ) from exc
+        if exc.status == 400 and "unknown field" in _api_error(exc):
+            raise JobFailed(older_engine_message(ref, _api_error(exc))) from exc
         if exc.status != 409:
             raise JobFailed(f"the API server rejected {ref.kind} {ref.name}: {_api_error(exc)}") from exc
     # 409: an earlier attempt of this task created it. Keep watching a live job; replace
@@ -481,7 +581,7 @@ def _create(custom: Any, ref: JobRef, manifest: dict[str, Any], api_client: Any)
     delete_job(api_client, ref)
     for _ in range(60):
         try:
-            custom.create_namespaced_custom_object(*args, manifest)
+            custom.create_namespaced_custom_object(*args, manifest, field_validation=STRICT_FIELDS)
             return
         except ApiException as exc:
             if exc.status != 409:
@@ -599,7 +699,7 @@ class _JobWatch:
             return job, 0.0
         if outcome == "failed":
             raise JobFailed(f"{ref.kind} {ref.namespace}/{ref.name} failed: {message}")
-        self.pods.check()  # PodStuck
+        self.pods.check(job)  # PodStuck
         if time.monotonic() >= self.deadline:
             raise JobTimedOut(
                 f"{ref.kind} {ref.namespace}/{ref.name} did not finish within {self.timeout_s:.0f} s "

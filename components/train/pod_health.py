@@ -85,8 +85,8 @@ def _container_problem(pod_name: str, status: dict[str, Any], crash_restarts: in
         hint = " (check the image name, its tag and the pull secret)" if "Image" in reason else ""
         if reason == "CreateContainerConfigError" and "secret" in message.lower():
             hint = (
-                " (create that secret in the job's namespace, or set mlflow_secret_name empty to "
-                "train without MLflow)"
+                " (create that secret (mlflow_secret_name), keys tracking_uri, username, password, in the job's "
+                "namespace: docs/eks.md, step 6)"
             )
         return f"{what} cannot start: {reason}: {message}{hint}".rstrip(": ")
     restarts = int(status.get("restartCount") or 0)

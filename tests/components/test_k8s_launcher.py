@@ -851,7 +851,91 @@ def test_the_fake_validates_a_patch_against_the_crd_like_a_create(fake):
     )
     with pytest.raises(client.ApiException) as rejected:
         custom.patch_namespaced_custom_object(
-            "kubeflow.org", "v1", "team-a", "pytorchjobs", "rtp-train-test", {"spec": {"notAField": 1}}
+            "kubeflow.org", "v1", "team-a", "pytorchjobs", "rtp-train-test", {"spec": {"notAField": 1}},
+            field_validation="Strict",
+        )  # fmt: skip
+    assert rejected.value.status == 400 and 'unknown field \\"spec.notAField\\"' in rejected.value.body
+    with pytest.raises(client.ApiException) as rejected:
+        custom.patch_namespaced_custom_object(
+            "kubeflow.org",
+            "v1",
+            "team-a",
+            "pytorchjobs",
+            "rtp-train-test",
+            {"spec": {"runPolicy": {"backoffLimit": "x"}}},
         )
-    assert rejected.value.status == 422 and "notAField" in rejected.value.body
+    assert rejected.value.status == 422 and "backoffLimit" in rejected.value.body
     assert fake.patches == []
+
+
+@pytest.mark.parametrize(
+    ("trainer", "missing"),
+    [
+        ("v2.1.0", "spec.runtimePatches"),  # Kubeflow 1.11's Trainer
+        ("v2.2.0", "terminationGracePeriodSeconds"),
+    ],
+)
+def test_a_trainjob_for_a_trainer_older_than_its_fields_is_refused_in_one_line(
+    upstream_specs, trainer, missing
+):
+    with (
+        FakeKubernetes(upstream_specs / f"crds-trainer-{trainer}") as fake,
+        pytest.raises(JobFailed) as raised,
+    ):
+        run_job(job_manifest("trainjob", settings()), api_client=api_client(fake), timeout_s=5,
+                poll_interval_s=0.01, write=lambda line: None)  # fmt: skip
+    message = str(raised.value)
+    assert "\n" not in message and missing in message and "v2.3.0 or later" in message, message
+    assert fake.jobs == {} and fake.pruned == []  # nothing created without its volumes and tolerations
+
+
+def test_an_api_server_without_strict_validation_drops_unknown_fields_without_a_word(fake):
+    """Why jobs are created with fieldValidation=Strict: the default (Warn) keeps the job."""
+    manifest = job_manifest("pytorchjob", settings())
+    manifest["spec"]["runPolicy"]["notAField"] = True
+    custom = client.CustomObjectsApi(api_client(fake))
+    created = custom.create_namespaced_custom_object("kubeflow.org", "v1", "team-a", "pytorchjobs", manifest)
+    assert "notAField" not in created["spec"]["runPolicy"] and fake.pruned == ["spec.runPolicy.notAField"]
+    manifest["metadata"]["name"] = "rtp-train-strict"
+    with pytest.raises(JobFailed, match=r"its CRD has no spec\.runPolicy\.notAField"):
+        run_job(
+            manifest, api_client=api_client(fake), timeout_s=5, poll_interval_s=0.01, write=lambda line: None
+        )
+    assert "rtp-train-strict" not in {name for _, _, name in fake.jobs}
+
+
+@pytest.mark.parametrize("launcher", ["pytorchjob", "trainjob"])
+def test_a_job_without_pods_fails_after_the_pending_timeout_quoting_failedcreate(fake, launcher):
+    fake.default_scenario = Scenario(
+        outcome="hang",
+        pods_refused="exceeded quota: gpu-quota, requested: nvidia.com/gpu=8, limited: nvidia.com/gpu=0",
+    )
+    with pytest.raises(PodStuck) as raised:
+        run_job(job_manifest(launcher, settings()), api_client=api_client(fake), timeout_s=20,
+                poll_interval_s=0.01, write=lambda line: None, pending_timeout_s=0.3)  # fmt: skip
+    message = str(raised.value)
+    assert "has no pod after" in message and "job_pending_timeout_s" in message
+    assert "FailedCreate" in message and "exceeded quota: gpu-quota" in message
+    assert fake.deleted == ["rtp-train-test"]
+
+
+@pytest.mark.parametrize("launcher", ["pytorchjob", "trainjob"])
+def test_pods_refused_by_pod_security_fail_at_once_naming_the_namespace_choice(fake, launcher):
+    refusal = (
+        'violates PodSecurity "baseline:latest": non-default capabilities (container "pytorch" must not '
+        'include "IPC_LOCK" in securityContext.capabilities.add)'
+    )
+    fake.default_scenario = Scenario(outcome="hang", pods_refused=refusal)
+    with pytest.raises(PodStuck) as raised:  # long before the 900 s a node group may need to scale up
+        run_job(job_manifest(launcher, settings()), api_client=api_client(fake), timeout_s=20,
+                poll_interval_s=0.01, write=lambda line: None, pending_timeout_s=900)  # fmt: skip
+    assert "IPC_LOCK" in str(raised.value) and "job_namespace" in str(raised.value)
+
+
+def test_a_job_suspended_by_a_queue_waits_without_pods():
+    from components.train.k8s_launcher import is_suspended
+
+    queued = {"spec": {"runPolicy": {"suspend": True}}}
+    assert is_suspended(queued) and is_suspended({"spec": {"suspend": True}})
+    assert is_suspended({"status": {"conditions": [{"type": "Suspended", "status": "True"}]}})
+    assert not is_suspended({"spec": {"runPolicy": {"suspend": False}}, "status": {}})

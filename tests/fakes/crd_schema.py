@@ -109,3 +109,33 @@ def load_custom_resources(crd_dir: Path) -> dict[str, CustomResource]:
                 )
                 resources[f"{resource.api_version}/{resource.kind}"] = resource
     return resources
+
+
+def unknown_field_paths(resource: CustomResource, body: dict[str, Any]) -> list[str]:
+    """The dotted paths of the fields in `body` its CRD does not declare: what a real API
+    server drops without a word (`fieldValidation` Warn, its default since Kubernetes 1.23,
+    or Ignore) and refuses with `fieldValidation=Strict`."""
+    paths = []
+    for error in resource.validator.iter_errors(body):
+        if error.validator != "additionalProperties" or not isinstance(error.instance, dict):
+            continue
+        declared = set(error.schema.get("properties", {}))
+        prefix = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)
+        paths += [f"{prefix}.{key}".lstrip(".") for key in error.instance if key not in declared]
+    return sorted(paths)
+
+
+def without_fields(body: dict[str, Any], paths: list[str]) -> dict[str, Any]:
+    """A copy of `body` with the fields at `paths` (as `unknown_field_paths` writes them) removed:
+    what the API server stores when it prunes them."""
+    import copy
+    import re
+
+    pruned = copy.deepcopy(body)
+    for path in paths:
+        parts = [int(p[1:-1]) if p.startswith("[") else p for p in re.findall(r"\[\d+\]|[^.\[\]]+", path)]
+        node: Any = pruned
+        for part in parts[:-1]:
+            node = node[part]
+        node.pop(parts[-1], None)
+    return pruned

@@ -5,8 +5,10 @@ k3s can be installed there), so the launcher's create/watch/log/timeout/delete l
 tested against this stand-in instead. It is an HTTP server on 127.0.0.1 (port 0) in a
 thread, speaking the REST paths the `kubernetes` Python client uses for custom objects and
 pods. It is stateful: created objects are stored and listed by label, deleting them
-removes their pods. Every created custom object is validated strictly against its CRD's
-openAPIV3Schema (unknown fields rejected, 422 like the real server); a kind whose CRD was
+removes their pods. Every created custom object is validated against its CRD's
+openAPIV3Schema the way a real server does it: a field the CRD does not declare is dropped
+with a `Warning` header (the default, `fieldValidation=Warn`) or refused with 400 under
+`fieldValidation=Strict`; any other violation is refused with 422. A kind whose CRD was
 not loaded answers 404 like a cluster without that operator. Each read of a job advances
 it one phase (Created -> Running -> Succeeded/Failed, or stays Running forever for a
 "hang"). Once running, a job has one pod per node, labelled the way the Training Operator
@@ -14,7 +16,8 @@ or JobSet labels them; the rank-0 pod serves a growing log. A scenario can make 
 stuck the way a cluster shows it (`PodTrouble`): Pending and Unschedulable with the
 scheduler's FailedScheduling event, ImagePullBackOff, CrashLoopBackOff, an init container
 still running, a volume that does not mount (the kubelet's FailedMount events), a missing
-secret (CreateContainerConfigError), a node that fails the node check (`unhealthy-node`: the
+secret (CreateContainerConfigError), pods the API server refuses to create (`pods_refused`:
+no pod at all, the engine's FailedCreate events on the job), a node that fails the node check (`unhealthy-node`: the
 container crash-loops with the check's exit code and reasons); events are listed by
 `involvedObject` field selector. Each pod runs on a named node; a PATCH of a job (JSON merge
 patch, validated against the CRD like a create) changes the template its pods are built from,
@@ -45,7 +48,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-from tests.fakes.crd_schema import CustomResource, load_custom_resources
+from tests.fakes.crd_schema import (
+    CustomResource,
+    load_custom_resources,
+    unknown_field_paths,
+    without_fields,
+)
 from trainer.health import EXIT_UNHEALTHY_NODE
 
 _SUCCESS_CONDITION = {"PyTorchJob": "Succeeded", "TrainJob": "Complete"}
@@ -86,6 +94,9 @@ class Scenario:
     failure_message: str = "pod rtp-master-0 exited with code 1"
     pod_troubles: dict[int, PodTrouble] = field(default_factory=dict)
     """Troubles by node index (0 is the master / node 0, the rank-0 pod)."""
+    pods_refused: str = ""
+    """Why the API server refuses every pod the engine creates (e.g. a Pod Security
+    violation): the job runs with no pods, and the engine's FailedCreate events say why."""
 
 
 @dataclass
@@ -220,6 +231,8 @@ class FakeKubernetes:
         self.created: list[dict[str, Any]] = []
         """Every job body the fake accepted, in order (kept after the job is deleted)."""
         self.rejected: list[str] = []
+        self.pruned: list[str] = []
+        """Unknown fields the fake dropped from a job without refusing it (no `fieldValidation=Strict`)."""
         self.default_scenario = Scenario()
         self.scenarios: dict[str, Scenario] = {}
         self.on_success: Callable[[dict[str, Any]], None] | None = None
@@ -332,7 +345,7 @@ class FakeKubernetes:
 
     def _job_pods(self, job: _Job) -> list[dict[str, Any]]:
         """One pod per node once the job runs; node 0's pod runs rank 0."""
-        if job.phase == "Created":
+        if job.phase == "Created" or job.scenario.pods_refused:
             return []
         name, namespace = job.body["metadata"]["name"], job.body["metadata"]["namespace"]
         pods = []
@@ -533,6 +546,39 @@ class FakeKubernetes:
             for i, (reason, source, message) in enumerate(reasons)
         ]
 
+    def _creation_events(self, job: _Job) -> list[dict[str, Any]]:
+        """The engine's events when its pods are refused: the Training Operator records
+        `FailedCreatePod` on the PyTorchJob (kubeflow/trainer v1.9.4,
+        pkg/controller.v1/control/pod_control.go); for a TrainJob, JobSet's child Job
+        `<name>-node-0` gets the Job controller's `FailedCreate`."""
+        if not job.scenario.pods_refused or job.phase == "Created":
+            return []
+        meta = job.body["metadata"]
+        if job.resource.kind == "PyTorchJob":
+            kind, name, reason, api_version = "PyTorchJob", meta["name"], "FailedCreatePod", "kubeflow.org/v1"
+        else:
+            kind, name, reason, api_version = "Job", f"{meta['name']}-node-0", "FailedCreate", "batch/v1"
+        pod = f"{meta['name']}-node-0-0-abcde" if kind == "Job" else f"{meta['name']}-master-0"
+        return [
+            {
+                "apiVersion": "v1",
+                "kind": "Event",
+                "metadata": {"name": f"{name}.create", "namespace": meta["namespace"]},
+                "involvedObject": {
+                    "apiVersion": api_version,
+                    "kind": kind,
+                    "name": name,
+                    "namespace": meta["namespace"],
+                },
+                "reason": reason,
+                "message": f'Error creating: pods "{pod}" is forbidden: {job.scenario.pods_refused}',
+                "source": {"component": "job-controller" if kind == "Job" else "pytorchjob-controller"},
+                "type": "Warning",
+                "count": 7,
+                "lastTimestamp": _now(),
+            }
+        ]
+
     def _log(self, job: _Job) -> str:
         lines = job.scenario.log_lines
         # The log grows with each read while running, and is complete once finished.
@@ -548,9 +594,13 @@ class FakeKubernetes:
             def log_message(self, format: str, *args: Any) -> None:  # quiet test output
                 pass
 
-            def _send(self, status: int, payload: Any, content_type: str = "application/json") -> None:
+            def _send(
+                self, status: int, payload: Any, content_type: str = "application/json", warnings: tuple = ()
+            ) -> None:
                 data = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
                 self.send_response(status)
+                for warning in warnings:  # how a real server reports the fields it dropped
+                    self.send_header("Warning", f'299 - "{warning}"')
                 self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -638,12 +688,18 @@ class FakeKubernetes:
                         for term in query.get("fieldSelector", "").split(",")
                         if "=" in term
                     )
+                    every = [event for pod, job in pods for event in fake._events(job, pod)]
+                    every += [event for job in running for event in fake._creation_events(job)]
                     items = [
                         event
-                        for pod, job in pods
-                        for event in fake._events(job, pod)
+                        for event in every
                         if all(
-                            event["involvedObject"].get(key.removeprefix("involvedObject.")) == value
+                            (
+                                event["involvedObject"].get(key.removeprefix("involvedObject."))
+                                if key.startswith("involvedObject.")
+                                else event.get(key)
+                            )
+                            == value
                             for key, value in wanted.items()
                         )
                     ]
@@ -707,8 +763,34 @@ class FakeKubernetes:
                     threading.Thread(target=run, daemon=True).start()
                 self._send(201, body)
 
+            def _field_validation(
+                self, resource: CustomResource, body: dict[str, Any], query: dict[str, str]
+            ) -> tuple[dict[str, Any] | None, list[str]]:
+                """(the body to store, warnings) after the server's field validation, or
+                (None, []) once it answered 400: `fieldValidation=Strict` refuses an unknown
+                field, anything else (Warn, the default since Kubernetes 1.23, or Ignore)
+                drops it and at most warns."""
+                unknown = unknown_field_paths(resource, body)
+                if not unknown:
+                    return body, []
+                what = ", ".join(f'unknown field "{path}"' for path in unknown)
+                if query.get("fieldValidation") == "Strict":
+                    fake.rejected.append(what)
+                    self._status(
+                        400,
+                        "BadRequest",
+                        f'{resource.kind} in version "{resource.version}" cannot be handled as a '
+                        f"{resource.kind}: strict decoding error: {what}",
+                    )
+                    return None, []
+                fake.pruned += unknown
+                warnings = [f'unknown field "{path}"' for path in unknown]
+                return without_fields(body, unknown), warnings if query.get(
+                    "fieldValidation"
+                ) != "Ignore" else []
+
             def do_POST(self) -> None:
-                parts, _ = self._route()
+                parts, query = self._route()
                 length = int(self.headers.get("Content-Length", "0"))
                 body = json.loads(self.rfile.read(length) or b"{}")
                 if parts[:4] == ["apis", "batch", "v1", "namespaces"] and parts[5:] == ["jobs"]:
@@ -722,6 +804,10 @@ class FakeKubernetes:
                         return self._status(
                             404, "NotFound", "the server could not find the requested resource"
                         )
+                    checked, warnings = self._field_validation(resource, body, query)
+                    if checked is None:
+                        return None
+                    body = checked
                     errors = resource.errors(body) + _owner_reference_errors(body)
                     namespace = parts[4]
                     if body.get("metadata", {}).get("namespace", namespace) != namespace:
@@ -742,10 +828,10 @@ class FakeKubernetes:
                     fake.created.append(body)
                     # Collected before the answer, so a caller sees the outcome without racing the fake.
                     fake._collect_garbage()
-                    self._send(201, body)
+                    self._send(201, body, warnings=tuple(warnings))
 
             def do_PATCH(self) -> None:
-                parts, _ = self._route()
+                parts, query = self._route()
                 length = int(self.headers.get("Content-Length", "0"))
                 patch = json.loads(self.rfile.read(length) or b"{}")
                 with fake._lock:
@@ -768,15 +854,21 @@ class FakeKubernetes:
                     server_set = ("uid", "creationTimestamp")  # added by the fake on create
                     metadata = {k: v for k, v in merged["metadata"].items() if k not in server_set}
                     spec_only = {k: v for k, v in merged.items() if k != "status"}  # status is the operator's
-                    errors = job.resource.errors({**spec_only, "metadata": metadata})
+                    checked, warnings = self._field_validation(
+                        job.resource, {**spec_only, "metadata": metadata}, query
+                    )
+                    if checked is None:
+                        return None
+                    errors = job.resource.errors(checked)
                     if errors:
                         fake.rejected.append("; ".join(errors))
                         return self._status(
                             422, "Invalid", f"{job.resource.kind} is invalid: " + "; ".join(errors)
                         )
+                    merged = {**checked, "metadata": merged["metadata"], "status": merged.get("status", {})}
                     job.body = merged
                     fake.patches.append(patch)
-                    self._send(200, merged)
+                    self._send(200, merged, warnings=tuple(warnings))
 
             def _delete_pod(self, parts: list[str]) -> None:
                 namespace, name = parts[3], parts[5]

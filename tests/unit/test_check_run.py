@@ -28,6 +28,7 @@ GOOD = {
     "job_timeout_s": 86400,
     "gpu_node_selector": {},
     "gpu_tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    "mlflow_secret_name": "mlflow-credentials",
 }
 
 
@@ -77,3 +78,21 @@ def test_values_arriving_as_strings_or_floats_inside_the_pipeline_are_read_as_ty
     check_run_parameters(raw)
     with pytest.raises(RunParameterError, match="steps"):
         check_run_parameters({**GOOD, "steps": "2.5"})
+
+
+@pytest.mark.parametrize("name", ["", "  "])
+def test_an_empty_mlflow_secret_name_is_refused_in_one_line(name):
+    """An empty name would render `secretKeyRef.name: ""` and every pod that reads it is refused."""
+    with pytest.raises(RunParameterError) as raised:
+        check_run_parameters({**GOOD, "mlflow_secret_name": name})
+    message = str(raised.value)
+    assert message.startswith("mlflow_secret_name is empty") and "\n" not in message
+    assert "mlflow-credentials" in message
+
+
+def test_the_check_step_is_given_the_mlflow_secret_name():
+    import inspect
+
+    from components.check_run.component import check_run
+
+    assert "mlflow_secret_name" in inspect.signature(check_run).parameters

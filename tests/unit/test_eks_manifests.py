@@ -32,8 +32,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "eks"
 GUIDE = ROOT / "docs" / "eks.md"
 CUSTOM_KINDS = {"PyTorchJob", "TrainJob"}
-HELM_VALUES = {"efa-device-plugin-values.yaml"}
-"""Helm values files: not Kubernetes objects, checked on their own below."""
+PATCHES = {"efa-device-plugin-patch.yaml"}
+"""Patches for objects others create (`kubectl patch --patch-file`): not whole objects,
+checked on their own below."""
 
 
 def _objects(path: Path) -> list[dict]:
@@ -44,7 +45,7 @@ def _all_objects() -> list[tuple[str, dict]]:
     return [
         (path.name, obj)
         for path in sorted(DEPLOY.glob("*.yaml"))
-        if path.name not in HELM_VALUES
+        if path.name not in PATCHES
         for obj in _objects(path)
     ]
 
@@ -55,10 +56,10 @@ def _gpu_group() -> dict:
     return gpu
 
 
-def test_every_file_is_a_kubernetes_object_or_a_named_helm_values_file():
+def test_every_file_is_a_kubernetes_object_or_a_named_patch():
     for name, obj in _all_objects():
         assert {"apiVersion", "kind"} <= set(obj), name
-    assert all((DEPLOY / name).is_file() for name in HELM_VALUES)
+    assert all((DEPLOY / name).is_file() for name in PATCHES)
 
 
 def test_the_guide_shows_only_files_that_exist_and_every_file_is_shown():
@@ -226,17 +227,27 @@ def _tolerates(toleration: dict, taint: dict) -> bool:
 
 
 def test_the_efa_device_plugin_tolerates_every_taint_of_the_gpu_nodes():
-    values = yaml.safe_load((DEPLOY / "efa-device-plugin-values.yaml").read_text())
-    tolerations = values["tolerations"]
+    """eksctl (v0.230.0, pkg/addons/assets/efa-device-plugin.yaml) installs the plugin's
+    DaemonSet itself for an efaEnabled group, tolerating CriticalAddonsOnly and
+    aws.amazon.com/efa; the guide patches that DaemonSet rather than installing a second."""
+    patch = yaml.safe_load((DEPLOY / "efa-device-plugin-patch.yaml").read_text())
+    tolerations = patch["spec"]["template"]["spec"]["tolerations"]
+    daemon_set = {"apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": {"name": "x"}, **patch}
+    assert unknown_fields(daemon_set, "V1DaemonSet") == []
     assert all(unknown_fields(t, "V1Toleration") == [] for t in tolerations)
     for taint in _gpu_group()["taints"]:
         assert any(_tolerates(t, taint) for t in tolerations), (
             f"the plugin never runs on nodes tainted {taint}"
         )
-    install = next(
-        line for line in GUIDE.read_text().splitlines() if "helm install aws-efa-k8s-device-plugin" in line
-    )
-    assert "-f deploy/eks/efa-device-plugin-values.yaml" in install
+    # A strategic merge patch replaces the list: eksctl's own tolerations must stay in it.
+    for kept in ({"key": "CriticalAddonsOnly", "operator": "Exists"},
+                 {"key": "aws.amazon.com/efa", "operator": "Exists", "effect": "NoSchedule"}):  # fmt: skip
+        assert kept in tolerations
+    commands = _guide_commands()
+    assert not [c for c in commands if c[:2] == ["helm", "install"] and "aws-efa-k8s-device-plugin" in c]
+    patch_command = next(c for c in commands if c[:1] == ["kubectl"] and "patch" in c and "daemonset" in c)
+    assert _flag(patch_command, "--patch-file") == "deploy/eks/efa-device-plugin-patch.yaml"
+    assert "aws-efa-k8s-device-plugin" in patch_command and _flag(patch_command, "-n") == "kube-system"
 
 
 def test_the_fsx_security_group_opens_every_lustre_port_in_the_guide():
@@ -347,3 +358,190 @@ def test_the_guide_lists_every_preset_and_says_to_set_source():
     assert "set it" in rows["`source`"][1]
     walkthrough = GUIDE.read_text().split("\n## A two-node p5 run, step by step\n", 1)[1].split("\n## ", 1)[0]
     assert "`source=s3://" in walkthrough
+
+
+# ---------------------------------------------------------------- the guide, walked through
+
+
+PRE_EXISTING_NAMESPACES = {"kube-system", "kubeflow"}
+"""Namespaces the cluster has before the guide's first command (EKS; Kubeflow's own)."""
+
+
+def _guide_commands() -> list[list[str]]:
+    """Every simple command of the guide's fenced bash blocks, in order, as words: continued
+    lines joined, comments dropped, split at `&&`, `||`, `;` and `|`."""
+    blocks = re.findall(r"```bash\n(.*?)```", GUIDE.read_text(), re.S)
+    commands: list[list[str]] = []
+    for block in blocks:
+        for line in block.replace("\\\n", " ").splitlines():
+            lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|")
+            lexer.whitespace_split = True
+            lexer.commenters = "#"
+            current: list[str] = []
+            for word in lexer:
+                if word in (";", "&&", "||", "|", "&"):
+                    commands.append(current) if current else None
+                    current = []
+                else:
+                    current.append(word)
+            if current:
+                commands.append(current)
+    return [c for c in commands if c]
+
+
+def _flag(command: list[str], name: str) -> str | None:
+    """The value of `name` in `command` (`--name value` or `--name=value`)."""
+    for i, word in enumerate(command):
+        if word == name and i + 1 < len(command):
+            return command[i + 1]
+        if word.startswith(f"{name}="):
+            return word.split("=", 1)[1]
+    return None
+
+
+def _subcommand_options() -> dict[str, set[str]]:
+    import argparse
+
+    parser = build_parser()
+    [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return {
+        name: {option for action in child._actions for option in action.option_strings}
+        for name, child in sub.choices.items()
+    }
+
+
+def test_every_guide_command_names_files_and_flags_that_exist():
+    options = _subcommand_options()
+    commands = _guide_commands()
+    assert len(commands) > 40
+    for command in commands:
+        for word in command:
+            for path in re.findall(r"(?:^|=)((?:deploy|docs)/[\w./-]+)", word):
+                assert (ROOT / path).exists(), f"{path} in: {shlex.join(command)}"
+        if command[0] == ".venv/bin/rtp":
+            name = command[1]
+            assert name in options, f"rtp has no {name}: {shlex.join(command)}"
+            flags = {w.split("=", 1)[0] for w in command[2:] if w.startswith("--")}
+            assert flags <= options[name], f"rtp {name} has no {flags - options[name]}"
+
+
+def _namespaced(obj: dict) -> str | None:
+    return obj.get("metadata", {}).get("namespace")
+
+
+def _secrets_read(obj: dict) -> set[str]:
+    """The secrets a (pod-carrying) object's pod template reads."""
+    template = obj.get("spec", {}).get("template", {}).get("spec", {})
+    names = {v["secret"]["secretName"] for v in template.get("volumes", []) if "secret" in v}
+    for container in template.get("containers", []):
+        for env in container.get("env", []):
+            ref = env.get("valueFrom", {}).get("secretKeyRef")
+            if ref:
+                names.add(ref["name"])
+    return names
+
+
+def test_the_guide_creates_every_namespace_and_secret_before_it_is_used():
+    """Walks the guide's commands in order: nothing goes into a namespace before a step has
+    made it (a Kubeflow profile's, by the profile controller, is waited for, never created by
+    hand), and every secret a workload reads exists before the workload is applied."""
+    namespaces = set(PRE_EXISTING_NAMESPACES)
+    secrets: set[tuple[str, str]] = set()
+    profile = "kubeflow-user-example-com"
+    applied = []
+    for command in _guide_commands():
+        if command[0] != "kubectl":
+            continue
+        namespace = _flag(command, "-n") or _flag(command, "--namespace")
+        words = [
+            w
+            for i, w in enumerate(command[1:])
+            if w not in ("-n", "--namespace") and command[i] not in ("-n", "--namespace")
+        ]
+        if words[:2] == ["create", "namespace"]:
+            assert words[2] != profile, "the profile controller refuses a namespace it did not create"
+            namespaces.add(words[2])
+            continue
+        if "wait" in words and "--for=create" in words and any(w.startswith("namespace/") for w in words):
+            namespaces.add(next(w for w in words if w.startswith("namespace/")).split("/", 1)[1])
+            continue
+        if namespace and "port-forward" not in words:
+            assert namespace in namespaces, f"namespace {namespace} does not exist yet: {shlex.join(command)}"
+        if words[:3] == ["create", "secret", "generic"]:
+            secrets.add((namespace or "default", words[3]))
+        if words[:1] == ["apply"] and _flag(command, "-f"):
+            path = ROOT / _flag(command, "-f")
+            applied.append(path.name)
+            objects = _objects(path)
+            namespaces |= {o["metadata"]["name"] for o in objects if o["kind"] == "Namespace"}
+            for obj in objects:
+                if _namespaced(obj):
+                    assert _namespaced(obj) in namespaces, (
+                        f"{path.name}: {_namespaced(obj)} does not exist yet"
+                    )
+                    for secret in _secrets_read(obj):
+                        assert (_namespaced(obj), secret) in secrets, (
+                            f"{path.name} reads {secret} before it exists"
+                        )
+    assert {"fsx-pv-pvc.yaml", "fsx-init-job.yaml", "mlflow.yaml", "pipeline-rbac.yaml"} <= set(applied)
+    assert ("kubeflow-user-example-com", DEFAULT_MLFLOW_SECRET) in secrets
+
+
+def test_the_guides_secrets_are_written_without_a_line_end():
+    """`kubectl create secret --from-file` keeps a file's final newline in the value; the
+    guide writes every value with printf '%s', never echo or an editor."""
+    text = GUIDE.read_text()
+    assert "printf '%s'" in text
+    for command in _guide_commands():
+        assert command[0] != "echo", shlex.join(command)
+
+
+def test_the_mlflow_server_is_reachable_by_its_service_name_and_can_run_basic_auth():
+    objects = {obj["kind"]: obj for obj in _objects(DEPLOY / "mlflow.yaml")}
+    [container] = objects["Deployment"]["spec"]["template"]["spec"]["containers"]
+    service = objects["Service"]["metadata"]
+    allowed = _flag(container["command"], "--allowed-hosts")
+    assert allowed, "MLflow >= 3.5 answers 403 to a Host outside --allowed-hosts"
+    secrets = {obj["metadata"]["name"]: obj for obj in _objects(DEPLOY / "mlflow-secrets.yaml")}
+    host = secrets[DEFAULT_MLFLOW_SECRET]["stringData"]["tracking_uri"].split("://", 1)[1]
+    assert host in allowed.split(","), host  # the Host header the pipeline's client sends
+    assert f"{service['name']}.{service['namespace']}.svc.cluster.local:5000" in allowed.split(",")
+    dockerfile = (DEPLOY / "mlflow.Dockerfile").read_text()
+    assert re.search(r"mlflow\[auth\]==", dockerfile), (
+        "--app-name basic-auth imports Flask-WTF (mlflow[auth])"
+    )
+    for name in ("mlflow-backend", "mlflow-auth"):
+        text = yaml.safe_dump(secrets[name]["stringData"])
+        assert (
+            "postgresql+psycopg2://" in text and "postgresql://" not in text
+        )  # psycopg2 is what the image has
+
+
+def test_the_cluster_names_its_zones_and_puts_the_gpu_nodes_in_private_subnets():
+    (cluster,) = _objects(DEPLOY / "cluster.yaml")
+    gpu = _gpu_group()
+    zones = cluster["availabilityZones"]
+    assert len(zones) >= 2 and gpu["availabilityZones"] == zones[:1]  # the p5 capacity's zone first
+    assert gpu["privateNetworking"] is True  # no public IP with more than one network interface
+    accelerator = "k8s.amazonaws.com/accelerator"  # the cluster autoscaler's AWS GPULabel
+    assert (
+        gpu["tags"][f"k8s.io/cluster-autoscaler/node-template/label/{accelerator}"]
+        == gpu["labels"][accelerator]
+    )
+    vpc_cni = next(a for a in cluster["addons"] if a["name"] == "vpc-cni")
+    assert '"enableNetworkPolicy": "true"' in vpc_cni["configurationValues"]
+
+
+def test_the_fsx_init_job_can_run_again():
+    """Once the folder is 1000's, root without CAP_FOWNER may not chmod it: a second run must
+    leave it alone rather than fail."""
+    (job,) = _objects(DEPLOY / "fsx-init-job.yaml")
+    script = job["spec"]["template"]["spec"]["containers"][0]["command"][-1]
+    guard = script.index("!= 1000")
+    assert guard < script.index("chmod") < script.index("chown")
+
+
+def test_efa_jobs_have_a_namespace_whose_pod_security_admits_ipc_lock():
+    other = {obj["kind"]: obj for obj in _objects(DEPLOY / "job-namespace-rbac.yaml")}
+    labels = other["Namespace"]["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "privileged"  # baseline refuses IPC_LOCK

@@ -204,3 +204,72 @@ def test_the_cli_never_prints_credentials_in_an_error(monkeypatch, capsys):
     assert cli.main([]) == 2
     err = capsys.readouterr().err
     assert err == "rtp register: error: cannot reach https://***@mlflow.example.com/api\n"
+
+
+# ---------------------------------------------------------------- secrets written with an editor
+
+
+class LoginRecordingServer:
+    """Stand-in for an MLflow server that records each request's Authorization header and
+    answers every search with an empty list."""
+
+    def __init__(self) -> None:
+        self.logins: list[str] = []
+        logins = self.logins
+        payload = json.dumps({"registered_models": []}).encode()
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                logins.append(self.headers.get("Authorization", ""))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_secret_values_with_a_trailing_newline_still_reach_the_server_and_log_in(monkeypatch):
+    """`kubectl create secret --from-file` keeps the newline an editor leaves at the end of
+    each file; the step's MLflow variables then end in one."""
+    import base64
+
+    from components.mlflow_access import step_deadline, tracking_uri_is_configured
+
+    server = LoginRecordingServer()
+    try:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", server.url + "\n")
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "pipeline\n")
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "s3cret\r\n")
+        assert tracking_uri_is_configured()
+        with step_deadline(RetryPolicy(attempts=1, deadline_s=20)):
+            found = call_with_retries(
+                "search models",
+                lambda: mlflow.MlflowClient().search_registered_models(),
+                RetryPolicy(attempts=1),
+            )
+    finally:
+        server.close()
+        mlflow.set_tracking_uri(None)
+    assert list(found) == []
+    assert server.logins == ["Basic " + base64.b64encode(b"pipeline:s3cret").decode()]
+    assert os.environ["MLFLOW_TRACKING_URI"] == server.url
+
+
+def test_the_trainer_reads_the_tracking_uri_without_its_line_end(monkeypatch):
+    from trainer import env
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.mlflow.svc.cluster.local:5000\n")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "s3cret\n")
+    assert env.mlflow_tracking_uri() == "http://mlflow.mlflow.svc.cluster.local:5000"
+    assert os.environ["MLFLOW_TRACKING_PASSWORD"] == "s3cret"  # mlflow reads it from there
