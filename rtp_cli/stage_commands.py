@@ -183,6 +183,35 @@ def add_prepare_data_parser(sub: argparse._SubParsersAction) -> None:
         help="share of documents held out for validation, by a hash of each document's content; the "
         "trainer and the validate step keep the split recorded here (default: %(default)s)",
     )
+    p.add_argument(
+        "--format",
+        choices=("text", "chat"),
+        default="text",
+        help="text: a corpus of documents (default); chat: JSON Lines conversations "
+        '({"messages": [{"role", "content"}, ...]} or {"prompt", "completion"} per line), rendered '
+        "with the model's chat template into example shards whose loss mask covers the assistant's "
+        "turns only (needs --tokenizer; docs/fine-tuning.md)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default="",
+        metavar="FILE",
+        help="with --format chat: a Jinja chat template to use when the tokenizer has none (or instead of its own)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=0,
+        help="with --format chat: the longest example kept, in tokens (0: no limit; the trainer cuts "
+        "examples to model.seq_len + 1 anyway)",
+    )
+    p.add_argument(
+        "--overlong",
+        choices=("truncate", "drop"),
+        default="truncate",
+        help="with --format chat and --max-tokens: cut a longer example to its first tokens, or leave it "
+        "out; either is counted in the summary and index.json (default: %(default)s)",
+    )
     p.set_defaults(handler=_cmd_prepare_data)
 
 
@@ -198,6 +227,10 @@ def _cmd_prepare_data(args: argparse.Namespace) -> int:
         tokenizer_dir=args.tokenizer,
         workers=args.workers,
         holdout_fraction=args.holdout_fraction,
+        data_format=args.format,
+        chat_template_file=args.chat_template,
+        max_tokens=args.max_tokens,
+        overlong=args.overlong,
     )
     print(json.dumps(summary, indent=2))
     return 0

@@ -123,15 +123,16 @@ def upload_shards(
         check_destination_bucket(client, bucket)
     index = json.loads((folder / SHARD_INDEX_NAME).read_text())
     prefix = prefix if not prefix or prefix.endswith("/") else prefix + "/"
+    # A token shard is one file; an example shard (format rtp-example-shards) three.
+    names = [s[key] for s in index["shards"] for key in ("name", "mask", "offsets") if key in s]
     with ThreadPoolExecutor(max_workers=max_workers) as pool:
         futures = [
-            pool.submit(client.upload_file, str(folder / s["name"]), bucket, f"{prefix}{s['name']}")
-            for s in index["shards"]
+            pool.submit(client.upload_file, str(folder / name), bucket, f"{prefix}{name}") for name in names
         ]
         for future in futures:
             future.result()
     client.upload_file(str(folder / SHARD_INDEX_NAME), bucket, f"{prefix}{SHARD_INDEX_NAME}")
-    return len(index["shards"]) + 1
+    return len(names) + 1
 
 
 def _create_own_bucket(client: Any, bucket: str) -> None:
@@ -227,6 +228,60 @@ def write_tokenizer_shards(
         progress.close()
 
 
+def write_chat_shards(
+    source: Path,
+    out_dir: Path,
+    tokenizer_dir: Path,
+    shard_bytes: int,
+    holdout_fraction: float = HOLDOUT_FRACTION,
+    chat_template_file: str = "",
+    max_tokens: int = 0,
+    overlong: str = "truncate",
+) -> dict[str, Any]:
+    """Example shards of conversations (trainer/chat_data.py), with a progress bar on stderr."""
+    from components.stage_data.progress import Progress
+    from trainer.chat_data import conversation_files, write_example_shards
+    from trainer.data import DataError
+
+    check_tokenizer_dir(tokenizer_dir)
+    template = None
+    if chat_template_file:
+        try:
+            template = Path(chat_template_file).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise PrepareError(f"--chat-template {chat_template_file}: {exc.strerror}") from None
+    try:
+        files = conversation_files(source)
+    except DataError as exc:
+        raise PrepareError(str(exc)) from None
+    sizes = [path.stat().st_size for path in files]
+    progress = Progress(sum(sizes), len(files), label="rendering")
+
+    def file_done(done: int, total: int) -> None:
+        progress.add_bytes(sizes[done - 1])
+        progress.add_file()
+
+    try:
+        return write_example_shards(
+            source,
+            out_dir,
+            tokenizer_dir,
+            chat_template=template,
+            max_tokens=max_tokens,
+            overlong=overlong,
+            shard_bytes=shard_bytes,
+            holdout_fraction=holdout_fraction,
+            progress=file_done,
+        )
+    except DataError as exc:
+        raise PrepareError(str(exc)) from None
+    finally:
+        progress.close()
+
+
+DATA_FORMATS = ("text", "chat")
+
+
 def prepare_data(
     source: str,
     out_dir: str,
@@ -236,9 +291,22 @@ def prepare_data(
     tokenizer_dir: str = "",
     workers: int = 0,
     holdout_fraction: float = HOLDOUT_FRACTION,
+    data_format: str = "text",
+    chat_template_file: str = "",
+    max_tokens: int = 0,
+    overlong: str = "truncate",
 ) -> dict[str, Any]:
-    """Shard `source` (bytes, or the ids of the tokenizer in `tokenizer_dir`) into `out_dir`
-    and upload the shards to `destination` when given; returns a summary."""
+    """Shard `source` (bytes, or the ids of the tokenizer in `tokenizer_dir`; with
+    `data_format="chat"`, conversations as example shards) into `out_dir` and upload the
+    shards to `destination` when given; returns a summary."""
+    if data_format not in DATA_FORMATS:
+        raise PrepareError(f"--format {data_format!r}: choose one of {', '.join(DATA_FORMATS)}")
+    if data_format == "chat" and not tokenizer_dir:
+        raise PrepareError(
+            "--format chat needs --tokenizer MODEL_DIR: conversations are rendered with the model's chat template"
+        )
+    if data_format != "chat" and (chat_template_file or max_tokens):
+        raise PrepareError("--chat-template and --max-tokens apply to --format chat only")
     if shard_bytes < 1 or workers < 0:
         raise PrepareError("--shard-mib must be positive and --workers at least 0")
     if not 0.0 < holdout_fraction < 1.0:
@@ -251,6 +319,37 @@ def prepare_data(
         bucket, prefix = parse_s3_uri(destination)
         client = s3_client(endpoint_url)
         check_destination_bucket(client, bucket)
+    if data_format == "chat":
+        index = write_chat_shards(
+            Path(source),
+            Path(out_dir),
+            Path(tokenizer_dir),
+            shard_bytes,
+            holdout_fraction,
+            chat_template_file,
+            max_tokens,
+            overlong,
+        )
+        uploaded = 0
+        if client is not None:
+            uploaded = upload_shards(client, Path(out_dir), bucket, prefix, create_bucket=False)
+        return {
+            "out_dir": out_dir,
+            "destination": destination,
+            "format": "chat",
+            "shards": len(index["shards"]),
+            "examples": index["examples"],
+            "holdout_examples": sum(s["examples"] for s in index["shards"] if s["split"] == "holdout"),
+            "conversations": index["conversations"],
+            "truncated": index["truncated"],
+            "dropped_overlong": index["dropped_overlong"],
+            "dropped_no_assistant_tokens": index["dropped_no_assistant_tokens"],
+            "tokens": index["tokens"],
+            "assistant_tokens": index["assistant_tokens"],
+            "tokenizer": index["tokenizer"],
+            "mask_rule": index["mask_rule"],
+            "objects_uploaded": uploaded,
+        }
     if tokenizer_dir:
         index = write_tokenizer_shards(
             Path(source), Path(out_dir), Path(tokenizer_dir), shard_bytes, workers, holdout_fraction
