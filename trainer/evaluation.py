@@ -47,6 +47,7 @@ __all__ = [
     "HoldoutScore",
     "champion_windows",
     "decoded_bytes",
+    "eval_rows_per_forward",
     "fetch_champion",
     "holdout_identity",
     "read_eval_record",
@@ -100,6 +101,12 @@ def decoded_bytes(tokenizer: Tokenizer, ids: Sequence[int]) -> int:
     return len(tokenizer.decode([i for i in ids if i != eos]).encode("utf-8"))
 
 
+def eval_rows_per_forward(config: Any) -> int:
+    """Rows the training ranks score in one forward: a training micro-batch (`data.batch_size`),
+    which the training's own forward, with its gradients, is known to fit."""
+    return int(config.data.batch_size)
+
+
 @torch.no_grad()
 def score_windows(
     model: nn.Module,
@@ -107,16 +114,20 @@ def score_windows(
     batches: Sequence[torch.Tensor],
     tokenizer: Tokenizer,
     device: torch.device | None = None,
+    rows_per_forward: int = 0,
 ) -> HoldoutScore:
     """Score `batches` of (rows, window) token ids: `loss` is the spec's mean next-token loss.
+    A forward scores at most `rows_per_forward` rows (0: a whole batch); the training ranks
+    pass their micro-batch, the rows their training forward is known to fit.
     The model is left in eval mode (the caller restores training mode when it trains on)."""
     model.eval()
     nats, tokens, byte_count = 0.0, 0, 0
     for batch in batches:
-        targets = batch[:, 1:]
-        nats += loss(model, batch if device is None else batch.to(device)).item() * targets.numel()
-        tokens += targets.numel()
-        byte_count += sum(decoded_bytes(tokenizer, row.tolist()) for row in targets)
+        for rows in batch.split(rows_per_forward or batch.shape[0]):
+            targets = rows[:, 1:]
+            nats += loss(model, rows if device is None else rows.to(device)).item() * targets.numel()
+            tokens += targets.numel()
+            byte_count += sum(decoded_bytes(tokenizer, row.tolist()) for row in targets)
     return HoldoutScore(nats_total=nats, tokens=tokens, bytes=byte_count)
 
 
@@ -300,7 +311,9 @@ def score_champion(
         config.model.seq_len,
     )
     try:
-        return score_windows(model, spec.loss, windows, tokenizer, device)
+        return score_windows(
+            model, spec.loss, windows, tokenizer, device, rows_per_forward=eval_rows_per_forward(config)
+        )
     finally:
         del model
 
@@ -386,7 +399,14 @@ class PeriodicEval:
             )
         with self.keepalive():
             try:
-                score = score_windows(self.model, self.spec.loss, self.batches, self.tokenizer, self.device)
+                score = score_windows(
+                    self.model,
+                    self.spec.loss,
+                    self.batches,
+                    self.tokenizer,
+                    self.device,
+                    rows_per_forward=eval_rows_per_forward(self.config),
+                )
             finally:
                 self.model.train(True)
         self.on_score(result.step, score)
@@ -408,7 +428,14 @@ def write_eval_record(
     batches = holdout_batches(tokens, config.model.seq_len, max_windows=config.data.eval_windows)
     was_training = model.training
     try:
-        score = score_windows(model, spec.loss, batches, spec.tokenizer(config.model), device)
+        score = score_windows(
+            model,
+            spec.loss,
+            batches,
+            spec.tokenizer(config.model),
+            device,
+            rows_per_forward=eval_rows_per_forward(config),
+        )
     finally:
         model.train(was_training)
     champion = _champion_entry(model, config, batches, rank, device) if config.data.eval_champion else None

@@ -14,9 +14,11 @@ shard group only, gradients reduce-scattered there and all-reduced across the gr
 activation checkpointing per block first, then sharding): bf16 mixed precision is FSDP2's
 `MixedPrecisionPolicy` — each unit gathers bf16 copies of its parameters for compute and
 reduces gradients in fp32 — so the sharded parameters the optimizer steps, its AdamW state
-and every checkpoint stay fp32. Activation checkpointing and compile replace a block's
-`forward` instead of wrapping the block in another module, so parameter names (checkpoint
-keys, `model_sha256`, exports) are the same with and without them.
+and every checkpoint stay fp32. The root's forward ends in the loss (the model spec's), whose
+log-softmax runs in fp32 over chunks of tokens, never over the whole batch's logits.
+Activation checkpointing and compile replace a block's `forward` instead of wrapping the
+block in another module, so parameter names (checkpoint keys, `model_sha256`, exports) are
+the same with and without them.
 """
 
 from __future__ import annotations
@@ -152,13 +154,13 @@ def compute_dtype(training: TrainingConfig, device: torch.device) -> torch.dtype
 
 def mixed_precision_policies(dtype: torch.dtype) -> tuple[MixedPrecisionPolicy, MixedPrecisionPolicy]:
     """(per-block policy, root policy) for computing in `dtype`. Gradients are always reduced
-    in fp32 (summing bf16 gradients over ranks loses bits); the root hands fp32 logits to the
-    loss, so the cross-entropy and the loss all-reduce stay fp32."""
+    in fp32 (summing bf16 gradients over ranks loses bits). The root returns the loss, which
+    the spec computes in fp32 chunk by chunk: no output cast, which on logits would upcast the
+    whole batch's at once."""
     if dtype == torch.float32:
         return MixedPrecisionPolicy(), MixedPrecisionPolicy()
     block = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    root = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, output_dtype=torch.float32)
-    return block, root
+    return block, block
 
 
 def checkpointed_layers(n_layers: int, training: TrainingConfig) -> list[int]:

@@ -97,7 +97,9 @@ def test_the_end_of_training_record_is_the_score_of_those_windows_bound_to_the_w
     record = read_eval_record(path)
     _, holdout = split_files(dataset_dir, config.data.holdout_fraction)
     batches = holdout_batches(load_tokens(holdout), config.model.seq_len, max_windows=5)
-    expected = score_windows(model, spec.loss, batches, ByteTokenizer())
+    expected = score_windows(
+        model, spec.loss, batches, ByteTokenizer(), rows_per_forward=config.data.batch_size
+    )
     assert (record["model_sha256"], record["step"], record["model_kind"]) == ("ab" * 32, 7, "byte-lm")
     assert record["holdout"]["windows"] == 5
     assert {k: record["holdout"][k] for k in holdout_identity(holdout, batches, config.model.seq_len)} == (

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.config import ModelConfig
-from trainer.models.spec import ModelError, ModelSpec, next_token_cross_entropy, published_folder
+from trainer.models.spec import ModelError, ModelSpec, chunked_cross_entropy, published_folder
 
 KIND = "byte-lm"
 WEIGHTS_FILE = "weights.safetensors"
@@ -70,19 +70,28 @@ class ByteLM(nn.Module):
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits (B, T, vocab) of `tokens` (B, T); with `targets` (B, T), the mean
+        cross-entropy against them instead, the head run chunk by chunk. Inside `forward`,
+        so that under FSDP2 the root's parameters (embeddings, head) are gathered for it."""
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.tok_emb(tokens) + self.pos_emb(positions)
         for block in self.blocks:
             x = block(x)
+        hidden = self.ln_out(x)
+        if targets is None:
+            return self.head(hidden)
+        return chunked_cross_entropy(hidden, self.head, targets, vocab_size=self.tok_emb.num_embeddings)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
         # Weight tying through the embedding module keeps the output head in the same
         # FSDP unit as the embedding (the root), so no parameter is shared across units.
-        return self.ln_out(x) @ self.tok_emb.weight.t()
+        return hidden @ self.tok_emb.weight.t()
 
 
 def next_token_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of predicting byte t+1 from bytes <= t; batch is (B, seq_len+1)."""
-    return next_token_cross_entropy(model(batch[:, :-1]), batch)
+    return model(batch[:, :-1], targets=batch[:, 1:])
 
 
 @torch.no_grad()

@@ -31,14 +31,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer import lora
 from trainer.config import ModelConfig
 from trainer.models.spec import (
     ModelError,
     ModelSpec,
+    chunked_cross_entropy,
     files_sha256,
     next_token_cross_entropy,
     published_folder,
     require_training_memory,
+    run_as_forward,
 )
 
 KIND = "hf"
@@ -140,6 +143,8 @@ def init_weights(model: nn.Module, config: ModelConfig, device: torch.device, se
         load_pretrained(model, folder)
     else:
         random_init(model, seed)
+    if lora.has_adapters(model):  # training.method=lora: peft's layers were injected before sharding
+        lora.init_adapters(model, seed)
     _init_buffers(model)
     hf_model: Any = model
     hf_model.tie_weights()
@@ -158,14 +163,15 @@ def random_init(model: nn.Module, seed: int) -> None:
     done: set[int] = set()
     for name, module in model.named_modules():
         originals = dict(module.named_parameters(recurse=False))
-        if not originals:
+        if not originals or lora.is_adapter(name):  # adapters: `lora.init_adapters`
             continue
         full = {
             key: nn.Parameter(torch.full(tuple(p.shape), float("nan"), dtype=p.dtype), requires_grad=False)
             for key, p in originals.items()
         }
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_module_seed(seed, name))
+            # A LoRA-wrapped layer's base weight is seeded as the unwrapped layer's.
+            torch.manual_seed(_module_seed(seed, lora.base_name(name)))
             for key, tensor in full.items():
                 module._parameters[key] = tensor
             try:
@@ -291,7 +297,9 @@ def load_pretrained(model: nn.Module, folder: Path) -> None:
         raise ModelError(
             f"model.init=pretrained but {folder} holds no *.safetensors weights: add them or use model.init=random"
         )
-    state = model.state_dict()
+    # By the folder's names: a LoRA-wrapped layer's weight is `<layer>.base_layer.weight` here,
+    # and the adapters are not in the folder (`lora.init_adapters` fills them).
+    state = {lora.base_name(key): value for key, value in model.state_dict().items() if not lora.is_adapter(key)}
     expected = {key: tuple(value.shape) for key, value in state.items()}
     # The renaming rules come from an unsharded twin on the meta device: transformers looks
     # them up by class, and fully_shard has swapped the model's class for an FSDP subclass.
@@ -332,9 +340,26 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
+CHUNKED_HEAD_MODEL_TYPES = frozenset(
+    {"gemma", "gpt_neox", "llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3", "smollm3", "starcoder2"}
+)
+"""Architectures whose causal-LM forward is the output head on the base model's last hidden
+state, nothing after it (Gemma 2's soft-capping, Cohere's and Granite's logit scaling are):
+their loss runs the head chunk by chunk. tests/unit/test_chunked_loss.py checks each against
+transformers' forward; any other architecture's loss takes transformers' whole logits."""
+
+
 def causal_lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    if getattr(model.config, "model_type", None) in CHUNKED_HEAD_MODEL_TYPES:
+        return run_as_forward(model, _chunked_causal_lm_loss, batch)
     logits = model(input_ids=batch[:, :-1], use_cache=False).logits
     return next_token_cross_entropy(logits, batch)
+
+
+def _chunked_causal_lm_loss(model: Any, batch: torch.Tensor) -> torch.Tensor:
+    hidden = model.base_model(input_ids=batch[:, :-1], use_cache=False).last_hidden_state
+    head = model.get_output_embeddings()
+    return chunked_cross_entropy(hidden, head, batch[:, 1:], vocab_size=head.out_features)
 
 
 def tokenizer_files(folder: Path) -> list[Path]:

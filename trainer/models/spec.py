@@ -12,34 +12,43 @@ registry only.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import shutil
+import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from trainer import env
 from trainer.config import ModelConfig
 from trainer.models import ModelError
 
 __all__ = [
+    "LOSS_CHUNK_LOGITS",
     "ModelError",
     "ModelSpec",
     "Tokenizer",
+    "chunked_cross_entropy",
     "files_sha256",
     "next_token_cross_entropy",
     "published_folder",
     "require_training_memory",
+    "run_as_forward",
 ]
 
 # fp32 parameter + gradient + AdamW's two moments, per parameter element.
 TRAINING_BYTES_PER_PARAMETER = 16
+LOSS_CHUNK_LOGITS = 2**26
+"""Logits (tokens x vocabulary) the loss holds at once: 0.25 GiB in fp32, 512 tokens of a
+128k vocabulary. The whole batch's fp32 logits at 8B (16 rows x 4k tokens x 128k) would be 32 GiB."""
 
 
 class Tokenizer(Protocol):
@@ -83,7 +92,9 @@ class ModelSpec:
     """Submodules that each become one FSDP unit (the transformer blocks); everything else
     (embeddings, final norm, output head) stays in the root unit."""
     loss: Callable[[nn.Module, torch.Tensor], torch.Tensor]
-    """Mean next-token cross-entropy of a (batch, seq_len + 1) tensor of token ids."""
+    """Mean next-token cross-entropy (fp32) of a (batch, seq_len + 1) tensor of token ids, on a
+    plain or a sharded model; the output head runs chunk by chunk (`chunked_cross_entropy`)
+    inside a forward of the root, so no rank holds the whole batch's logits."""
     tokenizer: Callable[[ModelConfig], Tokenizer]
     architecture: Callable[[ModelConfig], dict[str, Any]]
     """What identifies the architecture (hashed into model_hash): equal exactly when a
@@ -101,9 +112,80 @@ class ModelSpec:
 
 
 def next_token_cross_entropy(logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of `logits` (B, T, V), computed from batch[:, :-1], against batch[:, 1:]."""
+    """Cross-entropy of `logits` (B, T, V), computed from batch[:, :-1], against batch[:, 1:],
+    in fp32 whatever the logits' dtype. It holds the whole batch's logits: for a model whose
+    output head the loss cannot call itself (else `chunked_cross_entropy`)."""
     targets = batch[:, 1:]
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    targets: torch.Tensor,
+    *,
+    vocab_size: int,
+    logits_per_chunk: int = 0,
+) -> torch.Tensor:
+    """Mean cross-entropy of `head(hidden)` (..., vocab_size) against `targets` (...), holding
+    at most `logits_per_chunk` logits (0: LOSS_CHUNK_LOGITS) at a time, forward and backward.
+
+    The head and the fp32 log-softmax run over chunks of tokens; under autograd a chunk's
+    logits are recomputed in the backward pass instead of kept. A batch that fits one chunk
+    is computed exactly as `next_token_cross_entropy` computes it."""
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    targets = targets.reshape(-1)
+    tokens_per_chunk = max(1, (logits_per_chunk or LOSS_CHUNK_LOGITS) // vocab_size)
+    if targets.numel() <= tokens_per_chunk:
+        return F.cross_entropy(head(hidden).float(), targets)
+    summed = functools.partial(_summed_cross_entropy, head)
+    total = torch.zeros((), device=hidden.device)
+    for hidden_chunk, target_chunk in zip(
+        hidden.split(tokens_per_chunk), targets.split(tokens_per_chunk), strict=True
+    ):
+        if torch.is_grad_enabled():
+            # The head and the cross-entropy draw no random numbers: no RNG state to restore.
+            total = total + checkpoint(
+                summed, hidden_chunk, target_chunk, use_reentrant=False, preserve_rng_state=False
+            )
+        else:
+            total = total + summed(hidden_chunk, target_chunk)
+    return total / targets.numel()
+
+
+def _summed_cross_entropy(
+    head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    return F.cross_entropy(head(hidden).float(), targets, reduction="sum")
+
+
+_FORWARD_METHOD = "rtp_forward"
+
+
+def run_as_forward(
+    model: nn.Module, compute: Callable[[nn.Module, torch.Tensor], torch.Tensor], batch: torch.Tensor
+) -> torch.Tensor:
+    """`compute(model, batch)` run as a forward of `model`.
+
+    FSDP2 gathers a unit's parameters around that module's `forward` only: outside it, the
+    root unit's embeddings, final norm and output head are sharded, and a loss that calls the
+    base model and then the head itself would find the head sharded and register no backward
+    hooks. FSDP2's `register_fsdp_forward_method` runs the root's pre- and post-forward around
+    another method; this gives `compute` one, once per model (a no-op when not sharded)."""
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+    if not isinstance(model, FSDPModule):
+        return compute(model, batch)
+    if _FORWARD_METHOD not in vars(model):
+        setattr(model, _FORWARD_METHOD, types.MethodType(_call_compute, model))
+        register_fsdp_forward_method(model, _FORWARD_METHOD)
+    return cast(torch.Tensor, getattr(model, _FORWARD_METHOD)(compute, batch))
+
+
+def _call_compute(
+    model: nn.Module, compute: Callable[[nn.Module, torch.Tensor], torch.Tensor], batch: torch.Tensor
+) -> torch.Tensor:
+    return compute(model, batch)
 
 
 def files_sha256(paths: Iterable[Path]) -> str:
@@ -140,14 +222,19 @@ def require_training_memory(model: nn.Module, units: list[nn.Module], device: to
     memory; returns the estimate in bytes. Call on the sharded model before allocating it.
 
     The estimate is a floor: this rank's parameter shards with their gradients and AdamW
-    moments, plus one FSDP unit gathered in full for its forward (activations come on top)."""
+    moments (frozen ones, a LoRA run's base, the fp32 weight alone), plus one FSDP unit
+    gathered in full for its forward (activations come on top)."""
     from torch.distributed.tensor import DTensor
 
-    def local_numel(module: nn.Module) -> int:
-        return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in module.parameters())
+    def local_numel(trainable: bool) -> int:
+        return sum(
+            p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+            for p in model.parameters()
+            if p.requires_grad == trainable
+        )
 
     largest_unit = max((sum(p.numel() for p in unit.parameters()) for unit in units), default=0)
-    needed = local_numel(model) * TRAINING_BYTES_PER_PARAMETER + largest_unit * 4
+    needed = local_numel(True) * TRAINING_BYTES_PER_PARAMETER + (local_numel(False) + largest_unit) * 4
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:  # the machine's memory is shared by its ranks
