@@ -6,7 +6,8 @@ the decisions (parameter checks, cron form, version names, token choice) live in
 do: 401 and 403 name the token source and namespace, an unreachable host names the URL, TLS
 and protocol failures say which (`transport_failure`), and an answer that is not the API's
 JSON says so. `connect` keeps the backend's release from its health answer (`tag_name`, which
-the API server writes beside the swagger's fields) for the version check.
+the API server writes beside the swagger's fields) for the version check; when that names no
+release, `api_server_image` reads the API server's image through the Kubernetes API.
 """
 
 from __future__ import annotations
@@ -268,6 +269,45 @@ def connect(
         client,
         backend_tag=tag if isinstance(tag, str) else None,
     )
+
+
+def api_server_image(
+    namespace: str = kfp_checks.API_SERVER_NAMESPACE, timeout_s: float = 5.0
+) -> tuple[str | None, str]:
+    """The image of the KFP API server's container (Deployment `ml-pipeline`), read through
+    the Kubernetes API with the local kubeconfig ($KUBECONFIG, ~/.kube/config) or, inside a
+    pod, its service account: (image, '') or (None, why it could not be read). Release
+    images of KFP 2.5.0-2.15.x answer healthz with `tag_name: unknown`; their image tag is
+    where the release is still written."""
+    import urllib3
+    from kubernetes import client, config
+
+    where = f"deployment {namespace}/{kfp_checks.API_SERVER_DEPLOYMENT}"
+    configuration = client.Configuration()
+    try:
+        try:
+            # Read now: the client reads $KUBECONFIG once, when it is first imported.
+            kubeconfig = os.environ.get("KUBECONFIG") or None
+            config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+        except (config.ConfigException, OSError):
+            config.load_incluster_config(client_configuration=configuration)
+    except (config.ConfigException, OSError):
+        return None, "no kubeconfig and not in a pod, so the Kubernetes API was not asked"
+    configuration.retries = False  # one try: this only refines a warning
+    try:
+        with client.ApiClient(configuration) as api:
+            deployment = client.AppsV1Api(api).read_namespaced_deployment(
+                kfp_checks.API_SERVER_DEPLOYMENT, namespace, _request_timeout=timeout_s
+            )
+    except client.ApiException as exc:
+        return None, f"the Kubernetes API answered {exc.status} {exc.reason} for {where}"
+    except (urllib3.exceptions.HTTPError, OSError) as exc:
+        return None, f"the Kubernetes API at {configuration.host} did not answer ({type(exc).__name__})"
+    containers = deployment.spec.template.spec.containers or []
+    for container in containers:
+        if container.name == kfp_checks.API_SERVER_CONTAINER:
+            return container.image, ""
+    return None, f"{where} has no container {kfp_checks.API_SERVER_CONTAINER!r}"
 
 
 @contextlib.contextmanager

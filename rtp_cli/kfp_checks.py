@@ -4,7 +4,8 @@ It reads the pipeline's parameters from the compiled spec and checks `k=v` argum
 against them (name, type, allowed values), converts cron expressions to the 6-field form
 the KFP scheduler parses (seconds first), parses intervals, names pipeline versions,
 resolves the API token and namespace from flags, environment and files handed in, checks
-the backend's release against the oldest one the compiled pipeline runs on, and formats
+the backend's release (healthz's tag, else the API server's image tag) against the oldest
+one the compiled pipeline runs on and the oldest that honours its retries, and formats
 the runs table. Everything here raises `KfpError` with a message that says what
 was wrong and what to do, before any request is sent.
 """
@@ -369,8 +370,25 @@ MIN_BACKEND_VERSION = (2, 5, 0)
 """The oldest KFP backend whose v2 driver reads the platform-spec fields the compiled
 pipeline uses for run-time settings (`nodeSelectorJson`, `tolerationJson`,
 `pvcNameParameter`, `secretNameParameter`); an older driver rejects or ignores them."""
+SUB_DAG_RETRY_VERSION = (2, 14, 0)
+"""The first KFP backend that honours `set_retry` on a task inside a sub-DAG (an exit
+handler, a `dsl.If`): before it the workflow compiler read retry policies of the root DAG's
+tasks only (backend/src/v2/compiler/argocompiler/container.go, getTaskRetryPolicySpec; fixed
+by kubeflow/pipelines#11908 for #11288), so such a task runs once, silently."""
+UNKNOWN_TAG_RELEASES = "2.5.0-2.15.x"
+"""Releases whose published API server image answers healthz with `tag_name: unknown` (the
+image is built without its TAG_NAME build argument): their version must come from elsewhere."""
+API_SERVER_NAMESPACE = "kubeflow"
+API_SERVER_DEPLOYMENT = "ml-pipeline"
+API_SERVER_CONTAINER = "ml-pipeline-api-server"
+"""Where the KFP manifests (kubeflow/pipelines manifests/kustomize/base/pipeline) run the API
+server, whose image tag names its release (ghcr.io/kubeflow/kfp-api-server:2.5.0)."""
 
 _RELEASE_TAG = re.compile(r"v?(\d+)\.(\d+)\.(\d+)(?:[-+.][0-9A-Za-z.+-]*)?")
+
+
+def _dotted(version: tuple[int, int, int]) -> str:
+    return ".".join(map(str, version))
 
 
 def release_version(tag_name: str | None) -> tuple[int, int, int] | None:
@@ -380,21 +398,87 @@ def release_version(tag_name: str | None) -> tuple[int, int, int] | None:
     return (int(found[1]), int(found[2]), int(found[3])) if found else None
 
 
-def check_backend_version(host: str, tag_name: str | None) -> str | None:
-    """Refuse a backend older than MIN_BACKEND_VERSION; a warning (to print) when its
-    version cannot be read, None when it is new enough."""
-    needed = ".".join(map(str, MIN_BACKEND_VERSION))
-    found = release_version(tag_name)
+def image_release(image: str | None) -> tuple[int, int, int] | None:
+    """The release an image reference is tagged with ('ghcr.io/kubeflow/kfp-api-server:2.5.0',
+    'gcr.io/ml-pipeline/api-server:2.0.5@sha256:...'); None for a digest only, `latest` or no tag."""
+    name = (image or "").strip().split("@", 1)[0]
+    _, colon, tag = name.rpartition(":")
+    if not colon or "/" in tag:  # no tag, or the colon was a registry's port
+        return None
+    return release_version(tag)
+
+
+@dataclass(frozen=True, slots=True)
+class BackendEvidence:
+    """What was learnt about the backend's release before a pipeline is submitted to it."""
+
+    tag_name: str | None
+    """healthz's `tag_name` (None when the answer has none)."""
+    image: str | None = None
+    """The API server's image, read through the Kubernetes API when the tag names no release."""
+    image_problem: str = ""
+    """Why the image could not be read (no kubeconfig, 403, no such deployment...)."""
+
+    def version(self) -> tuple[tuple[int, int, int] | None, str]:
+        """The release and where it was read, or (None, '') when neither names one."""
+        found = release_version(self.tag_name)
+        if found:
+            return found, f"healthz tag_name {self.tag_name!r}"
+        found = image_release(self.image)
+        if found:
+            return found, f"API server image {self.image}"
+        return None, ""
+
+
+def retried_sub_dag_tasks(pipeline_spec: Mapping[str, Any]) -> list[str]:
+    """Tasks of a compiled pipeline that have a retry policy and sit in a sub-DAG (not the
+    root): those a backend before SUB_DAG_RETRY_VERSION runs once."""
+    return sorted(
+        name
+        for component in (pipeline_spec.get("components") or {}).values()
+        for name, task in ((component.get("dag") or {}).get("tasks") or {}).items()
+        if task.get("retryPolicy")
+    )
+
+
+def check_backend_version(
+    host: str, evidence: BackendEvidence, retried_tasks: Sequence[str] = ()
+) -> str | None:
+    """Refuse a backend older than MIN_BACKEND_VERSION; a one-line warning (to print) when
+    its version cannot be read or when it would drop the retries of `retried_tasks`
+    (`retried_sub_dag_tasks`); None when it runs the pipeline as compiled."""
+    needed = _dotted(MIN_BACKEND_VERSION)
+    retry_needed = _dotted(SUB_DAG_RETRY_VERSION)
+    retried = ", ".join(retried_tasks)
+    found, source = evidence.version()
     if found is None:
+        image = (
+            f"the API server image {evidence.image!r} names no release"
+            if evidence.image
+            else f"its image could not be read ({evidence.image_problem or 'not tried'})"
+        )
+        retries = (
+            f", and the retries of {retried} need {retry_needed} or later (an older backend runs them once)"
+            if retried
+            else ""
+        )
         return (
-            f"cannot tell the Kubeflow Pipelines version at {host} (healthz tag_name {tag_name!r}, "
-            f"a development build?): rtp's pipeline needs {needed} or later; going on"
+            f"cannot tell the Kubeflow Pipelines version at {host}: healthz tag_name {evidence.tag_name!r} "
+            f"(releases {UNKNOWN_TAG_RELEASES} and development builds say 'unknown') and {image}; "
+            f"rtp's pipeline needs {needed} or later{retries}; going on"
         )
     if found < MIN_BACKEND_VERSION:
         raise KfpError(
-            f"the Kubeflow Pipelines backend at {host} is {'.'.join(map(str, found))} but rtp's pipeline "
+            f"the Kubeflow Pipelines backend at {host} is {_dotted(found)} ({source}) but rtp's pipeline "
             f"needs {needed} or later (older drivers reject or ignore its PVC, secret, node selector and "
             f"toleration parameters): upgrade Kubeflow Pipelines to {needed}+ (docs/eks.md, step 2)"
+        )
+    if retried and found < SUB_DAG_RETRY_VERSION:
+        return (
+            f"the Kubeflow Pipelines backend at {host} is {_dotted(found)} ({source}): it drops the retries "
+            f"of {retried} (tasks inside the exit handler and condition; retries there need {retry_needed}, "
+            "kubeflow/pipelines#11908), so each runs once and their own S3 and MLflow retries are all "
+            f"they get; upgrade to {retry_needed}+ for pod-level retries; going on"
         )
     return None
 

@@ -85,10 +85,11 @@ def _local_package(args: argparse.Namespace, folder: Path) -> Any:
     return load_package(args.package) if args.package else compile_package(folder, args.image)
 
 
-def _connect(args: argparse.Namespace, submits: bool = True) -> Any:
-    """Connect; when the command submits a pipeline (`submits`), refuse a backend too old to
-    run it, and warn when its version cannot be read."""
-    from rtp_cli.kfp_api import connect
+def _connect(args: argparse.Namespace, submitted: dict[str, Any] | None) -> Any:
+    """Connect; when the command submits a pipeline (`submitted`, its compiled spec), refuse a
+    backend too old to run it, and warn when its version cannot be read or when it would drop
+    the retries of the spec's tasks inside sub-DAGs."""
+    from rtp_cli.kfp_api import api_server_image, connect
 
     if args.token is not None:
         raise kfp_checks.KfpError(
@@ -102,7 +103,15 @@ def _connect(args: argparse.Namespace, submits: bool = True) -> Any:
         ui_host=args.ui_host,
         insecure=args.insecure,
     )
-    warning = kfp_checks.check_backend_version(conn.host, conn.backend_tag) if submits else None
+    if submitted is None:
+        return conn
+    evidence = kfp_checks.BackendEvidence(conn.backend_tag)
+    if kfp_checks.release_version(conn.backend_tag) is None:
+        image, problem = api_server_image()
+        evidence = kfp_checks.BackendEvidence(conn.backend_tag, image, problem)
+    warning = kfp_checks.check_backend_version(
+        conn.host, evidence, kfp_checks.retried_sub_dag_tasks(submitted)
+    )
     if warning:
         print(f"rtp {args.command}: warning: {warning}", file=sys.stderr)
     return conn
@@ -145,7 +154,7 @@ def _cmd_upload(args: argparse.Namespace) -> int:
             package_version, commit, dirty, package.sha256
         )
         name = _pipeline_name(package, args.name)
-        conn = _connect(args)
+        conn = _connect(args, package.spec)
         result = upload(
             conn,
             package,
@@ -224,7 +233,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             args.param, kfp_checks.pipeline_parameters(package.spec)
         )
         name = _pipeline_name(package, args.name)
-        conn = _connect(args)
+        conn = _connect(args, package.spec)
         stamp = utc_now().strftime("%Y-%m-%d %H:%M:%S")
         if args.version:
             pipeline_id, version = _resolve_version(conn, name, args.version)
@@ -327,7 +336,9 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
             args.param, kfp_checks.pipeline_parameters(package.spec)
         )
     pipeline_name = _pipeline_name(package, args.pipeline)
-    conn = _connect(args, submits=defines)  # enabling, disabling or deleting submits nothing
+    conn = _connect(
+        args, package.spec if defines else None
+    )  # enabling, disabling or deleting submits nothing
 
     if not defines:  # only change the state of an existing one
         experiment_id = kc.find_experiment(conn, args.experiment)
@@ -424,7 +435,7 @@ def _cmd_runs(args: argparse.Namespace) -> int:
 
     if not 1 <= args.limit <= 1000:
         raise KfpError(f"--limit {args.limit} must be within 1-1000")
-    conn = _connect(args, submits=False)
+    conn = _connect(args, None)
     experiment_id = None
     if args.experiment:
         experiment_id = kc.find_experiment(conn, args.experiment)

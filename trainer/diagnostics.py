@@ -27,8 +27,10 @@ log = logging.getLogger(__name__)
 
 FLIGHT_RECORDER_ENTRIES = 2000
 """Collectives kept per process (a ring buffer): a few steps of FSDP's per-layer collectives."""
-FLIGHT_RECORDER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
-"""torch's name for the buffer size, and its older NCCL-only name (same value)."""
+FLIGHT_RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"
+"""torch's name for the buffer size. Its older NCCL-only name, TORCH_NCCL_TRACE_BUFFER_SIZE, is
+still read (and a value a user gave there is kept) but torch warns once per rank when it is set."""
+DEPRECATED_FLIGHT_RECORDER_ENV = "TORCH_NCCL_TRACE_BUFFER_SIZE"
 FR_PREFIX = "fr_rank_"
 STACKS_PREFIX = "stacks_rank_"
 KEEP_TEARDOWNS = 5
@@ -38,9 +40,8 @@ long run on many ranks must not pile them up on the shared volume."""
 
 def enable_flight_recorder(environ: MutableMapping[str, str] = os.environ) -> None:
     """Record collectives from the next process group on, unless the user chose a size."""
-    chosen = next((environ[name] for name in FLIGHT_RECORDER_ENV if environ.get(name)), None)
-    for name in FLIGHT_RECORDER_ENV:
-        environ.setdefault(name, chosen or str(FLIGHT_RECORDER_ENTRIES))
+    if not environ.get(FLIGHT_RECORDER_ENV) and not environ.get(DEPRECATED_FLIGHT_RECORDER_ENV):
+        environ[FLIGHT_RECORDER_ENV] = str(FLIGHT_RECORDER_ENTRIES)
 
 
 def diagnostics_dir(workdir: str | Path, attempt: str) -> Path:

@@ -26,6 +26,8 @@ uid, on the node it had unless the job's current node affinity excludes it (then
 node). A job does not finish while one of its pods sits on an unhealthy node. `batch/v1` Jobs
 (the stage step's parts) are checked against the client's V1Job model and kept; a test's
 `batch_runner` runs their pods and says how they ended.
+Deployments added with `add_deployment` (the KFP API server's, whose image `rtp upload` reads)
+can be read by name, or answer 403 when `forbidden` holds `get-deployment`.
 A job pod's volumes are the job's pod template's. Standalone pods (`add_pod`, the train
 step's own pod) can be read by name; a job's `metadata.ownerReferences` are checked against
 the client's V1OwnerReference model, and the garbage collector is imitated: a job none of
@@ -243,9 +245,11 @@ class FakeKubernetes:
         self.deleted_pods: list[str] = []
         """Job pods deleted through the API (each then recreated, as the operator would)."""
         self.forbidden: set[str] = set()
-        """Verbs answered 403 (`patch`, `delete-pod`), like a Role without them."""
+        """Verbs answered 403 (`patch`, `delete-pod`, `get-deployment`), like a Role without them."""
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}
         """Standalone pods by (namespace, name): the train step's own pod (`add_pod`)."""
+        self.deployments: dict[tuple[str, str], dict[str, Any]] = {}
+        """apps/v1 Deployments by (namespace, name) (`add_deployment`)."""
         self.batch_jobs: dict[tuple[str, str], dict[str, Any]] = {}
         """batch/v1 Jobs by (namespace, name), each checked against the client's V1Job model."""
         self.batch_runner: Callable[[dict[str, Any]], dict[str, Any]] | None = None
@@ -293,6 +297,25 @@ class FakeKubernetes:
             }
             self.pods[(namespace, name)] = pod
             return pod
+
+    def add_deployment(self, namespace: str, name: str, containers: dict[str, str]) -> dict[str, Any]:
+        """A Deployment whose pod template runs `containers` (name -> image); returns it."""
+        with self._lock:
+            labels = {"app": name}
+            deployment = {
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "metadata": {"name": name, "namespace": namespace, "uid": f"deployment-uid-{name}"},
+                "spec": {
+                    "selector": {"matchLabels": labels},
+                    "template": {
+                        "metadata": {"labels": labels},
+                        "spec": {"containers": [{"name": c, "image": i} for c, i in containers.items()]},
+                    },
+                },
+            }
+            self.deployments[(namespace, name)] = deployment
+            return deployment
 
     def delete_pod(self, namespace: str, name: str) -> None:
         """Delete a standalone pod; the garbage collector then deletes the jobs it owned alone."""
@@ -632,6 +655,16 @@ class FakeKubernetes:
                         if job is None:
                             return self._status(404, "NotFound", f'jobs.batch "{parts[6]}" not found')
                         return self._send(200, job)
+                if parts[:3] == ["apis", "apps", "v1"] and len(parts) == 7 and parts[5] == "deployments":
+                    with fake._lock:
+                        if "get-deployment" in fake.forbidden:
+                            return self._status(
+                                403, "Forbidden", f'deployments.apps "{parts[6]}" is forbidden: cannot get'
+                            )
+                        deployment = fake.deployments.get((parts[4], parts[6]))
+                        if deployment is None:
+                            return self._status(404, "NotFound", f'deployments.apps "{parts[6]}" not found')
+                        return self._send(200, deployment)
                 with fake._lock:
                     if parts[:2] == ["api", "v1"] and len(parts) >= 4 and parts[2] == "namespaces":
                         return self._pods(parts, query)

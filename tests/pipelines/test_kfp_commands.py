@@ -41,6 +41,9 @@ def isolated_environment(monkeypatch, tmp_path):
     ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(kfp_checks.TOKEN_PATH_ENV, str(tmp_path / "no-token-here"))
+    # No cluster either: the version check reads the API server's image only where a test says.
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-kubeconfig-here"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setattr(kfp.Client, "_LOCAL_KFP_CONTEXT", str(tmp_path / "kfp-context.json"))
 
 
@@ -194,7 +197,7 @@ def test_an_older_backend_is_refused_in_one_line_before_anything_is_sent(old_bac
         assert code == 2, out
         [line] = err.strip().splitlines()
         assert (
-            "is 2.4.1 but rtp's pipeline needs 2.5.0 or later" in line
+            "is 2.4.1 (healthz tag_name '2.4.1') but rtp's pipeline needs 2.5.0 or later" in line
             and "upgrade Kubeflow Pipelines" in line
         )
     assert old_backend.pipelines == {} and old_backend.runs == {} and old_backend.recurring_runs == {}
@@ -210,14 +213,27 @@ def test_reading_and_deleting_still_work_on_an_older_backend(old_backend, packag
     assert code == 0 and "nothing to delete" in out and err == ""
 
 
-def test_the_oldest_supported_backend_is_accepted_without_a_warning(upstream_specs, package, capsys):
-    fake = _start(upstream_specs, tag_name="2.5.0")
+def test_a_backend_that_honours_every_retry_is_accepted_without_a_warning(upstream_specs, package, capsys):
+    fake = _start(upstream_specs, tag_name="2.14.0")
     try:
         code, out, err = _upload(capsys, fake, package, "--version", "v1")
     finally:
         fake.stop()
     assert code == 0 and "created pipeline" in out
     assert err == ""
+
+
+def test_a_backend_before_2_14_is_told_it_drops_the_retries(upstream_specs, package, capsys):
+    fake = _start(upstream_specs, tag_name="2.5.0")
+    try:
+        code, out, err = _upload(capsys, fake, package, "--version", "v1")
+    finally:
+        fake.stop()
+    assert code == 0 and "created pipeline" in out
+    [line] = err.strip().splitlines()
+    assert line.startswith("rtp upload: warning: the Kubeflow Pipelines backend at")
+    # The compiled pipeline's retried tasks, all inside the exit handler or the condition.
+    assert "drops the retries of register-model, stage-data, stage-model" in line and "2.14.0" in line
 
 
 @pytest.mark.parametrize("tag_name", ["unknown", "master", None])
@@ -231,6 +247,78 @@ def test_an_unreadable_version_warns_and_goes_on(upstream_specs, package, capsys
     [line] = err.strip().splitlines()
     assert line.startswith("rtp run: warning: cannot tell the Kubeflow Pipelines version")
     assert "needs 2.5.0 or later" in line and len(fake.runs) == 1
+    assert "no kubeconfig" in line and "need 2.14.0 or later" in line
+
+
+def _kubeconfig(path: Path, server: str) -> Path:
+    path.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "fake", "cluster": {"server": server}}],
+                "users": [{"name": "fake", "user": {"token": "t"}}],
+                "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
+                "current-context": "fake",
+            }
+        )
+    )
+    return path
+
+
+@pytest.fixture
+def release_image_cluster(upstream_specs, monkeypatch, tmp_path):
+    """A release build's backend: healthz says `unknown` (KFP 2.5.0-2.15.x images do), and the
+    cluster in the kubeconfig runs its API server (a FAKE Kubernetes API, tests/fakes)."""
+    from tests.fakes.kube_api import FakeKubernetes
+
+    fake = _start(upstream_specs, tag_name="unknown")
+    with FakeKubernetes(upstream_specs / "crds") as cluster:
+        monkeypatch.setenv("KUBECONFIG", str(_kubeconfig(tmp_path / "kubeconfig", cluster.url)))
+        yield fake, cluster
+    fake.stop()
+
+
+def _api_server(cluster, tag: str) -> None:
+    cluster.add_deployment(
+        "kubeflow", "ml-pipeline", {"ml-pipeline-api-server": f"ghcr.io/kubeflow/kfp-api-server:{tag}"}
+    )
+
+
+def test_the_api_server_image_refuses_an_old_release_healthz_hides(release_image_cluster, package, capsys):
+    fake, cluster = release_image_cluster
+    _api_server(cluster, "2.4.1")
+    code, out, err = rtp(capsys, "run", "--host", fake.url, "--package", str(package))
+    assert code == 2, out
+    [line] = err.strip().splitlines()
+    assert "is 2.4.1 (API server image ghcr.io/kubeflow/kfp-api-server:2.4.1)" in line
+    assert fake.runs == {}
+
+
+def test_the_api_server_image_says_a_release_drops_the_retries(release_image_cluster, package, capsys):
+    fake, cluster = release_image_cluster
+    _api_server(cluster, "2.5.0")
+    code, out, err = rtp(capsys, "run", "--host", fake.url, "--package", str(package))
+    assert code == 0 and "started run" in out
+    [line] = err.strip().splitlines()
+    assert "is 2.5.0 (API server image" in line and "drops the retries of register-model" in line
+
+
+def test_the_api_server_image_of_a_new_release_needs_no_warning(release_image_cluster, package, capsys):
+    fake, cluster = release_image_cluster
+    _api_server(cluster, "2.15.0")
+    code, out, err = rtp(capsys, "run", "--host", fake.url, "--package", str(package))
+    assert code == 0 and "started run" in out and err == ""
+
+
+def test_an_unreadable_api_server_image_says_why(release_image_cluster, package, capsys):
+    fake, cluster = release_image_cluster
+    _api_server(cluster, "2.15.0")
+    cluster.forbidden.add("get-deployment")  # a profile user's token may not read kubeflow's objects
+    code, out, err = rtp(capsys, "run", "--host", fake.url, "--package", str(package))
+    assert code == 0 and "started run" in out
+    [line] = err.strip().splitlines()
+    assert "cannot tell" in line and "403 Forbidden for deployment kubeflow/ml-pipeline" in line
 
 
 # --- run --------------------------------------------------------------------------------------

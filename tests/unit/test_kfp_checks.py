@@ -256,12 +256,82 @@ def test_release_version_reads_release_tags_only(tag_name, version):
     assert kfp_checks.release_version(tag_name) == version
 
 
-def test_backend_version_refuses_older_accepts_newer_and_warns_on_unknown():
-    with pytest.raises(kfp_checks.KfpError, match=r"is 2\.4\.1 but rtp's pipeline needs 2\.5\.0 or later"):
-        kfp_checks.check_backend_version("http://kfp", "2.4.1")
-    with pytest.raises(kfp_checks.KfpError, match=r"is 1\.8\.5 but"):
-        kfp_checks.check_backend_version("http://kfp", "1.8.5")
-    assert kfp_checks.check_backend_version("http://kfp", "2.5.0") is None
-    assert kfp_checks.check_backend_version("http://kfp", "v3.0.0") is None
-    warning = kfp_checks.check_backend_version("http://kfp", "unknown")
-    assert warning and "cannot tell" in warning and "2.5.0" in warning and "\n" not in warning
+def _tag(tag_name):
+    return kfp_checks.BackendEvidence(tag_name)
+
+
+def test_backend_version_refuses_an_older_release():
+    with pytest.raises(
+        kfp_checks.KfpError,
+        match=r"is 2\.4\.1 \(healthz tag_name '2\.4\.1'\) but rtp's pipeline needs 2\.5\.0 or later",
+    ):
+        kfp_checks.check_backend_version("http://kfp", _tag("2.4.1"))
+    with pytest.raises(kfp_checks.KfpError, match=r"is 1\.8\.5 "):
+        kfp_checks.check_backend_version("http://kfp", _tag("1.8.5"))
+
+
+def test_backend_version_accepts_newer_releases():
+    assert kfp_checks.check_backend_version("http://kfp", _tag("2.5.0")) is None
+    assert kfp_checks.check_backend_version("http://kfp", _tag("v3.0.0"), ["stage-data"]) is None
+    assert kfp_checks.check_backend_version("http://kfp", _tag("2.14.0"), ["stage-data"]) is None
+
+
+def test_unknown_version_warning_says_what_is_unknown():
+    warning = kfp_checks.check_backend_version(
+        "http://kfp",
+        kfp_checks.BackendEvidence("unknown", None, "the Kubernetes API answered 403 Forbidden"),
+        ["register-model", "stage-data"],
+    )
+    assert warning and "\n" not in warning
+    assert "cannot tell" in warning and "tag_name 'unknown'" in warning and "2.5.0-2.15.x" in warning
+    assert "403 Forbidden" in warning and "needs 2.5.0 or later" in warning
+    assert "retries of register-model, stage-data need 2.14.0" in warning
+
+
+@pytest.mark.parametrize(
+    ("image", "version"),
+    [
+        ("ghcr.io/kubeflow/kfp-api-server:2.5.0", (2, 5, 0)),
+        ("gcr.io/ml-pipeline/api-server:2.0.5", (2, 0, 5)),
+        ("registry.local:5000/kfp-api-server:2.15.1@sha256:" + "a" * 64, (2, 15, 1)),
+        ("registry.local:5000/kfp-api-server", None),
+        ("ghcr.io/kubeflow/kfp-api-server@sha256:" + "a" * 64, None),
+        ("ghcr.io/kubeflow/kfp-api-server:latest", None),
+        (None, None),
+    ],
+)
+def test_image_release_reads_the_tag_only(image, version):
+    assert kfp_checks.image_release(image) == version
+
+
+def test_the_api_server_image_gives_the_version_healthz_hides():
+    old = kfp_checks.BackendEvidence("unknown", "ghcr.io/kubeflow/kfp-api-server:2.4.1")
+    with pytest.raises(
+        kfp_checks.KfpError, match=r"is 2\.4\.1 \(API server image ghcr.io/kubeflow/kfp-api-server:2\.4\.1\)"
+    ):
+        kfp_checks.check_backend_version("http://kfp", old)
+    new = kfp_checks.BackendEvidence("unknown", "ghcr.io/kubeflow/kfp-api-server:2.15.0")
+    assert kfp_checks.check_backend_version("http://kfp", new, ["stage-data"]) is None
+
+
+def test_a_backend_before_2_14_warns_that_it_drops_sub_dag_retries():
+    evidence = kfp_checks.BackendEvidence("unknown", "ghcr.io/kubeflow/kfp-api-server:2.5.0")
+    warning = kfp_checks.check_backend_version("http://kfp", evidence, ["register-model", "stage-data"])
+    assert warning and "\n" not in warning
+    assert "is 2.5.0" in warning and "drops the retries of register-model, stage-data" in warning
+    assert "2.14.0" in warning and "runs once" in warning
+    assert kfp_checks.check_backend_version("http://kfp", evidence, []) is None
+
+
+def test_retried_sub_dag_tasks_are_found_in_the_compiled_spec():
+    spec = {
+        "root": {"dag": {"tasks": {"top": {"retryPolicy": {"maxRetryCount": 3}}}}},
+        "components": {
+            "comp-exit-handler-1": {
+                "dag": {"tasks": {"stage": {"retryPolicy": {"maxRetryCount": 3}}, "train": {}}}
+            },
+            "comp-condition-2": {"dag": {"tasks": {"register": {"retryPolicy": {"maxRetryCount": 3}}}}},
+            "comp-train": {"executorLabel": "exec-train"},
+        },
+    }
+    assert kfp_checks.retried_sub_dag_tasks(spec) == ["register", "stage"]
