@@ -306,7 +306,7 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"{s['nproc']} ranks{where} {s['steps']} steps, checkpoint every {s['checkpoint.every_steps']}, fast tier every "
         f"{s['local_every_steps']}, faults at steps {', '.join(map(str, s['fault_steps']))} on rank {s['fault_rank']}, "
-        f"collective timeout {s['collective_timeout_s']:g}s, soft timeout {s['soft_timeout_s']:g}s",
+        f"collective timeout {s['collective_timeout_s']:g}s, soft timeout {s['soft_timeout_s']}{'' if s['soft_timeout_s'] == 'auto' else 's'}",
         f"{'mechanism':<13} {'fault->resumed':>14} {'shutdown':>9} {'startup':>8} {'faults':>6} {'forked':>6} "
         f"{'redone':>6} {'exact':>8}",
     ]

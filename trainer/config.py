@@ -45,6 +45,7 @@ from trainer.config_sections import (  # noqa: F401  re-exported: callers import
     ResilienceConfig,
     RunConfig,
     TrainingConfig,
+    TrainingMethod,
     WarmStart,
     parse_local_interval,
 )
@@ -144,6 +145,44 @@ PRESETS: dict[str, dict[str, Any]] = {
 tests); bench-cpu holds ~300 MB of checkpoint state (25M parameters + AdamW) and computes
 little per step (2 sequences), so a synchronous save costs about two steps there
 (docs/checkpointing.md): the case asynchronous checkpointing is for (`rtp bench checkpoint`)."""
+
+
+def _validate_timeouts(r: ResilienceConfig) -> None:
+    """The in-process timeouts: each auto or seconds (trainer/timeouts.py)."""
+    if not 0 < r.timeout_floor_s <= r.timeout_ceiling_s or r.timeout_safety_factor < 1:
+        raise ConfigError(
+            "resilience.timeout_floor_s must be positive and at most resilience.timeout_ceiling_s, and "
+            f"resilience.timeout_safety_factor at least 1, got {r.timeout_floor_s:g}, "
+            f"{r.timeout_ceiling_s:g} and {r.timeout_safety_factor:g}"
+        )
+    soft, hard = r.soft_timeout_s, r.hard_timeout_s
+    if soft == "auto" and hard != "auto":
+        raise ConfigError(
+            f"resilience.hard_timeout_s ({hard}) needs a resilience.soft_timeout_s in seconds below it "
+            "(a learned soft timeout is followed by a hard one of its own): set both, or leave both auto"
+        )
+    if soft != "auto" and hard != "auto" and not float(soft) < float(hard):
+        raise ConfigError(
+            f"resilience.soft_timeout_s ({soft}) must be below resilience.hard_timeout_s ({hard})"
+        )
+
+
+def _validate_lora(t: TrainingConfig, kind: str) -> None:
+    """The LoRA settings (training.method=lora), which only Hugging Face models take."""
+    if kind != "hf":
+        raise ConfigError(
+            f"training.method=lora needs a Hugging Face model (model.model_dir), not model.kind={kind}: "
+            "train the built-in byte LM with training.method=full"
+        )
+    if t.lora_rank < 1 or t.lora_alpha < 1 or not 0.0 <= t.lora_dropout < 1.0:
+        raise ConfigError(
+            "training.lora_rank and lora_alpha must be at least 1 and training.lora_dropout in [0, 1), "
+            f"got {t.lora_rank}, {t.lora_alpha} and {t.lora_dropout:g}"
+        )
+    if not [name for name in t.lora_target_modules.split(",") if name.strip()]:
+        raise ConfigError(
+            "training.lora_target_modules is empty: all-linear, or module names such as q_proj,v_proj"
+        )
 
 
 def _set(config: TrainConfig, dotted_key: str, value: Any) -> None:
@@ -422,8 +461,7 @@ def validate(config: TrainConfig) -> None:
     r = config.resilience
     if r.inprocess_restarts < 0:
         raise ConfigError("resilience.inprocess_restarts must be 0 (off) or more")
-    if not 0 < r.soft_timeout_s < r.hard_timeout_s:
-        raise ConfigError("resilience.soft_timeout_s must be positive and below resilience.hard_timeout_s")
+    _validate_timeouts(r)
     if r.collective_timeout_s <= 0 or r.heartbeat_floor_s <= 0:
         raise ConfigError("resilience.collective_timeout_s and heartbeat_floor_s must be positive")
     if r.blocking_work_limit_s <= 0:
@@ -448,12 +486,15 @@ def validate(config: TrainConfig) -> None:
     choices: tuple[tuple[str, str, Any], ...] = (
         ("training.mixed_precision", t.mixed_precision, MixedPrecision),
         ("training.activation_checkpointing", t.activation_checkpointing, ActivationCheckpointing),
+        ("training.method", t.method, TrainingMethod),
     )
     for key, chosen, allowed in choices:
         if chosen not in typing.get_args(allowed):
             raise ConfigError(f"{key} {chosen!r} is not one of {', '.join(typing.get_args(allowed))}")
     if t.activation_checkpointing_every < 1:
         raise ConfigError("training.activation_checkpointing_every must be at least 1")
+    if t.method == "lora":
+        _validate_lora(t, m.kind)
     p = config.parallelism
     if p.dp_replicate < 0 or p.dp_shard < 0:
         raise ConfigError(

@@ -4,6 +4,7 @@ assembles them into `TrainConfig` and is where every caller imports them from.""
 
 from __future__ import annotations
 
+import math
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,6 +15,8 @@ ModelInit = Literal["pretrained", "random"]
 WarmStart = Literal["fresh", "parent"]
 MixedPrecision = Literal["auto", "bf16", "fp32"]
 ActivationCheckpointing = Literal["none", "full", "every_n"]
+DataFormat = Literal["tokens", "examples"]
+TrainingMethod = Literal["full", "lora"]
 CHECKPOINT_MODES: tuple[str, ...] = typing.get_args(CheckpointMode)
 DEFAULT_CHECKPOINT_MODE: CheckpointMode = "async"
 DEFAULT_PRESET = "tiny-cpu"
@@ -94,6 +97,14 @@ class DataConfig:
     """A registered model name: the training ranks also score its MLflow `champion` (a Hugging
     Face version, loaded sharded) on the same windows, into eval.json, so the validate step
     never loads it whole; empty: off (validate scores the champion in its process)."""
+    format: DataFormat = named("data_format", "tokens", pipeline=True)
+    """tokens: a token stream (text, byte or token shards) read in random windows, every token
+    trained on; examples: example shards of `rtp prepare-data --format chat` (conversations
+    rendered with the model's chat template), trained on the assistant's tokens only, with
+    data.global_batch counting examples (docs/fine-tuning.md)."""
+    packing: bool = True
+    """With data.format=examples: lay several examples in one row of seq_len + 1 tokens, each
+    attending only to itself (positions restart per example); false: one example per row."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -130,6 +141,20 @@ def parse_local_interval(dotted_key: str, value: Any) -> int | str:
     if (isinstance(value, int) and not isinstance(value, bool)) or text.isdigit():
         return int(text)
     raise ConfigError(f"{dotted_key} must be auto, budget or a step count (0 = off), got {value!r}")
+
+
+def parse_timeout(dotted_key: str, value: Any) -> float | str:
+    """`resilience.soft_timeout_s` / `hard_timeout_s` from an override or JSON: auto or seconds."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return text
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if isinstance(value, bool) or not math.isfinite(seconds) or seconds <= 0:
+        raise ConfigError(f"{dotted_key} must be auto or a positive number of seconds, got {value!r}")
+    return seconds
 
 
 @dataclass(kw_only=True, slots=True)
@@ -210,10 +235,24 @@ class ResilienceConfig:
     """Soft faults (an exception, a hang) restart training inside the same processes (NVRx
     in-process restart) up to this many times per process; 0 turns the layer off and leaves
     every fault to the launcher (ft_launcher restarts the whole worker group)."""
-    soft_timeout_s: float = 30.0
-    """A rank that reports no progress for this long is considered hung and restarted."""
-    hard_timeout_s: float = 45.0
-    """A hung rank that does not react within this long is terminated (must exceed soft)."""
+    soft_timeout_s: float | str = field(default="auto", metadata={"parse": parse_timeout})
+    """A rank that makes no progress (no step ends, no checkpoint work moves) for this long is
+    hung and restarted in-process. `auto`: learned per run (trainer/timeouts.py) as
+    timeout_safety_factor x the longest step-to-step interval, within timeout_floor_s and
+    timeout_ceiling_s (twice that over the first 8 intervals, the ceiling before the first);
+    kept across restarts in <workdir>/timeouts.json."""
+    hard_timeout_s: float | str = field(default="auto", metadata={"parse": parse_timeout})
+    """A hung rank that does not react within this long is terminated and ft_launcher restarts
+    the worker group (must exceed soft). `auto`: the soft timeout plus timeout_floor_s."""
+    timeout_floor_s: float = 20.0
+    """Least learned soft timeout, and (auto mode) how long one C call may block the main
+    thread before NVRx's automatic progress stamp calls it hung. GPU runs get 120."""
+    timeout_ceiling_s: float = 600.0
+    """Most learned soft timeout, and the one in force before a first step-to-step interval
+    was seen. GPU runs get 1800."""
+    timeout_safety_factor: float = 5.0
+    """Learned soft timeout = this x the longest step-to-step interval (ft_launcher's factor
+    for its heartbeat timeouts)."""
     collective_timeout_s: float = 15.0
     """Process-group timeout: a safety net. A gloo collective cannot be aborted (pytorch
     issue 130345), so an in-process restart shuts the process groups' connections down
@@ -252,8 +291,25 @@ class ResilienceConfig:
 
 @dataclass(kw_only=True, slots=True)
 class TrainingConfig:
-    """How the model's compute runs; none of it changes the weights a checkpoint holds
-    (fp32 master weights whatever the compute dtype), so a run may resume under another."""
+    """How the model's compute runs and which parameters train. Only `method` and the LoRA
+    settings change what a checkpoint holds (a LoRA run's adapters, not its weights); the rest
+    does not (fp32 master weights whatever the compute dtype), so a run may resume under another."""
+
+    method: TrainingMethod = "full"
+    """full: every parameter trains; lora: the model's weights stay frozen and low-rank adapters
+    (peft's LoRA) on `lora_target_modules` train, so gradients, AdamW state and checkpoints hold
+    the adapters only, with the identity of the base model they apply to (Hugging Face models;
+    trainer/lora.py, docs/fine-tuning.md)."""
+    lora_rank: int = 16
+    """LoRA: the adapters' rank r; an adapted weight W (out x in) gains B @ A, A r x in, B out x r."""
+    lora_alpha: int = 32
+    """LoRA: the adapters' output is scaled by lora_alpha / lora_rank."""
+    lora_dropout: float = 0.0
+    """LoRA: dropout on the adapters' input (drawn from the torch RNG, which checkpoints restore)."""
+    lora_target_modules: str = "all-linear"
+    """LoRA: the modules that get adapters: all-linear (every linear layer but the output head:
+    the attention and MLP projections), or module names separated by commas
+    (q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj for Llama)."""
 
     mixed_precision: MixedPrecision = "auto"
     """Compute dtype: bf16 (FSDP2 gathers bf16 parameters and computes in bf16; gradients

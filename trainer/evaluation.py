@@ -385,9 +385,13 @@ class PeriodicEval:
         self.spec = model_spec(config.model.kind)
         self.tokenizer = self.spec.tokenizer(config.model)
         self.batches: list[torch.Tensor] | None = None  # read at the first pass
+        self.held: Any = None  # the same, for data.format=examples
 
     def on_step_end(self, result: Any) -> None:
         if result.step % self.config.data.eval_every_steps:
+            return
+        if self.config.data.format == "examples":
+            self._score_examples(result.step)
             return
         if self.batches is None:
             from trainer.data import holdout_batches, load_tokens, split_files
@@ -411,6 +415,23 @@ class PeriodicEval:
                 self.model.train(True)
         self.on_score(result.step, score)
 
+    def _score_examples(self, step: int) -> None:
+        from trainer.examples_eval import example_holdout, score_examples
+
+        if self.held is None:
+            data = self.config.data
+            self.held = example_holdout(
+                data.dataset_dir, self.config.model.seq_len, data.eval_windows, self.tokenizer.eos_id
+            )
+        with self.keepalive():
+            try:
+                score = score_examples(
+                    self.model, self.held, self.tokenizer, self.device, eval_rows_per_forward(self.config)
+                )
+            finally:
+                self.model.train(True)
+        self.on_score(step, score)
+
 
 def write_eval_record(
     model: nn.Module, config: Any, model_sha256: str, step: int, rank: int, device: torch.device
@@ -423,22 +444,41 @@ def write_eval_record(
     from trainer.models import model_spec
 
     spec = model_spec(config.model.kind)
-    _, holdout = split_files(config.data.dataset_dir, config.data.holdout_fraction)
-    tokens = load_tokens(holdout)
-    batches = holdout_batches(tokens, config.model.seq_len, max_windows=config.data.eval_windows)
+    tokenizer = spec.tokenizer(config.model)
     was_training = model.training
-    try:
-        score = score_windows(
-            model,
-            spec.loss,
-            batches,
-            spec.tokenizer(config.model),
-            device,
-            rows_per_forward=eval_rows_per_forward(config),
+    champion: dict[str, Any] | None = None
+    if config.data.format == "examples":  # the assistant tokens of holdout conversations
+        from trainer.examples_eval import example_holdout, score_examples
+
+        held = example_holdout(
+            config.data.dataset_dir, config.model.seq_len, config.data.eval_windows, tokenizer.eos_id
         )
-    finally:
-        model.train(was_training)
-    champion = _champion_entry(model, config, batches, rank, device) if config.data.eval_champion else None
+        try:
+            score = score_examples(
+                model, held, tokenizer, device, rows_per_forward=eval_rows_per_forward(config)
+            )
+        finally:
+            model.train(was_training)
+        holdout_entry = {**held.identity(config.model.seq_len), "tokens": held.tokens}
+        if config.data.eval_champion:
+            champion = {
+                "scored": False,
+                "model_name": config.data.eval_champion,
+                "reason": "data.format=examples: the validate step scores the champion on the same conversations",
+            }
+    else:
+        _, holdout = split_files(config.data.dataset_dir, config.data.holdout_fraction)
+        tokens = load_tokens(holdout)
+        batches = holdout_batches(tokens, config.model.seq_len, max_windows=config.data.eval_windows)
+        try:
+            score = score_windows(
+                model, spec.loss, batches, tokenizer, device, rows_per_forward=eval_rows_per_forward(config)
+            )
+        finally:
+            model.train(was_training)
+        holdout_entry = {**holdout_identity(holdout, batches, config.model.seq_len), "tokens": tokens.numel()}
+        if config.data.eval_champion:
+            champion = _champion_entry(model, config, batches, rank, device)
     if rank != 0:
         return None
     record = {
@@ -446,7 +486,7 @@ def write_eval_record(
         "model_sha256": model_sha256,
         "step": step,
         "model_kind": config.model.kind,
-        "holdout": {**holdout_identity(holdout, batches, config.model.seq_len), "tokens": tokens.numel()},
+        "holdout": holdout_entry,
         "loss": score.nats_per_token,
         "bits_per_byte": score.bits_per_byte,
         "nats_total": score.nats_total,

@@ -325,12 +325,39 @@ class ExampleSampler:
 
 
 def masked_loss(model: torch.nn.Module, batch: ExampleBatch) -> torch.Tensor:
-    """Summed cross-entropy of the batch's targets times its scale (module docstring)."""
+    """Summed cross-entropy of the batch's targets times its scale (module docstring).
+
+    For the architectures whose loss runs the output head chunk by chunk
+    (`hf_causal_lm.CHUNKED_HEAD_MODEL_TYPES`) only the target positions' hidden states go
+    through the head, in chunks, inside the root's forward: no full-vocabulary logits of the
+    whole batch exist, and prompt positions cost no head matmul."""
+    from trainer.models.hf_causal_lm import CHUNKED_HEAD_MODEL_TYPES
+    from trainer.models.spec import run_as_forward
+
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) in CHUNKED_HEAD_MODEL_TYPES:
+        return run_as_forward(model, _chunked_masked_loss, batch)  # type: ignore[arg-type]
     out = model(input_ids=batch.ids[:, :-1], position_ids=batch.positions[:, :-1], use_cache=False)
-    logits = out.logits.float()
-    labels = batch.ids[:, 1:]
+    logits = out.logits
     chosen = batch.targets.bool()
     if not chosen.any():
-        return logits.sum() * 0.0  # keeps every parameter in the graph (FSDP's backward hooks)
-    loss = torch.nn.functional.cross_entropy(logits[chosen], labels[chosen], reduction="sum")
+        return logits.float().sum() * 0.0  # keeps every parameter in the graph (FSDP's backward hooks)
+    loss = torch.nn.functional.cross_entropy(
+        logits[chosen].float(), batch.ids[:, 1:][chosen], reduction="sum"
+    )
     return loss * batch.scale
+
+
+def _chunked_masked_loss(model: Any, batch: ExampleBatch) -> torch.Tensor:
+    from trainer.models.spec import chunked_cross_entropy
+
+    hidden = model.base_model(
+        input_ids=batch.ids[:, :-1], position_ids=batch.positions[:, :-1], use_cache=False
+    ).last_hidden_state
+    head = model.get_output_embeddings()
+    chosen = batch.targets.bool()
+    count = int(chosen.sum())
+    if count == 0:  # padding rows only: zero, with the head and every layer still in the graph
+        return head(hidden[:, :1]).float().sum() * 0.0
+    mean = chunked_cross_entropy(hidden[chosen], head, batch.ids[:, 1:][chosen], vocab_size=head.out_features)
+    return mean * (count * batch.scale)

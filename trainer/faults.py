@@ -18,7 +18,8 @@ Kinds:
 - `node-loss`: the rank's node is replaced: what it kept in the fast tier's node-local
   folder (its captures, the replicas it holds) is removed, then it is killed; its state
   must come from a peer (a replica, or under HSDP a twin) or the durable checkpoint;
-- `slow-save`: the save at STEP blocks every rank for twice `resilience.soft_timeout_s`
+- `slow-save`: the save at STEP blocks every rank for twice the in-process watchdog's soft
+  timeout (`resilience.soft_timeout_s`, or `timeout_floor_s` when that is auto)
   (a slow file system; RANK is ignored, nothing is recorded, a redone step is slow again):
   the in-process watchdog and the launcher's heartbeats must stay alive through it;
 - `slow`: from STEP on, the rank's local work (the optimizer step) takes MS milliseconds

@@ -12,6 +12,10 @@ and tested without processes.
   detection time (in-process only: when the wrapper began tearing the attempt down),
   shutdown (fault → the new attempt's process/function started) and startup (→ first step
   of the new attempt, with its phases), and the steps redone.
+- Each restart's `cause` (soft_timeout, hard_timeout, collective_timeout, exception,
+  unresponsive, terminated, launcher, relaunch) and `cause_detail` come from the ranks' notes of the attempt before it
+  (trainer/restart_causes.py); `kind` is the injected fault's kind, or the cause when none
+  was injected.
 - *Goodput* is productive step time — each step counted once, in the execution that
   lasted — over the run's wall time.
 """
@@ -22,7 +26,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from trainer import restart_causes
 from trainer.faults import fired_faults
+from trainer.restart_causes import RestartCause
 
 
 def read_events(workdir: str | Path) -> list[dict[str, Any]]:
@@ -40,8 +46,33 @@ def read_events(workdir: str | Path) -> list[dict[str, Any]]:
     return events[launches[-1] :] if launches else events
 
 
-def analyze(events: list[dict[str, Any]], faults: list[dict[str, Any]], end_time: float) -> dict[str, Any]:
-    """Restarts, goodput and lost steps of one run."""
+def _cause(
+    previous: dict[str, Any], attempt: dict[str, Any], mechanism: str, notes: list[dict[str, Any]]
+) -> RestartCause:
+    """What ended `previous`, from the ranks' notes written between the two attempts."""
+    since, until = previous.get("at", previous["time"]), attempt.get("at", attempt["time"])
+    mine = [
+        note
+        for note in notes
+        if note.get("launcher_restart", 0) == previous.get("launcher_restart", 0)
+        and note.get("iteration", 0) == previous.get("inprocess_iteration", 0)
+        and since <= note.get("time", since) <= until
+    ]
+    merged = restart_causes.merge(mine)
+    if merged is not None:
+        return merged
+    if mechanism == "launcher":  # no rank could say: one was killed or exited
+        return RestartCause(restart_causes.LAUNCHER)
+    return RestartCause(restart_causes.RELAUNCH if mechanism == "cold" else restart_causes.UNKNOWN)
+
+
+def analyze(
+    events: list[dict[str, Any]],
+    faults: list[dict[str, Any]],
+    end_time: float,
+    causes: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Restarts, goodput and lost steps of one run; `causes`: the ranks' restart notes."""
     attempts = [e for e in events if e["kind"] == "attempt_start"]
     starts = [e for e in events if e["kind"] == "launch"] or attempts[:1]
     run_start = starts[0].get("at", starts[0]["time"]) if starts else end_time
@@ -84,8 +115,11 @@ def analyze(events: list[dict[str, Any]], faults: list[dict[str, Any]], end_time
         restarted_at = attempt.get("process_started_at") if mechanism != "inprocess" else None
         restarted_at = restarted_at or attempt_at
         fault_at = fault["time"] if fault else None
+        cause = _cause(previous, attempt, mechanism, causes or [])
         record: dict[str, Any] = {
-            "kind": fault["kind"] if fault else "unknown",
+            "kind": fault["kind"] if fault else cause.cause,
+            "cause": cause.cause,
+            "cause_detail": cause.describe(),
             "mechanism": mechanism,
             "fault_rank": fault["rank"] if fault else None,
             "fault_step": fault["step"] if fault else None,
@@ -121,4 +155,4 @@ def analyze(events: list[dict[str, Any]], faults: list[dict[str, Any]], end_time
 
 
 def analyze_run(workdir: str | Path, end_time: float) -> dict[str, Any]:
-    return analyze(read_events(workdir), fired_faults(workdir), end_time)
+    return analyze(read_events(workdir), fired_faults(workdir), end_time, restart_causes.read_notes(workdir))

@@ -3,10 +3,13 @@
 One timeout table (`GPU_RESILIENCE`, `GPU_LAUNCHER`) and the environment NVRx's in-process
 restart needs on NCCL (`NCCL_ENV`). Which layer catches what on a GPU:
 
-- a hang (no step, no checkpoint progress): the in-process soft timeout (300 s) aborts the
-  NCCL communicators and restarts training in the same processes; a rank that does not react
-  is killed at the hard timeout (600 s) and ft_launcher restarts the worker group;
-- the NCCL watchdog (the process group's timeout, 900 s) must outlast the hard timeout: when it
+- a hang (no step, no checkpoint progress): the in-process soft timeout aborts the NCCL
+  communicators and restarts training in the same processes; a rank that does not react is
+  killed at the hard timeout and ft_launcher restarts the worker group. Both are learned from
+  the run's step times (trainer/timeouts.py) between a floor of 120 s and a ceiling of 1800 s
+  (a 70B step with a large global batch takes minutes; a small model's hang is seen in two);
+- the NCCL watchdog (the process group's timeout, 900 s) must outlast the in-process wrapper's
+  own hard timeout (twice the floor, what a main thread blocked in one C call meets): when it
   fires it ends the process, which would pre-empt the in-process layer (NVRx's usage guide,
   "Requirements for the execution environment");
 - ft_launcher's heartbeat timeouts (1200 s before the first, 900 s after) outlast both, so it
@@ -32,8 +35,8 @@ if TYPE_CHECKING:
 
 GPU_RESILIENCE: dict[str, float] = {
     "collective_timeout_s": 900.0,
-    "soft_timeout_s": 300.0,
-    "hard_timeout_s": 600.0,
+    "timeout_floor_s": 120.0,
+    "timeout_ceiling_s": 1800.0,
     "heartbeat_floor_s": 120.0,
     "blocking_work_limit_s": 3600.0,
     "allreduce_check_mib": 256.0,
@@ -75,20 +78,31 @@ def apply_nccl_environment(environ: MutableMapping[str, str] | None = None) -> d
 def check_timeouts(resilience: ResilienceConfig, device_type: str) -> None:
     """The ordering of the collective timeout against the in-process hard timeout that the
     device's backend needs; fails in one line before training starts."""
+    from trainer.timeouts import watchdog_timeouts
+
     r = resilience
     if not r.inprocess_restarts:
         return
-    if device_type == "cuda" and r.collective_timeout_s <= r.hard_timeout_s:
+    # What a main thread blocked in one collective meets: the wrapper's own hard timeout.
+    _, hard_s = watchdog_timeouts(r)
+    hard = (
+        "resilience.hard_timeout_s"
+        if r.hard_timeout_s != "auto"
+        else "resilience.soft_timeout_s + timeout_floor_s"
+        if r.soft_timeout_s != "auto"
+        else "twice resilience.timeout_floor_s"
+    )
+    if device_type == "cuda" and r.collective_timeout_s <= hard_s:
         raise ConfigError(
             f"resilience.collective_timeout_s ({r.collective_timeout_s:g}) must exceed "
-            f"resilience.hard_timeout_s ({r.hard_timeout_s:g}) on GPUs: the NCCL watchdog ends the "
+            f"{hard} ({hard_s:g}) on GPUs: the NCCL watchdog ends the "
             "process when it fires, before the in-process restart can act; "
             f"the GPU default is {GPU_RESILIENCE['collective_timeout_s']:g}"
         )
-    if device_type != "cuda" and r.collective_timeout_s >= r.hard_timeout_s:
+    if device_type != "cuda" and r.collective_timeout_s >= hard_s:
         raise ConfigError(
             f"resilience.collective_timeout_s ({r.collective_timeout_s:g}) must be below "
-            f"resilience.hard_timeout_s ({r.hard_timeout_s:g}) on CPU: a rank waiting in a gloo "
+            f"{hard} ({hard_s:g}) on CPU: a rank waiting in a gloo "
             "collective on a failed peer is only released by that timeout"
         )
 

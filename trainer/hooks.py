@@ -37,6 +37,9 @@ class Attempt:
     diagnostics: str = ""
     """The folder where the teardown before this attempt left each rank's stacks and
     flight recorder dump (trainer/diagnostics.py); empty for a first attempt."""
+    restart_cause: str = ""
+    """What ended the previous attempt in this process, as this rank saw it (a soft timeout, an
+    exception and its type, ...: trainer/restart_causes.py); empty for a process's first."""
 
     @property
     def is_restart(self) -> bool:

@@ -211,11 +211,15 @@ def _forward_sigterm(process: subprocess.Popen[str]) -> Iterator[None]:
 
 
 def mark_new_run(workdir: str | Path) -> None:
-    """A new run (not a restart) begins: forget fired faults, open a new goodput window."""
+    """A new run (not a restart) begins: forget fired faults, restart causes and learned
+    timeouts; open a new goodput window."""
+    from trainer import restart_causes, timeouts
     from trainer.faults import clear_fault_records
 
     work = Path(workdir)
     clear_fault_records(work)
+    restart_causes.forget(work)
+    timeouts.forget(work)  # learned from another run's steps
     with (work / "events.jsonl").open("a") as handle:
         handle.write(json.dumps({"kind": "launch", "time": time.time(), "at": time.time()}) + "\n")
 
@@ -247,6 +251,11 @@ def run_local_training(
     # One intra-op thread per rank: ranks with torch's default threading oversubscribe the cores.
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
+    if config.resilience.inprocess_restarts:
+        # NVRx's monitor thread polls the store with 1 s timeouts and c10d warns twice at each
+        # ("waitForInput ... timed out"); torch 2.13's only switch is the C++ log level, read
+        # when a rank imports torch, so it goes into the ranks' environment (the user's wins).
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     command = build_launch_command(nproc, trainer_args, settings=settings, cpu=not _has_cuda())
     log_file = log_path.open("a")  # closed by the copier at the pipe's end
     with launch_tempdir(env):

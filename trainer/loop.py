@@ -40,13 +40,15 @@ from trainer import peer_abort, waiting
 from trainer.checkpointing import CheckpointManager, model_sha256
 from trainer.checkpointing.tier_slots import forget_rank, local_folder
 from trainer.config import TrainConfig
-from trainer.data import StepSampler, check_tokenizer, load_tokens, split_files
+from trainer.data import DataError, StepSampler, check_tokenizer, load_tokens, split_files
 from trainer.determinism import apply_determinism
 from trainer.events import EventLog
+from trainer.examples_data import ExampleBatch, masked_loss
 from trainer.faults import FaultInjector, parse_faults
 from trainer.gpu_defaults import check_timeouts
 from trainer.hooks import Attempt, Callback, StepResult, TrainHooks
 from trainer.link_check import SlowInterconnect, check_links
+from trainer.lora import apply_method
 from trainer.models import model_spec
 from trainer.parallelize import (
     compute_dtype,
@@ -60,6 +62,7 @@ from trainer.parallelize import (
 from trainer.progress import Progress
 from trainer.stragglers import StragglerMonitor
 from trainer.summary import TrainSummary
+from trainer.timeouts import watchdog_timeouts
 
 log = logging.getLogger(__name__)
 
@@ -74,16 +77,25 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float) 
 
 
 def accumulate_gradients(
-    spec: Any, model: torch.nn.Module, micro_batches: list[torch.Tensor], device: torch.device
+    spec: Any,
+    model: torch.nn.Module,
+    micro_batches: Sequence[torch.Tensor | ExampleBatch],
+    device: torch.device,
 ) -> torch.Tensor:
     """Forward and backward over a step's micro-batches; returns this rank's mean loss.
 
-    Reduce-scatter once, after the last micro-batch: its gradient (averaged over the ranks
-    by FSDP) is then the mean over the global batch."""
+    Every micro-batch's backward reduce-scatters its gradients into the sharded ones, which
+    FSDP2 sums, so a rank never keeps the whole model's unsharded gradients between
+    micro-batches. Under HSDP the all-reduce across replica groups waits for the last
+    micro-batch (FSDP2 keeps the partial sum sharded meantime); a 1-D mesh has none to skip.
+    The sum, averaged over the ranks by FSDP, is the mean over the global batch."""
     loss = torch.zeros((), device=device)
     for index, micro_batch in enumerate(micro_batches):
-        cast(FSDPModule, model).set_requires_gradient_sync(index == len(micro_batches) - 1)
-        micro_loss = spec.loss(model, micro_batch.to(device)) / len(micro_batches)
+        cast(FSDPModule, model).set_requires_all_reduce(index == len(micro_batches) - 1)
+        if isinstance(micro_batch, ExampleBatch):  # data.format=examples: its share of the global mean
+            micro_loss = masked_loss(model, micro_batch.to(device))
+        else:
+            micro_loss = spec.loss(model, micro_batch.to(device)) / len(micro_batches)
         micro_loss.backward()
         loss += micro_loss.detach()
     return loss
@@ -192,7 +204,7 @@ class Trainer:
             self.workdir,
             self.rank,
             self.world,
-            slow_save_s=2 * config.resilience.soft_timeout_s,
+            slow_save_s=2 * watchdog_timeouts(config.resilience)[0],
             lose_node=functools.partial(
                 forget_rank,
                 local_folder(config.checkpoint.local_dir, config.checkpoint_dir()),
@@ -255,7 +267,10 @@ class Trainer:
     def _build_model(self, mesh: Any) -> None:
         config, device = self.config, self.device
         self.spec = model_spec(config.model.kind)
-        self.model = self.spec.build_for_training(config.model, device, config.run.seed)
+        # training.method=lora: peft's adapters go in before sharding, the base frozen.
+        self.model = apply_method(
+            self.spec.build_for_training(config.model, device, config.run.seed), config.training
+        )
         mesh = data_parallel_mesh(mesh, config.parallelism, self.model, device)
         parallelize(self.model, mesh, self.spec.fsdp_units(self.model), config.training, device)
         self.events.emit("parallelism", mesh=list(mesh.shape), dims=list(mesh.mesh_dim_names or ("dp",)))
@@ -264,7 +279,8 @@ class Trainer:
             log.info("compute dtype %s, data-parallel mesh %s", dtype, "x".join(map(str, list(mesh.shape))))
         self.spec.init_weights(self.model, config.model, device, config.run.seed)
         opt = config.optimizer
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters
+        self.optimizer = torch.optim.AdamW(trainable, lr=opt.lr, weight_decay=opt.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda s: lr_factor(s, config.run.steps, opt.warmup_steps, opt.min_lr_ratio),
@@ -273,6 +289,29 @@ class Trainer:
     def _build_sampler(self) -> None:
         data = self.config.data
         check_tokenizer(data.dataset_dir, self.spec.tokenizer(self.config.model).identity)
+        if data.format == "examples":
+            from trainer.examples_data import ExampleSampler, load_examples
+
+            train, _, _ = load_examples(data.dataset_dir)
+            self.sampler = ExampleSampler(  # type: ignore[assignment]
+                train,
+                self.config.model.seq_len,
+                data.batch_size,
+                self.config.run.seed,
+                self.rank,
+                world_size=self.world,
+                global_batch=data.global_batch,
+                packing=data.packing,
+                pad_id=self.spec.tokenizer(self.config.model).eos_id,
+            )
+            return
+        from trainer.examples_data import example_index
+
+        if example_index(data.dataset_dir) is not None:
+            raise DataError(
+                f"{data.dataset_dir} holds example shards (conversations with a loss mask): train on them "
+                "with data.format=examples (the pipeline's data_format, `--data-format examples`)"
+            )
         train_files, _ = split_files(data.dataset_dir, data.holdout_fraction)
         self.sampler = StepSampler(
             load_tokens(train_files),

@@ -19,6 +19,7 @@ from typing import Any
 
 from trainer import env
 from trainer.config import TrainConfig
+from trainer.timeouts import watchdog_timeouts
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class Progress:
             # still buffers goes out now, before the new rank 0 looks at the run's history.
             from trainer.live_metrics import close_sink_of
 
-            close_sink_of(config.run.workdir, timeout_s=min(5.0, config.resilience.soft_timeout_s / 4))
+            close_sink_of(config.run.workdir, timeout_s=min(5.0, watchdog_timeouts(config.resilience)[0] / 4))
         if self.enabled and uri:
             from trainer.live_metrics import live_metrics_for, run_identity
 
@@ -158,9 +159,9 @@ class Progress:
         if not self.enabled:
             return
         log.info(
-            "restart %d: %s fault, %s restart, %.1f s down, %s steps redone",
+            "restart %d: %s, %s restart, %.1f s down, %s steps redone",
             number,
-            restart.get("kind"),
+            _what_happened(restart),
             restart.get("mechanism"),
             restart.get("downtime_s") or 0.0,
             restart.get("steps_redone"),
@@ -176,7 +177,7 @@ class Progress:
             int(restart["resumed_step"]),
         )
         self.live.set_tags(
-            {f"rtp.restart.{number}": f"{restart.get('kind')} fault, {restart.get('mechanism')} restart"}
+            {f"rtp.restart.{number}": f"{_what_happened(restart)}, {restart.get('mechanism')} restart"}
         )
 
     def finish(self, summary: dict[str, Any]) -> str:
@@ -195,12 +196,22 @@ class Progress:
         from trainer.live_metrics import close_live_metrics
 
         # A short wait here: rank 0 is inside the in-process wrapper, whose watchdog takes a
-        # rank that makes no progress for soft_timeout_s for hung. What is left is sent while
+        # rank that makes no progress for its soft timeout for hung. What is left is sent while
         # the process exits (the flusher keeps running until then).
-        if self.live.flush(timeout_s=min(10.0, self.config.resilience.soft_timeout_s / 4)):
+        if self.live.flush(timeout_s=min(10.0, watchdog_timeouts(self.config.resilience)[0] / 4)):
             close_live_metrics(self.live)
         else:
             import atexit
 
             atexit.register(close_live_metrics, self.live)
         return str(self.live.run_id)
+
+
+def _what_happened(restart: dict[str, Any]) -> str:
+    """The restart's cause as the machinery saw it, and the injected fault behind it if any:
+    "soft timeout on rank 1 (no progress for 23 s) (injected hang)"."""
+    detail = restart.get("cause_detail") or str(restart.get("kind"))
+    kind = restart.get("kind")
+    if kind and kind != restart.get("cause"):
+        detail += f" (injected {kind})"
+    return detail

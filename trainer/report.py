@@ -147,6 +147,7 @@ def goodput_html(
             f"<td>{_fmt(r.get(key))}</td>"
             for key in (
                 "kind",
+                "cause_detail",
                 "mechanism",
                 "fault_step",
                 "resumed_step",
@@ -182,7 +183,7 @@ td,th{{border:1px solid #ccc;padding:3px 8px;text-align:left}}</style></head>
 <h2>Loss and throughput</h2>
 <div>{curves_html(events, tokens_per_step)}</div>
 <h2>Restarts</h2>
-<table><tr><th>fault</th><th>mechanism</th><th>fault step</th><th>resumed step</th><th>detection s</th>
+<table><tr><th>fault</th><th>cause</th><th>mechanism</th><th>fault step</th><th>resumed step</th><th>detection s</th>
 <th>shutdown s</th><th>startup s</th><th>downtime s</th><th>steps redone</th></tr>{rows}</table>
 <p>Goodput is productive step time (each step counted once, in the execution that lasted)
 over the run's wall time. Shutdown runs from the fault to the restarted attempt; startup

@@ -17,6 +17,12 @@ in-process watchdog is pinged after a step, at most once per `PING_INTERVAL_S`. 
 checkpoint work (saves, waits for writes, loads, the end-of-run fingerprint) runs inside
 `keepalive()`, whose thread goes on pinging and heart-beating, for a bounded time.
 
+Timeouts: the in-process soft and hard timeouts are learned from step times unless set
+(trainer/timeouts.py). NVRx fixes the wrapper's timeouts when it starts, so the wrapper
+gets the floor, and after each step a `_ProgressGate` thread goes on pinging it until the
+learned timeout less the floor has passed without another step. What ended each attempt is
+noted for the restart accounting (trainer/restart_causes.py).
+
 Ports: rank 0 hosts one store server on MASTER_PORT, the port ft_launcher found free for
 the workers' store at this restart; the training store and the wrapper's store share it
 (multi-tenant, disjoint keys). Ports next to it were never reserved: another process could
@@ -49,7 +55,9 @@ from trainer.faults import record_fatal_error
 from trainer.hooks import Abandonable, Attempt, Stateful, StepResult, TrainHooks
 from trainer.link_check import SlowInterconnect
 from trainer.loop import Trainer
+from trainer.restart_causes import RestartCause, cause_of, write_note
 from trainer.summary import TrainSummary
+from trainer.timeouts import StepTimeouts, watchdog_timeouts
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +95,7 @@ class _LauncherClient:
         self.process_started_at = time.time()
         self.steps_seen = 0
         self.last_beat = -math.inf
+        self.timeouts: StepTimeouts | None = None  # the in-process layer's, when learned
         self.lock = threading.Lock()
         if os.environ.get(FT_SOCKET):
             from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
@@ -135,10 +144,15 @@ class _LauncherClient:
         beats = state.get(self.client.CURRENT_TIMEOUTS_STATE_KEY, {}).get("heartbeat")
         if not beats:
             return
+        floor_s = self.floor_s
+        if self.timeouts is not None and self.timeouts.learning:
+            # Learned from the same steps with the same factor: the launcher, which restarts the
+            # whole group, must wait out the in-process layer's hard timeout first.
+            floor_s = max(floor_s, self.timeouts.hard_s)
         floored = dict(
             beats,
-            initial=max(beats["initial"], self.floor_s),
-            subsequent=max(beats["subsequent"], self.floor_s),
+            initial=max(beats["initial"], floor_s),
+            subsequent=max(beats["subsequent"], floor_s),
         )
         if floored != beats:
             # load_state_dict is the client's public way to set timeouts on a live connection.
@@ -167,8 +181,15 @@ class _Hooks(TrainHooks):
         iteration: int,
         detected_at: float | None,
         cache: CaptureCache | None = None,
+        timeouts: StepTimeouts | None = None,
+        restart_cause: str = "",
     ) -> None:
         self.config = config
+        self.timeouts = timeouts or StepTimeouts(config.resilience)
+        self.restart_cause = restart_cause  # what ended the previous attempt, as this rank saw it
+        self.progress_at: float | None = None  # monotonic time of the attempt's last step end
+        self.kept_alive_until = 0.0  # ...and of the end of its last blocking checkpoint work
+        self.gate: _ProgressGate | None = None
         self.cache = cache if cache is not None else CaptureCache()  # the process's, from `_attempts`
         self.launcher = launcher
         self.call_wrapper = call_wrapper
@@ -192,15 +213,26 @@ class _Hooks(TrainHooks):
             process_started_at=self.launcher.process_started_at,
             preforked=forked_rank(),
             diagnostics=self.diagnostics,
+            restart_cause=self.restart_cause,
         )
 
     def on_step_end(self, result: StepResult) -> None:
+        now = time.monotonic()
+        if self.progress_at is not None:  # an attempt's first step holds its start-up: not timed
+            self.timeouts.observe(now - self.progress_at)
+        self.progress_at = now
         if self.call_wrapper is not None:
-            now = time.monotonic()
             if self.pinged_at is None or now - self.pinged_at >= PING_INTERVAL_S:
                 self.call_wrapper.ping()
                 self.pinged_at = now
+            if self.gate is None and self.timeouts.learning:
+                self.gate = _ProgressGate(self)
         self.launcher.heartbeat()
+
+    def close(self) -> None:
+        """The attempt is over: its gate stops pinging (the wrapper's next attempt times its own)."""
+        if self.gate is not None:
+            self.gate.stop()
 
     @contextlib.contextmanager
     def keepalive(self) -> Iterator[None]:
@@ -224,6 +256,11 @@ class _Hooks(TrainHooks):
             done.set()
             thread.join()
             self._keepalive_depth = 0
+            self.kept_alive_until = time.monotonic()  # the gate's clock starts again here
+
+    @property
+    def in_keepalive(self) -> bool:
+        return self._keepalive_depth > 0
 
     def _keep_alive(self, done: threading.Event) -> None:
         limit_s = self.config.resilience.blocking_work_limit_s
@@ -257,6 +294,51 @@ class _Hooks(TrainHooks):
         """Not collective: abandon the attempt's checkpoint work still live (each untracks itself)."""
         for work in list(self.checkpoints):
             work.abandon()
+
+
+class _ProgressGate:
+    """Keeps NVRx's step watchdog content for the learned soft timeout after each step.
+
+    NVRx 0.4.1 gives the wrapper's monitor process its soft timeout once, when the wrapper
+    is first called, and has no call to change it (`inprocess.wrap.CallWrapper.__init__`).
+    With `resilience.soft_timeout_s=auto` the wrapper gets the floor (`watchdog_timeouts`),
+    and this thread pings it (the public `CallWrapper.ping`) until the learned timeout less
+    the floor has passed since the attempt's last step end (or checkpoint work's end): the
+    watchdog then sees no progress for the learned timeout (within one ping interval) and
+    restarts the rank. Checkpoint work pings through `keepalive()` meanwhile. One per attempt, from its first step end on (the
+    wrapper's step watchdog starts at the first ping)."""
+
+    def __init__(self, hooks: _Hooks) -> None:
+        self.hooks = hooks
+        self.floor_s, _ = watchdog_timeouts(hooks.config.resilience)
+        self.interval_s = max(PING_INTERVAL_S, self.floor_s / 10)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="rtp-progress-gate", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def _run(self) -> None:
+        hooks, warned_for = self.hooks, None
+        while not self.stopped.wait(self.interval_s):
+            if hooks.call_wrapper.iteration != hooks.iteration:
+                return  # the wrapper restarted: a later attempt's steps are not this gate's
+            if hooks.in_keepalive or hooks.progress_at is None:
+                continue  # checkpoint work pings for itself
+            progress_at = max(hooks.progress_at, hooks.kept_alive_until)
+            now = time.monotonic()
+            soft_s = hooks.timeouts.soft_s
+            if now - progress_at < soft_s - self.floor_s:
+                hooks.call_wrapper.ping()
+                hooks.pinged_at = now
+            elif warned_for != progress_at and now - progress_at >= self.floor_s / 2:
+                warned_for = progress_at
+                log.warning(
+                    "rank %d: no step for %.0f s; the in-process watchdog takes it for hung after %.0f s "
+                    "(resilience.soft_timeout_s: auto, learned from step times)",
+                    env.rank(), now - progress_at, soft_s,
+                )  # fmt: skip
 
 
 def _wait_until_listening(port: int, timeout_s: float = 60.0) -> None:
@@ -317,6 +399,19 @@ def fault_tolerance(
     launcher.connect()
     try:
         yield _attempts(config, store, launcher)
+    except Exception as exc:
+        if config.resilience.inprocess_restarts == 0:  # else the wrapper's teardown noted it
+            at = time.time()
+            restart = int(os.environ.get(RESTART_COUNT, "0"))
+            write_note(
+                config.run.workdir,
+                cause_of(exc, env.rank()),
+                launcher_restart=restart,
+                iteration=0,
+                rank=env.rank(),
+                at=at,
+            )
+        raise
     finally:
         launcher.close()
 
@@ -328,6 +423,9 @@ def _attempts(
     an attempt is a `Trainer` on a fresh key prefix of `store`."""
     restarts = _Restarts()
     cache = CaptureCache()  # the fast tier's copy in memory outlives each attempt
+    # What was learned of step times outlives each attempt too (and the process: timeouts.json).
+    timeouts = StepTimeouts(config.resilience, config.run.workdir, write=env.rank() == 0)
+    launcher.timeouts = timeouts
 
     def attempt(call_wrapper: CallWrapper | None = None) -> TrainSummary:
         if call_wrapper is not None and call_wrapper.iteration > 0:
@@ -335,7 +433,11 @@ def _attempts(
                 "in-process restart %d: resuming from the latest committed checkpoint", call_wrapper.iteration
             )
         iteration = call_wrapper.iteration if call_wrapper is not None else 0
-        hooks = _Hooks(config, launcher, call_wrapper, iteration, restarts.detected_at.pop("at", None), cache)
+        previous, restarts.cause = restarts.cause, None
+        hooks = _Hooks(
+            config, launcher, call_wrapper, iteration, restarts.detected_at.pop("at", None), cache,
+            timeouts, previous.describe() if previous is not None else "",
+        )  # fmt: skip
         hooks.diagnostics, restarts.diagnostics = restarts.diagnostics, ""
         restarts.attempts.append(hooks)
         try:
@@ -343,6 +445,16 @@ def _attempts(
                 config, store=dist.PrefixStore(f"attempt{iteration}", store), hooks=hooks
             ) as trainer:
                 return trainer.train()
+        except BaseException as exc:
+            # Noted only (the wrapper may interrupt again); the teardown writes it down.
+            restarts.cause = cause_of(exc, env.rank(), hooks.timeouts.soft_s)
+            raise
+        finally:
+            hooks.close()
+
+    def guarded(call_wrapper: CallWrapper | None = None) -> TrainSummary:
+        try:
+            return attempt(call_wrapper)
         except _fatal_errors() as exc:
             message = record_fatal_error(config.run.workdir, exc)
             if call_wrapper is not None:
@@ -359,12 +471,13 @@ def _attempts(
             raise
         except Exception:
             # Where it was raised (NVRx logs only the message); the wrapper then restarts.
+            iteration = call_wrapper.iteration if call_wrapper is not None else 0
             log.warning("attempt %d on rank %d ended with an error", iteration, env.rank(), exc_info=True)
             raise
 
     if config.resilience.inprocess_restarts == 0:
-        return attempt
-    return cast(Callable[[], TrainSummary | None], _wrapper(config, restarts)(attempt))  # None: a spare rank
+        return guarded
+    return cast(Callable[[], TrainSummary | None], _wrapper(config, restarts)(guarded))  # None: a spare rank
 
 
 class _Restarts:
@@ -375,12 +488,14 @@ class _Restarts:
         self.detected_at: dict[str, float] = {}
         self.diagnostics = ""  # the folder the last teardown's stacks and collectives went to
         self.attempts: list[_Hooks] = []
+        self.cause: RestartCause | None = None  # what ended the last attempt, as this rank saw it
 
 
 def _wrapper(config: TrainConfig, restarts: _Restarts) -> Any:
     from nvidia_resiliency_ext import inprocess
 
     r = config.resilience
+    soft_s, hard_s = watchdog_timeouts(r)
 
     class _AbortPeers(inprocess.abort.Abort):
         """NVRx's abort (destroys the process groups; aborts NCCL communicators) preceded by
@@ -409,7 +524,18 @@ def _wrapper(config: TrainConfig, restarts: _Restarts) -> Any:
 
         def __call__(self, state: Any) -> Any:
             restarts.detected_at["at"] = time.time()
-            for hooks in list(restarts.attempts):  # again: the attempt's own abandon may have been cut short
+            if restarts.cause is None:  # interrupted before the attempt could note why
+                restarts.cause = cause_of(state.fn_exception, env.rank())
+            write_note(
+                config.run.workdir,
+                restarts.cause,
+                launcher_restart=int(os.environ.get(RESTART_COUNT, "0")),
+                iteration=state.iteration,
+                rank=env.rank(),
+                at=restarts.detected_at["at"],
+            )
+            for hooks in list(restarts.attempts):
+                hooks.close()  # again: the attempt's own abandon may have been cut short
                 hooks.abandon_checkpoints()
                 if not hooks.checkpoints:
                     restarts.attempts.remove(hooks)
@@ -428,11 +554,12 @@ def _wrapper(config: TrainConfig, restarts: _Restarts) -> Any:
         # After an abort, a rank whose CUDA context is broken (a sticky error) leaves instead of
         # burning every in-process attempt; the launcher then restarts the group.
         health_check=inprocess.health_check.CudaHealthCheck() if torch.cuda.is_available() else None,
-        soft_timeout=datetime.timedelta(seconds=r.soft_timeout_s),
-        hard_timeout=datetime.timedelta(seconds=r.hard_timeout_s),
-        heartbeat_timeout=datetime.timedelta(seconds=max(30.0, r.hard_timeout_s)),
-        barrier_timeout=datetime.timedelta(seconds=max(120.0, 2 * r.hard_timeout_s + 10)),
-        completion_timeout=datetime.timedelta(seconds=max(120.0, 2 * r.hard_timeout_s + 10)),
+        # Fixed for the process (NVRx 0.4.1); a learned timeout is applied by `_ProgressGate`.
+        soft_timeout=datetime.timedelta(seconds=soft_s),
+        hard_timeout=datetime.timedelta(seconds=hard_s),
+        heartbeat_timeout=datetime.timedelta(seconds=max(30.0, hard_s)),
+        barrier_timeout=datetime.timedelta(seconds=max(120.0, 2 * hard_s + 10)),
+        completion_timeout=datetime.timedelta(seconds=max(120.0, 2 * hard_s + 10)),
         termination_grace_time=datetime.timedelta(seconds=2),
         # How long a rank's monitor thread waits for concurrent fault reports before it
         # aborts (NVRx's default: 1 s). With fast peer abort a restart on CPU takes about a

@@ -2,8 +2,9 @@
 
 NVRx's progress watchdog stamps progress through a pending call that only the main thread's
 eval loop runs. A rank blocked inside C (a collective waiting for a slower peer, a thread
-join or future waiting for a write) runs no bytecode and looks hung after
-`resilience.soft_timeout_s`, whatever `keepalive()` pings. These waits return to Python at
+join or future waiting for a write) runs no bytecode and looks hung after the wrapper's soft
+timeout (`trainer.timeouts.watchdog_timeouts`: `resilience.timeout_floor_s` unless
+`soft_timeout_s` is set), whatever `keepalive()` pings. These waits return to Python at
 least every `BLOCK_S` (threads, futures) or poll (collectives, which have no timed wait).
 """
 

@@ -1,8 +1,8 @@
 """Timeouts, restart budgets and pod sizes of a training job, chosen in one place by GPU count.
 
 The trainer's resilience defaults (trainer/config_sections.py) are tuned for gloo on a shared CPU:
-15 s collectives, 30/45 s in-process soft/hard timeouts. On GPUs those turn an FSx stall
-or a slow first step after a restart into abort-and-restart loops, and the few restarts
+15 s collectives, in-process timeouts learned from step times between 20 s and 600 s. On GPUs
+those turn an FSx stall or a slow NCCL start into abort-and-restart loops, and the few restarts
 of a CPU run are spent on noise. `job_scale(gpus_per_node)` is the one table a job's
 values come from: the CPU table keeps today's values, the GPU table holds the values
 below, each with where it comes from (docs/eks.md repeats them). Every value can be
@@ -29,8 +29,9 @@ class JobScale:
     """The values one job gets from its GPU count (see the module docstring)."""
 
     collective_timeout_s: float
-    soft_timeout_s: float
-    hard_timeout_s: float
+    soft_timeout_s: float | str
+    """Seconds, or auto: learned from the run's step times (trainer/timeouts.py)."""
+    hard_timeout_s: float | str
     heartbeat_floor_s: float
     max_restarts: int
     """ft_launcher worker-group restarts inside each pod."""
@@ -72,8 +73,9 @@ GPU_SCALE = JobScale(
     # The trainer's GPU timeout table, the same for in-pod runs (trainer/gpu_defaults.py says
     # which layer catches a hang and why the NCCL watchdog outlasts the hard timeout).
     collective_timeout_s=GPU_RESILIENCE["collective_timeout_s"],
-    soft_timeout_s=GPU_RESILIENCE["soft_timeout_s"],
-    hard_timeout_s=GPU_RESILIENCE["hard_timeout_s"],
+    # Learned from step times, between GPU_RESILIENCE's floor and ceiling.
+    soft_timeout_s=_CPU_TRAINER.soft_timeout_s,
+    hard_timeout_s=_CPU_TRAINER.hard_timeout_s,
     heartbeat_floor_s=GPU_RESILIENCE["heartbeat_floor_s"],
     # A multi-day run on dozens of GPUs sees several Xid errors, NCCL timeouts and node
     # replacements; each restart resumes from the last committed checkpoint.

@@ -47,6 +47,7 @@ from trainer.checkpointing import storage
 from trainer.config import ModelConfig, TrainConfig
 from trainer.data import TokenStream, holdout_batches, load_tokens, shard_index, split_files
 from trainer.evaluation import EVAL_RECORD, holdout_identity, read_eval_record
+from trainer.lora import adapter_identity, adapter_problem, build_model
 from trainer.models import model_spec
 
 log = logging.getLogger(__name__)
@@ -155,15 +156,18 @@ def stored_tensor_shapes(checkpoint_dir: str | Path) -> dict[str, tuple[int, ...
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    return _expected(config)[0]
+    return _expected(TrainConfig(model=config))[0]
 
 
-def _expected(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]], list[tuple[str, ...]]]:
-    """(state-dict name -> shape, one tuple of names per distinct parameter) of the configured
-    model, built on the meta device (no memory); tied names share a tuple."""
-    model = model_spec(config.kind).build(config, torch.device("meta"))
-    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-    return shapes, parameter_names(model.named_parameters(remove_duplicate=False))
+def _expected(config: TrainConfig) -> tuple[dict[str, tuple[int, ...]], list[tuple[str, ...]]]:
+    """(state-dict name -> shape, one tuple of names per distinct parameter) of what a
+    checkpoint of `config` holds of the model, built on the meta device (no memory); tied
+    names share a tuple. Frozen parameters (a LoRA run's base) are not in a checkpoint."""
+    model = build_model(config, torch.device("meta"))
+    named = list(model.named_parameters(remove_duplicate=False))
+    frozen = {name for name, p in named if not p.requires_grad}
+    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items() if name not in frozen}
+    return shapes, parameter_names((name, p) for name, p in named if name not in frozen)
 
 
 def _model_entries(checkpoint_dir: str | Path) -> list[tuple[str, Any]]:
@@ -189,6 +193,13 @@ def _stored_bytes(entry: Any) -> int:
 def model_stored_bytes(checkpoint_dir: str | Path) -> int:
     """Bytes of the model tensors in a checkpoint, from its metadata."""
     return sum(_stored_bytes(entry) for _, entry in _model_entries(checkpoint_dir))
+
+
+def base_model_bytes(config: TrainConfig) -> int:
+    """Bytes of the frozen base a LoRA checkpoint's adapters are loaded onto (0 for full training)."""
+    if config.training.method != "lora":
+        return 0
+    return sum(p.stat().st_size for p in Path(config.model.model_dir).glob("*.safetensors"))
 
 
 def stream_model_tensors(
@@ -258,7 +269,7 @@ def _verify_files(
     passed.append("every file in the SHA-256 manifest present with the right size and hash")
     config = TrainConfig.from_dict(meta["config"])
     stored = stored_tensor_shapes(checkpoint_dir)
-    expected, parameters = _expected(config.model)
+    expected, parameters = _expected(config)
     problems = shape_problems(stored, expected)
     if problems:
         raise storage.CheckpointError(f"{checkpoint_dir}: {'; '.join(problems)}")
@@ -301,8 +312,16 @@ def load_validated_model(
 def _load_model(
     checkpoint_dir: str | Path, config: TrainConfig, meta: dict[str, Any], passed: list[str]
 ) -> nn.Module:
-    model = model_spec(config.model.kind).build(config.model, torch.device("cpu"))
+    problem = adapter_problem(meta.get("adapters"), adapter_identity(config), config.model)
+    if problem:  # the base a LoRA checkpoint's adapters apply to must be model.model_dir's
+        raise storage.CheckpointError(f"{checkpoint_dir} cannot be loaded: {problem}")
+    model = build_model(config, torch.device("cpu"))
     storage.load_model_weights(checkpoint_dir, model)
+    if meta.get("adapters"):
+        passed.append(
+            f"LoRA adapters on the base model in {config.model.model_dir} "
+            f"(weights {meta['adapters']['base_weights_sha256'][:24]}…, the one they were trained on)"
+        )
     world_size = meta.get("world_size", "?")
     passed.append(f"saved by {world_size} rank(s), consolidated into one state dict on one CPU process")
     return model
@@ -335,12 +354,26 @@ def loss_on_tokens(
     return holdout_score(model, tokens, config or cast(ModelConfig, model.cfg)).nats_per_token
 
 
-def champion_score(champion: Champion, batches: list[torch.Tensor], config: ModelConfig) -> HoldoutScore:
+def champion_score(
+    champion: Champion, batches: list[torch.Tensor], config: ModelConfig, held: Any = None
+) -> HoldoutScore:
     """The champion on the candidate's holdout windows `batches`: the same tokens when it has the
-    same tokenizer, else the windows' text encoded with its own tokenizer."""
+    same tokenizer, else the windows' text encoded with its own tokenizer. With `held` (holdout
+    conversations, data.format=examples), the same rows and mask: the same tokenizer and chat
+    template are required, since another would render the conversations differently."""
     spec = model_spec(champion.kind)
     candidate_tokenizer = model_spec(config.kind).tokenizer(config)
     assert champion.tokenizer is not None
+    if held is not None:
+        from trainer.examples_eval import score_examples
+
+        if champion.tokenizer_identity != candidate_tokenizer.identity:
+            raise storage.CheckpointError(
+                f"{champion.label} uses another tokenizer or chat template ({champion.tokenizer_identity[:12]}, "
+                f"the candidate {candidate_tokenizer.identity[:12]}): conversations rendered for one cannot "
+                "score the other; register the fine-tuned model under a new name, or fine-tune from the champion"
+            )
+        return score_examples(champion.model, held, champion.tokenizer)
     windows = champion_windows(
         batches,
         candidate_tokenizer,
@@ -412,18 +445,35 @@ def validate_checkpoint(
         f"all {count} model tensors finite, read from the shards of {meta.get('world_size', '?')} rank(s) "
         f"at most {max(tensor_budget_bytes, 1) / MIB:.0f} MiB at a time (weights SHA-256 {weights_sha256[:16]}…)"
     )
-    _, holdout = split_files(dataset_dir, config.data.holdout_fraction)
-    tokens, files = load_tokens(holdout), len(holdout)
     windows = config.data.eval_windows or DEFAULT_WINDOWS
-    batches = holdout_batches(tokens, config.model.seq_len, max_windows=windows)
-    identity = holdout_identity(holdout, batches, config.model.seq_len)
-    index = shard_index(dataset_dir)
-    rule = (
-        f"by document content when the data was prepared (holdout fraction {index['split']['holdout_fraction']})"
-        if index and "split" in index
-        else f"by key hash from the snapshot manifest (holdout_fraction {config.data.holdout_fraction})"
-    )
-    checks.append(f"holdout split: {files} file(s), {tokens.numel()} tokens, chosen {rule}; never trained on")
+    held = None
+    if config.data.format == "examples":  # conversations: the assistant tokens of holdout examples
+        from trainer.examples_eval import example_holdout
+
+        eos = model_spec(config.model.kind).tokenizer(config.model).eos_id
+        held = example_holdout(dataset_dir, config.model.seq_len, windows, eos)
+        batches: list[torch.Tensor] = []
+        identity = held.identity(config.model.seq_len)
+        files, token_count = held.holdout_examples, held.tokens
+        checks.append(
+            f"holdout split: {files} conversation(s), {token_count} tokens, chosen by conversation content when "
+            f"the data was prepared; never trained on; {held.examples} scored on the assistant's tokens only"
+        )
+    else:
+        _, holdout = split_files(dataset_dir, config.data.holdout_fraction)
+        tokens = load_tokens(holdout)
+        files, token_count = len(holdout), tokens.numel()
+        batches = holdout_batches(tokens, config.model.seq_len, max_windows=windows)
+        identity = holdout_identity(holdout, batches, config.model.seq_len)
+        index = shard_index(dataset_dir)
+        rule = (
+            f"by document content when the data was prepared (holdout fraction {index['split']['holdout_fraction']})"
+            if index and "split" in index
+            else f"by key hash from the snapshot manifest (holdout_fraction {config.data.holdout_fraction})"
+        )
+        checks.append(
+            f"holdout split: {files} file(s), {token_count} tokens, chosen {rule}; never trained on"
+        )
     score, scored_by, used_record = None, "validate", None
     if eval_record is None:
         paths = _record_candidates(checkpoint_dir, config)
@@ -451,7 +501,7 @@ def validate_checkpoint(
         )
         break
     if score is None:
-        stored_bytes = model_stored_bytes(checkpoint_dir)
+        stored_bytes = model_stored_bytes(checkpoint_dir) + base_model_bytes(config)
         if stored_bytes > max_in_process_bytes:
             raise storage.CheckpointError(
                 f"{checkpoint_dir}: no eval record of the training for these weights ({why_not}) and its "
@@ -462,7 +512,12 @@ def validate_checkpoint(
         log.info("scoring %s in this process: %s", checkpoint_dir, why_not)
         model = _load_model(checkpoint_dir, config, meta, checks)
         spec = model_spec(config.model.kind)
-        score = score_windows(model, spec.loss, batches, spec.tokenizer(config.model))
+        if held is not None:
+            from trainer.examples_eval import score_examples
+
+            score = score_examples(model, held, spec.tokenizer(config.model))
+        else:
+            score = score_windows(model, spec.loss, batches, spec.tokenizer(config.model))
         checks.append(f"holdout scored in this process ({why_not})")
         del model
     checks.append(
@@ -502,7 +557,10 @@ def validate_checkpoint(
             champion = registry.download_champion(
                 champion_model_name, version, retry, default_seq_len=config.model.seq_len
             )
-            champion_scored, champion_scored_by = champion_score(champion, batches, config.model), "validate"
+            champion_scored, champion_scored_by = (
+                champion_score(champion, batches, config.model, held),
+                "validate",
+            )
             recorded = (
                 f"{champion.recorded_bits_per_byte:.4f} bits/byte at its own validation"
                 if champion.recorded_bits_per_byte is not None
@@ -526,7 +584,7 @@ def validate_checkpoint(
         holdout_loss=score.nats_per_token,
         perplexity=math.exp(min(score.nats_per_token, 50.0)),
         holdout_bits_per_byte=score.bits_per_byte,
-        holdout_tokens=int(tokens.numel()),
+        holdout_tokens=int(token_count),
         holdout_files=files,
         decision=verdict.decision,
         max_loss=max_loss,

@@ -331,9 +331,9 @@ def test_the_guides_timeout_table_is_the_one_the_code_applies():
     }
     expected = {
         "collective timeout": ([cpu.collective_timeout_s], [gpu.collective_timeout_s]),
-        "in-process soft / hard timeout": (
-            [cpu.soft_timeout_s, cpu.hard_timeout_s],
-            [gpu.soft_timeout_s, gpu.hard_timeout_s],
+        "in-process soft / hard timeout, learned between floor / ceiling": (
+            [ResilienceConfig().timeout_floor_s, ResilienceConfig().timeout_ceiling_s],
+            [gpu_trainer["timeout_floor_s"], gpu_trainer["timeout_ceiling_s"]],
         ),
         "blocking checkpoint work kept alive": (
             [ResilienceConfig().blocking_work_limit_s],

@@ -269,7 +269,8 @@ def test_masked_tokens_never_reach_the_loss_or_its_gradient(tiny_model, renderer
         output.retain_grad()
         captured["logits"] = output
 
-    handle = tiny_model.lm_head.register_forward_hook(keep)
+    # The final norm's output at position t reaches the loss only through the head at t.
+    handle = tiny_model.model.norm.register_forward_hook(keep)
     try:
         tiny_model.zero_grad()
         masked_loss(tiny_model, batch).backward()
@@ -277,6 +278,7 @@ def test_masked_tokens_never_reach_the_loss_or_its_gradient(tiny_model, renderer
         handle.remove()
     grad = captured["logits"].grad[0]
     not_targets = ~targets[0].bool()
+    assert grad.shape[0] == targets.shape[1]
     assert grad[not_targets].abs().max() == 0  # no gradient from a non-assistant position
     assert grad[targets[0].bool()].abs().max() > 0
     # changing a label where the mask is 0 (a user token) leaves the loss unchanged
@@ -295,3 +297,13 @@ def test_masked_tokens_never_reach_the_loss_or_its_gradient(tiny_model, renderer
         )
     assert float(before) == pytest.approx(float(after), rel=1e-6)
     assert embeddings is tiny_model.get_input_embeddings() and labels_only.scale == batch.scale
+
+
+def test_a_token_snapshot_is_not_example_shards(tmp_path, model_dir):
+    from tests.hf_tiny import write_corpus, write_token_snapshot
+
+    snapshot = write_token_snapshot(
+        write_corpus(tmp_path / "corpus", documents=12), model_dir, tmp_path / "snap"
+    )
+    with pytest.raises(DataError, match=r"holds no example shards .* `rtp prepare-data --format chat"):
+        load_examples(snapshot)

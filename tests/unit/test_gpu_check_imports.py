@@ -97,7 +97,7 @@ def test_gpu_check_dry_run_passes_on_cpu(started):
     }
     # The 1B runs train with the GPU timeout table, not the CPU defaults.
     assert all(
-        "--override resilience.hard_timeout_s=600" in line
+        "--override resilience.timeout_floor_s=120" in line
         for line in result.stdout.splitlines()
         if "gpu-1b" in line
     )

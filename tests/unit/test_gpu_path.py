@@ -17,6 +17,7 @@ from trainer.gpu_defaults import GPU_RESILIENCE, NCCL_ENV, apply_nccl_environmen
 from trainer.hooks import StepResult
 from trainer.launch import LauncherSettings
 from trainer.parallelize import process_group_backend
+from trainer.timeouts import watchdog_timeouts
 
 
 def test_a_gpu_process_group_serves_host_tensors_too():
@@ -29,10 +30,18 @@ def test_the_gpu_table_is_coherent_for_in_process_restart():
     config = build_config("gpu-125m", gpu_defaults.resilience_overrides())
     r = config.resilience
     assert r.collective_timeout_s == GPU_RESILIENCE["collective_timeout_s"]
-    # NCCL's watchdog ends the process: it must outlast the hard timeout (NVRx usage guide).
-    assert r.soft_timeout_s < r.hard_timeout_s < r.collective_timeout_s
+    # NCCL's watchdog ends the process: it must outlast the wrapper's hard timeout (NVRx usage guide).
+    soft_s, hard_s = watchdog_timeouts(r)
+    assert soft_s < hard_s < r.collective_timeout_s
+    assert r.timeout_floor_s == GPU_RESILIENCE["timeout_floor_s"] and (
+        r.soft_timeout_s,
+        r.hard_timeout_s,
+    ) == (
+        "auto",
+        "auto",
+    )
     launcher = gpu_defaults.launcher_settings(max_restarts=10)
-    assert launcher.heartbeat_timeout_s > r.hard_timeout_s  # ft_launcher acts on dead ranks only
+    assert launcher.heartbeat_timeout_s > hard_s  # ft_launcher acts on dead ranks only
     assert launcher.initial_heartbeat_timeout_s >= launcher.heartbeat_timeout_s
     check_timeouts(r, "cuda")  # accepted
     # Job pods and in-pod runs take the same table.
@@ -62,6 +71,7 @@ def test_nccl_environment_is_set_once_and_a_users_value_wins():
 class _Wrapper:
     def __init__(self) -> None:
         self.pings: list[float] = []
+        self.iteration = 0
 
     def ping(self) -> None:
         self.pings.append(time.monotonic())
@@ -87,7 +97,11 @@ def _hooks(limit_s: float = 60.0) -> tuple[resilience._Hooks, _Wrapper, _Monitor
     monitor = _Monitor()
     launcher.client = monitor
     wrapper = _Wrapper()
-    config = SimpleNamespace(resilience=ResilienceConfig(blocking_work_limit_s=limit_s))
+    # Explicit timeouts: the pings here are keepalive()'s alone (no learned-timeout gate).
+    resilience_config = ResilienceConfig(
+        blocking_work_limit_s=limit_s, soft_timeout_s=30.0, hard_timeout_s=45.0
+    )
+    config = SimpleNamespace(resilience=resilience_config)
     return resilience._Hooks(config, launcher, wrapper, 0, None), wrapper, monitor
 
 
@@ -142,7 +156,8 @@ def _captured_in_pod_run(monkeypatch, tmp_path, gpus: int, overrides: str = ""):
 
 def test_an_in_pod_gpu_run_gets_the_gpu_table_like_a_job(monkeypatch, tmp_path):
     config, settings = _captured_in_pod_run(monkeypatch, tmp_path, gpus=8)
-    assert config.resilience.soft_timeout_s == GPU_RESILIENCE["soft_timeout_s"] == 300
+    assert config.resilience.timeout_floor_s == GPU_RESILIENCE["timeout_floor_s"] == 120
+    assert config.resilience.soft_timeout_s == "auto"  # learned from step times
     assert config.resilience.collective_timeout_s == GPU_RESILIENCE["collective_timeout_s"]
     assert settings.initial_heartbeat_timeout_s == gpu_defaults.GPU_LAUNCHER["initial_heartbeat_timeout_s"]
     assert settings.max_restarts == GPU_SCALE.max_restarts
@@ -175,5 +190,5 @@ def test_train_local_on_a_gpu_machine_gets_the_gpu_table(monkeypatch, tmp_path):
     )
     with pytest.raises(RuntimeError, match="stop here"):
         args.handler(args)
-    assert seen["config"].resilience.hard_timeout_s == GPU_RESILIENCE["hard_timeout_s"]
+    assert seen["config"].resilience.timeout_ceiling_s == GPU_RESILIENCE["timeout_ceiling_s"]
     assert seen["settings"].heartbeat_timeout_s == gpu_defaults.GPU_LAUNCHER["heartbeat_timeout_s"]

@@ -454,7 +454,7 @@ def test_bench_checkpoint_hands_its_overrides_to_every_mode(monkeypatch, tmp_pat
             overrides=args.override,
         )
     gpu_defaults.check_timeouts(seen[0].resilience, "cuda")
-    assert seen[0].resilience.soft_timeout_s == gpu_defaults.GPU_RESILIENCE["soft_timeout_s"]
+    assert seen[0].resilience.timeout_floor_s == gpu_defaults.GPU_RESILIENCE["timeout_floor_s"]
     assert seen[0].checkpoint.mode == "sync"
 
 

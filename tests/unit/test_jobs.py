@@ -278,15 +278,18 @@ def test_trainer_timeouts_are_gpu_scale_on_gpu_jobs_unless_overridden():
         GPU_SCALE.collective_timeout_s, GPU_SCALE.soft_timeout_s, GPU_SCALE.hard_timeout_s,
         GPU_SCALE.heartbeat_floor_s,
     )  # fmt: skip
-    assert r.collective_timeout_s >= 60 and r.heartbeat_floor_s >= 60 and r.soft_timeout_s >= 300
+    assert r.collective_timeout_s >= 60 and r.heartbeat_floor_s >= 60 and r.timeout_floor_s >= 60
     assert trainer_overrides(gpus_per_node=0) == []  # CPU: the trainer's own defaults
     assert build_config("tiny-cpu").resilience == ResilienceConfig()
     assert ResilienceConfig().collective_timeout_s == CPU_SCALE.collective_timeout_s == 15
     # A user's override comes later and wins; one GPU value a user changed stays checked.
     kept = build_config("gpu-125m", [*trainer_overrides(8), "resilience.soft_timeout_s=100"]).resilience
-    assert kept.soft_timeout_s == 100 and kept.hard_timeout_s == GPU_SCALE.hard_timeout_s
+    assert kept.soft_timeout_s == 100 and kept.hard_timeout_s == GPU_SCALE.hard_timeout_s == "auto"
     with pytest.raises(ConfigError, match=r"below resilience\.hard_timeout_s"):
-        build_config("gpu-125m", [*trainer_overrides(8), "resilience.hard_timeout_s=100"])
+        build_config(
+            "gpu-125m",
+            [*trainer_overrides(8), "resilience.soft_timeout_s=200", "resilience.hard_timeout_s=100"],
+        )
 
 
 def test_auto_resources_are_a_p5_share_on_gpus_and_none_on_cpu():
