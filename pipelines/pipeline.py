@@ -17,12 +17,14 @@ from kfp import dsl
 
 from components import DEFAULT_IMAGE, as_component
 from components.check_run.component import check_run
+from components.check_run.parameters import COMPILED_MEMORY
 from components.cleanup_jobs.component import cleanup_training_jobs
 from components.layout import PIPELINE_NAME
 from components.register_model.component import register_model
 from components.retain_runs.component import retain_runs
 from components.stage_data.component import stage_data
 from components.stage_model.component import stage_model
+from components.step_memory import model_step_memory
 from components.train.component import train_model
 from components.train.job_parameters import with_job_parameters
 from components.train.jobs import DEFAULT_LAUNCHER, JOB_LAUNCHERS
@@ -32,7 +34,11 @@ from pipelines import platform
 from pipelines.platform import PlatformOptions
 from trainer.config import DEFAULT_PRESET, PRESETS, named_settings
 
-CHECKED_PARAMETERS = tuple(name for name in inspect.signature(check_run).parameters if name != "report")
+CHECKED_PARAMETERS = tuple(
+    name
+    for name in inspect.signature(check_run).parameters
+    if name != "report" and name not in COMPILED_MEMORY.values()
+)
 DEFAULT_SOURCE = "s3://rtp-demo/corpus/"
 DEFAULT_MODEL_NAME = "rtp-byte-lm"
 
@@ -79,6 +85,7 @@ def build_pipeline(
         stage_workers: int = 1,
         model_source: str = "",
         model_init: str = _default("model_init"),
+        data_format: str = _default("data_format"),
         run_name: str = "",
         steps: int = _default("steps"),
         nproc: int = 2,
@@ -108,6 +115,7 @@ def build_pipeline(
             stage_workers: Pods that fetch the dataset's objects, a share each balanced by bytes (a Kubernetes Indexed Job the stage step creates; each part is retried alone), before the stage step commits the snapshot; 1 fetches them in the stage step.
             model_source: S3 prefix of a Hugging Face model folder (config.json, *.safetensors, tokenizer files) to train, as s3://bucket/prefix/<model>/, staged under <mount>/rtp/models/<model>; or a version rtp registered, models:/<name>@<alias> (e.g. models:/rtp-model@champion: continue from the champion) or models:/<name>/<version>, resolved once, verified and staged under <mount>/rtp/models/<name>/versions. Empty trains a new built-in byte-level model. The dataset must be tokenized with this model's tokenizer (rtp prepare-data --tokenizer).
             model_init: How the Hugging Face model starts: pretrained (its weights) or random (from its config.json, for pretraining).
+            data_format: What the dataset holds: tokens (text or token shards, every token trained on) or examples (conversations of rtp prepare-data --format chat, trained on the assistant's tokens only; needs a Hugging Face model_source).
             run_name: Run folder name under <mount>/rtp/runs; empty uses the KFP run id (what a recurring run needs). Reuse a name to resume its checkpoints or, with more steps, train it further; a finished one is refused otherwise.
             steps: Total training steps.
             nproc: Training processes in the train pod (GPUs per node, or CPU processes).
@@ -143,7 +151,13 @@ def build_pipeline(
         # (`platform.mount_fsx`, a compile-time constant), and a run could set another.
         run_folder = {"fsx_mount_path": options.fsx_mount_path, "run_name": run_name, "run_id": run_id}
         with dsl.ExitHandler(cleanup, name="Stage the data then train, validate and register the model"):
-            check = check_op(**parameters).set_display_name("Check the run's parameters first")
+            # The check step compares the run's model with the memory compiled into validate and register.
+            compiled_memory = {
+                name: model_step_memory(step, options.model_params) for step, name in COMPILED_MEMORY.items()
+            }
+            check = check_op(**parameters, **compiled_memory).set_display_name(
+                "Check the run's parameters first"
+            )
             check.set_caching_options(False)
             platform.apply_common(check, options)
             stage = stage_op(
@@ -174,6 +188,7 @@ def build_pipeline(
                 overrides=overrides,
                 faults=faults,
                 model_init=model_init,
+                data_format=data_format,
                 launcher=launcher,
                 **job,
                 job_image=image,

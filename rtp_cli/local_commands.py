@@ -79,6 +79,28 @@ def add_local_parser(sub: argparse._SubParsersAction) -> None:
         "(a finished one is refused otherwise) (default: local-<time>)",
     )
     p.add_argument(
+        "--chat-data",
+        default="",
+        metavar="PATH",
+        help="fine-tune --model-source (a local Hugging Face folder with a chat template) on your "
+        'conversations: a .jsonl file or a folder of them ({"messages": [...]} or {"prompt", '
+        '"completion"} per line), rendered into example shards and trained on the assistant\'s '
+        "tokens only (data_format examples; docs/fine-tuning.md)",
+    )
+    p.add_argument(
+        "--sft",
+        action="store_true",
+        help="the fine-tuning demo: without --chat-data, conversations made offline from the standard "
+        "library's docstrings; without --model-source, a tiny tied Llama with a ChatML template",
+    )
+    p.add_argument(
+        "--method",
+        choices=("full", "lora"),
+        default="",
+        help="what trains: full (every weight) or lora (low-rank adapters on a frozen base) "
+        "[config training.method] (default: full)",
+    )
+    p.add_argument(
         "--verbose",
         dest="show_kfp_output",  # not `verbose`: `rtp -v` (debug logging) owns that name
         action="store_true",
@@ -92,6 +114,7 @@ def _cmd_local(args: argparse.Namespace) -> int:
 
     if args.source and not args.source.startswith("s3://"):
         raise UserError(f"--source {args.source!r} must look like s3://bucket/prefix")
+    chat_data = _chat_inputs(args)
     model_name = args.model_name or LocalOptions().model_name
     model_dir = ""
     if args.model_source:
@@ -101,12 +124,19 @@ def _cmd_local(args: argparse.Namespace) -> int:
         # Continual training registers the new version under the parent's registered name.
         model_name = args.model_name or (plan.name if plan.registry else f"rtp-{plan.name}")
         model_dir = str(plan.folder or "")
+    training = named_from_args(args, PIPELINE_SETTINGS)
+    if chat_data:
+        training["data_format"] = "examples"
+    overrides = " ".join(
+        p for p in (args.overrides, f"training.method={args.method}" if args.method else "") if p
+    )
     options = LocalOptions(
         workdir=args.workdir,
         nproc=args.nproc,
         preset=args.preset,
-        overrides=args.overrides,
-        training=named_from_args(args, PIPELINE_SETTINGS),
+        overrides=overrides,
+        training=training,
+        chat_data=chat_data,
         source=args.source,
         s3_endpoint_url=args.s3_endpoint_url,
         stage_workers=args.stage_workers,
@@ -121,6 +151,48 @@ def _cmd_local(args: argparse.Namespace) -> int:
     summary = run_local(options)
     print(format_summary(summary, args.workdir))
     return 0
+
+
+def _chat_inputs(args: argparse.Namespace) -> str:
+    """The conversations to fine-tune on ("" for none); with --sft, the demo's model and
+    conversations are made in the work dir where not given (args.model_source is set)."""
+    if not (args.sft or args.chat_data):
+        return ""
+    if args.source:
+        raise UserError(
+            "--chat-data/--sft fine-tune on conversations put into the embedded S3; with --source, prepare "
+            "them with `rtp prepare-data --format chat --tokenizer MODEL_DIR --dest s3://…` and pass "
+            "--data-format examples"
+        )
+    demo = Path(args.workdir) / "sft-demo"
+    if not args.model_source:
+        if not args.sft:
+            raise UserError(
+                "--chat-data needs --model-source: a local Hugging Face model folder with a chat template"
+            )
+        from rtp_support.demo_chat import write_demo_chat_model
+
+        folder = demo / "tiny-chat-llama"
+        if not (folder / "config.json").is_file():
+            write_demo_chat_model(folder)
+            print(f"rtp local: made a tiny tied Llama with a ChatML template in {folder}", flush=True)
+        args.model_source = str(folder)
+        if "model.seq_len=" not in args.overrides:  # whole conversations: the tiny model's 128 positions
+            args.overrides = " ".join(p for p in (args.overrides, "model.seq_len=127") if p)
+    elif args.model_source.startswith(("s3://", "models:/")):
+        raise UserError(
+            f"--chat-data fine-tunes a local model folder; for {args.model_source}, prepare the conversations "
+            "with `rtp prepare-data --format chat` and stage them with --source"
+        )
+    if args.chat_data:
+        if not Path(args.chat_data).exists():
+            raise UserError(f"--chat-data {args.chat_data}: no such file or folder")
+        return str(Path(args.chat_data).resolve())
+    from rtp_support.demo_chat import write_demo_chat
+
+    path = write_demo_chat(demo / "conversations.jsonl")
+    print(f"rtp local: wrote demo conversations (standard-library docstrings) to {path}", flush=True)
+    return str(path.resolve())
 
 
 def _check_training_options(options: LocalOptions, model_dir: str = "") -> None:

@@ -56,6 +56,9 @@ class LocalOptions:
     dataset_name: str = "demo-corpus"
     model_source: str = ""
     """A Hugging Face model folder (local, or s3://); empty trains the built-in byte LM."""
+    chat_data: str = ""
+    """Conversations (a .jsonl file or a folder) to fine-tune the local model folder on, as
+    example shards in the embedded S3 instead of the demo corpus."""
     verbose: bool = False
     """Show kfp.local's executor output (task outputs, artifact listings) too."""
 
@@ -129,7 +132,9 @@ def run_local(options: LocalOptions) -> dict[str, Any]:
         if embedded and model_source.startswith("models:/"):
             source, dataset_name = _seed_for_registered_model(endpoint, model_source, dataset_name)
         elif embedded and model_source:
-            source, model_source, dataset_name = _seed_model(endpoint, model_source, dataset_name)
+            source, model_source, dataset_name = _seed_model(
+                endpoint, model_source, dataset_name, options.chat_data
+            )
         elif embedded:
             source = _seed_byte_corpus(endpoint)
         print(
@@ -232,25 +237,42 @@ def _seed_for_registered_model(endpoint: str, model_source: str, dataset_name: s
     return source, f"{dataset_name}-{name}"
 
 
-def _seed_model(endpoint: str, model_source: str, dataset_name: str) -> tuple[str, str, str]:
-    """Put a local model folder and the demo corpus in its tokens into the embedded S3;
-    returns (data source, model source, dataset name) for the pipeline."""
+def _seed_model(
+    endpoint: str, model_source: str, dataset_name: str, chat_data: str = ""
+) -> tuple[str, str, str]:
+    """Put a local model folder and the demo corpus in its tokens (or, with `chat_data`, those
+    conversations as example shards) into the embedded S3; returns (data source, model
+    source, dataset name) for the pipeline."""
     from components.stage_data.stage import s3_client
     from rtp_cli.local_model import plan_model_run, upload_demo_tokens, upload_model_folder
 
     plan = plan_model_run(model_source, "")
     assert plan.folder is not None  # an s3:// model source comes with --source
     client = s3_client(endpoint)
-    prefix = f"{DEMO_PREFIX.rstrip('/')}-{plan.name}/"
     tokenize_started = time.time()
-    index = upload_demo_tokens(client, DEMO_BUCKET, prefix, plan.folder)
-    source = f"s3://{DEMO_BUCKET}/{prefix}"
-    print(
-        f"rtp local: tokenized the demo corpus with {plan.name}'s tokenizer in "
-        f"{time.time() - tokenize_started:.1f}s: {index['documents']} documents, {index['tokens']} tokens "
-        f"({index['dtype']}, vocabulary {index['vocab_size']}) in {len(index['shards'])} shards -> {source}",
-        flush=True,
-    )
+    if chat_data:
+        prefix = f"chat-{plan.name}/"
+        source = f"s3://{DEMO_BUCKET}/{prefix}"
+        index = _upload_chat(client, prefix, Path(chat_data), plan.folder)
+        print(
+            f"rtp local: rendered {index['conversations']} conversation(s) from {chat_data} with {plan.name}'s "
+            f"chat template in {time.time() - tokenize_started:.1f}s: {index['examples']} examples, "
+            f"{index['assistant_tokens']} of {index['tokens']} tokens trained on (the assistant's), "
+            f"{index['truncated']} truncated, {index['dropped_overlong'] + index['dropped_no_assistant_tokens']} "
+            f"dropped -> {source}",
+            flush=True,
+        )
+        dataset_name = f"{dataset_name.replace('corpus', 'chat')}"
+    else:
+        prefix = f"{DEMO_PREFIX.rstrip('/')}-{plan.name}/"
+        index = upload_demo_tokens(client, DEMO_BUCKET, prefix, plan.folder)
+        source = f"s3://{DEMO_BUCKET}/{prefix}"
+        print(
+            f"rtp local: tokenized the demo corpus with {plan.name}'s tokenizer in "
+            f"{time.time() - tokenize_started:.1f}s: {index['documents']} documents, {index['tokens']} tokens "
+            f"({index['dtype']}, vocabulary {index['vocab_size']}) in {len(index['shards'])} shards -> {source}",
+            flush=True,
+        )
     model_prefix = f"models/{plan.name}/"
     count = upload_model_folder(client, plan.folder, DEMO_BUCKET, model_prefix)
     model_uri = f"s3://{DEMO_BUCKET}/{model_prefix}"
@@ -290,3 +312,22 @@ def format_summary(summary: dict[str, Any], workdir: str) -> str:
 
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
+
+
+def _upload_chat(client: Any, prefix: str, chat_data: Path, model_folder: Path) -> dict[str, Any]:
+    """`rtp prepare-data --format chat` of `chat_data` with the model's tokenizer, uploaded."""
+    from components.stage_data.prepare_data import PrepareError, upload_shards
+    from rtp_cli.errors import UserError
+    from trainer.chat_data import write_example_shards
+    from trainer.data import DataError
+
+    with tempfile.TemporaryDirectory(prefix="rtp-chat-shards-") as tmp:
+        try:
+            index = write_example_shards(chat_data, Path(tmp), model_folder)
+        except DataError as exc:
+            raise UserError(f"--chat-data: {exc}") from None
+        try:
+            upload_shards(client, Path(tmp), DEMO_BUCKET, prefix)
+        except PrepareError as exc:
+            raise UserError(str(exc)) from None
+    return index

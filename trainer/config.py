@@ -37,6 +37,7 @@ from trainer.config_sections import (  # noqa: F401  re-exported: callers import
     CheckpointMode,
     ConfigError,
     DataConfig,
+    DataFormat,
     MixedPrecision,
     ModelConfig,
     ModelInit,
@@ -167,12 +168,17 @@ def _validate_timeouts(r: ResilienceConfig) -> None:
         )
 
 
-def _validate_lora(t: TrainingConfig, kind: str) -> None:
-    """The LoRA settings (training.method=lora), which only Hugging Face models take."""
-    if kind != "hf":
+def _validate_lora(t: TrainingConfig, m: ModelConfig) -> None:
+    """The LoRA settings (training.method=lora), which only pretrained Hugging Face models take."""
+    if m.kind != "hf":
         raise ConfigError(
-            f"training.method=lora needs a Hugging Face model (model.model_dir), not model.kind={kind}: "
+            f"training.method=lora needs a Hugging Face model (model.model_dir), not model.kind={m.kind}: "
             "train the built-in byte LM with training.method=full"
+        )
+    if m.init != "pretrained":
+        raise ConfigError(
+            "training.method=lora adapts a pretrained model's weights, which model.init=random does not "
+            "load: set model.init=pretrained, or train from scratch with training.method=full"
         )
     if t.lora_rank < 1 or t.lora_alpha < 1 or not 0.0 <= t.lora_dropout < 1.0:
         raise ConfigError(
@@ -494,7 +500,16 @@ def validate(config: TrainConfig) -> None:
     if t.activation_checkpointing_every < 1:
         raise ConfigError("training.activation_checkpointing_every must be at least 1")
     if t.method == "lora":
-        _validate_lora(t, m.kind)
+        _validate_lora(t, m)
+    if config.data.format not in typing.get_args(DataFormat):
+        raise ConfigError(
+            f"data.format {config.data.format!r} is not one of {', '.join(typing.get_args(DataFormat))}"
+        )
+    if config.data.format == "examples" and m.kind != "hf":
+        raise ConfigError(
+            "data.format=examples trains a Hugging Face model on conversations rendered with its chat template: "
+            f"give model.model_dir (the pipeline's model_source), not model.kind={m.kind}"
+        )
     p = config.parallelism
     if p.dp_replicate < 0 or p.dp_shard < 0:
         raise ConfigError(

@@ -22,6 +22,7 @@ def check_run(
     overrides: str,
     faults: str,
     model_init: str,
+    data_format: str,
     model_name: str,
     keep_runs: int,
     launcher: str,
@@ -34,6 +35,8 @@ def check_run(
     gpu_tolerations: list,
     mlflow_secret_name: str,
     report: Output[Markdown],
+    validate_memory: str = "",
+    register_memory: str = "",
 ) -> None:
     """Check every run parameter (names, numbers, choices, S3 URIs, node selector and tolerations, the MLflow secret's name, the training config) before any staging.
 
@@ -51,6 +54,7 @@ def check_run(
         overrides: the pipeline's overrides parameter.
         faults: the pipeline's faults parameter.
         model_init: the pipeline's model_init parameter.
+        data_format: the pipeline's data_format parameter.
         model_name: the pipeline's model_name parameter.
         keep_runs: the pipeline's keep_runs parameter.
         launcher: the pipeline's launcher parameter.
@@ -63,12 +67,16 @@ def check_run(
         gpu_tolerations: the pipeline's gpu_tolerations parameter.
         mlflow_secret_name: the pipeline's mlflow_secret_name parameter.
         report: what was checked, or the list of wrong parameters.
+        validate_memory: the memory the compiled pipeline gives the validate pod (its size for the model, not a run parameter); empty: not checked.
+        register_memory: the memory the compiled pipeline gives the register pod; empty: not checked.
     """
     parameters = {name: value for name, value in locals().items() if name != "report"}
+    from components.check_run.memory_fit import check_memory_fits
     from components.check_run.parameters import RunParameterError, check_run_parameters, normalized
 
     try:
         check_run_parameters(parameters)
+        memory_plan = check_memory_fits(parameters)  # GPU runs: refuse a job that cannot fit
     except RunParameterError as exc:
         with open(report.path, "w") as handle:
             handle.write(f"# The run's parameters are wrong\n\n{exc}\n")
@@ -77,3 +85,4 @@ def check_run(
     with open(report.path, "w") as handle:
         handle.write("# The run's parameters are valid\n\n| parameter | value |\n|---|---|\n")
         handle.writelines(f"| {name} | `{checked[name]!r}` |\n" for name in sorted(checked))
+        handle.write(f"\n{memory_plan}\n")

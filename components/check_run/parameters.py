@@ -33,6 +33,9 @@ INTEGERS = (
     *(param for param, setting in named_settings().items() if setting.scalar_type is int),
 )
 STRUCTURED = ("gpu_node_selector", "gpu_tolerations")
+COMPILED_MEMORY = {"validate": "validate_memory", "register": "register_memory"}
+"""Step -> the check step's input holding the memory the compiled pipeline gives that step's
+pod (`rtp compile --model-params`): constants of the compiled pipeline, not run parameters."""
 _MODEL_NAME = MODEL_NAME  # one pattern for the run parameter and the registry calls
 _LABEL_KEY = re.compile(r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 
@@ -101,6 +104,11 @@ def check_run_parameters(values: Mapping[str, Any]) -> None:
                 f"{name} {value!r} must look like s3://bucket/prefix"
                 + (" (or models:/<name>@<alias>, a registered version)" if name == "model_source" else "")
             )
+    if values.get("data_format") == "examples" and "model_source" in values and not values["model_source"]:
+        problems.append(
+            "data_format examples trains a Hugging Face model on conversations (their chat template is the "
+            "model's): give model_source, or data_format tokens for the built-in byte-level model"
+        )
     if "mlflow_secret_name" in values:
         problems += _secret_name_problems(str(values["mlflow_secret_name"] or ""))
     if "source" in values and not values["source"]:
@@ -121,6 +129,7 @@ def check_run_parameters(values: Mapping[str, Any]) -> None:
             f"gpu_tolerations must be a list of Kubernetes toleration objects, got {tolerations!r}"
         )
     problems += _training_problems(values)
+    problems += _model_step_memory_problems(values)
     if problems:
         raise RunParameterError("; ".join(problems))
 
@@ -161,3 +170,38 @@ def _training_problems(values: Mapping[str, Any]) -> list[str]:
     except ConfigError as exc:
         return [f"training: {exc}"]
     return []
+
+
+def _model_step_memory_problems(values: Mapping[str, Any]) -> list[str]:
+    """The validate and register pods' memory is compiled in (`rtp compile --model-params`);
+    a run of a bigger built-in model than it was compiled for would be OOM-killed after
+    training. A Hugging Face or registered model's size is unknown before it is staged."""
+    from components.step_memory import byte_lm_parameters, undersized_steps
+    from components.train.train import TrainRequest
+    from trainer.arguments import PIPELINE_SETTINGS
+    from trainer.config import DEFAULT_PRESET, ConfigError
+
+    compiled = {step: str(values[name]) for step, name in COMPILED_MEMORY.items() if values.get(name)}
+    if not compiled or values.get("model_source"):
+        return []
+    preset = values.get("preset", DEFAULT_PRESET)
+    request = TrainRequest(
+        dataset_dir="<staged>",
+        run_folder=Path("<run>"),
+        model_dir="",
+        preset=preset,
+        overrides=values.get("overrides", ""),
+        settings={name: values[name] for name in PIPELINE_SETTINGS if name in values},
+    )
+    try:
+        params = byte_lm_parameters(request.config().model)
+        short = undersized_steps(params, compiled)
+    except (ConfigError, ValueError):  # a wrong config or quantity is reported elsewhere
+        return []
+    if not short:
+        return []
+    needs = " and ".join(f"{step} {needed} (compiled: {given})" for step, (needed, given) in short.items())
+    return [
+        f"preset {preset} is a {params:.2g}-parameter model whose pods need {needs}: recompile the "
+        f"pipeline with `rtp compile --model-params {params:.2g}` (docs/eks.md, step 8) or run a smaller preset"
+    ]

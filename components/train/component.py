@@ -25,6 +25,7 @@ def train_model(
     metrics: Output[Metrics],
     goodput_report: Output[HTML],
     launcher: str = "inpod",
+    data_format: str = "tokens",
     nnodes: int = 1,
     gpus_per_node: int = 0,
     efa_per_node: int = 0,
@@ -71,6 +72,7 @@ def train_model(
         metrics: final loss, steps, training seconds, checkpoint efficiency, goodput, restarts.
         goodput_report: timeline of steps, saves, faults and restarts, with the numbers.
         launcher: inpod (ranks in this pod), pytorchjob (Kubeflow Training Operator) or trainjob (Kubeflow Trainer v2).
+        data_format: tokens (a token stream) or examples (conversations: the assistant's tokens only).
         job_image: image of the job's pods (the pipeline passes its own image).
         fsx_pvc_name: the FSx PVC the job's pods mount at fsx_mount_path.
         node_selector: node labels the job's pods must match.
@@ -115,6 +117,7 @@ def train_model(
             "seed": seed,
             "faults": faults,
             "model_init": model_init,
+            "data_format": data_format,
         },
     )
     if launcher == "inpod":
