@@ -83,19 +83,41 @@ def _pipeline_classes_for_mlflow() -> Iterator[None]:
         pipelines.check_task = original  # type: ignore[assignment]
 
 
+CHAT_TASK = "llm/v1/chat"
+"""MLflow's chat task: the served model takes OpenAI-style `{"messages": [...]}` requests,
+renders them with the tokenizer's chat template and answers with a chat completion."""
+
+
+def has_chat_template(folder: Path) -> bool:
+    """The folder's tokenizer has a chat template (chat_template.jinja, or in tokenizer_config.json)."""
+    import json
+
+    if (folder / "chat_template.jinja").is_file():
+        return True
+    config = folder / "tokenizer_config.json"
+    try:
+        return bool(config.is_file() and json.loads(config.read_text()).get("chat_template"))
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
 def log_hf_model(folder: Path, dtype: torch.dtype) -> Any:
     """Log the exported Hugging Face folder in the active MLflow run without loading its
-    weights; returns the ModelInfo. `dtype` is what loaders of the logged model use."""
+    weights; returns the ModelInfo. `dtype` is what loaders of the logged model use.
+
+    A tokenizer with a chat template makes it a chat model (`CHAT_TASK`, MLflow's own chat
+    signature), so `mlflow models serve` answers `messages`; otherwise text in, text out."""
     import mlflow
 
+    chat = has_chat_template(folder)
     with _pipeline_classes_for_mlflow():
         return mlflow.transformers.log_model(
             str(folder),
             name="model",
-            task=TASK,
+            task=CHAT_TASK if chat else TASK,
             torch_dtype=dtype,
-            signature=signature(),
-            input_example=["def "],
+            signature=None if chat else signature(),
+            input_example=None if chat else ["def "],
             pip_requirements=pip_requirements(),
         )
 

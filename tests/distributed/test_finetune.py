@@ -14,7 +14,7 @@ import pytest
 from tests.hf_tiny import write_tiny_model
 from tests.unit.test_examples_data import CHATML, CONVERSATIONS
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.distributed, pytest.mark.launches]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.launches]
 
 FAST = ["resilience.collective_timeout_s=5", "resilience.soft_timeout_s=8", "resilience.hard_timeout_s=30"]
 # 8 examples a step over 2 ranks, micro-batches of 2 rows: packing makes the row count vary by step.
