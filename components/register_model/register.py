@@ -312,6 +312,11 @@ def _verified_model(
         storage.verify_checkpoint(checkpoint_dir, verify_hashes=True)
     meta = storage.read_meta(checkpoint_dir)
     config = TrainConfig.from_dict(meta["config"])
+    if config.training.method == "lora":  # the streamed export writes whole models only
+        raise storage.CheckpointError(
+            f"{checkpoint_dir} holds LoRA adapters (training.method=lora), which the register step "
+            "cannot log yet: export them with trainer.lora.export_adapter or export_merged (docs/fine-tuning.md)"
+        )
     if config.model.kind != "hf":
         return load_validated_model(checkpoint_dir, published_manifest_sha256=published_manifest_sha256)
     export_dtype, max_shard_size = export_settings

@@ -5,7 +5,8 @@ with the weights of one that never stopped) and, with `checkpoint.record_weight_
 the weights at every save (a saved checkpoint must hold exactly those: never torn).
 
 Both hash the same bytes in the same order: each tensor's key, then its values, in sorted
-key order. `model_sha256` streams a sharded model one full tensor at a time, so its memory
+key order, over what a checkpoint holds of the model: its trained parameters (a LoRA run's
+adapters; the frozen base is named by the checkpoint's `adapters` record instead). `model_sha256` streams a sharded model one full tensor at a time, so its memory
 is the largest tensor, not the model, and its value does not depend on the world size.
 """
 
@@ -17,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
+
+from trainer.checkpointing.storage import trained_model_state
 
 
 def _update(digest: hashlib._Hash, key: str, tensor: torch.Tensor) -> None:
@@ -34,13 +37,20 @@ def state_dict_sha256(state: dict[str, torch.Tensor]) -> str:
 
 
 def model_sha256(model: torch.nn.Module) -> str:
-    """`state_dict_sha256` of the full (unsharded) model state, the same string on every rank.
+    """`state_dict_sha256` of the full (unsharded) model state a checkpoint holds (frozen
+    parameters left out: a LoRA run's adapters), the same string on every rank.
 
     Collective: every rank gathers the same tensor at the same time, in sorted key order, and
     drops it once rank 0 hashed it; rank 0's digest is then broadcast."""
     # The sharded state dict has the full one's keys (FQNs, tied weights under each name,
     # no non-persistent buffers) and its values are the parameters themselves, not copies.
-    local = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False, cpu_offload=False))
+    local = trained_model_state(
+        get_model_state_dict(
+            model,
+            options=StateDictOptions(full_state_dict=False, cpu_offload=False, ignore_frozen_params=True),
+        ),
+        model,
+    )
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     hashes_here = not distributed or dist.get_rank() == 0
     digest = hashlib.sha256()

@@ -65,7 +65,9 @@ class LocalTier:
         copy_budget_pct: float | None = None,
         cache: slots.CaptureCache | None = None,
     ) -> None:
-        self.params = list(model.parameters())
+        # What training changes (a LoRA run's adapters): frozen parameters are the same at
+        # every step and are read from the model folder again by every attempt.
+        self.params = [p for p in model.parameters() if p.requires_grad]
         self.schedule = CaptureInterval(
             every_steps, bool(self.params and self.params[0].is_cuda), copy_budget_pct
         )

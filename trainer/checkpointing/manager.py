@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from trainer.checkpointing import slot_refs, storage
 from trainer.checkpointing import tier_slots as slots
@@ -37,6 +36,7 @@ from trainer.checkpointing.writer import CheckpointWriter, NoCheckpoints, Pendin
 from trainer.config import TrainConfig
 from trainer.data import StepSampler
 from trainer.events import EventLog
+from trainer.lora import adapter_identity, adapter_problem
 
 if TYPE_CHECKING:
     from trainer.hooks import Stateful, TrainHooks
@@ -51,7 +51,7 @@ WRITERS: dict[str, type[CheckpointWriter]] = {
 }
 """`checkpoint.mode` -> the class that writes its saves."""
 
-_META_KEYS = frozenset({"config", "model_hash", "scheduler", "loss", "sampler", "step"})
+_META_KEYS = frozenset({"config", "model_hash", "adapters", "scheduler", "loss", "sampler", "step"})
 """What a save's metadata holds already: not a name for `states`."""
 
 
@@ -96,6 +96,8 @@ class CheckpointManager:
         self.on_queued = on_queued
         self.during_save = during_save
         self.rank = dist.get_rank()
+        # A LoRA run's adapters and the base they apply to (None: full training), once per attempt.
+        self.adapters = adapter_identity(config)
         self._queued: list[SaveRecord] = []  # queued by the writer, not yet told to `on_queued`
         self.writer = WRITERS[settings.mode](
             self.root,
@@ -118,6 +120,7 @@ class CheckpointManager:
             # The run is the folder's name (its checkpoint folder, hashed); what must match too:
             identity={
                 "model_hash": config.model_hash(),
+                "adapters": self.adapters,
                 "world_size": dist.get_world_size(),
                 "layout": _layout(model),  # a capture under another mesh holds other shards
             },
@@ -175,12 +178,9 @@ class CheckpointManager:
         if latest is None:
             self._warm_start_optimizer()
             return 0
+        self._refuse_other_model(durable_meta, latest)  # before reading tensors that may not fit
         restored = storage.load_checkpoint(latest, self.model, self.optimizer)
         meta = restored["meta"]
-        if meta.get("model_hash") != self.config.model_hash():
-            raise storage.CheckpointError(
-                f"{latest} was trained with a different model config; use a new checkpoint dir"
-            )
         self.sampler.check_resumable(meta.get("sampler", {}), str(latest))  # the same data, or refused
         self.scheduler.load_state_dict(meta["scheduler"])
         self._restore_states(meta)
@@ -190,6 +190,15 @@ class CheckpointManager:
         if self.rank == 0:
             log.info("resumed from %s at step %d", latest, step)
         return step
+
+    def _refuse_other_model(self, meta: dict[str, Any], path: Path | str) -> None:
+        if meta.get("model_hash") != self.config.model_hash():
+            raise storage.CheckpointError(
+                f"{path} was trained with a different model config; use a new checkpoint dir"
+            )
+        problem = adapter_problem(meta.get("adapters"), self.adapters, self.config.model)
+        if problem:
+            raise storage.CheckpointError(f"{path} cannot be resumed by this run: {problem}")
 
     def _warm_start_optimizer(self) -> None:
         """A new run with optimizer.warm_start=parent: the parent checkpoint's weights and AdamW
@@ -204,9 +213,16 @@ class CheckpointManager:
                 "changed): set optimizer.warm_start=fresh"
             )
         storage.verify_checkpoint(source)
-        if storage.read_meta(source).get("model_hash") != self.config.model_hash():
+        parent = storage.read_meta(source)
+        if parent.get("model_hash") != self.config.model_hash():
             raise storage.CheckpointError(
                 f"{source} (the parent's checkpoint) holds another architecture than model.model_dir: "
+                "set optimizer.warm_start=fresh"
+            )
+        problem = adapter_problem(parent.get("adapters"), self.adapters, self.config.model)
+        if problem:
+            raise storage.CheckpointError(
+                f"{source} (the parent's checkpoint) cannot warm-start this run: {problem}; "
                 "set optimizer.warm_start=fresh"
             )
         storage.load_parent_state(source, self.model, self.optimizer)
@@ -254,6 +270,7 @@ class CheckpointManager:
         meta = {
             "config": self.config.to_dict(),
             "model_hash": self.config.model_hash(),
+            "adapters": self.adapters,
             "scheduler": self.scheduler.state_dict(),
             "loss": loss_value,
             **{name: state.state_dict() for name, state in self.states.items()},
@@ -327,8 +344,7 @@ class CheckpointManager:
                 self.on_queued(record.step)
 
     def _state_dict(self) -> dict[str, Any]:
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        return {"model": model_state, "optim": optim_state}
+        return storage.training_state_dict(self.model, self.optimizer)
 
     def close(self) -> None:
         """Collective, at the end of the loop: the last checkpoint is committed (the run's
@@ -380,7 +396,7 @@ class CheckpointManager:
         """This rank's parameters and optimizer state, in bytes (its shards under FSDP)."""
         from trainer.checkpointing.tier_slots import local_shard
 
-        params = list(self.model.parameters())
+        params = [p for p in self.model.parameters() if p.requires_grad]  # what a checkpoint holds
         tensors: list[torch.Tensor] = [*params]
         tensors += [v for p in params for v in self.optimizer.state.get(p, {}).values() if torch.is_tensor(v)]
         return sum(local_shard(t).numel() * local_shard(t).element_size() for t in tensors)

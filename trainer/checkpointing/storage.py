@@ -4,7 +4,7 @@ Layout of one checkpoint (a DCP folder, so N-rank saves load on M ranks or one p
 
     step_<N>/            committed: renamed from step_<N>.tmp/ only after every rank wrote
       .metadata          DCP metadata (rank 0 writes it last inside dcp.save)
-      __<r>_0.distcp     DCP shards: model + optimizer
+      __<r>_0.distcp     DCP shards: model + optimizer (the trained parameters: a LoRA run's adapters)
       rank_state/rank_<r>.pt   per-rank RNG states and loader position
       meta.json          step, config, scheduler state, world size
       manifest.json      every file above with its size and SHA-256
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from trainer import waiting
 
@@ -52,6 +52,47 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be used; the message names the folder or file and why."""
+
+
+def frozen_parameter_names(model: nn.Module) -> set[str]:
+    """Every name of every frozen parameter (a LoRA run's base), tied aliases included."""
+    return {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def trained_state_options(model: nn.Module) -> StateDictOptions:
+    """What a checkpoint holds of the model: the parameters training changes. A LoRA run's
+    frozen base is left out (it is read from its model folder at every start; meta.json's
+    `adapters` names it); loading is strict where nothing is frozen."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
+
+
+def trained_model_state(model_state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """`model_state` (from `trained_state_options`) without a frozen tied alias: torch 2.13's
+    ignore_frozen_params drops the names `named_parameters()` gives, which lists a tied weight
+    under its first name only, so a frozen tied head (`lm_head.weight`) would stay."""
+    frozen = frozen_parameter_names(model)
+    return {key: value for key, value in model_state.items() if key not in frozen}
+
+
+def training_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """{"model": ..., "optim": ...}: what a checkpoint holds, as sharded tensors (views of the
+    live parameters and optimizer state, not copies)."""
+    model_state, optim_state = get_state_dict(model, optimizer, options=trained_state_options(model))
+    return {"model": trained_model_state(model_state, model), "optim": optim_state}
+
+
+def _load_training_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Collective: `training_state_dict`'s tensors read from the checkpoint at `path`, set."""
+    state = training_state_dict(model, optimizer)
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=trained_state_options(model),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,9 +380,8 @@ def save_checkpoint(
     """Collective, synchronous: returns once the checkpoint is committed everywhere."""
     started = time.perf_counter()
     staging, final = prepare_staging(root, step, rank_extra)
-    model_state, optim_state = get_state_dict(model, optimizer)
     with shard_records_without_crc32():
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(staging))
+        dcp.save(training_state_dict(model, optimizer), checkpoint_id=str(staging))
     write_hash_sidecars(staging, dist.get_rank())
     bytes_total = commit(staging, final, step, meta)
     return SaveResult(path=final, step=step, blocked_s=time.perf_counter() - started, bytes_total=bytes_total)
@@ -378,10 +418,7 @@ def apply_retention(root: str | Path, keep_last: int, keep_every: int = 0) -> li
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Collective: restore model and optimizer shards and this rank's RNG; return meta + rank state."""
     folder = Path(path)
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state: dict[str, Any] = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(folder))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    _load_training_state(folder, model, optimizer)
     rank_file = folder / RANK_STATE_DIR / f"rank_{dist.get_rank()}.pt"
     rank_state: dict[str, Any] = {}
     if rank_file.is_file():  # absent when resharding to more ranks than were saved
@@ -404,20 +441,19 @@ def load_parent_state(path: str | Path, model: nn.Module, optimizer: torch.optim
     """Collective: a warm start's weights and AdamW moments from the parent's checkpoint; the
     optimizer's hyperparameters (lr, warm-up start) stay this run's, and no RNG is restored."""
     fresh_groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state: dict[str, Any] = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    _load_training_state(path, model, optimizer)
     for group, fresh in zip(optimizer.param_groups, fresh_groups, strict=True):
         group.update(fresh)
     return read_meta(path)
 
 
 def load_model_weights(path: str | Path, model: nn.Module) -> None:
-    """Load the model part of a DCP checkpoint into a plain module, in one process, no group."""
-    state = {"model": model.state_dict()}
+    """Load the model part of a DCP checkpoint into a plain module, in one process, no group.
+    Frozen parameters (a LoRA run's base, already in `model`) are not in it and stay."""
+    frozen = frozen_parameter_names(model)
+    state = {"model": {k: v for k, v in model.state_dict().items() if k not in frozen}}
     try:
         dcp.load(state, checkpoint_id=str(path), no_dist=True)
     except Exception as exc:  # DCP raises a bare CheckpointException listing rank errors
         raise CheckpointError(f"cannot load model weights from {path}: {exc}") from exc
-    model.load_state_dict(state["model"])
+    model.load_state_dict(state["model"], strict=not frozen)

@@ -299,7 +299,9 @@ def load_pretrained(model: nn.Module, folder: Path) -> None:
         )
     # By the folder's names: a LoRA-wrapped layer's weight is `<layer>.base_layer.weight` here,
     # and the adapters are not in the folder (`lora.init_adapters` fills them).
-    state = {lora.base_name(key): value for key, value in model.state_dict().items() if not lora.is_adapter(key)}
+    state = {
+        lora.base_name(key): value for key, value in model.state_dict().items() if not lora.is_adapter(key)
+    }
     expected = {key: tuple(value.shape) for key, value in state.items()}
     # The renaming rules come from an unsharded twin on the meta device: transformers looks
     # them up by class, and fully_shard has swapped the model's class for an FSDP subclass.
