@@ -21,6 +21,7 @@ EPILOG = """examples:
   rtp make-tiny-model --arch llama tiny-llama && rtp local --model-source tiny-llama   # a Hugging Face model
   rtp compile -o pipeline.yaml --image 123456789012.dkr.ecr.us-east-1.amazonaws.com/rtp:0.1.0
   rtp train-local --dataset-dir DIR --workdir runs/a --steps 40 --checkpoint-every 10
+  rtp plan --model-config benchmarks/model_configs/llama-3.1-8b.json --seq-len 8192   # will it fit 8 H100s?
   rtp upload --host http://127.0.0.1:8888 --image REGISTRY/rtp:0.1.0   # a new pipeline version
   rtp run --host http://127.0.0.1:8888 --version latest --param steps=200 --wait
   rtp schedule --host http://127.0.0.1:8888 --name nightly --cron "0 3 * * *"
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     from rtp_cli.kfp_commands import add_kfp_parsers
     from rtp_cli.local_commands import add_local_parser
     from rtp_cli.model_commands import add_make_tiny_model_parser
+    from rtp_cli.plan_commands import add_plan_parser
     from rtp_cli.stage_commands import add_prepare_data_parser, add_stage_parser
     from rtp_cli.train_commands import add_train_local_parser
 
@@ -58,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_local_parser,
         add_compile_parser,
         add_train_local_parser,
+        add_plan_parser,
         add_stage_parser,
         add_prepare_data_parser,
         add_make_tiny_model_parser,

@@ -159,7 +159,7 @@ class ChatRenderer:
     def render(self, messages: list[dict[str, str]], where: str = "") -> tuple[list[int], list[int]]:
         """(token ids, mask): mask is 1 on the tokens of the assistant's turns."""
         if self.uses_generation_markers:
-            out = self._hf.apply_chat_template(
+            out: Any = self._hf.apply_chat_template(
                 messages,
                 chat_template=self.template,
                 tokenize=True,

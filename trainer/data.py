@@ -31,7 +31,7 @@ import mmap
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -323,6 +323,17 @@ def _unmap_pages(mapped: mmap.mmap, offset: int, size: int) -> None:
 
 def as_token_stream(tokens: TokenStream | torch.Tensor | np.ndarray) -> TokenStream:
     return tokens if isinstance(tokens, TokenStream) else TokenStream.from_array(tokens)
+
+
+class DataSampler(Protocol):
+    """What a checkpoint records of the data order, and checks on resume (StepSampler and
+    trainer.examples_data.ExampleSampler)."""
+
+    global_batch: int
+
+    def state_dict(self, next_step: int) -> dict[str, Any]: ...
+
+    def check_resumable(self, saved: dict[str, Any], source: str) -> None: ...
 
 
 class StepSampler:

@@ -133,7 +133,8 @@ def load_examples(dataset_dir: str | Path) -> tuple[ExampleSet, ExampleSet, dict
                     f"{path} is missing or not the size manifest.json says: stage the dataset again"
                 )
             files.append(path)
-        sides[shard["split"]].append(_Shard(*files, examples=int(shard["examples"]), dtype=dtype))
+        ids, mask, offsets = files
+        sides[shard["split"]].append(_Shard(ids, mask, offsets, examples=int(shard["examples"]), dtype=dtype))
     return ExampleSet(sides["train"]), ExampleSet(sides["holdout"]), index
 
 
@@ -192,6 +193,12 @@ class ExampleBatch:
     targets: torch.Tensor
     scale: float
     """What this micro-batch's summed target loss is multiplied by: world size / the step's targets."""
+
+    def pin_memory(self) -> ExampleBatch:
+        """The rows in page-locked host memory, so that `to` a GPU does not block the host."""
+        return ExampleBatch(
+            self.ids.pin_memory(), self.positions.pin_memory(), self.targets.pin_memory(), self.scale
+        )
 
     def to(self, device: torch.device) -> ExampleBatch:
         return ExampleBatch(

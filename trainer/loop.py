@@ -28,7 +28,7 @@ import logging
 import math
 import signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -39,11 +39,11 @@ from torch.distributed.fsdp import FSDPModule
 from trainer import peer_abort, waiting
 from trainer.checkpointing import CheckpointManager, model_sha256
 from trainer.checkpointing.tier_slots import forget_rank, local_folder
-from trainer.config import TrainConfig
+from trainer.config import OptimizerConfig, TrainConfig
 from trainer.data import DataError, StepSampler, check_tokenizer, load_tokens, split_files
 from trainer.determinism import apply_determinism
 from trainer.events import EventLog
-from trainer.examples_data import ExampleBatch, masked_loss
+from trainer.examples_data import ExampleBatch, ExampleSampler, masked_loss
 from trainer.faults import FaultInjector, parse_faults
 from trainer.gpu_defaults import check_timeouts
 from trainer.hooks import Attempt, Callback, StepResult, TrainHooks
@@ -56,6 +56,7 @@ from trainer.parallelize import (
     init_distributed,
     parallelize,
     peak_memory_bytes,
+    phase_peak_bytes,
     set_collective_timeout,
     training_device,
 )
@@ -92,13 +93,39 @@ def accumulate_gradients(
     loss = torch.zeros((), device=device)
     for index, micro_batch in enumerate(micro_batches):
         cast(FSDPModule, model).set_requires_all_reduce(index == len(micro_batches) - 1)
-        if isinstance(micro_batch, ExampleBatch):  # data.format=examples: its share of the global mean
-            micro_loss = masked_loss(model, micro_batch.to(device))
+        on_device = to_training_device(micro_batch, device)
+        if isinstance(on_device, ExampleBatch):  # data.format=examples: its share of the global mean
+            micro_loss = masked_loss(model, on_device)
         else:
-            micro_loss = spec.loss(model, micro_batch.to(device)) / len(micro_batches)
+            micro_loss = spec.loss(model, on_device) / len(micro_batches)
         micro_loss.backward()
         loss += micro_loss.detach()
     return loss
+
+
+def to_training_device(
+    batch: torch.Tensor | ExampleBatch, device: torch.device
+) -> torch.Tensor | ExampleBatch:
+    """A micro-batch on the training device. On CUDA it is copied from pinned host memory
+    without blocking the host: the copy is queued on the stream ahead of the forward that
+    reads it (from pageable memory a "non-blocking" copy is a synchronous one)."""
+    if device.type != "cuda":
+        return batch.to(device)
+    pinned = batch.pin_memory()
+    if isinstance(pinned, ExampleBatch):
+        return pinned.to(device)  # its tensors' copies are non-blocking
+    return pinned.to(device, non_blocking=True)
+
+
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter], optimizer: OptimizerConfig, device: torch.device
+) -> torch.optim.AdamW:
+    """AdamW as every rtp loop builds it. On CUDA its fused kernel: one launch per step for
+    all of a rank's shards (FSDP2's DTensors included) instead of foreach's several per
+    operation with their intermediate lists. On CPU the default implementation, which the
+    bit-exact resume tests were written against."""
+    implementation = {"fused": True} if device.type == "cuda" else {}
+    return torch.optim.AdamW(params, lr=optimizer.lr, weight_decay=optimizer.weight_decay, **implementation)
 
 
 def _gathered_norm(norm: torch.Tensor) -> float:
@@ -163,6 +190,8 @@ class Trainer:
     fresh key prefix); `hooks`: the resilience layers' callbacks; `callbacks`: more
     `on_step_end` listeners, called before the hooks'. Use as a context manager: `close()`
     releases the checkpoint writer when the attempt ends by an exception."""
+
+    sampler: StepSampler | ExampleSampler  # data.format tokens or examples
 
     def __init__(
         self,
@@ -280,7 +309,7 @@ class Trainer:
         self.spec.init_weights(self.model, config.model, device, config.run.seed)
         opt = config.optimizer
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters
-        self.optimizer = torch.optim.AdamW(trainable, lr=opt.lr, weight_decay=opt.weight_decay)
+        self.optimizer = build_optimizer(trainable, opt, device)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda s: lr_factor(s, config.run.steps, opt.warmup_steps, opt.min_lr_ratio),
@@ -290,10 +319,10 @@ class Trainer:
         data = self.config.data
         check_tokenizer(data.dataset_dir, self.spec.tokenizer(self.config.model).identity)
         if data.format == "examples":
-            from trainer.examples_data import ExampleSampler, load_examples
+            from trainer.examples_data import load_examples
 
             train, _, _ = load_examples(data.dataset_dir)
-            self.sampler = ExampleSampler(  # type: ignore[assignment]
+            self.sampler = ExampleSampler(
                 train,
                 self.config.model.seq_len,
                 data.batch_size,
@@ -455,8 +484,17 @@ class Trainer:
 
     def _finish(self, loop_wall_s: float, stopped_by_signal: bool) -> TrainSummary:
         config = self.config
+        phases: dict[str, int] = {}
+
+        def phase_ended(name: str) -> None:
+            peak = phase_peak_bytes(self.device)
+            if peak is not None:
+                phases[name] = peak
+
+        phase_ended("train")
         with self.hooks.keepalive():  # gathers every tensor: minutes at 8B+
             fingerprint = model_sha256(self.model)
+        phase_ended("fingerprint")
         final_step = self.losses[-1][0] if self.losses else self.last_step
         # Scored where the model already is, for the validate step; not in a SIGTERM's grace
         # period (the run resumes later and scores its last step then).
@@ -465,6 +503,7 @@ class Trainer:
 
             with self.hooks.keepalive():
                 write_eval_record(self.model, config, fingerprint, final_step, self.rank, self.device)
+            phase_ended("evaluation")
         summary = TrainSummary(
             steps=final_step,
             target_steps=config.run.steps,
@@ -481,7 +520,8 @@ class Trainer:
             model_sha256=fingerprint,
             train_seconds=self.step_seconds,
             wall_seconds=time.perf_counter() - self.clock.started,
-            peak_mem_bytes=peak_memory_bytes(self.device),
+            peak_mem_bytes=max(phases.values()) if phases else peak_memory_bytes(self.device),
+            peak_mem_bytes_by_phase=phases,
         )
         return _publish(summary, self.workdir, self.progress) if self.rank == 0 else summary
 

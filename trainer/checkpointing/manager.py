@@ -34,7 +34,7 @@ from trainer.checkpointing.slot_refs import Lease
 from trainer.checkpointing.torch_writers import SyncWriter, TorchAsyncWriter
 from trainer.checkpointing.writer import CheckpointWriter, NoCheckpoints, PendingSave, SaveRecord
 from trainer.config import TrainConfig
-from trainer.data import StepSampler
+from trainer.data import DataSampler
 from trainer.events import EventLog
 from trainer.lora import adapter_identity, adapter_problem
 
@@ -70,7 +70,7 @@ class CheckpointManager:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
-        sampler: StepSampler,
+        sampler: DataSampler,
         hooks: TrainHooks,
         events: EventLog,
         states: Mapping[str, Stateful] | None = None,
