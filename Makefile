@@ -7,11 +7,12 @@ STAMP := $(VENV)/.rtp-installed
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: help demo test lint format golden bench clean
+.PHONY: help demo test test-slow lint format golden bench clean
 
 help:
 	@echo "make demo   - set up .venv and run the whole pipeline locally (rtp local)"
 	@echo "make test   - set up .venv and run the test suite"
+	@echo "make test-slow - the benchmark smoke runs and whole-system repeats (CI runs both)"
 	@echo "make lint   - ruff + mypy + lint-imports (the layering in pyproject.toml)"
 	@echo "make golden - regenerate the compiled-pipeline golden file and the job examples after an intended change"
 	@echo "make clean  - remove .venv and rtp-work"
@@ -26,13 +27,29 @@ $(STAMP): setup.cfg pyproject.toml
 demo: $(STAMP)
 	$(BIN)/rtp local $(DEMO_ARGS)
 
-# pytest exits 5 when it collected nothing: a suite that ran no test must not pass.
+# Two phases (tests/conftest.py's --launches): the tests that start no training on two
+# workers (pytest-xdist), then the launches one at a time (each fills both cores).
+# PYTEST_ARGS applies to both. pytest exits 5 when a phase collected nothing: one such phase
+# is fine, both is a selection that ran no test, which must not pass.
+define pytest_phases
+	@rc1=0; rc2=0; \
+	$(BIN)/python -m pytest -n 2 --dist loadgroup --suite=$(1) --launches=none $(PYTEST_ARGS) || rc1=$$?; \
+	$(BIN)/python -m pytest --suite=$(1) --launches=only $(PYTEST_ARGS) || rc2=$$?; \
+	if [ $$rc1 -eq 5 ] && [ $$rc2 -eq 5 ]; then \
+	  echo "make $@: pytest collected no tests (exit 5); check PYTEST_ARGS='$(PYTEST_ARGS)'" >&2; exit 1; fi; \
+	for rc in $$rc1 $$rc2; do [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit $$rc; done
+endef
+
 test: $(STAMP)
 	@scripts/install-ceph.sh
 	@scripts/install-rclone.sh
-	@$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5); check PYTEST_ARGS='$(PYTEST_ARGS)'" >&2; exit 1; fi; \
-	exit $$rc
+	$(call pytest_phases,test)
+
+# The benchmark smoke runs and the whole-system runs that repeat what `make test` proves.
+test-slow: $(STAMP)
+	@scripts/install-ceph.sh
+	@scripts/install-rclone.sh
+	$(call pytest_phases,slow)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

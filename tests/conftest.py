@@ -1,14 +1,17 @@
 """Fixtures shared by the suite: a small dataset snapshot, a one-rank process group, a real
-MLflow server on loopback, and the upstream schemas the fakes validate against (tests/specs)."""
+MLflow server on loopback, and the upstream schemas the fakes validate against (tests/specs);
+and the check that only tests marked `launches` start training processes."""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -28,6 +31,157 @@ UPSTREAM_SPECS = Path(__file__).resolve().parent / "specs"
 SHM = Path("/dev/shm")
 
 
+# ---- `launches`: only tests marked so start training processes ---------------------------
+
+LAUNCHER_MODULES = frozenset({"nvidia_resiliency_ext.fault_tolerance.launcher", "torch.distributed.run"})
+RANK_MODULES = frozenset({"trainer", "rtp_prefork"})
+TRAINING_COMMANDS = frozenset({"train-local", "local"})
+"""`rtp` subcommands that start the launcher (the pipeline's train step, or train-local)."""
+TRAINING_BENCHMARKS = frozenset({"checkpoint", "recovery", "scaling", "throughput"})
+"""`rtp bench` kinds (and `python -m benchmarks.<kind>`) that train through the launcher."""
+
+
+def training_launch(argv: list[str]) -> str | None:
+    """What in a new process's `argv` starts training — the launcher, a rank, or an rtp
+    command that runs them — or None. Help output trains nothing."""
+    args = [str(arg) for arg in argv]
+    if not args or {"-h", "--help"} & set(args):
+        return None
+    program = Path(args[0]).name
+    if program in {"torchrun", "ft_launcher"}:
+        return program
+    rest = args[1:]
+    if program == "rtp":
+        module = "rtp_cli.main"
+    elif "-m" in rest[:-1]:
+        module = rest[rest.index("-m") + 1]
+        rest = rest[rest.index("-m") + 2 :]
+    else:
+        return None
+    if module in LAUNCHER_MODULES or module in RANK_MODULES:
+        return f"python -m {module}"
+    if module.removeprefix("benchmarks.") in TRAINING_BENCHMARKS and module.startswith("benchmarks."):
+        return f"python -m {module}"
+    if module != "rtp_cli.main":
+        return None
+    words = [arg for arg in rest if not arg.startswith("-")]
+    if words[:1] and words[0] in TRAINING_COMMANDS:
+        return f"rtp {words[0]}"
+    if words[:2] and words[0] == "bench" and words[1:2] and words[1] in TRAINING_BENCHMARKS:
+        return f"rtp bench {words[1]}"
+    return None
+
+
+class _LaunchGuard:
+    """Refuses, in a test not marked `launches`, every new process that starts training, and
+    training ranks run by torch.multiprocessing. Processes are seen where they start, in
+    this process: an audit hook sees every `subprocess` and `os.exec*`/`posix_spawn`
+    (whoever calls them: a test, `run_local_training`, a fixture), so a command that trains
+    (`rtp local`) is refused by its own arguments, before anything it would start."""
+
+    def __init__(self) -> None:
+        self.refusing: str | None = None  # the running test's id while it may not launch
+        self.refused: list[str] = []
+        self._lock = threading.Lock()
+
+    def audit(self, event: str, args: tuple) -> None:
+        if self.refusing is None:
+            return
+        if event == "subprocess.Popen":
+            argv = shlex.split(args[1]) if isinstance(args[1], str) else list(args[1])
+        elif event in {"os.exec", "os.posix_spawn"}:
+            argv = list(args[1])
+        else:
+            return
+        what = training_launch(list(argv))
+        if what is not None:
+            self.refuse(what)
+
+    def refuse(self, what: str) -> None:
+        message = f"{self.refusing} started training ({what}) but is not marked `launches`"
+        with self._lock:
+            self.refused.append(message)
+        raise RuntimeError(message)
+
+
+LAUNCH_GUARD = _LaunchGuard()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """The Makefile's phases, which compose with any `-m`/`-k` a user adds (PYTEST_ARGS)."""
+    group = parser.getgroup("rtp")
+    group.addoption(
+        "--launches",
+        choices=("all", "none", "only"),
+        default="all",
+        help="keep the tests that start training (`launches`) with the others, or none of them, or only them",
+    )
+    group.addoption(
+        "--suite",
+        choices=("all", "test", "slow"),
+        default="all",
+        help="`test`: what `make test` runs; `slow`: the benchmark smoke runs and whole-system repeats (`bench`, `slow`)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    sys.addaudithook(LAUNCH_GUARD.audit)  # for the session: audit hooks cannot be removed
+
+
+LAUNCHING_FIXTURES = frozenset({"plain_two_rank_run", "trained_run"})
+"""Shared fixtures that train (whichever test asks first runs them): their users launch."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if LAUNCHING_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.launches)
+    launches, suite = config.getoption("launches"), config.getoption("suite")
+
+    def kept(item: pytest.Item) -> bool:
+        launching = item.get_closest_marker("launches") is not None
+        slow = any(item.get_closest_marker(name) is not None for name in ("bench", "slow"))
+        return (launches == "all" or launching == (launches == "only")) and (
+            suite == "all" or slow == (suite == "slow")
+        )
+
+    deselected = [item for item in items if not kept(item)]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if kept(item)]
+
+
+@pytest.fixture(autouse=True)
+def launches_only_where_marked(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
+    """A test not marked `launches` starts no training: `-m 'not launches'` starts no trainer.
+    The refusal is raised where the process would start and recorded, so a test that
+    swallows the error still fails here."""
+    if request.node.get_closest_marker("launches") is not None:
+        yield
+        return
+    import torch.multiprocessing as mp
+
+    mp_spawn = sys.modules["torch.multiprocessing.spawn"]  # the module; `mp.spawn` is its function
+    start_processes = mp_spawn.start_processes
+
+    def start_processes_unless_training(fn, *args, **kwargs):
+        if getattr(fn, "__module__", "").partition(".")[0] in RANK_MODULES:
+            LAUNCH_GUARD.refuse(f"torch.multiprocessing ranks running {fn.__module__}.{fn.__qualname__}")
+        return start_processes(fn, *args, **kwargs)
+
+    monkeypatch.setattr(mp_spawn, "start_processes", start_processes_unless_training)  # mp.spawn calls this
+    monkeypatch.setattr(mp, "start_processes", start_processes_unless_training)
+    LAUNCH_GUARD.refusing, LAUNCH_GUARD.refused = request.node.nodeid, []
+    try:
+        yield
+    finally:
+        LAUNCH_GUARD.refusing = None
+    if LAUNCH_GUARD.refused:
+        pytest.fail("\n".join(LAUNCH_GUARD.refused), pytrace=False)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def shared_memory_of_killed_processes_removed() -> Iterator[None]:
     """Tests kill jobs whole (a pod's death) or let a launcher SIGKILL a rank's process
@@ -40,8 +194,11 @@ def shared_memory_of_killed_processes_removed() -> Iterator[None]:
     yield
     if not SHM.is_dir():
         return
+    # Listed before the maps are read: a name made meanwhile (another xdist worker's ranks
+    # go on) is not a candidate, and one listed is mapped by its maker until it is done.
+    candidates = set(os.listdir(SHM)) - before
     mapped = _mapped_in_shm()
-    for name in set(os.listdir(SHM)) - before:
+    for name in candidates:
         if not name.startswith(("torch_", "sem.mp-")) or name in mapped:
             continue
         creator = name.split("_")[1] if name.startswith("torch_") else ""
@@ -168,16 +325,22 @@ def plain_two_rank_run(dataset_dir, tmp_path_factory) -> dict:
     """One fault-free run shared by the modules that compare against it, trained through the
     user's command, `rtp train-local`: 2 ranks, seed 7, PLAIN_STEPS steps, asynchronous
     checkpoints (the default) every PLAIN_EVERY, low restart timeouts and metrics every step,
-    no MLflow. None of these settings changes a weight. Its summary.
+    no MLflow, no zygote (nothing restarts). None of these settings changes a weight. Its summary.
 
     tests/distributed: test_resume checks the run itself and resumes against it, test_faults and
     test_live_metrics compare runs with faults against it, test_training_modes runs with
     activation checkpointing and bf16 compute; tests/components/test_validate scores its
     checkpoint in one process against the training ranks' record."""
-    from tests.distributed.conftest import PLAIN_EVERY, PLAIN_OVERRIDES, PLAIN_STEPS, train_local_command
+    from tests.distributed.conftest import (
+        NO_ZYGOTE,
+        PLAIN_EVERY,
+        PLAIN_OVERRIDES,
+        PLAIN_STEPS,
+        train_local_command,
+    )
 
     workdir = tmp_path_factory.mktemp("plain-two-rank")
-    overrides = [arg for override in PLAIN_OVERRIDES for arg in ("--override", override)]
+    overrides = [arg for override in (*PLAIN_OVERRIDES, NO_ZYGOTE) for arg in ("--override", override)]
     command = train_local_command(dataset_dir, workdir, PLAIN_STEPS, PLAIN_EVERY, *overrides)
     env = {
         k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"

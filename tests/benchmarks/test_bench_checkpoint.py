@@ -5,7 +5,8 @@ import pytest
 from tests.benchmarks import run_bench
 
 
-@pytest.mark.distributed
+@pytest.mark.bench
+@pytest.mark.launches
 @pytest.mark.timeout(600)
 def test_bench_checkpoint_reports_every_mode(tmp_path):
     out = tmp_path / "bench.json"

@@ -12,6 +12,7 @@ import pytest
 pytestmark = pytest.mark.timeout(240)
 
 
+@pytest.mark.bench
 def test_bench_scale_data_reports_both_implementations_at_both_sizes(tmp_path):
     out = tmp_path / "scale.json"
     root = Path(__file__).resolve().parents[2]

@@ -5,9 +5,11 @@ import pytest
 from benchmarks.scaling import traffic
 from tests.benchmarks import run_bench
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.timeout(600)]
 
 
+@pytest.mark.bench
+@pytest.mark.launches
 def test_bench_scaling_trains_fsdp_and_hsdp_side_by_side(tmp_path):
     data, printed = run_bench(
         "scaling", tmp_path / "bench.json", "--steps", "2", "--every", "2", "--nproc", "2", "--replicate", "2"

@@ -12,6 +12,7 @@ import pytest
 pytestmark = pytest.mark.timeout(240)
 
 
+@pytest.mark.bench
 def test_bench_staging_reports_every_contender(tmp_path):
     from moto.server import ThreadedMotoServer
 

@@ -19,7 +19,8 @@ def test_peak_flops_and_mfu():
     assert mfu_pct(10**9, 41_200, None, 1) is None
 
 
-@pytest.mark.distributed
+@pytest.mark.bench
+@pytest.mark.launches
 def test_bench_throughput_writes_both_sides_and_the_tax(tmp_path):
     out = tmp_path / "throughput.json"
     data, printed = run_bench("throughput", out, "--preset", "tiny-cpu", "--steps", "4", "--every", "2")

@@ -231,6 +231,7 @@ def test_two_training_ranks_score_the_sharded_model_as_one_process_scores_the_ch
     assert here.holdout_loss == pytest.approx(result.holdout_loss, rel=1e-6)
 
 
+@pytest.mark.launches
 def test_without_eval_windows_the_training_writes_no_record_and_validate_scores_in_process(
     dataset_dir, tmp_path
 ):

@@ -23,7 +23,7 @@ from tests.components.test_register_hf import (  # noqa: F401 (fixtures)
 )
 from trainer.checkpointing.storage import CheckpointError
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.launches, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")

@@ -15,13 +15,34 @@ import rtp_prefork
 from trainer.config import TrainConfig, resolve_config
 from trainer.launch import LauncherSettings, launch_tempdir, run_local_training
 
+NO_ZYGOTE = "resilience.prefork_workers=false"
+"""rtp_prefork's zygote imports torch and NVRx beside the ranks (seconds of both cores) to
+fork the ranks of a worker-group restart: a run with none starts its ranks the plain way."""
+
+
+def restarts_its_ranks(named: dict) -> bool:
+    """Whether a run's injected faults make the launcher start ranks again: a hard fault, or
+    any fault once in-process restarts are off."""
+    from trainer.faults import HARD_FAULTS, parse_faults
+
+    faults = named.get("faults") or ""
+    specs = parse_faults(faults if isinstance(faults, str) else ",".join(faults))
+    return any(spec.kind in HARD_FAULTS for spec in specs) or bool(
+        specs and named.get("inprocess_restarts") == 0
+    )
+
 
 def run_config(dataset_dir, workdir, steps: int = 12, every: int = 4, overrides=(), **named) -> TrainConfig:
     """The config of a test run with seed 7. `named` are the trainer's named settings
     (checkpoint_mode=, faults=, stop_after=, ...), resolved with `overrides` the way every
     entry point resolves them. The fast checkpoint tier's files go to the run folder, not
-    to /dev/shm."""
+    to /dev/shm; the zygote runs only where the launcher may start ranks again
+    (`restarts_its_ranks`; an override of resilience.prefork_workers wins)."""
     named.setdefault("checkpoint_local_dir", str(Path(workdir) / "local-tier"))
+    if not any(o.startswith("resilience.prefork_workers=") for o in overrides) and not restarts_its_ranks(
+        named
+    ):
+        overrides = [*overrides, NO_ZYGOTE]
     return resolve_config(
         named={
             "dataset_dir": str(dataset_dir),

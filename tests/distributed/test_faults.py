@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +20,7 @@ import pytest
 import rtp_prefork
 from tests.conftest import PROJECT_ROOT
 from tests.distributed.conftest import (
+    NO_ZYGOTE,
     PLAIN_EVERY,
     PLAIN_OVERRIDES,
     PLAIN_STEPS,
@@ -31,9 +32,10 @@ from tests.distributed.conftest import (
     train,
 )
 from trainer.checkpointing import latest_committed_checkpoint, verify_checkpoint
+from trainer.checkpointing.storage import committed_steps
 from trainer.launch import LauncherSettings, TrainingFailed, launch_tempdir, run_local_training
 
-pytestmark = pytest.mark.distributed
+pytestmark = pytest.mark.launches
 
 STEPS, EVERY = 16, 4
 FAST = [
@@ -99,6 +101,11 @@ def test_each_fault_kind_is_recovered_exactly(case, dataset_dir, tmp_path, fault
     report = Path(summary["goodput_report"]).read_text()
     assert "<svg" in report and all(kind in report for kind in kinds)
     for restart in summary["restarts"]:
+        # The cause as the restart machinery saw it (trainer/restart_causes.py).
+        if restart["kind"] == "hang":  # rank 1's watchdog, or rank 0 waiting on it in the loss all-reduce
+            assert restart["cause"] in ("soft_timeout", "collective_timeout"), restart
+        if restart["kind"] == "exception":
+            assert restart["cause_detail"].startswith("exception InjectedFault on rank 1"), restart
         if restart["kind"] == "hang":
             # Detected without anyone stepping in, within the configured timeouts.
             assert restart["detection_s"] is not None and restart["detection_s"] < 30  # the hard timeout
@@ -175,7 +182,16 @@ def test_a_hang_on_a_single_rank_is_recovered_without_help(dataset_dir, tmp_path
     (30 s). With NVRx's default monitor intervals the soft-timeout check was starved at
     random and the rank was at times killed at the hard timeout and restarted by ft_launcher
     (1 drill in 7 here); see resilience.MONITOR_PROCESS_INTERVAL_S."""
-    summary = train(dataset_dir, tmp_path, nproc=1, steps=8, every=4, overrides=FAST, faults=["hang@6"])
+    summary = train(
+        dataset_dir,
+        tmp_path,
+        nproc=1,
+        steps=8,
+        every=4,
+        overrides=FAST,
+        faults=["hang@6"],
+        checkpoint_mode="sync",
+    )  # the hang is the subject, not the writer
     [restart] = summary["restarts"]
     assert restart["kind"] == "hang" and restart["mechanism"] == "inprocess"
     assert 8 <= restart["detection_s"] < 30  # after the soft timeout, before the hard one
@@ -183,6 +199,29 @@ def test_a_hang_on_a_single_rank_is_recovered_without_help(dataset_dir, tmp_path
     # in-process restart, on disk for a restarted worker group).
     assert summary["completed"] and restart["resumed_step"] == 5
     assert_diagnosable(restart, ranks=1, hung_rank=0, analyze=False)  # the 2-rank drill runs the analyzer
+    assert_nothing_left(run_mark)
+
+
+def test_a_hang_after_warm_up_is_caught_at_the_learned_timeout(dataset_dir, tmp_path, run_mark):
+    """With the default (auto) timeouts, the hang is caught at the soft timeout learned from
+    the steps before it (near the 6 s floor here, far below the 60 s ceiling), which is kept
+    in the workdir; the restart says it was a soft timeout."""
+    learned = [
+        "resilience.collective_timeout_s=3",
+        "resilience.timeout_floor_s=6",
+        "resilience.timeout_ceiling_s=60",
+    ]
+    summary = train(dataset_dir, tmp_path, nproc=1, steps=14, every=4, overrides=learned, faults=["hang@12"])
+    [restart] = summary["restarts"]
+    assert (restart["kind"], restart["cause"], restart["mechanism"]) == ("hang", "soft_timeout", "inprocess")
+    noted = re.fullmatch(r"soft timeout on rank 0 \(no progress for (\d+) s\)", restart["cause_detail"])
+    assert noted, restart["cause_detail"]
+    soft_s = float(noted[1])
+    assert 6 <= soft_s < 60  # 5 x the longest step so far, at least the floor; no longer the ceiling
+    assert soft_s - 1 <= restart["detection_s"] < soft_s + 6  # the learned soft timeout, before the hard one
+    kept = json.loads((tmp_path / "timeouts.json").read_text())  # what a restarted group starts with
+    assert kept["samples"] >= 8 and 6 <= kept["soft_timeout_s"] < 60
+    assert summary["completed"]
     assert_nothing_left(run_mark)
 
 
@@ -217,20 +256,30 @@ def test_exhausted_restarts_fail_clearly_and_keep_the_last_checkpoint(dataset_di
 
 
 def test_an_error_no_restart_can_fix_is_not_retried(dataset_dir, tmp_path, run_mark):
-    """A diverged loss recurs after every restart: the run stops at the first one."""
-    started = time.monotonic()
-    with pytest.raises(TrainingFailed, match=r"FloatingPointError: loss became .* \(not retried"):
+    """A diverged loss recurs after every restart: the run stops at the first one. It
+    diverges while an async save is queued (a save every step): the writer is abandoned,
+    nothing half-written becomes a checkpoint, nothing lingers, and the failure names the log."""
+    with pytest.raises(TrainingFailed, match=r"FloatingPointError: loss became .* \(not retried") as failed:
         train(
             dataset_dir,
             tmp_path,
-            steps=12,
-            every=2,
+            steps=20,
+            every=1,
             overrides=[*FAST, "optimizer.lr=1e30", "optimizer.warmup_steps=0"],
         )
-    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
-    attempts = [e for e in events if e["kind"] == "attempt_start"]
-    assert len(attempts) == 1, "no in-process restart of a fatal error"
-    assert time.monotonic() - started < 120
+    assert str(tmp_path / "logs" / "train.log") in str(failed.value)
+    kinds = [e["kind"] for e in events(tmp_path)]
+    assert kinds.count("attempt_start") == 1, "no in-process restart of a fatal error"
+    # Nothing waits for a timeout (formerly a bound of 120 s on the wall clock): no rank
+    # monitor waits out a heartbeat, and each worker group the launcher starts again stops
+    # at once, its first rank saying why.
+    log = (tmp_path / "logs" / "train.log").read_text()
+    assert "FT timeout elapsed" not in log, restart_story({}, tmp_path)
+    after_the_error = log[log.index("loss became") :]
+    groups_again = after_the_error.count("will restart worker group")
+    assert after_the_error.count("(not retried: a restart would fail the same way)") >= groups_again
+    for _, folder in committed_steps(tmp_path / "checkpoints"):
+        verify_checkpoint(folder, verify_hashes=True)
     assert_nothing_left(run_mark)
 
 
@@ -243,7 +292,7 @@ def _killed_run_config(dataset_dir, workdir):
         workdir,
         steps=STEPS,
         every=DURABLE_EVERY,
-        overrides=[*FAST, "checkpoint.local_replicas=1"],
+        overrides=[*FAST, "checkpoint.local_replicas=1", NO_ZYGOTE],  # its launchers restart nothing
         faults=["sigkill@14:1"],
         inprocess_restarts=0,
     )

@@ -20,7 +20,7 @@ from trainer.config import ModelConfig
 from trainer.launch import LauncherSettings
 from trainer.models import model_spec
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 # Low timeouts, as in test_faults.py: a recovery takes seconds on 2 CPU cores.
 FAST = ["resilience.collective_timeout_s=5", "resilience.soft_timeout_s=8", "resilience.hard_timeout_s=30"]
@@ -149,6 +149,7 @@ def hf_uninterrupted(hf_run_inputs, hf_full_workdir) -> dict:
     return train(snapshot, hf_full_workdir, steps=6, every=3, overrides=[*overrides, *FAST], **named)
 
 
+@pytest.mark.launches
 def test_hf_model_trains_resumes_exactly_and_exports(hf_run_inputs, hf_uninterrupted, tmp_path):
     """Through the real launcher: 2 ranks train a pretrained Llama (async checkpoints); a run
     stopped at step 3 and resumed (sync checkpoints) reaches the same weights; the checkpoint
@@ -211,6 +212,7 @@ def test_hf_model_trains_resumes_exactly_and_exports(hf_run_inputs, hf_uninterru
     assert torch.equal(loaded(x).logits, model.eval()(x).logits)
 
 
+@pytest.mark.launches
 def test_training_refuses_data_made_with_another_tokenizer(hf_run_inputs, dataset_dir, tmp_path):
     from tests.distributed.conftest import train
     from trainer.launch import TrainingFailed
@@ -221,6 +223,7 @@ def test_training_refuses_data_made_with_another_tokenizer(hf_run_inputs, datase
     assert "tokenized as bytes but the model uses tokenizer" in str(failure.value)
 
 
+@pytest.mark.launches
 def test_faults_with_an_hf_model_recover_exactly(hf_run_inputs, hf_uninterrupted, tmp_path):
     """An exception (in-process restart) and a killed rank (ft_launcher restart) in one run
     end with the fault-free run's weights."""
@@ -244,6 +247,7 @@ def test_faults_with_an_hf_model_recover_exactly(hf_run_inputs, hf_uninterrupted
     ], restart_story(summary, tmp_path)
 
 
+@pytest.mark.launches
 def test_a_folder_without_config_json_stops_training_in_one_line(hf_run_inputs, tmp_path):
     from tests.distributed.conftest import train
     from trainer.launch import TrainingFailed
@@ -266,6 +270,7 @@ def test_a_folder_without_config_json_stops_training_in_one_line(hf_run_inputs, 
     assert "not retried" in first_line
 
 
+@pytest.mark.launches
 def test_hf_checkpoint_reshards_from_two_ranks_to_one(
     hf_run_inputs, hf_uninterrupted, hf_full_workdir, tmp_path
 ):

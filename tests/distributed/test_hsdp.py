@@ -21,7 +21,7 @@ from tests.distributed.conftest import (
     train,
 )
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.launches, pytest.mark.timeout(900)]
 
 STEPS, EVERY = 8, 4
 FAST = list(PLAIN_OVERRIDES[:3])

@@ -12,15 +12,14 @@ import psutil
 import pytest
 import torch
 
-from tests.distributed.conftest import assert_nothing_left, events, train, train_local_command
+from tests.distributed.conftest import events, train, train_local_command
 from trainer.checkpointing.storage import (
     committed_steps,
     latest_committed_checkpoint,
     verify_checkpoint,
 )
-from trainer.launch import TrainingFailed
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.launches, pytest.mark.timeout(600)]
 
 
 def kill_tree(pid: int) -> None:
@@ -51,19 +50,6 @@ def _children(process: psutil.Process) -> list[psutil.Process]:
         return process.children(recursive=True)
     except psutil.NoSuchProcess:
         return []
-
-
-def test_retention_keeps_the_last_k_and_every_mth(dataset_dir, tmp_path):
-    train(
-        dataset_dir,
-        tmp_path,
-        steps=12,
-        every=2,
-        checkpoint_mode="sync",
-        overrides=["checkpoint.keep_last=2", "checkpoint.keep_every_steps=4"],
-    )
-    assert [step for step, _ in committed_steps(tmp_path / "checkpoints")] == [12, 10, 8, 4]
-    assert not list((tmp_path / "checkpoints").glob("*.tmp"))
 
 
 def test_killed_run_leaves_only_verifiable_checkpoints_and_resumes(dataset_dir, tmp_path, caplog):
@@ -141,21 +127,3 @@ def test_sigterm_saves_a_final_checkpoint_and_exits_non_zero(dataset_dir, tmp_pa
         torch.load(latest / "rank_state" / "rank_1.pt", weights_only=False)["sampler"]["next_step"]
         == stopped[0]["step"] + 1
     )
-
-
-def test_a_failing_rank_with_a_save_in_flight_exits_instead_of_hanging(dataset_dir, tmp_path, run_mark):
-    """A diverging run raises while an async save is queued: the writer is abandoned, the
-    job fails with the reason, nothing half-written becomes a checkpoint, nothing lingers."""
-    with pytest.raises(TrainingFailed, match="loss became"):
-        train(
-            dataset_dir,
-            tmp_path,
-            steps=20,
-            every=1,
-            overrides=["optimizer.lr=1e30", "optimizer.warmup_steps=0"],
-        )
-    for _, folder in committed_steps(tmp_path / "checkpoints"):
-        verify_checkpoint(folder, verify_hashes=True)
-    # The same wait every leftover check takes: on a loaded machine the writer and monitor
-    # processes take more than a second to exit after the launcher.
-    assert_nothing_left(run_mark)

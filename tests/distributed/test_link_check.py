@@ -7,6 +7,8 @@ from tests.distributed.conftest import PLAIN_OVERRIDES, events, train
 from trainer.faults import fatal_error_path
 from trainer.launch import LauncherSettings, TrainingFailed
 
+pytestmark = pytest.mark.launches
+
 
 def test_an_all_reduce_below_the_floor_stops_the_run_before_training_and_each_restart_measures_again(
     dataset_dir, tmp_path
@@ -15,7 +17,7 @@ def test_an_all_reduce_below_the_floor_stops_the_run_before_training_and_each_re
     unreachable = ["resilience.allreduce_check_mib=1", "resilience.min_allreduce_gbps=1e6"]
     with pytest.raises(TrainingFailed) as failed:
         train(dataset_dir, workdir, steps=4, every=4, overrides=[*PLAIN_OVERRIDES, *unreachable],
-              launcher=LauncherSettings(max_restarts=1))  # fmt: skip
+              launcher=LauncherSettings(max_restarts=1), checkpoint_mode="sync")  # fmt: skip
     kinds = [e["kind"] for e in events(workdir)]
     checks = [e for e in events(workdir) if e["kind"] == "link_check"]
     assert len(checks) == 2, kinds  # the first group and the launcher's restart; no in-process retry

@@ -15,7 +15,7 @@ import pytest
 from tests.components.mlflow_server import FlakyProxy
 from tests.distributed.conftest import PLAIN_EVERY, PLAIN_OVERRIDES, PLAIN_STEPS, restart_story, train
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.launches, pytest.mark.timeout(600)]
 
 STEPS, EVERY = 16, 4
 FAST = [

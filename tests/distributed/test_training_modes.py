@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tests.distributed.conftest import PLAIN_EVERY, PLAIN_OVERRIDES, PLAIN_STEPS, events, train
 from trainer.checkpointing import latest_committed_checkpoint
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.launches, pytest.mark.timeout(600)]
 
 STEPS, EVERY = PLAIN_STEPS, PLAIN_EVERY
 CHECKPOINTED = ("training.activation_checkpointing=every_n", "training.activation_checkpointing_every=1")

@@ -19,7 +19,15 @@ import pytest
 
 from rtp_cli.main import main
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+# make test-slow: test_local_pipeline is the `rtp local` of `make test`; what this run adds (a
+# model folder staged, its tokenizer, the transformers flavor) the component tests prove too.
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.launches,
+    pytest.mark.slow,
+    pytest.mark.integration,
+    pytest.mark.timeout(600),
+]
 
 
 def rtp(*args: str, timeout_s: int) -> subprocess.CompletedProcess:

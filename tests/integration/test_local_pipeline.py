@@ -12,7 +12,7 @@ from pathlib import Path
 import mlflow
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.launches, pytest.mark.integration, pytest.mark.timeout(900)]
 
 
 def _rtp(workdir, *args: str, tmpdir: Path) -> subprocess.CompletedProcess:

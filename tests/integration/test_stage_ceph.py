@@ -16,7 +16,8 @@ import pytest
 from components.stage_data.stage import StageError, TransferSettings, s3_client, stage_dataset
 from tests.integration.fault_proxy import FaultProxy
 
-pytestmark = pytest.mark.integration
+# One Ceph cluster per session: under `make test`'s two workers these run on the same one.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("ceph-rgw")]
 
 MIB = 2**20
 SMALL_OBJECTS = 40

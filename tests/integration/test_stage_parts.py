@@ -17,7 +17,8 @@ from components.stage_data.source import SourceObject
 from components.stage_data.stage import StageError, stage_dataset
 from tests.integration.test_stage_ceph import SETTINGS, _assert_snapshot, _seed
 
-pytestmark = pytest.mark.integration
+# One Ceph cluster per session: under `make test`'s two workers these run on the same one.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("ceph-rgw")]
 
 ROOT = Path(__file__).resolve().parents[2]
 

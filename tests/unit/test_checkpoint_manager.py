@@ -111,6 +111,23 @@ def test_the_default_async_writer_saves_each_steps_weights_while_training_moves_
         resumed.close()
 
 
+@pytest.mark.parametrize("mode", ["sync", "torch-async"])
+def test_the_configured_retention_keeps_the_last_k_and_every_mth_of_a_runs_saves(tmp_path, mode):
+    """checkpoint.keep_last / keep_every_steps reach the writer, which applies them after each
+    commit (the rule itself: test_checkpoint_storage's retention tests)."""
+    model, optimizer = _trained_model()
+    retention = ["checkpoint.every_steps=2", "checkpoint.keep_last=2", "checkpoint.keep_every_steps=4"]
+    manager = _manager(tmp_path, mode, model, optimizer, extra=retention)
+    assert manager.load() == 0
+    for step in range(1, 13):
+        manager.maybe_wait_for_staging()
+        manager.save(step, last_step=step == 12, loss=1.0)
+    manager.close()
+    root = tmp_path / "checkpoints"
+    assert [step for step, _ in storage.committed_steps(root)] == [12, 10, 8, 4]
+    assert not list(root.glob("*.tmp"))
+
+
 def test_manager_in_off_mode_never_saves(tmp_path):
     model, optimizer = _trained_model()
     manager = _manager(tmp_path, "off", model, optimizer, extra=["checkpoint.local_every_steps=0"])

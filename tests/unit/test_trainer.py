@@ -154,3 +154,15 @@ def test_an_attempt_ended_by_an_exception_abandons_its_save_and_the_next_resumes
         summary = trainer.train()
     assert [r.step for r in resumed.results] == [3, 4]
     assert summary.completed and summary.resumed_from is not None
+
+
+def test_an_empty_dataset_folder_stops_the_trainer_with_a_data_error_naming_rtp_stage(tmp_path):
+    """What a rank's entry reports in one line (exit 2) when the dataset folder holds nothing."""
+    from trainer.data import DataError
+
+    (tmp_path / "empty").mkdir()
+    with (
+        pytest.raises(DataError, match="rtp stage"),
+        Trainer(_config(tmp_path / "empty", tmp_path)) as trainer,
+    ):
+        trainer.train()
