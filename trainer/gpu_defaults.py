@@ -58,6 +58,10 @@ NCCL_ENV: dict[str, str] = {
     "NCCL_NVLS_ENABLE": "0",
     # The wrapper's store waits time out by design; torch warns at each one.
     "TORCH_CPP_LOG_LEVEL": "ERROR",
+    # Segments that grow instead of new fixed blocks: less fragmentation as activations and
+    # evaluation rows vary. Read when CUDA initializes, so set in the pod and the launcher's
+    # environment (a rank setting it after torch.cuda.set_device is too late).
+    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
 }
 """Environment every GPU rank trains with; a value already set (by the user) is kept."""
 

@@ -256,6 +256,11 @@ def run_local_training(
         # ("waitForInput ... timed out"); torch 2.13's only switch is the C++ log level, read
         # when a rank imports torch, so it goes into the ranks' environment (the user's wins).
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    if _has_cuda():  # read when CUDA initializes in a rank: set before the ranks start (the user's wins)
+        from trainer.gpu_defaults import NCCL_ENV
+
+        for key, value in NCCL_ENV.items():
+            env.setdefault(key, value)
     command = build_launch_command(nproc, trainer_args, settings=settings, cpu=not _has_cuda())
     log_file = log_path.open("a")  # closed by the copier at the pipe's end
     with launch_tempdir(env):
