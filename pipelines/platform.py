@@ -21,6 +21,9 @@ from typing import Any
 from components.mlflow_access import DEFAULT_MLFLOW_SECRET as DEFAULT_MLFLOW_SECRET
 from components.mlflow_access import MLFLOW_SECRET_KEYS
 
+# The pods' memory formula lives in components: the check step compares a run's model with it.
+from components.step_memory import model_step_memory
+
 DEFAULT_FSX_MOUNT_PATH = "/fsx"
 DEFAULT_PVC_NAME = "fsx-claim"
 DEFAULT_GPU_TOLERATIONS = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
@@ -59,41 +62,6 @@ class PlatformOptions:
         if self.model_params < 0:
             raise ValueError(f"model parameters must be 0 or more (e.g. 8e9), got {self.model_params:g}")
         return self
-
-
-GIB = 2**30
-STEP_BASE_GIB = 2.0
-"""Python, torch, transformers and the MLflow client in a step's process."""
-READ_GROUP_GIB = 0.25
-"""validate reads the checkpoint in groups of at most this much (twice: a group and its check)."""
-SCORED_IN_PROCESS_MAX_GIB = 4.0
-"""validate scores a model in its own process only up to this many bytes of fp32 weights;
-larger ones are scored by the training ranks (the eval record)."""
-LARGEST_TENSOR_SHARE = 0.08
-"""The largest tensor's share of a model's parameters (the embedding: 6.5% for Llama-3-8B)."""
-LARGEST_TENSOR_MAX_PARAMS = 2.2e9
-"""...but never more than Llama-3.1-405B's embedding (128256 x 16384 = 2.1e9 parameters)."""
-MODEL_STEPS = ("validate", "register")
-
-
-def model_step_memory(step: str, model_params: float) -> str:
-    """Memory request (= limit) of the validate or register pod for a model of
-    `model_params` parameters, in whole GiB (docs/eks.md, "Pod sizes"):
-
-    validate = 2 + 2 x 0.25 + 3 x min(4, 4 B x params) GiB: streamed checks in two groups,
-               plus weights, champion and activations when it scores in its own process;
-    register = 2 + 3 x 4 B x min(0.08 x params, 2.2e9) GiB: the streamed export holds one
-               tensor in fp32, its cast and its write buffer at a time (the read groups are
-               smaller)."""
-    fp32_gib = 4.0 * model_params / GIB
-    if step == "validate":
-        need = STEP_BASE_GIB + 2 * READ_GROUP_GIB + 3 * min(SCORED_IN_PROCESS_MAX_GIB, fp32_gib)
-    elif step == "register":
-        largest_gib = 4.0 * min(LARGEST_TENSOR_SHARE * model_params, LARGEST_TENSOR_MAX_PARAMS) / GIB
-        need = STEP_BASE_GIB + 3 * largest_gib
-    else:
-        raise ValueError(f"no memory formula for step {step!r}; one of {', '.join(MODEL_STEPS)}")
-    return f"{max(1, -(-need // 1)):.0f}Gi"
 
 
 def size_model_step(task: Any, step: str, options: PlatformOptions) -> Any:

@@ -1,6 +1,7 @@
 """The run's parameters are checked in one place, before anything is staged."""
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -96,3 +97,57 @@ def test_the_check_step_is_given_the_mlflow_secret_name():
     from components.check_run.component import check_run
 
     assert "mlflow_secret_name" in inspect.signature(check_run).parameters
+
+
+# The memory a pipeline compiled without --model-params gives validate and register (the CPU presets).
+CPU_SIZED = {"validate_memory": "3Gi", "register_memory": "2Gi"}
+
+
+@pytest.mark.parametrize("preset", ["gpu-1b", "gpu-125m"])
+def test_a_gpu_preset_on_pods_compiled_for_the_cpu_presets_is_refused_in_one_line(preset):
+    with pytest.raises(RunParameterError) as raised:
+        check_run_parameters({**GOOD, "preset": preset, **CPU_SIZED})
+    message = str(raised.value)
+    assert "\n" not in message and f"preset {preset}" in message
+    assert "validate" in message and "(compiled: 3Gi)" in message and "rtp compile --model-params" in message
+
+
+def test_pods_compiled_for_the_model_pass():
+    from components.step_memory import byte_lm_parameters, model_step_memory
+    from trainer.config import PRESETS, TrainConfig
+
+    params = byte_lm_parameters(TrainConfig.from_dict(PRESETS["gpu-1b"]).model)
+    sized = {f"{step}_memory": model_step_memory(step, params) for step in ("validate", "register")}
+    check_run_parameters({**GOOD, "preset": "gpu-1b", **sized})
+    check_run_parameters({**GOOD, "preset": "tiny-cpu", **CPU_SIZED})
+    # A larger model sized by --model-params 8e9 fits too; a Hugging Face model is not known yet.
+    check_run_parameters({**GOOD, "preset": "gpu-1b", "validate_memory": "15Gi", "register_memory": "10Gi"})
+    check_run_parameters({**GOOD, "preset": "gpu-1b", "model_source": "s3://bkt/models/x/", **CPU_SIZED})
+
+
+def test_an_override_that_grows_the_model_is_measured_too():
+    with pytest.raises(RunParameterError, match="preset tiny-cpu"):
+        check_run_parameters({**GOOD, "overrides": "model.d_model=2048 model.n_layers=8", **CPU_SIZED})
+
+
+def test_the_byte_lm_size_is_the_built_model_s():
+    from components.step_memory import byte_lm_parameters
+    from trainer.config import PRESETS, TrainConfig
+    from trainer.models.byte_lm import ByteLM
+
+    for preset in ("tiny-cpu", "small-cpu"):
+        config = TrainConfig.from_dict(PRESETS[preset]).model
+        assert byte_lm_parameters(config) == sum(p.numel() for p in ByteLM(config).parameters())
+
+
+def test_the_compiled_pipeline_hands_the_check_step_its_pod_memory(tmp_path):
+    import yaml
+
+    from pipelines.pipeline import compile_pipeline
+    from pipelines.platform import PlatformOptions
+
+    path = compile_pipeline(str(tmp_path / "p.yaml"), options=PlatformOptions(model_params=8e9))
+    spec = next(yaml.safe_load_all(Path(path).read_text()))
+    check = spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]["check-run"]["inputs"]["parameters"]
+    assert check["validate_memory"]["runtimeValue"]["constant"] == "15Gi"
+    assert check["register_memory"]["runtimeValue"]["constant"] == "10Gi"
