@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from trainer.config import TrainConfig
 from trainer.data import StepSampler, load_tokens, split_files
-from trainer.loop import accumulate_gradients, lr_factor
+from trainer.loop import accumulate_gradients, build_optimizer, lr_factor
 from trainer.models import model_spec
 from trainer.parallelize import (
     init_distributed,
@@ -46,7 +46,7 @@ def train_bare(config: TrainConfig) -> dict[str, Any]:
     parallelize(model, mesh, spec.fsdp_units(model), config.training, device)
     spec.init_weights(model, config.model, device, config.run.seed)
     opt = config.optimizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay)
+    optimizer = build_optimizer(model.parameters(), opt, device)  # as the trainer: fused on CUDA
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, config.run.steps, opt.warmup_steps, opt.min_lr_ratio)
     )
@@ -63,6 +63,7 @@ def train_bare(config: TrainConfig) -> dict[str, Any]:
     dist.barrier()
     startup_s = time.perf_counter() - started
     step_seconds = []
+    step_ends_s = []  # from the loop's start: the steady state's window (rtp bench throughput)
     loop_started_at = time.time()
     loop_start = time.perf_counter()
     loss = torch.zeros(())
@@ -76,6 +77,7 @@ def train_bare(config: TrainConfig) -> dict[str, Any]:
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # a step's time is its GPU time, as in the trainer's loss read
         step_seconds.append(time.perf_counter() - step_start)
+        step_ends_s.append(time.perf_counter() - loop_start)
     final_loss = loss.detach().float().item()
     dist.barrier()
     loop_wall_s = time.perf_counter() - loop_start
@@ -83,9 +85,11 @@ def train_bare(config: TrainConfig) -> dict[str, Any]:
         "wall_s": loop_wall_s,
         "step_s_median": statistics.median(step_seconds),
         "steps": len(step_seconds),
+        "step_ends_s": step_ends_s,
         "startup_s": startup_s,
         "loop_started_at": loop_started_at,
         "peak_mem_bytes": peak_memory_bytes(device),
+        "peak_mem_bytes_by_phase": {} if device.type != "cuda" else {"train": peak_memory_bytes(device)},
         "final_loss": final_loss,
         "world_size": dist.get_world_size(),
         "device": device.type,

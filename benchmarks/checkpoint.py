@@ -19,6 +19,15 @@ summary.json:
 - host: the host memory checkpointing held at most (the host-state engine's slots: two
   with the fast tier on, one with it off, for `async` saves), in copies of a rank's state.
 
+The steady state, without set-up: with `--warmup-steps W` every mode is also timed from the
+end of step W to the end of its last step (`window_s`, from the run's step events): the first
+steps (allocator and kernel warm-up, the first capture's slot preparation, a budget tier's
+calibration) and the last save's commit are outside it, and every save from step W on that is
+not the last is inside, overlapping the steps after it. `window_vs_off` is its ratio to `off`'s
+window; `window_blocked_s` the loop's blocked time on those saves; `window_efficiency_pct`
+AWS's efficiency over the window. Pin the fast tier's interval (`--local-every`) where modes are
+compared: `auto` on CUDA calibrates it per run.
+
 With `--rounds N` the modes run N times in turn, each round starting one mode further on.
 Every figure is then the median over the rounds, and `wall_vs_off` is the median of each
 round's ratio to that round's `off` run (each round's in `wall_vs_off_rounds`, its wall
@@ -28,6 +37,7 @@ in `wall_s_rounds`), so a slow minute on a shared machine moves one pair, not th
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import statistics
 import tempfile
@@ -51,6 +61,7 @@ def run_mode(
     preset: str,
     local_every: int | None = None,
     overrides: Sequence[str] = (),
+    warmup_steps: int = 0,
 ) -> dict[str, Any]:
     tier = []
     if mode == "off":
@@ -76,7 +87,9 @@ def run_mode(
     copies = summary.get("local_tier_captures", 0)
     saves = summary["checkpoint_saves"]
     blocked = [save["blocked_s"] for save in saves]
+    window = timed_window(_step_times(workdir), saves, warmup_steps)
     return {
+        **window,
         "blocked_s_per_save_median": statistics.median(blocked) if blocked else 0.0,
         "blocked_s_per_save_max": max(blocked) if blocked else 0.0,
         "queue_s_per_save_median": statistics.median(s["queue_s"] for s in saves) if saves else 0.0,
@@ -103,6 +116,40 @@ def run_mode(
     }
 
 
+def _step_times(workdir: Path) -> dict[int, float]:
+    """Each step's end (its `step` event's time; the save of that step comes after it)."""
+    events = [json.loads(line) for line in (workdir / "events.jsonl").read_text().splitlines() if line]
+    return {event["step"]: event["time"] for event in events if event.get("kind") == "step"}
+
+
+def timed_window(
+    step_times: dict[int, float], saves: list[dict[str, Any]], warmup_steps: int
+) -> dict[str, Any]:
+    """The loop from the end of step `warmup_steps` (0: the first step's) to the end of the last
+    step, and the saves inside it: those begun at steps `warmup_steps` .. last - 1 (a save runs
+    after its step's event; the last step's save commits after the window)."""
+    if not step_times:
+        return {"window_s": 0.0, "window_steps": 0, "window_saves": 0, "window_blocked_s": 0.0,
+                "window_efficiency_pct": 100.0}  # fmt: skip
+    last = max(step_times)
+    first = warmup_steps if warmup_steps in step_times else min(step_times)
+    if first >= last:
+        raise ValueError(
+            f"--warmup-steps {warmup_steps} leaves no step to time in a run of {last} steps: "
+            "train more steps or warm up fewer"
+        )
+    window_s = step_times[last] - step_times[first]
+    inside = [save for save in saves if first <= save["step"] < last]
+    blocked_s = sum(save["blocked_s"] for save in inside)
+    return {
+        "window_s": window_s,
+        "window_steps": last - first,
+        "window_saves": len(inside),
+        "window_blocked_s": blocked_s,
+        "window_efficiency_pct": 100.0 - 100.0 * blocked_s / window_s if window_s > 0 else 100.0,
+    }
+
+
 def run_benchmark(
     *,
     modes: list[str],
@@ -114,6 +161,7 @@ def run_benchmark(
     overrides: Sequence[str] = (),
     workdir: Path | None = None,
     rounds: int = 1,
+    warmup_steps: int = 0,
 ) -> dict[str, Any]:
     import torch
 
@@ -143,6 +191,7 @@ def run_benchmark(
                         preset=preset,
                         local_every=local_every,
                         overrides=overrides,
+                        warmup_steps=warmup_steps,
                     )
                 )
                 # The next run must not find its disk full of this one's checkpoints (gpu-1b: 12 GB each).
@@ -160,6 +209,7 @@ def run_benchmark(
         if local_every is None
         else local_every,
         "rounds": rounds,
+        "warmup_steps": warmup_steps,
     }
 
 
@@ -181,6 +231,13 @@ def combine_rounds(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str,
             ratios = [row["wall_s"] / off["wall_s"] for row, off in zip(rows, runs["off"], strict=True)]
             results[mode]["wall_vs_off"] = statistics.median(ratios)
             results[mode]["wall_vs_off_rounds"] = ratios
+            windows = [
+                row["window_s"] / off["window_s"]
+                for row, off in zip(rows, runs["off"], strict=True)
+                if row.get("window_s") and off.get("window_s")
+            ]
+            if windows:
+                results[mode]["window_vs_off"] = statistics.median(windows)
     return results
 
 
@@ -210,6 +267,17 @@ def format_table(result: dict[str, Any]) -> str:
             if mode != "off"
         )
         lines.append(f"wall vs off, round by round: {spreads}")
+    if any(r.get("window_steps") for r in result["modes"].values()):
+        lines.append(
+            f"steady state (end of step {result.get('warmup_steps', 0)} to the last step; its saves, not the last):"
+        )
+        for mode, r in result["modes"].items():
+            vs_off = f"{r['window_vs_off']:.3f}x" if "window_vs_off" in r else "-"
+            lines.append(
+                f"  {mode:<12} {r['window_s']:>7.2f}s over {r['window_steps']:g} steps, vs off {vs_off:>7}, "
+                f"{r['window_saves']:g} saves blocked {r['window_blocked_s']:.3f}s, "
+                f"efficiency {r['window_efficiency_pct']:.1f}%"
+            )
     return "\n".join(lines)
 
 
@@ -251,6 +319,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="run the modes this many times in turn and report medians (default: %(default)s)",
     )
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=0,
+        help="time the steady state from the end of this step (window_s, window_vs_off; default: "
+        "%(default)s, from the first step's end)",
+    )
     parser.add_argument("--json", dest="json_path", help="also write the results as JSON to this file")
 
 
@@ -258,6 +333,10 @@ def main(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if args.rounds < 1:
         raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
+    if not 0 <= args.warmup_steps < args.steps:
+        raise ValueError(
+            f"--warmup-steps must be at least 0 and below --steps ({args.steps}), got {args.warmup_steps}"
+        )
     unknown = sorted(set(modes) - set(CHECKPOINT_MODES))
     if unknown:
         raise ValueError(
@@ -272,5 +351,6 @@ def main(args: argparse.Namespace) -> int:
         local_every=args.local_every,
         overrides=args.override,
         rounds=args.rounds,
+        warmup_steps=args.warmup_steps,
     )
     return report(result, args.json_path, format_table)

@@ -16,7 +16,9 @@ fast tier every step, so a fault redoes at most one step):
   restart (the keep-alive feeds the watchdog through blocking checkpoint work);
 - a process-group probe: the job pods' GPU node checks (trainer/health.py: a matmul on the
   GPU, NVML's ECC counters), the trainer's own `init_distributed`, then an all-reduce of a host
-  tensor and of a device tensor (NCCL has no CPU backend: both must work on CUDA).
+  tensor and of a device tensor (NCCL has no CPU backend: both must work on CUDA), and the
+  barrier the training thread polls, which torch serves on the group's CPU backend (gloo)
+  wherever the group has one (`barrier_backend` says which).
 
 Each faulted run's `model_sha256` is compared with the fault-free run of its mode. Only
 with deterministic training (`training.deterministic`, when the config has it; always on
@@ -261,20 +263,24 @@ def check_run(
 
 
 def _diagnostics_problems(restart: dict[str, Any]) -> list[str]:
-    """An in-process restart on NCCL leaves rank 0's stacks and a flight recorder dump with
-    NCCL collectives in it (trainer/diagnostics.py)."""
+    """An in-process restart on NCCL leaves rank 0's stacks and, as `fr_rank_0` (the file
+    torch's fr_trace analyzer reads), the NCCL flight recorder's dump, with NCCL collectives
+    in it (trainer/diagnostics.py; gloo's dump lies beside it)."""
     import pickle
 
+    from trainer.diagnostics import FR_PREFIX, STACKS_PREFIX
+
     folder = Path(restart.get("diagnostics") or "")
-    if not restart.get("diagnostics") or not (folder / "stacks_rank_0.txt").is_file():
+    if not restart.get("diagnostics") or not (folder / f"{STACKS_PREFIX}0.txt").is_file():
         return [f"the restart left no stacks in {folder or 'a diagnostics folder'}"]
+    dump_path = folder / f"{FR_PREFIX}0"
     try:
-        dump = pickle.loads((folder / "fr_rank_0").read_bytes())
+        dump = pickle.loads(dump_path.read_bytes())
     except (OSError, pickle.UnpicklingError, EOFError) as exc:
-        return [f"no readable flight recorder dump in {folder}: {exc}"]
+        return [f"no readable flight recorder dump {dump_path}: {exc}"]
     names = {str(e.get("profiling_name", "")) for e in dump.get("entries", [])}
     if not any(name.startswith("nccl:") for name in names):
-        return [f"the flight recorder dump in {folder} holds no NCCL collective ({sorted(names)[:5]})"]
+        return [f"the flight recorder dump {dump_path} holds no NCCL collective ({sorted(names)[:5]})"]
     return []
 
 
@@ -312,10 +318,13 @@ def _verdict(result: dict[str, Any], failures: list[str]) -> dict[str, Any]:
 def probe_process_group() -> dict[str, Any]:
     """In a fresh process with RANK/WORLD_SIZE/MASTER_* set: the trainer's process group,
     an all-reduce of a host tensor (gloo) and of a training-device tensor (NCCL on CUDA),
-    and the barrier the training thread polls (`waiting.barrier`: `is_completed()` on
-    NCCL work)."""
+    and the barrier the training thread polls (`waiting.barrier`: `is_completed()` on the
+    barrier's work). torch runs a barrier on the group's CPU backend when it has one (and
+    no device was bound at `init_process_group`), so on `cpu:gloo,cuda:nccl` gloo serves
+    it; `barrier_backend` records which did."""
     import torch
     import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_group, _get_object_coll_device
 
     from trainer import waiting
     from trainer.parallelize import init_distributed, shutdown_distributed, training_device
@@ -336,9 +345,11 @@ def probe_process_group() -> dict[str, Any]:
         dist.all_reduce(on_device)
         world = dist.get_world_size()
         waiting.barrier()
+        barrier_device = torch.device(_get_object_coll_device())  # torch's own choice for a barrier
         return {
             "device": device.type,
             "backend": str(dist.get_backend()),
+            "barrier_backend": _get_default_group()._get_backend(barrier_device).name(),
             "world_size": world,
             "host_all_reduce": host.tolist() == [1.5 * world, 2.0 * world],
             "device_all_reduce": on_device.cpu().tolist() == [3.0 * world],

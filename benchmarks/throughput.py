@@ -17,8 +17,19 @@ step start, so for rtp it also holds the per-step events, heartbeats and checkpo
 the bare loop has nothing outside its step), peak_mem_bytes (rank 0; CUDA: allocated, CPU:
 resident set), startup_s (process launch to the first step: launcher, rank monitors,
 stores, imports, model build, checkpoint writer warm-up), total_s (launch to exit) and, on
-CUDA, mfu_pct: 6 x parameters x tokens/s against the GPUs' peak dense bf16 FLOP/s (the 6N
-rule leaves out attention's FLOPs, so it slightly understates long-context MFU).
+CUDA, mfu_pct: 6 x N x tokens per median iteration against the GPUs' peak dense bf16 FLOP/s.
+N is `flop_params`: the parameters outside embedding lookups (an `nn.Embedding` table is read,
+not multiplied; a head tied to it is a matmul and counts). The median iteration leaves the
+first steps and the save steps out; the 6N rule leaves out attention's score FLOPs, so it
+understates long-context MFU.
+
+The steady state, without set-up: with `--warmup-steps W` each side is also timed from the end
+of step W to the end of its last step (`window_s`, `window_tokens_per_s`): the first steps'
+warm-up and rtp's last save's commit are outside it, the periodic saves inside. On CUDA each
+side records `peak_mem_bytes_by_phase` (`torch.cuda.max_memory_allocated`: rtp's train,
+fingerprint and evaluation, the bare loop's train), and `--memory-plan` puts the memory plan's
+estimate for the same config beside it (`memory`: trainer/memory_plan.py, traced on fake
+tensors in this process).
 
 `tax` is rtp wall / bare wall: what resilience and checkpointing cost while training (the
 last save's commit included; start-up is apart, in startup_s). `step_tax` is rtp
@@ -80,6 +91,35 @@ def mfu_pct(
     return 100.0 * 6 * params * tokens_per_s / (peak_flops_per_device * devices)
 
 
+def flop_parameters(model: Any) -> int:
+    """N of the 6N rule: parameters outside embedding lookups; one shared with a matmul (a
+    tied head) counts, once."""
+    import torch
+
+    lookups = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    multiplied = {
+        id(p)
+        for m in model.modules()
+        if not isinstance(m, torch.nn.Embedding)
+        for p in m.parameters(recurse=False)
+    }
+    return sum(p.numel() for p in model.parameters() if id(p) not in lookups or id(p) in multiplied)
+
+
+def steady_window(step_ends: dict[int, float], warmup_steps: int, tokens_per_step: int) -> dict[str, Any]:
+    """The loop from the end of step `warmup_steps` to the end of its last step."""
+    last = max(step_ends)
+    first = warmup_steps if warmup_steps in step_ends else min(step_ends)
+    if first >= last:
+        raise ValueError(f"--warmup-steps {warmup_steps} leaves no step to time in a run of {last} steps")
+    window_s = step_ends[last] - step_ends[first]
+    return {
+        "window_s": window_s,
+        "window_steps": last - first,
+        "window_tokens_per_s": tokens_per_step * (last - first) / window_s if window_s > 0 else 0.0,
+    }
+
+
 def bench_config(
     preset: str, model_source: str, dataset: Path, workdir: Path, steps: int, every: int, overrides: list[str]
 ) -> TrainConfig:
@@ -130,7 +170,7 @@ def _rank_env() -> dict[str, str]:
     return env
 
 
-def run_rtp(config: TrainConfig, nproc: int, tokens_per_step: int) -> dict[str, Any]:
+def run_rtp(config: TrainConfig, nproc: int, tokens_per_step: int, warmup_steps: int = 0) -> dict[str, Any]:
     launched = time.time()
     summary = run_local_training(nproc, config, echo=False)
     ended = time.time()
@@ -145,13 +185,16 @@ def run_rtp(config: TrainConfig, nproc: int, tokens_per_step: int) -> dict[str, 
     loop_started_at = next(event["time"] for event in events if event.get("kind") == "resumed")
     wall_s = summary.loop_wall_s + summary.final_drain_s
     iteration_median = statistics.median(iteration_s)
+    ends = {event["step"]: event["time"] for event in steps}
     return {
+        **steady_window(ends, warmup_steps, tokens_per_step),
         "tokens_per_s": tokens_per_step * summary.steps_run / wall_s,
         "wall_s": wall_s,
         "step_s_median": statistics.median(step_s),
         "iteration_s_median": iteration_median,
         "beyond_median_s": wall_s - summary.steps_run * iteration_median,
         "peak_mem_bytes": summary.peak_mem_bytes,
+        "peak_mem_bytes_by_phase": summary.peak_mem_bytes_by_phase,
         "startup_s": loop_started_at - launched,
         "total_s": ended - launched,
         "loop_wall_s": summary.loop_wall_s,
@@ -163,7 +206,7 @@ def run_rtp(config: TrainConfig, nproc: int, tokens_per_step: int) -> dict[str, 
     }
 
 
-def run_bare(config: TrainConfig, nproc: int, tokens_per_step: int) -> dict[str, Any]:
+def run_bare(config: TrainConfig, nproc: int, tokens_per_step: int, warmup_steps: int = 0) -> dict[str, Any]:
     work = Path(config.run.workdir)
     work.mkdir(parents=True, exist_ok=True)
     config_path = config.write(work / "config.json")
@@ -189,13 +232,16 @@ def run_bare(config: TrainConfig, nproc: int, tokens_per_step: int) -> dict[str,
     if result.returncode != 0 or not out.is_file():
         raise RuntimeError(f"the bare FSDP loop failed ({result.returncode}):\n{result.stderr[-3000:]}")
     raw = json.loads(out.read_text())
+    ends = {step: end for step, end in enumerate(raw["step_ends_s"], start=1)}
     return {
+        **steady_window(ends, warmup_steps, tokens_per_step),
         "tokens_per_s": tokens_per_step * raw["steps"] / raw["wall_s"],
         "wall_s": raw["wall_s"],
         "step_s_median": raw["step_s_median"],
         "iteration_s_median": raw["step_s_median"],  # nothing runs between its steps
         "beyond_median_s": raw["wall_s"] - raw["steps"] * raw["step_s_median"],
         "peak_mem_bytes": raw["peak_mem_bytes"],
+        "peak_mem_bytes_by_phase": raw["peak_mem_bytes_by_phase"],
         "startup_s": raw["loop_started_at"] - launched,
         "total_s": ended - launched,
         "final_loss": raw["final_loss"],
@@ -222,6 +268,8 @@ def run_benchmark(
     overrides: list[str],
     repeats: int = 1,
     workdir: Path | None = None,
+    warmup_steps: int = 0,
+    memory_plan: bool = False,
 ) -> dict[str, Any]:
     import torch
 
@@ -236,6 +284,7 @@ def run_benchmark(
         rtp_config = bench_config(preset, model_source, dataset, root / "rtp", steps, every, overrides)
         meta_model = model_spec(rtp_config.model.kind).build(rtp_config.model, torch.device("meta"))
         params = sum(p.numel() for p in meta_model.parameters())
+        flop_params = flop_parameters(meta_model)
         tokens_per_step = (
             rtp_config.data.global_batch or rtp_config.data.batch_size * nproc
         ) * rtp_config.model.seq_len
@@ -250,9 +299,9 @@ def run_benchmark(
             run: dict[str, Any] = {"order": "bare,rtp" if index % 2 == 0 else "rtp,bare"}
             for side in run["order"].split(","):
                 if side == "bare":
-                    run["bare"] = run_bare(bare_config, nproc, tokens_per_step)
+                    run["bare"] = run_bare(bare_config, nproc, tokens_per_step, warmup_steps)
                 else:
-                    run["rtp"] = run_rtp(rtp_config, nproc, tokens_per_step)
+                    run["rtp"] = run_rtp(rtp_config, nproc, tokens_per_step, warmup_steps)
             run["tax"] = run["rtp"]["wall_s"] / run["bare"]["wall_s"]
             runs.append(run)
     cuda = torch.cuda.is_available()
@@ -260,9 +309,11 @@ def run_benchmark(
     peak = peak_bf16_flops(device_name) if cuda else None
     for run in runs:
         for side in (run["rtp"], run["bare"]):
-            side["mfu_pct"] = mfu_pct(params, side["tokens_per_s"], peak, nproc)
+            # The median iteration's rate: neither the first steps nor the save steps.
+            side["mfu_pct"] = mfu_pct(flop_params, tokens_per_step / side["iteration_s_median"], peak, nproc)
     rtp = _median_side([run["rtp"] for run in runs])
     bare = _median_side([run["bare"] for run in runs])
+    memory = memory_beside_plan(rtp_config, nproc, rtp, bare) if memory_plan else None
     return {
         "rtp": rtp,
         "bare": bare,
@@ -273,6 +324,10 @@ def run_benchmark(
         "load_avg_1m": [load_before[0], os.getloadavg()[0]],
         "cpu_count": os.cpu_count(),
         "model_params": params,
+        "flop_params": flop_params,
+        "mfu_basis": "6 x flop_params (parameters outside embedding lookups) x tokens per median iteration",
+        "warmup_steps": warmup_steps,
+        "memory": memory,
         "tokens_per_step": tokens_per_step,
         "steps": steps,
         "checkpoint.every_steps": every,
@@ -283,6 +338,44 @@ def run_benchmark(
         "compute_dtype": str(compute_dtype(rtp_config.training, torch.device("cuda" if cuda else "cpu"))),
         "peak_bf16_flops": peak,
         "overrides": overrides,
+    }
+
+
+def memory_beside_plan(
+    config: TrainConfig, nproc: int, rtp: dict[str, Any], bare: dict[str, Any]
+) -> dict[str, Any]:
+    """The memory plan of `config` on `nproc` GPUs of this machine (trainer/memory_plan.py)
+    beside each side's measured peaks per phase, in GiB; measured / planned per phase."""
+    import torch
+
+    from trainer.memory_plan import GIB, H100_GPU_GIB, Job, plan_memory
+
+    gpu_gib = (
+        torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else H100_GPU_GIB
+    )
+    try:
+        plan = plan_memory(Job(config=config, gpus_per_node=nproc, gpu_memory_gib=gpu_gib), find_fix=False)
+    except Exception as exc:  # the measurement stands without it
+        return {"plan_error": f"{type(exc).__name__}: {exc}"}
+    planned = {
+        "train_step": plan.train_step_gib,
+        "evaluation": plan.evaluation_gib,
+    }  # as phases_gib, unrounded
+    measured = {
+        side: {phase: nbytes / GIB for phase, nbytes in row.get("peak_mem_bytes_by_phase", {}).items()}
+        for side, row in (("rtp", rtp), ("bare", bare))
+    }
+    pairs = {"train": "train_step", "evaluation": "evaluation"}
+    return {
+        "plan_gib": planned,
+        "plan_peak_gib": round(plan.peak_gib, 2),
+        "plan_fits": plan.fits,
+        "measured_gib": measured,
+        "rtp_measured_over_plan": {
+            phase: measured["rtp"][phase] / planned[key]
+            for phase, key in pairs.items()
+            if phase in measured["rtp"] and planned.get(key)
+        },
     }
 
 
@@ -314,6 +407,24 @@ def format_table(result: dict[str, Any]) -> str:
         f"beyond steps x iteration median (first steps, save steps, last commit): rtp "
         f"{rtp['beyond_median_s']:.2f}s, bare {result['bare']['beyond_median_s']:.2f}s"
     )
+    bare = result["bare"]
+    lines.append(
+        f"steady state (end of step {result.get('warmup_steps', 0)} to the last): rtp "
+        f"{rtp['window_tokens_per_s']:.0f} tokens/s, bare {bare['window_tokens_per_s']:.0f} tokens/s; "
+        f"MFU from the median iteration, 6 x {result['flop_params'] / 1e6:.1f}M non-embedding parameters"
+    )
+    memory = result.get("memory") or {}
+    if "plan_gib" in memory:
+        measured = memory["measured_gib"]["rtp"]
+        lines.append(
+            "memory per phase, GiB (rtp measured / plan): "
+            + ", ".join(
+                f"{phase} {measured.get(phase, float('nan')):.1f} / {memory['plan_gib'][key]:.1f}"
+                for phase, key in (("train", "train_step"), ("evaluation", "evaluation"))
+            )
+        )
+    elif "plan_error" in memory:
+        lines.append(f"memory plan: {memory['plan_error']}")
     if repeats > 1:
         lines.append("tax per repeat: " + ", ".join(f"{run['tax']:.3f}x" for run in result["runs"]))
     low, high = result["load_avg_1m"]
@@ -357,12 +468,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="config override for both sides, e.g. training.mixed_precision=bf16 (repeatable)",
     )
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=0,
+        help="time the steady state from the end of this step (window_s, window_tokens_per_s; "
+        "default: %(default)s, from the first step's end)",
+    )
+    parser.add_argument(
+        "--memory-plan",
+        action="store_true",
+        help="put the memory plan's estimate beside the measured peaks per phase (a CUDA run measures them)",
+    )
     parser.add_argument("--json", dest="json_path", help="also write the results as JSON to this file")
 
 
 def main(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.nproc < 1 or args.repeats < 1:
         raise ValueError("--steps, --nproc and --repeats must be at least 1")
+    if not 0 <= args.warmup_steps < args.steps:
+        raise ValueError(f"--warmup-steps must be at least 0 and below --steps ({args.steps})")
     preset = args.preset if not args.model_source else "tiny-cpu"
     result = run_benchmark(
         preset=preset,
@@ -372,5 +497,7 @@ def main(args: argparse.Namespace) -> int:
         nproc=args.nproc,
         overrides=args.override,
         repeats=args.repeats,
+        warmup_steps=args.warmup_steps,
+        memory_plan=args.memory_plan,
     )
     return report(result, args.json_path, format_table)

@@ -10,7 +10,12 @@ before its process groups are destroyed, into `<workdir>/diagnostics/<attempt>/`
   where it stopped);
 - `fr_rank_<r>`: the flight recorder's dump (a pickle), which torch's analyzer reads:
   `python -m torch.distributed.flight_recorder.fr_trace <folder> --prefix fr_rank_`
-  says which ranks stopped at which collective.
+  says which ranks stopped at which collective. torch keeps two recorders: ProcessGroupNCCL
+  records into its own (`_dump_nccl_trace`, CUDA builds only), gloo into the CPU one
+  (`_dump_fr_trace`). On a GPU rank `fr_rank_<r>` is the NCCL one — the training
+  collectives — and the gloo one (flags, object collectives, the checkpoint writers' groups)
+  lies beside it as `fr_gloo_rank_<r>` (`--prefix fr_gloo_rank_`); on CPU `fr_rank_<r>` is
+  gloo's. Each is written only where this torch has it.
 
 Writing never fails the restart: a problem is logged and the restart goes on.
 """
@@ -32,6 +37,9 @@ FLIGHT_RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"
 still read (and a value a user gave there is kept) but torch warns once per rank when it is set."""
 DEPRECATED_FLIGHT_RECORDER_ENV = "TORCH_NCCL_TRACE_BUFFER_SIZE"
 FR_PREFIX = "fr_rank_"
+"""The dump torch's analyzer reads by default: NCCL's on a GPU rank, gloo's on CPU."""
+GLOO_FR_PREFIX = "fr_gloo_rank_"
+"""On a GPU rank: the gloo half of the `cpu:gloo,cuda:nccl` group, beside the NCCL dump."""
 STACKS_PREFIX = "stacks_rank_"
 KEEP_TEARDOWNS = 5
 """Teardown folders kept per run (rank 0 removes older ones, `prune`): a dump per rank each, so a
@@ -61,20 +69,43 @@ def dump_stacks(folder: Path, rank: int) -> bool:
 
 
 def dump_flight_recorder(folder: Path, rank: int) -> bool:
-    """The flight recorder's dump into `folder` (written whole, then renamed); False when
-    there is none or it could not be written (logged)."""
-    try:
-        from torch._C._distributed_c10d import _dump_fr_trace  # type: ignore[attr-defined]
+    """The flight recorders' dumps into `folder` (each written whole, then renamed): NCCL's
+    as `fr_rank_<rank>` with gloo's beside it when the rank trains on CUDA (the device rule of
+    trainer/parallelize.py), else gloo's as `fr_rank_<rank>`. False when none could be
+    written (logged)."""
+    import torch
 
-        trace = _with_group_config(_dump_fr_trace())
-    except Exception as exc:  # not recording, or a torch without it: the stacks are still there
-        log.info("no flight recorder dump for rank %d: %s", rank, exc)
-        return False
-    staging = folder / f".{FR_PREFIX}{rank}.partial"
+    nccl = _recorder_dump("_dump_nccl_trace", rank) if torch.cuda.is_available() else None
+    gloo = _recorder_dump("_dump_fr_trace", rank)
+    dumps = {FR_PREFIX: nccl, GLOO_FR_PREFIX: gloo} if nccl is not None else {FR_PREFIX: gloo}
+    wrote = False
+    for prefix, trace in dumps.items():
+        if trace is not None:
+            wrote = _write_whole(folder, f"{prefix}{rank}", trace) or wrote
+    return wrote
+
+
+def _recorder_dump(name: str, rank: int) -> bytes | None:
+    """One recorder's dump with its group table, or None: a torch without `name` (a CPU build
+    has no `_dump_nccl_trace`, an older torch no `_dump_fr_trace`), or not recording."""
+    import torch
+
+    dump = getattr(torch._C._distributed_c10d, name, None)
+    if dump is None:
+        return None
+    try:
+        return _with_group_config(dump())
+    except Exception as exc:  # not recording: the stacks are still there
+        log.info("no %s dump for rank %d: %s", name, rank, exc)
+        return None
+
+
+def _write_whole(folder: Path, name: str, data: bytes) -> bool:
+    staging = folder / f".{name}.partial"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        staging.write_bytes(trace)
-        staging.replace(folder / f"{FR_PREFIX}{rank}")  # the analyzer never reads half a file
+        staging.write_bytes(data)
+        staging.replace(folder / name)  # the analyzer never reads half a file
     except OSError as exc:
         log.warning("could not write this rank's flight recorder dump into %s: %s", folder, exc)
         return False

@@ -52,7 +52,16 @@ GPU_LAUNCHER: dict[str, float] = {
 """ft_launcher's monitoring for GPU runs (AWS's EKS NVRx test case uses the same heartbeats)."""
 
 NCCL_ENV: dict[str, str] = {
-    # The NCCL watchdog must not rethrow CUDA/NCCL errors (that ends the process): NVRx known issue.
+    # NVRx's usage guide asks for it. What it changes (torch's ProcessGroupNCCL.cpp, the
+    # watchdog thread's run()): an exception that ends the NCCL watchdog thread's loop (a
+    # CUDA error seen while polling a collective's events) is logged and the thread ends,
+    # instead of being rethrown in that thread, which terminates the process. A message that
+    # begins with "CUDA Error" is rethrown all the same (torch tests `!what.find("CUDA Error")`).
+    # It does not touch timed-out or failed collectives: TORCH_NCCL_ASYNC_ERROR_HANDLING (3,
+    # SkipCleanUp, by default) still ends the process when the collective timeout fires, which
+    # is why that timeout must outlast the in-process hard timeout (check_timeouts). Once the
+    # thread has ended, the group's collectives go unwatched until the in-process restart
+    # destroys the group.
     "TORCH_NCCL_RETHROW_CUDA_ERRORS": "0",
     # NVLink SHARP communicators cannot be aborted and re-created in-process: NVRx known issue.
     "NCCL_NVLS_ENABLE": "0",

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from trainer import peer_abort, waiting
-from trainer.checkpointing import CheckpointManager, model_sha256
+from trainer.checkpointing import CheckpointManager, model_sha256, resume_expected
 from trainer.checkpointing.tier_slots import forget_rank, local_folder
 from trainer.config import OptimizerConfig, TrainConfig
 from trainer.data import DataError, StepSampler, check_tokenizer, load_tokens, split_files
@@ -124,8 +124,8 @@ def build_optimizer(
     all of a rank's shards (FSDP2's DTensors included) instead of foreach's several per
     operation with their intermediate lists. On CPU the default implementation, which the
     bit-exact resume tests were written against."""
-    implementation = {"fused": True} if device.type == "cuda" else {}
-    return torch.optim.AdamW(params, lr=optimizer.lr, weight_decay=optimizer.weight_decay, **implementation)
+    fused = True if device.type == "cuda" else None  # None: torch's own choice
+    return torch.optim.AdamW(params, lr=optimizer.lr, weight_decay=optimizer.weight_decay, fused=fused)
 
 
 def _gathered_norm(norm: torch.Tensor) -> float:
@@ -245,7 +245,8 @@ class Trainer:
             r.straggler_every_steps, r.straggler_threshold, device, self._stragglers
         )
         self.callbacks.insert(0, self.stragglers)  # collective: at the same steps on every rank
-        with self.clock.phase("model_build_s"):
+        # At 8B reading or drawing the weights outlasts the launcher's heartbeat timeout.
+        with self.clock.phase("model_build_s"), self.hooks.keepalive():
             self._build_model(mesh)
         if config.data.eval_every_steps:
             from trainer.evaluation import PeriodicEval
@@ -273,8 +274,13 @@ class Trainer:
             )
             self._checkpoints_open = True
             self.last_step = self.checkpoints.load(
-                background=self.attempt.is_restart
-            )  # a restart needs its first step soon
+                background=self.attempt.is_restart,  # a restart needs its first step soon
+                init_trained=functools.partial(
+                    self.spec.init_trained, self.model, config.model, device, config.run.seed
+                )
+                if self.restoring
+                else None,
+            )
         except BaseException:
             self.close()
             raise
@@ -296,9 +302,12 @@ class Trainer:
     def _build_model(self, mesh: Any) -> None:
         config, device = self.config, self.device
         self.spec = model_spec(config.model.kind)
+        # A resume overwrites the trained weights: then none are read or drawn here.
+        self.restoring = resume_expected(config, self.hooks.capture_cache())
         # training.method=lora: peft's adapters go in before sharding, the base frozen.
         self.model = apply_method(
-            self.spec.build_for_training(config.model, device, config.run.seed), config.training
+            self.spec.build_for_training(config.model, device, config.run.seed, weights=not self.restoring),
+            config.training,
         )
         mesh = data_parallel_mesh(mesh, config.parallelism, self.model, device)
         parallelize(self.model, mesh, self.spec.fsdp_units(self.model), config.training, device)
@@ -306,7 +315,8 @@ class Trainer:
         if self.rank == 0:
             dtype = str(compute_dtype(config.training, device)).removeprefix("torch.")
             log.info("compute dtype %s, data-parallel mesh %s", dtype, "x".join(map(str, list(mesh.shape))))
-        self.spec.init_weights(self.model, config.model, device, config.run.seed)
+        init = self.spec.init_for_resume if self.restoring else self.spec.init_weights
+        init(self.model, config.model, device, config.run.seed)
         opt = config.optimizer
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters
         self.optimizer = build_optimizer(trainable, opt, device)

@@ -62,6 +62,16 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def phase_peak_bytes(device: torch.device) -> int | None:
+    """CUDA: the most memory tensors held since the previous call (or the process's start),
+    after which the count starts anew; None elsewhere (a resident-set peak cannot be reset)."""
+    if device.type != "cuda":
+        return None
+    peak = int(torch.cuda.max_memory_allocated(device))
+    torch.cuda.reset_peak_memory_stats(device)
+    return peak
+
+
 def init_distributed(timeout_s: float = 120.0, store: dist.Store | None = None) -> DeviceMesh:
     """Join the process group described by the launcher's environment; one 1-D mesh.
 
@@ -218,7 +228,11 @@ def apply_fsdp(
     block_policy, root_policy = mixed_precision_policies(dtype)
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=block_policy)
-    fully_shard(model, mesh=mesh, mp_policy=root_policy)
+    # The root (embeddings, final norm, head) stays gathered from forward to backward: the
+    # backward starts with the head and would gather it again at once. Said rather than left
+    # to the default (torch 2.13: unset means reshard every unit but the one lazy init finds
+    # to be the root), which a wrapper around the model would change.
+    fully_shard(model, mesh=mesh, mp_policy=root_policy, reshard_after_forward=False)
     return model
 
 

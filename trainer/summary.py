@@ -71,6 +71,11 @@ class TrainSummary:
     wall_seconds: float
     peak_mem_bytes: int = 0
     """Rank 0's peak memory at the end of the loop (CUDA: allocated; CPU: resident set)."""
+    peak_mem_bytes_by_phase: dict[str, int] = field(default_factory=dict)
+    """CUDA only: rank 0's `torch.cuda.max_memory_allocated` per phase of the attempt —
+    `train` (start-up, the loop with its saves and periodic evaluation, the last commit),
+    `fingerprint` (model_sha256 gathers each tensor whole) and `evaluation` (the end-of-run
+    holdout score) — to set beside the memory plan's `phases_gib` (trainer/memory_plan.py)."""
     # Rank 0 adds the goodput analysis of the whole run (all attempts) and its report.
     restarts: list[dict[str, Any]] = field(default_factory=list)
     goodput_pct: float = 0.0

@@ -86,15 +86,12 @@ def test_gpu_check_dry_run_passes_on_cpu(started):
     assert (
         "every part's command line parses and its config passes the CUDA timeout check: ok" in result.stdout
     )
-    parts = [line.split()[1].rstrip(":") for line in result.stdout.splitlines() if ": rtp bench " in line]
-    assert parts[0] == "checkpoint-async" and set(parts) == {
-        "checkpoint-async",
-        "throughput",
-        "recovery",
-        "checkpoint-off",
-        "checkpoint-sync",
-        "checkpoint-torch-async",
-    }
+    parts = [line.split()[1] for line in result.stdout.splitlines() if ": rtp bench " in line]
+    assert parts == ["checkpoint", "throughput", "recovery"]  # checkpoint-sync only when named
+    # The modes compared run in one process; the fast tier's interval is pinned.
+    checkpoint = next(line for line in result.stdout.splitlines() if "gpu_check: checkpoint (" in line)
+    assert "--modes off,async,torch-async" in checkpoint or "--modes off,torch-async" in checkpoint
+    assert "--local-every " in checkpoint and "--warmup-steps " in checkpoint
     # The 1B runs train with the GPU timeout table, not the CPU defaults.
     assert all(
         "--override resilience.timeout_floor_s=120" in line

@@ -1,26 +1,87 @@
 """The two checkpoint modes built on torch DCP alone: `sync` and `torch-async`.
 
-- `sync` (`SyncWriter`): `dcp.save`, each rank hashes its own shards, then the commit; the
-  loop waits for all of it.
-- `torch-async` (`TorchAsyncWriter`): torch's `dcp.async_save` stages the state to CPU and
-  writes it in a thread over a gloo group of its own: the in-project baseline for NVRx.
-  A second thread waits for the write and hashes this rank's shards; `poll()` (every
-  step) commits once every rank's thread is done, and `finalize()` waits for it.
+- `sync` (`SyncWriter`): `dcp.save` with `SAVE_THREADS` writer threads per rank, each shard
+  hashed on its way to the file (`storage.ShardWriter`: never read back on the training
+  thread), then the commit; the loop waits for all of it.
+- `torch-async` (`TorchAsyncWriter`): torch's `dcp.async_save` stages the state to host
+  memory and writes it in a thread over a gloo group of its own: the in-project baseline
+  for NVRx. It stages through one `DefaultStager` kept for the attempt, as NVRx keeps its
+  slots: its host buffers are made at the first save and reused (torch's default makes and
+  frees a copy per save), and on CUDA they are pinned and filled by non-blocking copies on
+  a stream of their own while the next forward and backward run (`wait_for_staging` before
+  the optimizer step), as NVRx's capture does. A second thread waits for the write and
+  hashes this rank's shards; `poll()` (every step) commits once every rank's thread is
+  done, and `finalize()` waits for it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from trainer import peer_abort, waiting
 from trainer.checkpointing import storage
 from trainer.checkpointing.writer import CheckpointWriter, PendingSave
+
+SAVE_THREADS = 2
+"""Writer threads per rank for a `sync` save (torch's FileSystemWriter `thread_count`, one by
+default): each serializes and writes a shard file of its own (`__<rank>_<thread>.distcp`),
+so one file's serialization overlaps the other's write."""
+
+
+class _ShardStream:
+    """A `storage.ShardWriter` as DCP's writer uses a stream: it calls `close()` inside the
+    `with` block that owns the file; the file is closed, and its hash sidecar written, when
+    that block ends."""
+
+    def __init__(self, shard: storage.ShardWriter) -> None:
+        self._shard = shard
+
+    def write(self, data: Any) -> int:
+        return self._shard.write(data)
+
+    def tell(self) -> int:
+        return self._shard.tell()
+
+    def flush(self) -> None:
+        self._shard.flush()
+
+    def fileno(self) -> int:
+        return self._shard.fileno()
+
+    def close(self) -> None:
+        self._shard.flush()
+
+
+class _HashingFileSystem(FileSystem):
+    """torch DCP's local file system, whose shard files hash their bytes as they are written."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+        if mode != "wb" or not str(path).endswith(".distcp"):  # `.metadata`, reads
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with storage.ShardWriter(path) as shard:
+            yield _ShardStream(shard)
+
+
+def hashing_writer(staging: str | Path, thread_count: int = SAVE_THREADS) -> FileSystemWriter:
+    """DCP's FileSystemWriter into `staging`, each shard hashed as written (its sidecar)."""
+    writer = FileSystemWriter(str(staging), thread_count=thread_count)
+    writer.fs = _HashingFileSystem()
+    return writer
 
 
 class SyncWriter(CheckpointWriter):
@@ -29,9 +90,11 @@ class SyncWriter(CheckpointWriter):
     mode = "sync"
 
     def start_save(self, state: dict[str, Any], pending: PendingSave) -> None:
-        with storage.shard_records_without_crc32():
-            dcp.save(state, checkpoint_id=str(pending.staging))
-        # Every rank hashes its own shards at once, so rank 0's commit reads only their sidecars.
+        # Not on this thread: DCP's gathers wait inside C for the slowest rank's write, and a
+        # main thread in C stamps no progress for NVRx's watchdog (trainer/waiting.py).
+        waiting.off_main_thread("rtp-ckpt-save", _write, state, pending)
+        # Each shard left its sidecar as it was written: rank 0's commit reads only those. A
+        # shard without one (its write failed) is hashed here, on its own rank.
         storage.write_hash_sidecars(pending.staging, dist.get_rank())
         self._commit(pending, loop_waited_for_write=True)
         self._queued(pending.record)
@@ -41,7 +104,8 @@ class SyncWriter(CheckpointWriter):
 
 
 class TorchAsyncWriter(CheckpointWriter):
-    """`torch-async`: returns from `start_save()` once torch has staged the state."""
+    """`torch-async`: returns from `start_save()` once torch has staged the state (on CUDA:
+    once the copies are queued; `wait_for_staging()` waits for them)."""
 
     mode = "torch-async"
 
@@ -49,7 +113,9 @@ class TorchAsyncWriter(CheckpointWriter):
         super().__init__(*args, **kwargs)
         self._group: Any = None
         self._hasher: ThreadPoolExecutor | None = None
+        self._stager: Any = None
         self._pending: PendingSave | None = None
+        self._staging: Future[None] | None = None
 
     def start(self, background: bool) -> None:
         # A group of its own: the writer thread's collectives must not interleave with
@@ -57,15 +123,41 @@ class TorchAsyncWriter(CheckpointWriter):
         with peer_abort.tracking():  # an in-process restart shuts its connections down
             self._group = dist.new_group(backend="gloo")
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rtp-ckpt-hash")
+        self._stager = kept_stager(torch.cuda.is_available())
 
     def start_save(self, state: dict[str, Any], pending: PendingSave) -> None:
         assert self._hasher is not None, "TorchAsyncWriter.start() was not called"
-        write = dcp.async_save(state, checkpoint_id=str(pending.staging), process_group=self._group)
-        pending.future = self._hasher.submit(_wait_then_hash, write, str(pending.staging), dist.get_rank())
+        staged = {} if self._stager is None else {"async_stager": self._stager}
+        response = dcp.async_save(
+            state, checkpoint_id=str(pending.staging), process_group=self._group, **staged
+        )
+        # An asynchronous stager (CUDA) is answered with (staging, upload) futures.
+        write = getattr(response, "upload_completion", response)
+        self._staging = getattr(response, "staging_completion", None)
+        pending.future = self._hasher.submit(
+            _wait_then_hash, write, str(pending.staging), dist.get_rank(), pending.during_write
+        )
         pending.queued_at = time.perf_counter()
         self._pending = pending
         pending.record.queue_s = pending.record.blocked_s = time.perf_counter() - pending.started_at
-        self._queued(pending.record)
+        if self._stager is not None and not self.host_bytes:
+            self.host_bytes = _host_bytes(state)  # the stager's buffers, kept for the attempt
+        if self._staging is None:
+            self._queued(pending.record)
+
+    def wait_for_staging(self) -> None:
+        """The staging copies (CUDA) read the weights the optimizer is about to change."""
+        if self._staging is None or self._pending is None:
+            return
+        record = self._pending.record
+        with self.keepalive():
+            started = time.perf_counter()
+            staging, self._staging = self._staging, None
+            waiting.result(staging)
+            elapsed = time.perf_counter() - started
+        record.handoff_s += elapsed
+        record.blocked_s += elapsed
+        self._queued(record)
 
     def poll(self) -> None:
         """Its time (the agreement all-reduce, and the commit once agreed) blocks the loop, so
@@ -84,6 +176,7 @@ class TorchAsyncWriter(CheckpointWriter):
 
     def finalize(self) -> None:
         if self._pending is not None:
+            self.wait_for_staging()  # the last save: no optimizer step waited for it
             self._finish()
 
     def _finish(self) -> None:
@@ -101,13 +194,62 @@ class TorchAsyncWriter(CheckpointWriter):
         if self._hasher is not None:
             self._hasher.shutdown()
             self._hasher = None
+        if self._stager is not None:
+            self._stager.close()  # frees (and unpins) its buffers
+            self._stager = None
 
     def abandon(self) -> None:
         self._pending = None
+        self._staging = None
         self._group = None  # its process group is gone with the default one
+        self._stager = None  # a staging copy may still run: its buffers go with it
 
 
-def _wait_then_hash(write: Any, staging: str, rank: int) -> None:
+def kept_stager(cuda: bool) -> Any:
+    """One DefaultStager for the attempt's saves: host buffers made at the first save and
+    reused; on CUDA pinned, filled by non-blocking copies on a stream of their own, in the
+    background (staged state in shared memory is for a writer process: not used here).
+    None where this torch has no DefaultStager: torch's default then."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:
+        return None
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=cuda,
+            use_shared_memory=False,
+            use_async_staging=cuda,
+            use_non_blocking_copy=cuda,
+        )
+    )
+
+
+def _host_bytes(state: Any) -> int:
+    """Bytes of the tensors (a DTensor: its local shard) in a nested state dict."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, dict):
+        return sum(_host_bytes(value) for value in state.values())
+    if isinstance(state, list | tuple):
+        return sum(_host_bytes(value) for value in state)
+    if isinstance(state, DTensor):
+        state = state._local_tensor
+    return state.numel() * state.element_size() if isinstance(state, torch.Tensor) else 0
+
+
+def _write(state: dict[str, Any], pending: PendingSave) -> None:
+    """A `sync` save's DCP write (in a thread of its own)."""
+    with storage.shard_records_without_crc32():
+        dcp.save(state, storage_writer=hashing_writer(pending.staging))
+    if pending.during_write is not None:
+        pending.during_write()
+
+
+def _wait_then_hash(
+    write: Any, staging: str, rank: int, during_write: Callable[[], None] | None = None
+) -> None:
     """torch-async's write plus the shard hashes (runs in a background thread)."""
     write.result()
+    if during_write is not None:
+        during_write()
     storage.write_hash_sidecars(staging, rank)
