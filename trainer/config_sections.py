@@ -14,7 +14,7 @@ CheckpointMode = Literal["off", "sync", "torch-async", "async"]
 ModelInit = Literal["pretrained", "random"]
 WarmStart = Literal["fresh", "parent"]
 MixedPrecision = Literal["auto", "bf16", "fp32"]
-ActivationCheckpointing = Literal["none", "full", "every_n"]
+ActivationCheckpointing = Literal["auto", "none", "full", "every_n"]
 DataFormat = Literal["tokens", "examples"]
 TrainingMethod = Literal["full", "lora"]
 CHECKPOINT_MODES: tuple[str, ...] = typing.get_args(CheckpointMode)
@@ -295,7 +295,7 @@ class TrainingConfig:
     settings change what a checkpoint holds (a LoRA run's adapters, not its weights); the rest
     does not (fp32 master weights whatever the compute dtype), so a run may resume under another."""
 
-    method: TrainingMethod = "full"
+    method: TrainingMethod = named("training_method", "full", pipeline=True)
     """full: every parameter trains; lora: the model's weights stay frozen and low-rank adapters
     (peft's LoRA) on `lora_target_modules` train, so gradients, AdamW state and checkpoints hold
     the adapters only, with the identity of the base model they apply to (Hugging Face models;
@@ -315,10 +315,12 @@ class TrainingConfig:
     """Compute dtype: bf16 (FSDP2 gathers bf16 parameters and computes in bf16; gradients
     are reduced, and parameters, AdamW state and checkpoints kept, in fp32), fp32, or auto
     (bf16 on CUDA, fp32 on CPU, where bf16 is slower and the exactness tests run)."""
-    activation_checkpointing: ActivationCheckpointing = "none"
+    activation_checkpointing: ActivationCheckpointing = "auto"
     """Recompute a decoder layer's activations in the backward pass instead of keeping them:
     none, full (every layer) or every_n (every activation_checkpointing_every-th layer).
-    Trades compute for memory; the weights trained are the same."""
+    Trades compute for memory; the weights trained are the same. auto: on GPUs, full when the
+    memory plan (`rtp plan`, trainer/memory_plan.py) says the job does not fit without it,
+    else none, decided once before the ranks start; none on CPU."""
     activation_checkpointing_every: int = 2
     """With activation_checkpointing=every_n: checkpoint layers 0, N, 2N, ..."""
     compile: bool = False

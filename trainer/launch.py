@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -24,13 +25,15 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from trainer.config import TrainConfig
 from trainer.summary import TrainSummary
+
+log = logging.getLogger(__name__)
 
 
 class TrainingFailed(RuntimeError):
@@ -210,6 +213,27 @@ def _forward_sigterm(process: subprocess.Popen[str]) -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _run_launcher(command: list[str], env: dict[str, str], log_path: Path, echo: bool) -> int:
+    """Run the launcher to its end, its output copied to the log (and stdout); its exit code."""
+    log_file = log_path.open("a")  # closed by the copier at the pipe's end
+    log_file.write("$ " + " ".join(command) + "\n")
+    log_file.flush()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    # Output is copied by a thread and the launcher's exit ends the wait: a stray
+    # process that inherited the pipe (say, a writer whose rank was killed) must not
+    # keep this call waiting for an end of file that never comes.
+    copier = threading.Thread(target=_copy_output, args=(process, log_file, echo), daemon=True)
+    copier.start()
+    with _forward_sigterm(process):
+        returncode = process.wait()
+    # A failure's message quotes the log's tail: wait for all of it then.
+    copier.join(timeout=10 if returncode else CLEAN_EXIT_DRAIN_S)
+    if copier.is_alive():
+        with contextlib.suppress(ValueError):  # closed by the copier meanwhile
+            log_file.flush()
+    return returncode
+
+
 def mark_new_run(workdir: str | Path) -> None:
     """A new run (not a restart) begins: forget fired faults, restart causes and learned
     timeouts; open a new goodput window."""
@@ -224,34 +248,20 @@ def mark_new_run(workdir: str | Path) -> None:
         handle.write(json.dumps({"kind": "launch", "time": time.time(), "at": time.time()}) + "\n")
 
 
-def run_local_training(
-    nproc: int,
-    config: TrainConfig,
-    echo: bool = True,
-    settings: LauncherSettings | None = None,
-    new_run: bool = True,
-) -> TrainSummary:
-    """Run the ranks to completion on `config`; raise TrainingFailed with the log's tail on
-    failure. The config is written to `<workdir>/config.json` and is all the ranks read.
+RankStarter = Callable[[int, list[str], dict[str, str], Path], int]
+"""Runs `nproc` ranks of `python -m trainer <args>` in this environment, their output appended
+to the log, and returns their exit code: what `run_local_training` does through ft_launcher
+unless given another (the test suite's in-process harness, tests/distributed/harness.py)."""
 
-    `new_run=False` continues the previous run's fault records and goodput window: a
-    relaunch after the whole launcher died (what a pod restart does)."""
-    work = Path(config.run.workdir)
-    (work / "logs").mkdir(parents=True, exist_ok=True)
-    trainer_args = trainer_arguments(config.write(work / CONFIG_FILE))
-    if new_run:
-        mark_new_run(work)
-        from trainer.checkpointing.local_tier import forget_run
 
-        forget_run(config.checkpoint.local_dir, config.checkpoint_dir())  # the previous run's fast tier
-    log_path = work / "logs" / "train.log"
-    summary_path = work / "summary.json"
-    summary_path.unlink(missing_ok=True)
-    env = dict(os.environ)
+def ranks_environment(inprocess_restarts: bool, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment ranks start with: `base` (default: this process's) and rtp's defaults,
+    which the user's values win over."""
+    env = dict(os.environ if base is None else base)
     # One intra-op thread per rank: ranks with torch's default threading oversubscribe the cores.
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
-    if config.resilience.inprocess_restarts:
+    if inprocess_restarts:
         # NVRx's monitor thread polls the store with 1 s timeouts and c10d warns twice at each
         # ("waitForInput ... timed out"); torch 2.13's only switch is the C++ log level, read
         # when a rank imports torch, so it goes into the ranks' environment (the user's wins).
@@ -261,26 +271,66 @@ def run_local_training(
 
         for key, value in NCCL_ENV.items():
             env.setdefault(key, value)
-    command = build_launch_command(nproc, trainer_args, settings=settings, cpu=not _has_cuda())
-    log_file = log_path.open("a")  # closed by the copier at the pipe's end
+    return env
+
+
+def resolve_auto_settings(
+    config: TrainConfig, *, nnodes: int, gpus_per_node: int, gpu_memory_gib: float | None = None
+) -> TrainConfig:
+    """The config the ranks read, with the settings decided before they start made concrete:
+    `training.activation_checkpointing=auto` from the memory plan on GPUs (this machine's
+    GPU memory unless given), none on CPU. Logged in one line."""
+    if config.training.activation_checkpointing != "auto":
+        return config
+    from trainer.memory_plan import resolve_activation_checkpointing
+
+    if gpus_per_node and gpu_memory_gib is None and _has_cuda():
+        import torch
+
+        gpu_memory_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    resolved, line = resolve_activation_checkpointing(
+        config,
+        gpu_memory_gib=gpu_memory_gib if gpus_per_node else None,
+        nnodes=nnodes,
+        gpus_per_node=gpus_per_node,
+    )
+    log.info("%s", line)
+    return resolved
+
+
+def run_local_training(
+    nproc: int,
+    config: TrainConfig,
+    echo: bool = True,
+    settings: LauncherSettings | None = None,
+    new_run: bool = True,
+    start_ranks: RankStarter | None = None,
+) -> TrainSummary:
+    """Run the ranks to completion on `config`; raise TrainingFailed with the log's tail on
+    failure. The config is written to `<workdir>/config.json` and is all the ranks read.
+
+    `new_run=False` continues the previous run's fault records and goodput window: a
+    relaunch after the whole launcher died (what a pod restart does). `start_ranks`: what
+    runs the ranks instead of ft_launcher (`settings` and `echo` are then unused)."""
+    work = Path(config.run.workdir)
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    config = resolve_auto_settings(config, nnodes=1, gpus_per_node=nproc if _has_cuda() else 0)
+    trainer_args = trainer_arguments(config.write(work / CONFIG_FILE))
+    if new_run:
+        mark_new_run(work)
+        from trainer.checkpointing.local_tier import forget_run
+
+        forget_run(config.checkpoint.local_dir, config.checkpoint_dir())  # the previous run's fast tier
+    log_path = work / "logs" / "train.log"
+    summary_path = work / "summary.json"
+    summary_path.unlink(missing_ok=True)
+    env = ranks_environment(bool(config.resilience.inprocess_restarts))
     with launch_tempdir(env):
-        log_file.write("$ " + " ".join(command) + "\n")
-        log_file.flush()
-        process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True
-        )
-        # Output is copied by a thread and the launcher's exit ends the wait: a stray
-        # process that inherited the pipe (say, a writer whose rank was killed) must not
-        # keep this call waiting for an end of file that never comes.
-        copier = threading.Thread(target=_copy_output, args=(process, log_file, echo), daemon=True)
-        copier.start()
-        with _forward_sigterm(process):
-            returncode = process.wait()
-        # A failure's message quotes the log's tail: wait for all of it then.
-        copier.join(timeout=10 if returncode else CLEAN_EXIT_DRAIN_S)
-        if copier.is_alive():
-            with contextlib.suppress(ValueError):  # closed by the copier meanwhile
-                log_file.flush()
+        if start_ranks is not None:
+            returncode = start_ranks(nproc, trainer_args, env, log_path)
+        else:
+            command = build_launch_command(nproc, trainer_args, settings=settings, cpu=not _has_cuda())
+            returncode = _run_launcher(command, env, log_path, echo)
     if returncode != 0:
         from trainer.checkpointing import latest_committed_checkpoint
         from trainer.faults import recorded_fatal_error

@@ -343,3 +343,25 @@ def model_settings(path: str | Path) -> Iterator[tuple[dict[str, Any], list[str]
     with tempfile.TemporaryDirectory(prefix="rtp-plan-") as folder:
         shutil.copyfile(file, Path(folder) / "config.json")
         yield {"model_dir": folder}, []
+
+
+def resolve_activation_checkpointing(
+    config: TrainConfig, *, gpu_memory_gib: float | None, nnodes: int, gpus_per_node: int
+) -> tuple[TrainConfig, str]:
+    """`training.activation_checkpointing=auto` made a decision, with the reason in a line:
+    none on CPU (`gpu_memory_gib` None); on GPUs none when the plan fits without it, else full.
+    Any other setting is returned as it is."""
+    if config.training.activation_checkpointing != "auto":
+        return config, ""
+    resolved = TrainConfig.from_dict(config.to_dict())
+    if gpu_memory_gib is None or gpus_per_node < 1:
+        resolved.training.activation_checkpointing = "none"
+        return resolved, "activation checkpointing auto: none (no GPU memory to fit)"
+    job = Job(config=resolved, nnodes=nnodes, gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib)
+    plan = plan_memory(job.changed(**{"training.activation_checkpointing": "none"}), find_fix=False)
+    chosen = "none"
+    if not plan.fits:
+        chosen = "full"
+        plan = plan_memory(job.changed(**{"training.activation_checkpointing": "full"}), find_fix=False)
+    resolved.training.activation_checkpointing = chosen
+    return resolved, f"activation checkpointing auto: {chosen} (with it, {plan.verdict()})"

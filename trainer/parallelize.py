@@ -175,6 +175,8 @@ def mixed_precision_policies(dtype: torch.dtype) -> tuple[MixedPrecisionPolicy, 
 
 def checkpointed_layers(n_layers: int, training: TrainingConfig) -> list[int]:
     """Indices of the decoder layers whose activations are recomputed in the backward pass."""
+    # "auto" is decided before the ranks start (trainer.memory_plan.resolve_activation_checkpointing);
+    # one still here (a CPU run, or a config written by hand) means none.
     if training.activation_checkpointing == "full":
         return list(range(n_layers))
     if training.activation_checkpointing == "every_n":

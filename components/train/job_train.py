@@ -96,6 +96,7 @@ def train_with_job(
     # without cleaning up (node loss) and the exit handler cannot run either.
     job_fields.setdefault("deadline_s", int(timeout_s) + 600)
     config = scaled_request(request, job_fields.get("gpus_per_node", 0)).config()
+    config = _decided(config, job_fields)
     api_client = api_client if api_client is not None else in_cluster_api_client()
     namespace = pod_namespace(namespace)
     owner = step_pod_owner(api_client, namespace)
@@ -128,3 +129,18 @@ def train_with_job(
         job_name=settings.name,
     )
     return checked_result(result, request)
+
+
+def _decided(config: Any, job_fields: dict[str, Any]) -> Any:
+    """The job's ranks read a config with `auto` settings decided here, for the job's nodes and
+    GPUs (the GPU's memory from the node selector's instance type, as the check step takes it)."""
+    from components.check_run.memory_fit import gpu_memory_gib
+    from trainer.launch import resolve_auto_settings
+
+    gpus = int(job_fields.get("gpus_per_node", 0) or 0)
+    return resolve_auto_settings(
+        config,
+        nnodes=int(job_fields.get("nnodes", 1) or 1),
+        gpus_per_node=gpus,
+        gpu_memory_gib=gpu_memory_gib(job_fields.get("node_selector")) if gpus else None,
+    )

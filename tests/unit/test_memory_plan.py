@@ -215,6 +215,30 @@ def test_auto_activation_checkpointing_recomputes_only_when_needed(llama_dir, no
     assert roomy.fits and roomy.job.config.training.activation_checkpointing == "none"
 
 
+def test_auto_is_decided_before_the_ranks_start(llama_dir, no_margin):
+    """training.activation_checkpointing=auto (the default) reaches the ranks as none or full:
+    none on CPU without a plan, full on a GPU where the plan does not fit without it."""
+    from trainer.launch import resolve_auto_settings
+    from trainer.memory_plan import resolve_activation_checkpointing
+
+    config = llama_config(llama_dir)
+    assert config.training.activation_checkpointing == "auto"
+    on_cpu = resolve_auto_settings(config, nnodes=1, gpus_per_node=0)
+    assert on_cpu.training.activation_checkpointing == "none"
+    kept = trace(llama_config(llama_dir, "training.activation_checkpointing=none"))
+    recomputed = trace(llama_config(llama_dir, "training.activation_checkpointing=full"))
+    tight = gib_between(recomputed.train_peak_bytes, kept.train_peak_bytes)
+    resolved, line = resolve_activation_checkpointing(config, gpu_memory_gib=tight, nnodes=1, gpus_per_node=2)
+    assert resolved.training.activation_checkpointing == "full" and "auto: full" in line
+    assert config.training.activation_checkpointing == "auto"  # the caller's config is not changed
+    roomy = resolve_auto_settings(
+        config, nnodes=1, gpus_per_node=2, gpu_memory_gib=2 * kept.train_peak_bytes / 2**30
+    )
+    assert roomy.training.activation_checkpointing == "none"
+    fixed = llama_config(llama_dir, "training.activation_checkpointing=full")
+    assert resolve_auto_settings(fixed, nnodes=1, gpus_per_node=2, gpu_memory_gib=tight) is fixed
+
+
 def test_rtp_plan_prints_the_plan_as_json(llama_dir, capsys):
     from rtp_cli.main import main
 
