@@ -86,6 +86,7 @@ def build_pipeline(
         model_source: str = "",
         model_init: str = _default("model_init"),
         data_format: str = _default("data_format"),
+        training_method: str = _default("training_method"),
         run_name: str = "",
         steps: int = _default("steps"),
         nproc: int = 2,
@@ -98,6 +99,7 @@ def build_pipeline(
         max_loss: float = 4.0,
         min_improvement: float = 0.0,
         model_name: str = DEFAULT_MODEL_NAME,
+        register_merged: bool = True,
         keep_runs: int = 0,
         launcher: str = launcher,
         fsx_pvc_name: str = platform.DEFAULT_PVC_NAME,
@@ -116,6 +118,7 @@ def build_pipeline(
             model_source: S3 prefix of a Hugging Face model folder (config.json, *.safetensors, tokenizer files) to train, as s3://bucket/prefix/<model>/, staged under <mount>/rtp/models/<model>; or a version rtp registered, models:/<name>@<alias> (e.g. models:/rtp-model@champion: continue from the champion) or models:/<name>/<version>, resolved once, verified and staged under <mount>/rtp/models/<name>/versions. Empty trains a new built-in byte-level model. The dataset must be tokenized with this model's tokenizer (rtp prepare-data --tokenizer).
             model_init: How the Hugging Face model starts: pretrained (its weights) or random (from its config.json, for pretraining).
             data_format: What the dataset holds: tokens (text or token shards, every token trained on) or examples (conversations of rtp prepare-data --format chat, trained on the assistant's tokens only; needs a Hugging Face model_source).
+            training_method: What trains: full (every weight) or lora (LoRA adapters on the frozen Hugging Face model_source: small checkpoints, the adapters' optimizer state only; the register step logs the adapter in PEFT's format and, with register_merged, the merged model as the version).
             run_name: Run folder name under <mount>/rtp/runs; empty uses the KFP run id (what a recurring run needs). Reuse a name to resume its checkpoints or, with more steps, train it further; a finished one is refused otherwise.
             steps: Total training steps.
             nproc: Training processes in the train pod (GPUs per node, or CPU processes).
@@ -129,6 +132,7 @@ def build_pipeline(
             min_improvement: How much lower than the current champion's holdout loss a model's must be to become champion; otherwise it is registered as challenger.
             keep_runs: After registering, remove old run folders from the volume but the newest keep_runs, those a registered version with an alias came from and those changed in the last 48 h (rtp gc's rule); 0 removes nothing. Set it on a schedule.
             model_name: Registered model name in MLflow.
+            register_merged: training_method lora only: register the base with the adapter merged in (exported tensor by tensor in the base's dtype; servable anywhere, e.g. mlflow models serve) as the version, the adapter logged beside it; false registers the adapter alone on its staged base folder (small; serving it needs that folder).
             launcher: Where the ranks run: inpod (in the train step's pod), pytorchjob (a Kubeflow Training Operator PyTorchJob) or trainjob (a Kubeflow Trainer v2 TrainJob).
             fsx_pvc_name: Name of the FSx for Lustre PersistentVolumeClaim mounted in every step.
             gpu_node_selector: Node labels the training pods must match, e.g. {"node.kubernetes.io/instance-type": "p5.48xlarge"}: the train step's pod (launcher inpod) or the job's pods.
@@ -189,6 +193,7 @@ def build_pipeline(
                 faults=faults,
                 model_init=model_init,
                 data_format=data_format,
+                training_method=training_method,
                 launcher=launcher,
                 **job,
                 job_image=image,
@@ -238,6 +243,7 @@ def build_pipeline(
                         dataset=stage.outputs["dataset"],
                         decision=validate.outputs["Output"],
                         model_name=model_name,
+                        register_merged=register_merged,
                         **run_folder,
                         pipeline_version=pipeline_version(),
                     )

@@ -127,6 +127,13 @@ def add_register_parser(sub: argparse._SubParsersAction) -> None:
         default="5GB",
         help="largest safetensors file of a Hugging Face model's export, e.g. 5GB or 500MB (default: %(default)s)",
     )
+    p.add_argument(
+        "--register-merged",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a LoRA checkpoint: the version is the base with the adapter merged in (the adapter logged "
+        "beside it); --no-register-merged: the version is the adapter on its base folder (default: merged)",
+    )
     p.set_defaults(handler=_cmd_register)
 
 
@@ -152,6 +159,7 @@ def _cmd_register(args: argparse.Namespace) -> int:
         lineage,
         export_dtype=args.export_dtype,
         max_shard_size=args.max_shard_size,
+        register_merged=args.register_merged,
     )
     print(json.dumps(result.as_dict(), indent=2))
     return 0

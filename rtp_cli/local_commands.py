@@ -91,14 +91,15 @@ def add_local_parser(sub: argparse._SubParsersAction) -> None:
         "--sft",
         action="store_true",
         help="the fine-tuning demo: without --chat-data, conversations made offline from the standard "
-        "library's docstrings; without --model-source, a tiny tied Llama with a ChatML template",
+        "library's docstrings; without --model-source, a tiny tied Llama with a ChatML template; "
+        "LoRA unless --method full",
     )
     p.add_argument(
         "--method",
+        dest="training_method",
         choices=("full", "lora"),
-        default="",
-        help="what trains: full (every weight) or lora (low-rank adapters on a frozen base) "
-        "[config training.method] (default: full)",
+        help="short for --training-method: full (every weight) or lora (low-rank adapters on a frozen "
+        "base) (default: full; lora with --sft)",
     )
     p.add_argument(
         "--verbose",
@@ -124,17 +125,16 @@ def _cmd_local(args: argparse.Namespace) -> int:
         # Continual training registers the new version under the parent's registered name.
         model_name = args.model_name or (plan.name if plan.registry else f"rtp-{plan.name}")
         model_dir = str(plan.folder or "")
+    if args.sft and args.training_method is None:
+        args.training_method = "lora"  # the demo fine-tunes as teams usually do: adapters on a frozen base
     training = named_from_args(args, PIPELINE_SETTINGS)
     if chat_data:
         training["data_format"] = "examples"
-    overrides = " ".join(
-        p for p in (args.overrides, f"training.method={args.method}" if args.method else "") if p
-    )
     options = LocalOptions(
         workdir=args.workdir,
         nproc=args.nproc,
         preset=args.preset,
-        overrides=overrides,
+        overrides=args.overrides,
         training=training,
         chat_data=chat_data,
         source=args.source,
@@ -179,10 +179,10 @@ def _chat_inputs(args: argparse.Namespace) -> str:
         args.model_source = str(folder)
         if "model.seq_len=" not in args.overrides:  # whole conversations: the tiny model's 128 positions
             args.overrides = " ".join(p for p in (args.overrides, "model.seq_len=127") if p)
-    elif args.model_source.startswith(("s3://", "models:/")):
+    elif args.model_source.startswith("s3://"):
         raise UserError(
-            f"--chat-data fine-tunes a local model folder; for {args.model_source}, prepare the conversations "
-            "with `rtp prepare-data --format chat` and stage them with --source"
+            f"--chat-data fine-tunes a local model folder or a registered version; for {args.model_source}, "
+            "prepare the conversations with `rtp prepare-data --format chat` and stage them with --source"
         )
     if args.chat_data:
         if not Path(args.chat_data).exists():
@@ -219,7 +219,8 @@ def _check_training_options(options: LocalOptions, model_dir: str = "") -> None:
     config = TrainRequest(
         dataset_dir="<staged>",
         run_folder=Path(options.workdir),
-        model_dir=model_dir,
+        # A registered version is staged by the pipeline: checked as the check step checks it.
+        model_dir=model_dir or ("<staged model>" if options.model_source else ""),
         preset=options.preset,
         overrides=options.overrides,
         settings=options.training,

@@ -95,6 +95,8 @@ def build_summary(
             "version": register.get("version"),
             "alias": register.get("alias"),
             "model_uri": register.get("model_uri"),
+            "model_kind": register.get("model_kind"),
+            "adapter_uri": register.get("adapter_uri") or None,
             "run_id": train.get("mlflow_run_id") or None,
             "run_url": None,
         },
@@ -130,7 +132,9 @@ def run_local(options: LocalOptions) -> dict[str, Any]:
         print(f"rtp local: embedded S3 (moto) at {endpoint}", flush=True)
     try:
         if embedded and model_source.startswith("models:/"):
-            source, dataset_name = _seed_for_registered_model(endpoint, model_source, dataset_name)
+            source, dataset_name = _seed_for_registered_model(
+                endpoint, model_source, dataset_name, options.chat_data
+            )
         elif embedded and model_source:
             source, model_source, dataset_name = _seed_model(
                 endpoint, model_source, dataset_name, options.chat_data
@@ -214,18 +218,35 @@ def _seed_byte_corpus(endpoint: str) -> str:
     return source
 
 
-def _seed_for_registered_model(endpoint: str, model_source: str, dataset_name: str) -> tuple[str, str]:
-    """The demo corpus in the tokens of the version `model_source` names (bytes for a byte LM);
-    returns (data source, dataset name). The stage-model step resolves and stages the version."""
+def _seed_for_registered_model(
+    endpoint: str, model_source: str, dataset_name: str, chat_data: str = ""
+) -> tuple[str, str]:
+    """The demo corpus in the tokens of the version `model_source` names (bytes for a byte LM),
+    or `chat_data` rendered with the version's own tokenizer and chat template (downloaded
+    without the weights); returns (data source, dataset name). The stage-model step resolves
+    and stages the version."""
     from components.stage_data.stage import s3_client
     from components.stage_model.registry_source import parse_reference
+    from rtp_cli.errors import UserError
     from rtp_cli.local_model import download_tokenizer_files, upload_demo_tokens
 
     with tempfile.TemporaryDirectory(prefix="rtp-parent-tokenizer-") as tmp:
         kind, tokenizer_dir = download_tokenizer_files(model_source, Path(tmp))
         if tokenizer_dir is None:
+            if chat_data:
+                raise UserError(f"--chat-data fine-tunes a Hugging Face model; {model_source} is a {kind}")
             return _seed_byte_corpus(endpoint), dataset_name
         name = parse_reference(model_source).name
+        if chat_data:
+            prefix = f"chat-{name}/"
+            index = _upload_chat(s3_client(endpoint), prefix, Path(chat_data), tokenizer_dir)
+            source = f"s3://{DEMO_BUCKET}/{prefix}"
+            print(
+                f"rtp local: rendered {index['conversations']} conversation(s) from {chat_data} with "
+                f"{model_source}'s chat template: {index['examples']} examples -> {source}",
+                flush=True,
+            )
+            return source, f"{dataset_name.replace('corpus', 'chat')}-{name}"
         prefix = f"{DEMO_PREFIX.rstrip('/')}-{name}/"
         index = upload_demo_tokens(s3_client(endpoint), DEMO_BUCKET, prefix, tokenizer_dir)
     source = f"s3://{DEMO_BUCKET}/{prefix}"
@@ -295,6 +316,14 @@ def format_summary(summary: dict[str, Any], workdir: str) -> str:
         lines.append(
             f"  MLflow model     : {mlflow_info['model_name']} version {mlflow_info['version']} "
             f"(alias {mlflow_info['alias']}, {mlflow_info['model_uri']})"
+        )
+        if mlflow_info.get("adapter_uri"):
+            lines.append(
+                f"  LoRA adapter     : {mlflow_info['adapter_uri']} (PEFT's format, on the base above)"
+            )
+        lines.append(
+            f"  serve it         : MLFLOW_TRACKING_URI={mlflow_info['tracking_uri']} mlflow models serve "
+            f"-m models:/{mlflow_info['model_name']}@{mlflow_info['alias']} --env-manager local -p 5001"
         )
     else:
         lines.append("  MLflow model     : not registered (validation rejected the checkpoint)")

@@ -266,7 +266,7 @@ class ResilienceConfig:
     never set below this floor (a busy shared CPU makes step times jumpy)."""
     blocking_work_limit_s: float = 120.0
     """Longest a blocking piece of checkpoint work (a sync save, the wait for an async write,
-    the final save, the resume load, the end-of-run fingerprint) keeps the in-process
+    the final save, the model build, the resume load, the end-of-run fingerprint) keeps the in-process
     watchdog and ft_launcher's heartbeats alive; past it they see no progress, so a hung
     file system is still caught. GPU runs get 3600 (trainer/gpu_defaults.py)."""
     straggler_every_steps: int = 20

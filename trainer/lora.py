@@ -112,7 +112,8 @@ def init_adapters(model: nn.Module, seed: int) -> None:
     the same adapters whatever the number of ranks."""
     from peft.tuners.lora import LoraLayer
 
-    from trainer.models.hf_causal_lm import _copy_full_into, _module_seed
+    from trainer.models.hf_causal_lm import _module_seed
+    from trainer.models.spec import copy_full_into
 
     init = model.peft_config[ADAPTER_NAME].init_lora_weights  # type: ignore[index,union-attr]
     for name, layer in model.named_modules():
@@ -141,7 +142,7 @@ def init_adapters(model: nn.Module, seed: int) -> None:
         for (_, key, param), tensor in zip(owned, full, strict=True):
             if torch.isnan(tensor).any():
                 raise RuntimeError(f"peft left the adapter {name}.{key} uninitialized")
-            _copy_full_into(param, tensor)
+            copy_full_into(param, tensor)
 
 
 # --- what a checkpoint records of the base ----------------------------------------------
@@ -229,17 +230,21 @@ def adapter_problem(saved: Any, current: dict[str, Any] | None, model: ModelConf
 # --- export -----------------------------------------------------------------------------
 
 
-def _adapted_model(state: Mapping[str, torch.Tensor], config: TrainConfig) -> Any:  # peft.PeftModel
-    """The base from model.model_dir on CPU wrapped by peft with the adapters of `state`."""
+def _adapted_model(
+    state: Mapping[str, torch.Tensor], config: TrainConfig, device: torch.device | None = None
+) -> Any:  # peft.PeftModel
+    """The base from model.model_dir wrapped by peft with the adapters of `state`: on CPU with
+    the base's weights, or on the meta device the base's shapes only (the adapters real)."""
     from peft import get_peft_model
 
     from trainer.models import ModelError, model_spec
 
-    base = model_spec(config.model.kind).build(config.model, torch.device("cpu"))
+    device = device or torch.device("cpu")
+    base = model_spec(config.model.kind).build(config.model, device)
     peft_model = get_peft_model(base, lora_config(config.training), adapter_name=ADAPTER_NAME)
     inner = peft_model.base_model.model  # the HF model with adapters: the training's names
     adapters = {k: v.detach().to("cpu") for k, v in state.items() if is_adapter(k)}
-    result = inner.load_state_dict(adapters, strict=False)
+    result = inner.load_state_dict(adapters, strict=False, assign=device.type == "meta")
     missing = [k for k in result.missing_keys if is_adapter(k)]
     if missing or result.unexpected_keys:
         raise ModelError(
@@ -255,21 +260,50 @@ def export_adapter(
     """The adapters of `state` (a consolidated state dict of a LoRA run) in PEFT's format:
     adapter_config.json + adapter_model.safetensors, which `PeftModel.from_pretrained(base,
     folder)` loads; `base_reference` is what adapter_config.json names as the base (default:
-    model.model_dir). The folder appears complete or not at all."""
+    model.model_dir). The folder appears complete or not at all. Only the adapters are held in
+    memory (the base is built on the meta device): `state` may hold the adapters alone."""
     from trainer.models.spec import published_folder
 
-    peft_model = _adapted_model(state, config)
+    peft_model = _adapted_model(state, config, torch.device("meta"))
     peft_model.peft_config[ADAPTER_NAME].base_model_name_or_path = base_reference or config.model.model_dir
     with published_folder(Path(folder)) as staging:
         peft_model.save_pretrained(str(staging))
     return Path(folder)
 
 
+def merged_model(state: Mapping[str, torch.Tensor], config: TrainConfig) -> nn.Module:
+    """The base (on CPU, in memory) with the adapters of `state` merged into its weights by
+    peft (`merge_and_unload`): a plain Hugging Face model."""
+    return _adapted_model(state, config).merge_and_unload()
+
+
+def adapted_layers(state: Mapping[str, torch.Tensor], config: TrainConfig) -> dict[str, Any]:
+    """peft's LoRA layers holding the adapters of `state` on a base built on the meta device, by
+    the name of the weight each adapts in the model without adapters (`<module>.weight`):
+    `delta_weight(layer)` is what merging adds to that weight. Only the adapters are in memory."""
+    from peft.tuners.lora import LoraLayer
+
+    peft_model = _adapted_model(state, config, torch.device("meta"))
+    return {
+        f"{name}.weight": layer
+        for name, layer in peft_model.base_model.model.named_modules()
+        if isinstance(layer, LoraLayer) and ADAPTER_NAME in layer.lora_A
+    }
+
+
+@torch.no_grad()
+def delta_weight(layer: Any) -> torch.Tensor:
+    """What peft's merge adds to `layer`'s base weight (its `get_delta_weight`: B A scaled by
+    alpha / r, transposed where the layer stores its weight that way)."""
+    return layer.get_delta_weight(ADAPTER_NAME).detach()
+
+
 def export_merged(state: Mapping[str, torch.Tensor], config: TrainConfig, folder: Path) -> Path:
     """The base with the adapters of `state` merged into its weights, exported as the model
     spec exports a full state dict (config.json, safetensors, tokenizer files), so
-    `AutoModelForCausalLM.from_pretrained(folder)` loads it."""
+    `AutoModelForCausalLM.from_pretrained(folder)` loads it. The model is held in memory; the
+    register step streams the same merge (components/register_model/lora_export.py)."""
     from trainer.models import model_spec
 
-    merged = _adapted_model(state, config).merge_and_unload()
+    merged = merged_model(state, config)
     return model_spec(config.model.kind).export(merged.state_dict(), config.model, Path(folder))

@@ -23,6 +23,7 @@ def check_run(
     faults: str,
     model_init: str,
     data_format: str,
+    training_method: str,
     model_name: str,
     keep_runs: int,
     launcher: str,
@@ -55,6 +56,7 @@ def check_run(
         faults: the pipeline's faults parameter.
         model_init: the pipeline's model_init parameter.
         data_format: the pipeline's data_format parameter.
+        training_method: the pipeline's training_method parameter.
         model_name: the pipeline's model_name parameter.
         keep_runs: the pipeline's keep_runs parameter.
         launcher: the pipeline's launcher parameter.

@@ -109,6 +109,11 @@ def check_run_parameters(values: Mapping[str, Any]) -> None:
             "data_format examples trains a Hugging Face model on conversations (their chat template is the "
             "model's): give model_source, or data_format tokens for the built-in byte-level model"
         )
+    if values.get("training_method") == "lora" and "model_source" in values and not values["model_source"]:
+        problems.append(
+            "training_method lora trains adapters on a pretrained Hugging Face model's frozen weights: "
+            "give model_source, or training_method full for the built-in byte-level model"
+        )
     if "mlflow_secret_name" in values:
         problems += _secret_name_problems(str(values["mlflow_secret_name"] or ""))
     if "source" in values and not values["source"]:

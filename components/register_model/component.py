@@ -16,6 +16,7 @@ def register_model(
     pipeline_version: str,
     metrics: Output[Metrics],
     report: Output[Markdown],
+    register_merged: bool = True,
 ) -> NamedTuple("Outputs", [("model_uri", str), ("version", str)]):  # type: ignore[valid-type]  # the form KFP reads
     """Log the checkpoint to MLflow as a servable model, register a version, and set its alias.
 
@@ -34,6 +35,7 @@ def register_model(
         pipeline_version: version of the pipeline definition (recorded as lineage).
         metrics: the registered version number, and whether this task created it (0 on a retry).
         report: the model URI, version, alias and how to load it.
+        register_merged: a LoRA checkpoint: the version is the base with the adapter merged in (the adapter logged beside it in PEFT's format); false: the version is the adapter on its staged base folder.
 
     Returns:
         model_uri: models:/<name>/<version>; version: the registered version.
@@ -65,6 +67,7 @@ def register_model(
         lineage,
         published_manifest_sha256=model.metadata.get("checkpoint_manifest_sha256", ""),
         training_run_id=str(model.metadata.get("mlflow_run_id", "")),
+        register_merged=register_merged,
     )
     record_step(folder, "register", started, **result.as_dict())
     metrics.log_metric("registered_version", int(result.version))
@@ -80,6 +83,11 @@ def register_model(
                 "its `model/` folder loads with `AutoModelForCausalLM.from_pretrained`.\n"
                 if result.model_kind == "hf"
                 else ".\n"
+            )
+            + (
+                f"\nThe LoRA adapter (PEFT's format: `PeftModel.from_pretrained(base, folder)`) is at `{result.adapter_uri}`.\n"
+                if result.adapter_uri
+                else ""
             )
         )
     Outputs = namedtuple("Outputs", ["model_uri", "version"])

@@ -122,6 +122,35 @@ def log_hf_model(folder: Path, dtype: torch.dtype) -> Any:
         )
 
 
+def log_peft_model(adapter: Path, base: Path, dtype: torch.dtype) -> Any:
+    """Log a LoRA adapter (PEFT's format) with MLflow's transformers flavor on its base folder
+    by path (`base_model_path`: the base's weights are not copied, and loaders of the logged
+    model read them from `base`); returns the ModelInfo. MLflow builds the pipeline it logs,
+    so the base is loaded once, in `dtype`; the tokenizer (its chat template too) is the base's.
+    A chat template makes it a chat model, as for `log_hf_model`."""
+    import mlflow
+    import peft
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(base), local_files_only=True, dtype=dtype)
+    chat = has_chat_template(base)
+    with _pipeline_classes_for_mlflow():
+        return mlflow.transformers.log_model(
+            {
+                "model": PeftModel.from_pretrained(model, str(adapter)),
+                "tokenizer": AutoTokenizer.from_pretrained(str(base), local_files_only=True),
+            },
+            name="model",
+            task=CHAT_TASK if chat else TASK,
+            torch_dtype=dtype,
+            base_model_path=str(base),
+            signature=None if chat else signature(),
+            input_example=None if chat else ["def "],
+            pip_requirements=[*pip_requirements(), f"peft=={peft.__version__}"],
+        )
+
+
 def has_weights(listing: list[Any]) -> bool:
     """A listing of the logged model's `model/` folder holds its safetensors."""
     return any(Path(item.path).name.endswith(WEIGHTS_SUFFIX) for item in listing)

@@ -25,6 +25,8 @@ found out at run time."""
 KIND_TAG = "rtp.model_kind"
 SEQ_LEN_TAG = "rtp.model_seq_len"
 TOKENIZER_TAG = "rtp.tokenizer"
+LORA_REGISTERED_TAG = "rtp.lora.registered"
+"""On a LoRA checkpoint's version: `merged` (the version is the merged model) or `adapter`."""
 VALIDATE_TAG_PREFIX = "rtp.validate."
 PARENT_TAG_PREFIX = "rtp.parent."
 PARENT_FIELDS = ("model_name", "version", "alias", "run_id", "dataset_snapshot_id", "checkpoint_uri")

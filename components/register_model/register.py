@@ -8,7 +8,16 @@ What is logged depends on the model's kind:
   model's dtype, onto the shared volume next to the run's checkpoints (`streamed_export.py`),
   and that folder logged by path through MLflow's transformers flavor (`hf_export.py`),
   loadable by `mlflow.transformers`, `mlflow.pyfunc` and transformers; the model is never
-  held in memory whole.
+  held in memory whole;
+- a LoRA checkpoint (`training.method=lora`, `lora_export.py`): the adapter in PEFT's format
+  (adapter_config.json naming the staged base folder + adapter_model.safetensors) and, with
+  `register_merged` (the default), the base with the adapter merged in, exported streamed in
+  the source dtype as for a fully trained model; the merged model is the version (servable
+  anywhere, a chat model when the tokenizer has a chat template) and the adapter is logged
+  beside it in the same run (`adapter/`). With `register_merged=false` the version is the
+  adapter itself, logged with MLflow's transformers flavor on its base folder by path
+  (`mlflow models serve` then needs that folder where it runs). Tags name the base
+  (`rtp.lora.base_model_dir`, `rtp.lora.base_source`, `rtp.lora.base_weights_sha256`).
 Either version carries lineage tags (`lineage.py`), a manifest of its files (`file_manifest.py`:
 `rtp_files.json` beside them, its SHA-256 in `rtp.files_sha256`), what the model is (`rtp.model_kind`,
 `rtp.model_seq_len`, `rtp.tokenizer`) and, when the validate step's record is given, its
@@ -33,6 +42,7 @@ with backoff, all of them within one deadline for the step (`components.mlflow_a
 
 from __future__ import annotations
 
+import json
 import logging
 import tempfile
 import time
@@ -45,7 +55,7 @@ import torch
 
 import trainer
 from components.mlflow_access import RetryPolicy, call_with_retries, check_model_name, step_deadline
-from components.register_model import hf_export, streamed_export
+from components.register_model import hf_export, lora_export, streamed_export
 from components.register_model.bundle import WEIGHTS_FILE, pip_requirements, write_bundle
 from components.register_model.file_manifest import FILES_TAG, MANIFEST_FILE, write_manifest
 from components.register_model.lineage import (
@@ -78,6 +88,18 @@ class RegistrationError(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
+class LoraRegistration:
+    """What is logged for a LoRA checkpoint: its adapter, and the merged export (None when
+    `register_merged` is false: the adapter is the version)."""
+
+    checkpoint_dir: str
+    facts: lora_export.AdapterFacts
+    merged: streamed_export.ExportResult | None
+    dtype: str
+    """The dtype the version loads in: the merged export's, else the base's source dtype."""
+
+
+@dataclass(frozen=True, slots=True)
 class RegisterResult:
     model_name: str
     version: str
@@ -85,6 +107,8 @@ class RegisterResult:
     model_uri: str
     created: bool
     model_kind: str = "byte-lm"
+    adapter_uri: str = ""
+    """A LoRA checkpoint's adapter (PEFT's format) in the artifact store; empty otherwise."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -138,6 +162,12 @@ def _version_is_complete(client: Any, model_name: str, version: Any) -> bool:
 
     if str(version.status) != "READY":
         return False
+    if (version.tags or {}).get(lora_export.HOLDS_TAG) == "adapter":
+        return lora_export.has_adapter(
+            mlflow.artifacts.list_artifacts(
+                artifact_uri=f"models:/{model_name}/{version.version}/{lora_export.PEFT_FOLDER}"
+            )
+        )
     if (version.tags or {}).get(KIND_TAG) == "hf":
         return hf_export.has_weights(
             mlflow.artifacts.list_artifacts(
@@ -248,7 +278,7 @@ def _log_model(
     """The model (and the training report) in an MLflow run: the run that holds the
     training's live metrics when `training_run_id` is given (so the version points at the run
     that trained it), else a new one. `model` is the byte LM's module, or the ExportResult of a
-    Hugging Face model's export. Returns its ModelInfo."""
+    Hugging Face model's export, or a LoRA checkpoint's LoraRegistration. Returns its ModelInfo."""
     import mlflow
     import pandas as pd
 
@@ -261,6 +291,8 @@ def _log_model(
             run_name=None if training_run_id else f"register-step-{meta['step']}",
         ) as run,
     ):
+        if isinstance(model, LoraRegistration):
+            return _log_lora(model, config, meta, tags, lineage, run)
         # The manifest of the files logged below: its SHA-256 is a tag of the run and the version.
         if config.model.kind == "hf":
             tags[FILES_TAG] = write_manifest(model.folder)
@@ -268,18 +300,7 @@ def _log_model(
             artifacts = write_bundle(model, tmp, metadata={"step": str(meta["step"]), SHA_TAG: tags[SHA_TAG]})
             tags[FILES_TAG] = write_manifest(tmp)
             artifacts["files"] = str(Path(tmp) / MANIFEST_FILE)
-        mlflow.log_params({f"model.{k}": v for k, v in config.to_dict()["model"].items()})
-        mlflow.log_metric("checkpoint_step", float(meta["step"]))
-        mlflow.set_tags(tags)
-        for prefix, figures in (
-            ("train", (lineage.training_figures if lineage else None) or {}),
-            ("validate", (lineage.validation_figures if lineage else None) or {}),
-        ):
-            mlflow.log_metrics(
-                {f"{prefix}.{k}": float(v) for k, v in figures.items() if isinstance(v, int | float)}
-            )
-        if lineage and lineage.training_report and Path(lineage.training_report).is_file():
-            mlflow.log_artifact(lineage.training_report, artifact_path="reports")
+        _log_run_facts(config, meta, tags, lineage)
         if config.model.kind == "hf":
             mlflow.set_tags({"rtp.export.dtype": model.dtype, "rtp.export.files": str(len(model.files))})
             info = hf_export.log_hf_model(model.folder, getattr(torch, model.dtype))
@@ -298,28 +319,90 @@ def _log_model(
     return info
 
 
+def _log_run_facts(config: Any, meta: dict[str, Any], tags: dict[str, str], lineage: Lineage | None) -> None:
+    """The active run's params, tags, training and validation figures and training report."""
+    import mlflow
+
+    mlflow.log_params({f"model.{k}": v for k, v in config.to_dict()["model"].items()})
+    mlflow.log_metric("checkpoint_step", float(meta["step"]))
+    mlflow.set_tags(tags)
+    for prefix, figures in (
+        ("train", (lineage.training_figures if lineage else None) or {}),
+        ("validate", (lineage.validation_figures if lineage else None) or {}),
+    ):
+        mlflow.log_metrics(
+            {f"{prefix}.{k}": float(v) for k, v in figures.items() if isinstance(v, int | float)}
+        )
+    if lineage and lineage.training_report and Path(lineage.training_report).is_file():
+        mlflow.log_artifact(lineage.training_report, artifact_path="reports")
+
+
+def _log_lora(
+    model: LoraRegistration,
+    config: Any,
+    meta: dict[str, Any],
+    tags: dict[str, str],
+    lineage: Lineage | None,
+    run: Any,
+) -> Any:
+    """A LoRA checkpoint in the active run: the adapter (PEFT's format) under `adapter/`, and the
+    merged export as the model; or, without a merged export, the adapter on its base folder as
+    the model. The version's tags say which (`lora_export.HOLDS_TAG`) and name the base."""
+    import mlflow
+
+    facts = model.facts
+    tags.update(facts.tags())
+    with lora_export.written_adapter(model.checkpoint_dir, config, facts.base_model_dir) as adapter:
+        adapter_files = write_manifest(adapter)
+        if model.merged is not None:
+            tags[FILES_TAG] = write_manifest(model.merged.folder)
+            tags[lora_export.HOLDS_TAG] = "merged"
+        else:
+            tags[FILES_TAG] = adapter_files
+            tags[lora_export.HOLDS_TAG] = "adapter"
+        tags[lora_export.ADAPTER_URI_TAG] = f"{run.info.artifact_uri}/{lora_export.ADAPTER_FOLDER}"
+        tags["rtp.export.dtype"] = model.dtype
+        _log_run_facts(config, meta, tags, lineage)
+        mlflow.log_artifacts(str(adapter), artifact_path=lora_export.ADAPTER_FOLDER)
+        if model.merged is not None:
+            mlflow.set_tags({"rtp.export.files": str(len(model.merged.files))})
+            info = hf_export.log_hf_model(model.merged.folder, getattr(torch, model.dtype))
+        else:
+            info = hf_export.log_peft_model(adapter, Path(facts.base_model_dir), getattr(torch, model.dtype))
+    log.info(
+        "logged LoRA model %s (%s) in MLflow run %s",
+        info.model_uri,
+        tags[lora_export.HOLDS_TAG],
+        run.info.run_id,
+    )
+    return info
+
+
 def _verified_model(
     checkpoint_dir: str,
     published_manifest_sha256: str | None,
     sha: str,
     export_settings: tuple[str, str | int],
+    register_merged: bool = True,
 ) -> tuple[Any, TrainConfig, dict[str, Any]]:
     """The byte LM loaded after validate's checks; a Hugging Face model exported (streamed,
-    hashes verified first, shapes and finiteness checked tensor by tensor) and checked."""
+    hashes verified first, shapes and finiteness checked tensor by tensor) and checked; a LoRA
+    checkpoint's base checked and, with `register_merged`, its merged model exported so."""
     if published_manifest_sha256 is not None:
         storage.verify_published(checkpoint_dir, published_manifest_sha256)
     else:
         storage.verify_checkpoint(checkpoint_dir, verify_hashes=True)
     meta = storage.read_meta(checkpoint_dir)
     config = TrainConfig.from_dict(meta["config"])
-    if config.training.method == "lora":  # the streamed export writes whole models only
-        raise storage.CheckpointError(
-            f"{checkpoint_dir} holds LoRA adapters (training.method=lora), which the register step "
-            "cannot log yet: export them with trainer.lora.export_adapter or export_merged (docs/fine-tuning.md)"
-        )
     if config.model.kind != "hf":
         return load_validated_model(checkpoint_dir, published_manifest_sha256=published_manifest_sha256)
     export_dtype, max_shard_size = export_settings
+    if config.training.method == "lora":
+        return (
+            _lora_registration(checkpoint_dir, config, meta, sha, export_settings, register_merged),
+            config,
+            meta,
+        )
     result = streamed_export.export_checkpoint(
         checkpoint_dir, config.model, sha, export_dtype=export_dtype, max_shard_size=max_shard_size
     )
@@ -328,6 +411,41 @@ def _verified_model(
             result.folder, checkpoint_dir, config.model, getattr(torch, result.dtype)
         )
     return result, config, meta
+
+
+def _lora_registration(
+    checkpoint_dir: str,
+    config: TrainConfig,
+    meta: dict[str, Any],
+    sha: str,
+    export_settings: tuple[str, str | int],
+    register_merged: bool,
+) -> LoraRegistration:
+    facts = lora_export.check_base(checkpoint_dir, config, meta)
+    export_dtype, max_shard_size = export_settings
+    if not register_merged:
+        source = streamed_export.resolve_export_dtype(
+            export_dtype, json.loads((Path(facts.base_model_dir) / streamed_export.CONFIG_FILE).read_text())
+        )
+        return LoraRegistration(checkpoint_dir, facts, None, streamed_export.dtype_name(source))
+    merged = streamed_export.export_checkpoint(
+        checkpoint_dir,
+        config.model,
+        sha,
+        export_dtype=export_dtype,
+        max_shard_size=max_shard_size,
+        tensors_from=lora_export.merged_source(config),
+    )
+    if merged.parameters <= streamed_export.LOAD_CHECK_MAX_PARAMETERS:
+        dtype = getattr(torch, merged.dtype)
+        streamed_export.check_export_loads(
+            merged.folder,
+            checkpoint_dir,
+            config.model,
+            dtype,
+            expected=lora_export.merged_reference(checkpoint_dir, config, dtype),
+        )
+    return LoraRegistration(checkpoint_dir, facts, merged, merged.dtype)
 
 
 def register_checkpoint(
@@ -340,6 +458,7 @@ def register_checkpoint(
     training_run_id: str = "",
     export_dtype: str = streamed_export.DEFAULT_EXPORT_DTYPE,
     max_shard_size: str | int = streamed_export.DEFAULT_MAX_SHARD_SIZE,
+    register_merged: bool = True,
 ) -> RegisterResult:
     """Register `checkpoint_dir` as a version of `model_name` with the alias `decision`.
     With `published_manifest_sha256` (the train step's output) the checkpoint must be the
@@ -347,6 +466,8 @@ def register_checkpoint(
     MLflow run of the training's live metrics; the model is logged into it.
     `export_dtype` (auto = the source model's dtype, fp32, bf16, fp16) and `max_shard_size`
     (bytes or e.g. "5GB" per safetensors file) shape a Hugging Face model's export.
+    `register_merged` (LoRA checkpoints only): the version is the base with the adapter merged
+    in (the adapter logged beside it), else the adapter on its base folder.
 
     `lineage` supplies what the checkpoint cannot tell (KFP run, dataset, training figures);
     the checkpoint's own step, URI, SHA-256 and config hash are always filled in here.
@@ -369,6 +490,7 @@ def register_checkpoint(
             published_manifest_sha256,
             training_run_id,
             (export_dtype, max_shard_size),
+            register_merged,
         )
 
 
@@ -381,6 +503,7 @@ def _register(
     published_manifest_sha256: str | None,
     training_run_id: str,
     export_settings: tuple[str, str | int],
+    register_merged: bool = True,
 ) -> RegisterResult:
     import mlflow
 
@@ -414,11 +537,14 @@ def _register(
             f"models:/{model_name}/{existing.version}",
             False,
             (existing.tags or {}).get(KIND_TAG, "byte-lm"),
+            (existing.tags or {}).get(lora_export.ADAPTER_URI_TAG, ""),
         )
 
     # Checked again here: the register step must not trust a checkpoint that changed on the
     # shared volume since validation.
-    model, config, meta = _verified_model(checkpoint_dir, published_manifest_sha256, sha, export_settings)
+    model, config, meta = _verified_model(
+        checkpoint_dir, published_manifest_sha256, sha, export_settings, register_merged
+    )
     base = lineage or Lineage()
     origin = origin_of(config.model.model_dir) if config.model.init == "pretrained" else None
     if origin is not None:  # what the checkpoint's weights started from, whatever the caller says
@@ -486,4 +612,5 @@ def _register(
         f"models:/{model_name}/{version.version}",
         True,
         config.model.kind,
+        tags.get(lora_export.ADAPTER_URI_TAG, ""),
     )

@@ -223,13 +223,10 @@ MODEL_PREFIX = "model."
 """The checkpoint stores the model's state dict under "model" (`{"model": ..., "optim": ...}`)."""
 
 
-def export_plan(
-    checkpoint_dir: str | Path, model_config: ModelConfig, dtype: torch.dtype
-) -> list[ExportTensor]:
-    """Every tensor save_pretrained would write for this model, with its DCP FQN and shapes
-    checked against the checkpoint's metadata (no tensor data is read)."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+def saved_tensors(model_config: ModelConfig) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(the model's state-dict key, the name save_pretrained writes it under, its shape) of
+    every tensor save_pretrained would write for this model (tied copies left out), from the
+    model built on the meta device (no tensor data)."""
     from transformers.core_model_loading import revert_weight_conversion
 
     from trainer.models.hf_causal_lm import _meta_model, model_folder, read_hf_config
@@ -251,21 +248,30 @@ def export_plan(
                 "this architecture cannot be exported tensor by tensor"
             )
         names[by_id[id(value)]] = saved_name
+    return [(key, names[key], tuple(value.shape)) for key, value in state.items()]
+
+
+def export_plan(
+    checkpoint_dir: str | Path, model_config: ModelConfig, dtype: torch.dtype
+) -> list[ExportTensor]:
+    """Every tensor save_pretrained would write for this model, with its DCP FQN and shapes
+    checked against the checkpoint's metadata (no tensor data is read)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     stored = FileSystemReader(str(checkpoint_dir)).read_metadata().state_dict_metadata
     tensors = []
     problems = []
-    for key, value in state.items():
+    for key, saved_name, shape in saved_tensors(model_config):
         fqn = MODEL_PREFIX + key
         entry = stored.get(fqn)
         if not isinstance(entry, TensorStorageMetadata):
             problems.append(f"{fqn} is not in the checkpoint")
             continue
-        if tuple(entry.size) != tuple(value.shape):
-            problems.append(
-                f"{fqn} is {list(entry.size)} in the checkpoint, {list(value.shape)} by config.json"
-            )
+        if tuple(entry.size) != shape:
+            problems.append(f"{fqn} is {list(entry.size)} in the checkpoint, {list(shape)} by config.json")
             continue
-        tensors.append(ExportTensor(names[key], fqn, tuple(value.shape), entry.properties.dtype, dtype))
+        tensors.append(ExportTensor(saved_name, fqn, shape, entry.properties.dtype, dtype))
     if problems:
         raise CheckpointError(
             f"{checkpoint_dir} does not fit the model of {model_config.model_dir}: {'; '.join(problems[:3])}"
@@ -276,8 +282,20 @@ def export_plan(
 
 # --- writing ------------------------------------------------------------------------------
 
+Reader = Callable[[list[ExportTensor]], dict[str, torch.Tensor]]
+"""Reads a group of tensors: their values by `ExportTensor.fqn`, in any dtype (cast on write)."""
 
-def _dcp_reader(checkpoint_dir: str | Path) -> Callable[[list[ExportTensor]], dict[str, torch.Tensor]]:
+
+@dataclass(frozen=True, slots=True)
+class TensorSource:
+    """What an export writes: `plan(checkpoint_dir, model_config, dtype)` lists the tensors
+    (names, shapes; no data read) and `reader(checkpoint_dir)` gives their values."""
+
+    plan: Callable[[str | Path, ModelConfig, torch.dtype], list[ExportTensor]]
+    reader: Callable[[str | Path], Reader]
+
+
+def _dcp_reader(checkpoint_dir: str | Path) -> Reader:
     """Reads a group of tensors from the checkpoint in one process, without a process group."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
@@ -296,7 +314,7 @@ def _dcp_reader(checkpoint_dir: str | Path) -> Callable[[list[ExportTensor]], di
 def write_weights(
     folder: Path,
     files: Mapping[str, list[ExportTensor]],
-    read: Callable[[list[ExportTensor]], dict[str, torch.Tensor]],
+    read: Reader,
     checkpoint_dir: str | Path,
 ) -> None:
     """Each file: its header, then its tensors' bytes in header order, read group by group."""
@@ -361,17 +379,21 @@ def export_checkpoint(
     *,
     export_dtype: str = DEFAULT_EXPORT_DTYPE,
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    tensors_from: TensorSource | None = None,
 ) -> ExportResult:
     """Export the checkpoint's model into `folder` (default `export_folder(checkpoint_dir)`),
     or reuse the complete export of the same checkpoint and settings found there. The
-    checkpoint must have been verified (manifest, hashes) by the caller."""
+    checkpoint must have been verified (manifest, hashes) by the caller. `tensors_from` says which
+    tensors to write and reads them (default: the checkpoint's own, `export_plan`; a LoRA
+    checkpoint's merged model: `lora_export.merged_source`)."""
     from trainer.models.hf_causal_lm import GENERATION_CONFIG_FILE, model_folder, tokenizer_files
 
     target = Path(folder) if folder is not None else export_folder(checkpoint_dir)
     source = model_folder(model_config)
     dtype = resolve_export_dtype(export_dtype, json.loads((source / CONFIG_FILE).read_text()))
     max_shard_bytes = parse_max_shard_size(max_shard_size)
-    tensors = export_plan(checkpoint_dir, model_config, dtype)
+    tensors_from = tensors_from or TensorSource(export_plan, _dcp_reader)
+    tensors = tensors_from.plan(checkpoint_dir, model_config, dtype)
     files = plan_files(tensors, max_shard_bytes)
     parameters = sum(_numel(t.shape) for t in tensors)
     marker = _marker(checkpoint_sha256, dtype, max_shard_bytes)
@@ -389,7 +411,7 @@ def export_checkpoint(
     staging = target.with_name(f".{target.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     staging.mkdir()
     try:
-        write_weights(staging, files, _dcp_reader(checkpoint_dir), checkpoint_dir)
+        write_weights(staging, files, tensors_from.reader(checkpoint_dir), checkpoint_dir)
         if len(files) > 1:
             (staging / INDEX_FILE).write_text(
                 json.dumps(index_json(files, parameters), indent=2, sort_keys=True) + "\n"
@@ -532,27 +554,39 @@ stands alone, because loading holds the model twice."""
 def reference_model(checkpoint_dir: str | Path, model_config: ModelConfig, dtype: torch.dtype) -> Any:
     """The checkpoint's weights cast to `dtype` in the model transformers builds for that dtype
     (its buffers, e.g. rotary frequencies, stay as transformers makes them)."""
-    from transformers import AutoModelForCausalLM
-
     from trainer.checkpointing.storage import load_model_weights
     from trainer.models import model_spec
-    from trainer.models.hf_causal_lm import model_folder, read_hf_config
 
     checkpoint_model = model_spec("hf").build(model_config, torch.device("cpu"))
     load_model_weights(checkpoint_dir, checkpoint_model)
+    return model_with_state(checkpoint_model.state_dict(), model_config, dtype)
+
+
+def model_with_state(state: Mapping[str, torch.Tensor], model_config: ModelConfig, dtype: torch.dtype) -> Any:
+    """The model transformers builds for `dtype` holding `state` cast to `dtype`."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.models.hf_causal_lm import model_folder, read_hf_config
+
     model = AutoModelForCausalLM.from_config(read_hf_config(model_folder(model_config)), dtype=dtype)
-    model.load_state_dict({key: value.to(dtype) for key, value in checkpoint_model.state_dict().items()})
+    model.load_state_dict({key: value.to(dtype) for key, value in state.items()})
     model.tie_weights()
     return model.eval()
 
 
 def check_export_loads(
-    folder: Path, checkpoint_dir: str | Path, model_config: ModelConfig, dtype: torch.dtype
+    folder: Path,
+    checkpoint_dir: str | Path,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    expected: Any = None,
 ) -> None:
-    """from_pretrained(folder) gives exactly the logits of the checkpoint's weights cast to `dtype`."""
+    """from_pretrained(folder) gives exactly the logits of `expected` (default: the checkpoint's
+    weights cast to `dtype`, `reference_model`)."""
     from transformers import AutoModelForCausalLM
 
-    expected = reference_model(checkpoint_dir, model_config, dtype)
+    if expected is None:
+        expected = reference_model(checkpoint_dir, model_config, dtype)
     loaded = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, dtype=dtype).eval()
     vocab = int(loaded.config.vocab_size)
     tokens = (torch.arange(16, dtype=torch.long).reshape(1, 16) * 7919) % vocab

@@ -31,7 +31,7 @@ from typing import Any
 
 from components.mlflow_access import RetryPolicy, call_with_retries, check_model_name, step_deadline
 from components.register_model.file_manifest import FILES_TAG, MANIFEST_FILE, ManifestError, verify_folder
-from components.register_model.lineage import KIND_TAG, TOKENIZER_TAG
+from components.register_model.lineage import KIND_TAG, LORA_REGISTERED_TAG, TOKENIZER_TAG
 from components.stage_data.errors import StageError
 from trainer.events import write_json_atomic
 
@@ -159,6 +159,12 @@ def origin_from_version(version: Any, reference: Reference) -> Origin:
             f"model_source {reference}: {version.name} v{version.version} is not an rtp export "
             f"(no {KIND_TAG} or {FILES_TAG} tag: registered by another tool, or by rtp before it recorded "
             "its files); register it with rtp, or give its files as an s3:// model folder"
+        )
+    if tags.get(LORA_REGISTERED_TAG) == "adapter":
+        raise StageError(
+            f"model_source {reference}: {version.name} v{version.version} is a LoRA adapter registered "
+            f"without its merged model (register_merged=false; base {tags.get('rtp.lora.base_source', '?')}): "
+            "continue from a version registered with register_merged=true"
         )
     return Origin(
         model_name=str(version.name),

@@ -26,6 +26,7 @@ def train_model(
     goodput_report: Output[HTML],
     launcher: str = "inpod",
     data_format: str = "tokens",
+    training_method: str = "full",
     nnodes: int = 1,
     gpus_per_node: int = 0,
     efa_per_node: int = 0,
@@ -73,6 +74,7 @@ def train_model(
         goodput_report: timeline of steps, saves, faults and restarts, with the numbers.
         launcher: inpod (ranks in this pod), pytorchjob (Kubeflow Training Operator) or trainjob (Kubeflow Trainer v2).
         data_format: tokens (a token stream) or examples (conversations: the assistant's tokens only).
+        training_method: full (every weight trains) or lora (LoRA adapters on the frozen Hugging Face model).
         job_image: image of the job's pods (the pipeline passes its own image).
         fsx_pvc_name: the FSx PVC the job's pods mount at fsx_mount_path.
         node_selector: node labels the job's pods must match.
@@ -118,6 +120,7 @@ def train_model(
             "faults": faults,
             "model_init": model_init,
             "data_format": data_format,
+            "training_method": training_method,
         },
     )
     if launcher == "inpod":

@@ -4,29 +4,16 @@
 
 from __future__ import annotations
 
-import json
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import pytest
-import requests
 import torch
 
 from rtp_support.demo_chat import CHATML_TEMPLATE
+from tests.components.serving import served_chat_reply
 from tests.hf_tiny import write_tiny_model
 from trainer.config import ModelConfig
 from trainer.models import model_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -55,60 +42,11 @@ def chat_version(tmp_path_factory):
 
 def test_the_served_model_answers_a_chat_request(chat_version):
     uri, model_uri, root = chat_version
-    port = _free_port()
-    env = {"MLFLOW_TRACKING_URI": uri, "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin"}
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mlflow",
-            "models",
-            "serve",
-            "-m",
-            model_uri,
-            "--env-manager",
-            "local",
-            "-h",
-            "127.0.0.1",
-            "-p",
-            str(port),
-        ],
-        cwd=root,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/ping", timeout=2).ok:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert server.poll() is None, server.stdout.read() if server.stdout else ""
-            assert time.monotonic() < deadline, "mlflow models serve did not come up"
-            time.sleep(1)
-        request = {"messages": [{"role": "user", "content": "What does lzma.open do?"}], "max_tokens": 8}
-        reply = requests.post(
-            f"http://127.0.0.1:{port}/invocations",
-            data=json.dumps(request),
-            headers={"Content-Type": "application/json"},
-            timeout=120,
-        )
-        assert reply.status_code == 200, reply.text
-        body = reply.json()
-        answer = body[0] if isinstance(body, list) else body
-        message = answer["choices"][0]["message"]
-        assert message["role"] == "assistant" and isinstance(message["content"], str)
-        assert answer["usage"]["completion_tokens"] <= 8
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
+    request = {"messages": [{"role": "user", "content": "What does lzma.open do?"}], "max_tokens": 8}
+    answer = served_chat_reply(model_uri, uri, root, request)
+    message = answer["choices"][0]["message"]
+    assert message["role"] == "assistant" and isinstance(message["content"], str)
+    assert answer["usage"]["completion_tokens"] <= 8
 
 
 def test_a_model_without_a_chat_template_stays_text_generation(tmp_path):

@@ -1,4 +1,4 @@
-"""LoRA (`training.method=lora`) on 2 ranks through the real launcher: every recovery path ends
+"""LoRA (`training.method=lora`) on 2 ranks through the real trainer: every recovery path ends
 with the uninterrupted run's adapters — stop and resume, an exception (in-process restart)
 and a killed rank (launcher restart) in one run, and a resume on one rank — and the
 checkpoints hold the adapters only. In-process checks of the same (base bit-identical,
@@ -16,7 +16,7 @@ from trainer.lora import is_adapter
 pytestmark = pytest.mark.timeout(300)
 
 FAST = ["resilience.collective_timeout_s=5", "resilience.soft_timeout_s=8", "resilience.hard_timeout_s=30"]
-LORA = ["model.seq_len=32", "training.method=lora", "training.lora_rank=4", "optimizer.lr=1e-2", *FAST]
+LORA = ["model.seq_len=32", "training.lora_rank=4", "optimizer.lr=1e-2", *FAST]
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def lora_inputs(tmp_path_factory):
     snapshot = write_token_snapshot(
         write_corpus(root / "corpus", documents=120), model_dir, root / "snapshot"
     )
-    return snapshot, {"model_dir": str(model_dir), "model_init": "pretrained"}
+    return snapshot, {"model_dir": str(model_dir), "model_init": "pretrained", "training_method": "lora"}
 
 
 @pytest.fixture(scope="module")

@@ -64,6 +64,8 @@ def test_the_defaults_pass_and_the_check_imports_no_heavy_library(model_source):
         ({"checkpoint_mode": "fast"}, "checkpoint.mode"),
         ({"preset": "huge"}, "unknown preset"),
         ({"faults": "explode@3"}, "training"),
+        ({"training_method": "lora"}, "training_method lora trains adapters on a pretrained Hugging Face"),
+        ({"training_method": "qlora", "model_source": "s3://bucket/models/m/"}, "training.method"),
     ],
 )
 def test_each_wrong_parameter_is_named(changes, message):

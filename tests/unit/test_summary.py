@@ -26,6 +26,31 @@ def test_summary_collects_each_step_record(tmp_path):
     assert "m version 3" in text and "mlflow ui --backend-store-uri sqlite:///x.db" in text
 
 
+def test_summary_of_a_lora_run_names_the_adapter_and_how_to_serve_the_model(tmp_path):
+    import time
+
+    folder = run_dir(tmp_path, "r3")
+    adapter = "file:///w/mlartifacts/1/run/artifacts/adapter"
+    record_step(
+        folder,
+        "register",
+        time.time(),
+        model_name="rtp-tiny-chat-llama",
+        version="1",
+        alias="champion",
+        model_uri="models:/rtp-tiny-chat-llama/1",
+        model_kind="hf",
+        adapter_uri=adapter,
+    )
+    summary = build_summary(LocalOptions(), folder, "sqlite:///w/mlflow.db", "s3://b/", 1.0)
+    text = format_summary(summary, str(tmp_path))
+    assert f"LoRA adapter     : {adapter}" in text
+    assert (
+        "MLFLOW_TRACKING_URI=sqlite:///w/mlflow.db mlflow models serve -m models:/rtp-tiny-chat-llama@champion"
+        in text
+    )
+
+
 def test_summary_of_a_rejected_run_says_so(tmp_path):
     import time
 
