@@ -1,4 +1,4 @@
-"""`rtp bench checkpoint | recovery | scale | scaling | staging | throughput`: the side-by-side benchmarks on the command line.
+"""`rtp bench checkpoint | finetune | recovery | scale | scaling | staging | throughput`: the side-by-side benchmarks on the command line.
 
 Each benchmark lives in `benchmarks/` and brings its own flags (`add_arguments`), its
 description (the module docstring) and its handler (`main`); this module only lists them
@@ -11,7 +11,7 @@ import argparse
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from benchmarks import checkpoint, recovery, scale, scaling, staging, throughput
+    from benchmarks import checkpoint, finetune, recovery, scale, scaling, staging, throughput
 
     p = sub.add_parser(
         "bench",
@@ -21,6 +21,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     kinds = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
     for name, module, help_text in (
         ("checkpoint", checkpoint, "the same training under every checkpoint mode"),
+        ("finetune", finetune, "full fine-tuning vs LoRA on the same model and conversations"),
         ("recovery", recovery, "the same soft fault under in-process, ft_launcher and cold restart"),
         ("scale", scale, "data, validate and register at two sizes each: what their memory grows with"),
         ("scaling", scaling, "the same training as FSDP over every rank and as HSDP (replicate x shard)"),
