@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.config import ConfigError, TrainConfig
+from trainer.config import ActivationCheckpointing, ConfigError, TrainConfig
 
 if TYPE_CHECKING:
     from trainer.memory_trace import StepTrace
@@ -359,7 +359,7 @@ def resolve_activation_checkpointing(
         return resolved, "activation checkpointing auto: none (no GPU memory to fit)"
     job = Job(config=resolved, nnodes=nnodes, gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib)
     plan = plan_memory(job.changed(**{"training.activation_checkpointing": "none"}), find_fix=False)
-    chosen = "none"
+    chosen: ActivationCheckpointing = "none"
     if not plan.fits:
         chosen = "full"
         plan = plan_memory(job.changed(**{"training.activation_checkpointing": "full"}), find_fix=False)
