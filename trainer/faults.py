@@ -18,10 +18,12 @@ Kinds:
 - `node-loss`: the rank's node is replaced: what it kept in the fast tier's node-local
   folder (its captures, the replicas it holds) is removed, then it is killed; its state
   must come from a peer (a replica, or under HSDP a twin) or the durable checkpoint;
-- `slow-save`: the save at STEP blocks every rank for twice the in-process watchdog's soft
-  timeout (`resilience.soft_timeout_s`, or `timeout_floor_s` when that is auto)
-  (a slow file system; RANK is ignored, nothing is recorded, a redone step is slow again):
-  the in-process watchdog and the launcher's heartbeats must stay alive through it;
+- `slow-save`: the write of the save at STEP blocks every rank for twice the in-process
+  watchdog's soft timeout (`resilience.soft_timeout_s`, or `timeout_floor_s` when that is
+  auto) in one call into C, where the mode writes (a slow file system; RANK is ignored,
+  nothing is recorded, a redone step is slow again): the in-process watchdog and the
+  launcher's heartbeats must stay alive through it, the training thread must not be the
+  one blocked in C;
 - `slow`: from STEP on, the rank's local work (the optimizer step) takes MS milliseconds
   longer at every step (`slow@STEP[:RANK][:MS]`, default 200): a straggler, which
   trainer/stragglers.py must name (nothing is recorded, the weights are unchanged).
@@ -214,11 +216,11 @@ class FaultInjector:
             time.sleep(delay / 1e3)
 
     def during_save(self, step: int) -> None:
-        """Called inside the save of `step`, where the loop blocks on checkpoint work."""
+        """Called inside the write of the save of `step`, on the thread that writes it."""
         if any(spec.kind == "slow-save" and spec.step == step for spec in self.all_specs):
-            deadline = time.monotonic() + self.slow_save_s
-            while time.monotonic() < deadline:  # short sleeps: the rank stays interruptible
-                time.sleep(0.05)
+            # One call into C, as a write to a slow file system is: the thread runs no Python
+            # meanwhile, and on the training thread it would starve NVRx's progress stamp.
+            time.sleep(self.slow_save_s)
 
     def after_checkpoint_queued(self, step: int) -> None:
         """Called right after the save of `step` was queued (the writer is busy with it)."""

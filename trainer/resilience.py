@@ -236,8 +236,8 @@ class _Hooks(TrainHooks):
 
     @contextlib.contextmanager
     def keepalive(self) -> Iterator[None]:
-        """Blocking checkpoint work (a save, a wait for a write, a load, the fingerprint): a
-        thread pings the watchdog and heart-beats meanwhile, for at most
+        """Blocking work (the model build, a save, a wait for a write, a load, the fingerprint):
+        a thread pings the watchdog and heart-beats meanwhile, for at most
         `resilience.blocking_work_limit_s`. Nested uses share the outermost thread."""
         if self._keepalive_depth:
             self._keepalive_depth += 1
@@ -269,7 +269,8 @@ class _Hooks(TrainHooks):
             now = time.monotonic()
             if now >= deadline:
                 log.warning(
-                    "checkpoint work has blocked this rank for %.0f s (resilience.blocking_work_limit_s): "
+                    "blocking work (a model build or checkpoint work) has blocked this rank for %.0f s "
+                    "(resilience.blocking_work_limit_s): "
                     "progress signals stop, so the watchdog restarts it if it does not end",
                     limit_s,
                 )

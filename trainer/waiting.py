@@ -6,6 +6,8 @@ join or future waiting for a write) runs no bytecode and looks hung after the wr
 timeout (`trainer.timeouts.watchdog_timeouts`: `resilience.timeout_floor_s` unless
 `soft_timeout_s` is set), whatever `keepalive()` pings. These waits return to Python at
 least every `BLOCK_S` (threads, futures) or poll (collectives, which have no timed wait).
+A library call that blocks inside C and cannot be polled (torch DCP's save, whose result
+gather waits for the slowest rank's write) runs in a thread of its own (`off_main_thread`).
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from typing import TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 POLL_S = 0.01
@@ -46,3 +50,26 @@ def result(future: concurrent.futures.Future[T]) -> T:
     while not concurrent.futures.wait([future], BLOCK_S).done:
         pass
     return future.result()
+
+
+def off_main_thread(name: str, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`function(*args, **kwargs)` in a new thread named `name`, waited for with `result`:
+    its return value, or what it raised. For blocking work that runs collectives: the calling
+    thread runs none meanwhile, so they keep their order on every rank; the thread uses the
+    caller's CUDA device (a new thread starts on device 0).
+
+    A daemon: if the wait is interrupted (an in-process restart raises into the main thread),
+    the work ends on its own, failing once the restart's abort closes its process group."""
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+
+    def run() -> None:
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)
+            future.set_result(function(*args, **kwargs))
+        except BaseException as exc:  # raised again where it is waited for
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return result(future)

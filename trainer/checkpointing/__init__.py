@@ -2,7 +2,8 @@
 
 - `manager`: `CheckpointManager`, all the training loop calls, four calls — `load()`,
   `maybe_wait_for_staging()` before `optimizer.step()`, `save()` after every step,
-  `close()` (or `abandon()` on the error path) — and the summary's figures.
+  `close()` (or `abandon()` on the error path) — and the summary's figures; `resume_expected`
+  tells the model build, before any weight exists, whether `load()` is to fill them.
 - `writer`: the `CheckpointWriter` interface and the `off` writer; `torch_writers`: `sync`
   and `torch-async`; `nvrx_writer`: `async` (NVRx's persistent worker).
 - `local_tier`: the host-state engine, one host copy of each rank's shards per capture,
@@ -16,7 +17,7 @@ Importing this package does not import NVRx.
 """
 
 from trainer.checkpointing.fingerprint import model_sha256, state_dict_sha256
-from trainer.checkpointing.manager import WRITERS, CheckpointManager, efficiency_pct
+from trainer.checkpointing.manager import WRITERS, CheckpointManager, efficiency_pct, resume_expected
 from trainer.checkpointing.storage import (
     CheckpointError,
     latest_committed_checkpoint,
@@ -37,6 +38,7 @@ __all__ = [
     "load_model_weights",
     "model_sha256",
     "read_meta",
+    "resume_expected",
     "state_dict_sha256",
     "verify_checkpoint",
 ]

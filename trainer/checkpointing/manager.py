@@ -15,7 +15,9 @@ is gone). `summary` reports what saving cost. How a save is written is the
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -25,11 +27,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainer import waiting
 from trainer.checkpointing import slot_refs, storage
 from trainer.checkpointing import tier_slots as slots
 from trainer.checkpointing.fingerprint import model_sha256
 from trainer.checkpointing.local_tier import LocalTier
 from trainer.checkpointing.nvrx_writer import NvrxAsyncWriter
+from trainer.checkpointing.replicas import REPLICA_FILE
 from trainer.checkpointing.slot_refs import Lease
 from trainer.checkpointing.torch_writers import SyncWriter, TorchAsyncWriter
 from trainer.checkpointing.writer import CheckpointWriter, NoCheckpoints, PendingSave, SaveRecord
@@ -61,7 +65,8 @@ class CheckpointManager:
     `states`: more state saved in every durable checkpoint's metadata under its name and
     restored on resume (anything with `state_dict()`/`load_state_dict()`). `on_queued`:
     called with a save's step once the writer has it (the fault drills' hook).
-    `during_save`: called inside every save (a drill's slow file system)."""
+    `during_save`: called with the step inside every save's write, where the writer writes
+    (a drill's slow file system)."""
 
     def __init__(
         self,
@@ -136,17 +141,19 @@ class CheckpointManager:
         self.final_drain_s = 0.0
         self.teardown_s = 0.0
 
-    def load(self, background: bool = False) -> int:
+    def load(self, background: bool = False, init_trained: Callable[[], None] | None = None) -> int:
         """Collective, before the first step: restore model, optimizer, scheduler, RNG and
         `states` from the latest committed checkpoint (or a newer fast-tier capture), then
         start the writer (its worker, group, warm-up); returns the step resumed at (0 when
         there is none).
 
         `background`: let the writer warm up while training runs (a restart needs its first
-        step soon)."""
+        step soon). `init_trained`: the model was built for a resume (`resume_expected`) and
+        its trained parameters hold no values yet; called when nothing is restored after all,
+        before the run starts fresh."""
         started = time.perf_counter()
         with self.hooks.keepalive():
-            step = self._load_latest()
+            step = self._load_latest(init_trained)
         self.load_s = time.perf_counter() - started
         self.hooks.track(self)  # from here on a restart must abandon it
         started = time.perf_counter()
@@ -154,7 +161,7 @@ class CheckpointManager:
         self.start_s = time.perf_counter() - started
         return step
 
-    def _load_latest(self) -> int:
+    def _load_latest(self, init_trained: Callable[[], None] | None) -> int:
         latest = storage.latest_committed_checkpoint(self.root, self.settings.verify_hashes)
         durable_meta = storage.read_meta(latest) if latest is not None else {}
         self.durable_step = self.resumed_durable_step = int(durable_meta.get("step", 0))
@@ -176,6 +183,10 @@ class CheckpointManager:
                 )
             return local_step
         if latest is None:
+            if init_trained is not None:  # the build expected a resume: no weights yet
+                if self.rank == 0:
+                    log.warning("nothing to resume from after all: initializing the weights now")
+                init_trained()
             self._warm_start_optimizer()
             return 0
         self._refuse_other_model(durable_meta, latest)  # before reading tensors that may not fit
@@ -311,8 +322,6 @@ class CheckpointManager:
         # Blocked since `began`, less the capture: that is the tier's time.
         started = began + (time.perf_counter() - capture_began)
         staging, final, state_of_rank = self.writer.stage(step, rank_extra)
-        if self.during_save is not None:
-            self.during_save(step)
         record = SaveRecord(
             step=step,
             mode=self.writer.mode,
@@ -330,6 +339,7 @@ class CheckpointManager:
             last=last,
             rank_state=state_of_rank,
             lease=lease,
+            during_write=None if self.during_save is None else functools.partial(self.during_save, step),
         )
         self.writer.start_save(state, pending)
         self.records.append(record)
@@ -411,6 +421,35 @@ class CheckpointManager:
                 record.blocked_s,
                 record.write_s or 0.0,
             )
+
+
+def resume_expected(config: TrainConfig, cache: slots.CaptureCache) -> bool:
+    """Collective, before the model's weights exist: whether `CheckpointManager.load()` is
+    to restore the training state, so that the build may leave the trained parameters to it
+    (`ModelSpec.init_for_resume`) instead of reading or drawing weights the load overwrites.
+
+    True when a committed checkpoint is there (sizes checked, not hashes), or any rank holds
+    a fast-tier capture or a peer's replica of this run, in memory (`cache`) or in its
+    node-local folder. A guess that `load()` settles, given `init_trained`: when nothing it
+    finds is usable it initializes the weights then. The ranks agree on the guess (an
+    initialization that reads the model folder is collective)."""
+    root = Path(config.checkpoint_dir())
+    held = (
+        storage.latest_committed_checkpoint(root) is not None
+        or cache.get(slots.run_key(root)) is not None
+        or _holds_tier_files(slots.local_folder(config.checkpoint.local_dir, root))
+    )
+    flag = torch.tensor([int(held)])
+    waiting.wait_polled(dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True))
+    return bool(flag.item())
+
+
+def _holds_tier_files(folder: Path) -> bool:
+    try:
+        names = [entry.name for entry in os.scandir(folder)]
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return any(slots.HEAD_FILE.match(name) or REPLICA_FILE.match(name) for name in names)
 
 
 def efficiency_pct(blocked_s_total: float, wall_s: float) -> float:

@@ -135,6 +135,8 @@ class NvrxAsyncWriter(CheckpointWriter):
         assert pending.lease is not None
         snapshot = pending.lease.state_over(state)
         self._stage(pending)
+        if pending.during_write is not None:
+            pending.during_write()
         writer, metadata, dist_wrapper = save_state_dict_async_plan(
             snapshot, writer, process_group=self._group, enable_cache=True, metadata_cache=self._plan_cache
         )
@@ -201,7 +203,7 @@ class NvrxAsyncWriter(CheckpointWriter):
         planned, self._planned = self._planned, None
         assert pending is not None and planned is not None
         try:
-            finish = planned.result()  # planned and sent
+            finish = waiting.result(planned)  # planned and sent
         except BaseException as exc:
             _release(pending)
             raise storage.CheckpointError(
@@ -347,18 +349,35 @@ class NvrxAsyncWriter(CheckpointWriter):
         (`manager._save`), and the state is the live one: nothing changed it since
         `start_save()`. Host tensors are written as they are; device tensors from the host
         capture of the step."""
-        from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
-        from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
         from torch.distributed.checkpoint import CheckpointException
         from torch.distributed.checkpoint.utils import _get_failure_dict
-
-        from trainer.checkpointing import nvrx_compat
 
         state, self._last_state = self._last_state, None
         pending, self._handoff = self._pending, None
         assert state is not None and pending is not None
         self._join_finisher()
         self._pending = None
+        # Not on this thread: planning and the results' gather wait inside C for the slowest
+        # rank (its write), and a main thread in C stamps no progress for NVRx's watchdog.
+        writer, metadata, dist_wrapper, all_results = waiting.off_main_thread(
+            "rtp-ckpt-last-save", self._write_here, state, pending
+        )
+        if dist_wrapper.is_coordinator:
+            failures = _get_failure_dict(all_results)
+            if failures:
+                raise CheckpointException("write", failures)
+            writer.finish(metadata, all_results)  # DCP's .metadata
+        self._commit(pending)
+
+    def _write_here(self, state: dict[str, Any], pending: PendingSave) -> tuple[Any, Any, Any, Any]:
+        """The last save's plan, write (NVRx's bucket writer, in this process) and results'
+        gather over the writer's group: (writer, metadata, dist wrapper, every rank's results
+        on the coordinator)."""
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
+
+        from trainer.checkpointing import nvrx_compat
+
         try:
             if slot_refs.holds_device_tensors(state):
                 # NVRx's bucket writer writes host tensors only: the capture of this step.
@@ -373,16 +392,12 @@ class NvrxAsyncWriter(CheckpointWriter):
                 metadata_cache=self._plan_cache,
             )
             results = nvrx_compat.write_buckets_here(writer)
+            if pending.during_write is not None:
+                pending.during_write()
         finally:
             _release(pending)
         storage.write_hash_sidecars(pending.staging, dist.get_rank())
-        all_results = dist_wrapper.gather_object(results)
-        if dist_wrapper.is_coordinator:
-            failures = _get_failure_dict(all_results)
-            if failures:
-                raise CheckpointException("write", failures)
-            writer.finish(metadata, all_results)  # DCP's .metadata
-        self._commit(pending)
+        return writer, metadata, dist_wrapper, dist_wrapper.gather_object(results)
 
     def _wait_for_writer(self) -> None:
         """Finalize every queued NVRx request, checking every 5 ms.

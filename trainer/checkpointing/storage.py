@@ -85,7 +85,8 @@ def training_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> d
 def _load_training_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Collective: `training_state_dict`'s tensors read from the checkpoint at `path`, set."""
     state = training_state_dict(model, optimizer)
-    dcp.load(state, checkpoint_id=str(path))
+    # In a thread: DCP's collectives wait inside C for the slowest rank's read (trainer/waiting.py).
+    waiting.off_main_thread("rtp-ckpt-load", dcp.load, state, checkpoint_id=str(path))
     set_state_dict(
         model,
         optimizer,

@@ -86,6 +86,9 @@ class PendingSave:
     lease: Lease | None = None
     """The host capture of this step, lent to a writer that `reads_captures`: its slot is
     not overwritten until the writer releases it."""
+    during_write: Callable[[], None] | None = None
+    """A drill's slow file system (`slow-save`): the writer calls it where it writes this
+    save, on the thread that writes (never the training thread)."""
 
 
 OnCommit = Callable[[SaveRecord], None]

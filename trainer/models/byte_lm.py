@@ -4,7 +4,8 @@ A small decoder-only transformer whose tokens are bytes (vocabulary 256, no toke
 files). Parallelism is applied elsewhere (`trainer.parallelize`); this module knows nothing
 about processes or devices, so the validate and register steps build the same class on one
 CPU process and load a consolidated checkpoint into it. Every rank builds the whole model
-from the same seed before sharding (it is small), which keeps runs bit-exact.
+from the same seed before sharding (it is small), which keeps runs bit-exact; a resume,
+whose checkpoint holds every weight, builds it on the meta device and draws nothing.
 
 Its exported folder (the register step's bundle) holds weights.safetensors (the state
 dict), config.json (the ModelConfig) and tokenizer.json (a description of the byte tokenizer).
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.config import ModelConfig
-from trainer.models.spec import ModelError, ModelSpec, chunked_cross_entropy, published_folder
+from trainer.models.spec import ModelError, ModelSpec, chunked_cross_entropy, copy_full_into, published_folder
 
 KIND = "byte-lm"
 WEIGHTS_FILE = "weights.safetensors"
@@ -222,11 +223,29 @@ def _no_init_after_sharding(model: nn.Module, config: ModelConfig, device: torch
     """The weights were final before sharding."""
 
 
+def _allocate_for_resume(model: nn.Module, config: ModelConfig, device: torch.device, seed: int) -> None:
+    """Built on the meta device for a resume: allocate the shards; every parameter is trained
+    (no buffers, nothing frozen), so the resume fills them all."""
+    model.to_empty(device=device)
+
+
+@torch.no_grad()
+def _init_trained(model: nn.Module, config: ModelConfig, device: torch.device, seed: int) -> None:
+    """The resume found nothing: the weights `build_for_training` draws, drawn the same way
+    (the torch RNG seeded alike, left where a fresh start leaves it) and sliced into the shards."""
+    torch.manual_seed(seed)
+    full = dict(_build(config, torch.device("cpu")).named_parameters())
+    for name, param in model.named_parameters():
+        copy_full_into(param, full[name])
+
+
 SPEC = ModelSpec(
     kind=KIND,
     build=_build,
     init_after_sharding=False,
     init_weights=_no_init_after_sharding,
+    init_for_resume=_allocate_for_resume,
+    init_trained=_init_trained,
     fsdp_units=blocks,
     loss=next_token_loss,
     tokenizer=lambda config: ByteTokenizer(),

@@ -6,7 +6,9 @@ the meta device, shards it, then fills each rank's shards: pretrained weights ar
 slice by slice through torch DCP's HuggingFaceStorageReader (no rank materializes the whole
 model), and random weights are drawn module by module from a generator seeded by
 (seed, module name), so they do not depend on the number of ranks. Non-persistent buffers
-(rotary frequencies) are recomputed by transformers' own `_init_weights`.
+(rotary frequencies) are recomputed by transformers' own `_init_weights`. A resume fills
+neither (`init_for_resume`): its checkpoint overwrites the trained parameters, and only a
+LoRA run's frozen base, which its checkpoints do not hold, is read from the folder.
 
 FSDP units are the decoder layers whatever the architecture calls them: the members of the
 largest `nn.ModuleList` of same-class blocks, preferring classes the model lists in
@@ -31,12 +33,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer import lora
+from trainer import lora, waiting
 from trainer.config import ModelConfig
 from trainer.models.spec import (
     ModelError,
     ModelSpec,
     chunked_cross_entropy,
+    copy_full_into,
     files_sha256,
     next_token_cross_entropy,
     published_folder,
@@ -139,15 +142,42 @@ def init_weights(model: nn.Module, config: ModelConfig, device: torch.device, se
     folder = model_folder(config)
     require_training_memory(model, fsdp_units(model), device)  # before allocating anything
     model.to_empty(device=device)
-    if config.init == "pretrained":
-        load_pretrained(model, folder)
-    else:
-        random_init(model, seed)
+    _fill_base(model, config, folder, seed)
     if lora.has_adapters(model):  # training.method=lora: peft's layers were injected before sharding
         lora.init_adapters(model, seed)
     _init_buffers(model)
     hf_model: Any = model
     hf_model.tie_weights()
+
+
+def init_for_resume(model: nn.Module, config: ModelConfig, device: torch.device, seed: int) -> None:
+    """`init_weights` less the trained parameters, which the resume loads: no read of the
+    folder's weights and no random init for full training; a LoRA run's frozen base (not in
+    its checkpoints) is filled as `init_weights` fills it, its adapters are not."""
+    folder = model_folder(config)
+    require_training_memory(model, fsdp_units(model), device)  # before allocating anything
+    model.to_empty(device=device)
+    hf_model: Any = model
+    hf_model.tie_weights()  # before any fill: the head and the embedding are one tensor from here on
+    if lora.has_adapters(model):
+        _fill_base(model, config, folder, seed)
+    _init_buffers(model)
+
+
+def init_trained(model: nn.Module, config: ModelConfig, device: torch.device, seed: int) -> None:
+    """After `init_for_resume`, when nothing was resumed: the trained parameters as
+    `init_weights` fills them (the same values: each is filled by name, not in sequence)."""
+    if lora.has_adapters(model):
+        lora.init_adapters(model, seed)
+    else:
+        _fill_base(model, config, model_folder(config), seed)
+
+
+def _fill_base(model: nn.Module, config: ModelConfig, folder: Path, seed: int) -> None:
+    if config.init == "pretrained":
+        load_pretrained(model, folder)
+    else:
+        random_init(model, seed)
 
 
 def _module_seed(seed: int, name: str) -> int:
@@ -188,22 +218,7 @@ def random_init(model: nn.Module, seed: int) -> None:
                     f"transformers does not initialize {name}.{key} ({type(module).__name__}); "
                     "train this architecture from its weights (model.init=pretrained)"
                 )
-            _copy_full_into(param, full[key])
-
-
-def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy the slice of `full` this rank holds into `param` (a DTensor shard or a plain tensor)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(param, DTensor):
-        # src_data_rank=None: every rank holds the same full tensor, so each just slices its
-        # own part, with the same chunking as FSDP (no communication).
-        local = distribute_tensor(
-            full.to(param.device), param.device_mesh, param.placements, src_data_rank=None
-        ).to_local()
-        param.to_local().copy_(local)
-    else:
-        param.copy_(full)
+            copy_full_into(param, full[key])
 
 
 @torch.no_grad()
@@ -315,7 +330,10 @@ def load_pretrained(model: nn.Module, folder: Path) -> None:
     # Keyed by the stored names (what the reader looks up), valued by the model's tensors.
     to_load = {names[key]: value for key, value in state.items() if key in names}
     # Collective when a process group exists: each rank reads only the slices of its shards.
-    dcp.load(
+    # In a thread: its collectives wait inside C for the slowest rank's read (trainer/waiting.py).
+    waiting.off_main_thread(
+        "rtp-weights-load",
+        dcp.load,
         to_load,
         storage_reader=HuggingFaceStorageReader(str(folder)),
         planner=DefaultLoadPlanner(allow_partial_load=True),
@@ -451,6 +469,8 @@ SPEC = ModelSpec(
     build=build,
     init_after_sharding=True,
     init_weights=init_weights,
+    init_for_resume=init_for_resume,
+    init_trained=init_trained,
     fsdp_units=fsdp_units,
     loss=causal_lm_loss,
     tokenizer=tokenizer,

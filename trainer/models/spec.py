@@ -1,7 +1,8 @@
 """What the trainer needs to know about a kind of model: the `ModelSpec` (torchtitan's TrainSpec).
 
 A spec is a frozen record of plain functions: how to build the modules (on the meta device
-when the weights are filled in after sharding), which submodules are FSDP units, the loss,
+when the weights are filled in after sharding), how to fill them (all, or for a resume all
+but the trained parameters the checkpoint overwrites), which submodules are FSDP units, the loss,
 the tokenizer, how the architecture is identified (for the checkpoint's model_hash), and
 how a consolidated state dict is exported to a folder and loaded back. The loop, the
 validate and register steps and the benchmarks ask the registry (`trainer.models`) for the
@@ -37,6 +38,7 @@ __all__ = [
     "ModelSpec",
     "Tokenizer",
     "chunked_cross_entropy",
+    "copy_full_into",
     "files_sha256",
     "next_token_cross_entropy",
     "published_folder",
@@ -88,6 +90,15 @@ class ModelSpec:
     init_weights: Callable[[nn.Module, ModelConfig, torch.device, int], None]
     """(model, config, device, seed), after sharding: allocate each rank's shards on the device
     and fill them (seeded random, or pretrained weights read slice by slice)."""
+    init_for_resume: Callable[[nn.Module, ModelConfig, torch.device, int], None]
+    """`init_weights` for a model a resume will overwrite (built by `build_for_training(...,
+    weights=False)`, sharded): allocate the shards and fill only what a checkpoint does not
+    hold, the buffers (rotary frequencies) and the frozen weights (a LoRA run's base, read
+    from its folder). The trained parameters are left as allocated: at 8B, reading them from
+    the folder or drawing them is minutes that the resume throws away."""
+    init_trained: Callable[[nn.Module, ModelConfig, torch.device, int], None]
+    """After `init_for_resume`, when the resume found nothing to load after all: fill the
+    trained parameters as `init_weights` does, so the run starts as a fresh one would."""
     fsdp_units: Callable[[nn.Module], list[nn.Module]]
     """Submodules that each become one FSDP unit (the transformer blocks); everything else
     (embeddings, final norm, output head) stays in the root unit."""
@@ -105,10 +116,14 @@ class ModelSpec:
     load_exported: Callable[[Path], nn.Module]
     """A plain module (CPU, eval mode) from a folder written by `export`."""
 
-    def build_for_training(self, config: ModelConfig, device: torch.device, seed: int) -> nn.Module:
-        """The modules to shard: on the meta device when the weights come after sharding."""
+    def build_for_training(
+        self, config: ModelConfig, device: torch.device, seed: int, *, weights: bool = True
+    ) -> nn.Module:
+        """The modules to shard: on the meta device when the weights come after sharding, or
+        when there are to be none (`weights=False`: a resume loads them; `init_for_resume`)."""
         torch.manual_seed(seed)  # identical initial weights on every rank
-        return self.build(config, torch.device("meta") if self.init_after_sharding else device)
+        on_device = weights and not self.init_after_sharding
+        return self.build(config, device if on_device else torch.device("meta"))
 
 
 def next_token_cross_entropy(logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
@@ -186,6 +201,21 @@ def _call_compute(
     model: nn.Module, compute: Callable[[nn.Module, torch.Tensor], torch.Tensor], batch: torch.Tensor
 ) -> torch.Tensor:
     return compute(model, batch)
+
+
+def copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the slice of `full` this rank holds into `param` (a DTensor shard or a plain tensor)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        # src_data_rank=None: every rank holds the same full tensor, so each just slices its
+        # own part, with the same chunking as FSDP (no communication).
+        local = distribute_tensor(
+            full.to(param.device), param.device_mesh, param.placements, src_data_rank=None
+        ).to_local()
+        param.to_local().copy_(local)
+    else:
+        param.copy_(full)
 
 
 def files_sha256(paths: Iterable[Path]) -> str:
