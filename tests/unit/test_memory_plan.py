@@ -53,8 +53,16 @@ def write_llama(folder: Path, **changes: object) -> Path:
 
 
 def llama_config(folder: Path, *overrides: str):
+    """A small Llama's config; activation checkpointing none unless an override says otherwise
+    (the default, auto, is what the plan decides)."""
     return resolve_config(
-        named={"model_dir": str(folder)}, overrides=["model.seq_len=512", "data.batch_size=2", *overrides]
+        named={"model_dir": str(folder)},
+        overrides=[
+            "model.seq_len=512",
+            "data.batch_size=2",
+            "training.activation_checkpointing=none",
+            *overrides,
+        ],
     )
 
 
@@ -221,7 +229,7 @@ def test_auto_is_decided_before_the_ranks_start(llama_dir, no_margin):
     from trainer.launch import resolve_auto_settings
     from trainer.memory_plan import resolve_activation_checkpointing
 
-    config = llama_config(llama_dir)
+    config = llama_config(llama_dir, "training.activation_checkpointing=auto")
     assert config.training.activation_checkpointing == "auto"
     on_cpu = resolve_auto_settings(config, nnodes=1, gpus_per_node=0)
     assert on_cpu.training.activation_checkpointing == "none"
