@@ -41,7 +41,8 @@ def job_settings_for_run(
 ) -> JobSettings:
     """JobSettings whose pods train this run into its run folder (checked, pure)."""
     request = scaled_request(request, job_fields.get("gpus_per_node", 0))
-    return _job_settings(request.config(), run_id, namespace, image, nproc_per_node, job_fields)
+    config = _decided(request.config(), job_fields)
+    return _job_settings(config, run_id, namespace, image, nproc_per_node, job_fields)
 
 
 def scaled_request(request: TrainRequest, gpus_per_node: int) -> TrainRequest:

@@ -19,7 +19,8 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
 def test_defaults_leave_cpu_training_as_it_was():
     training = build_config("tiny-cpu").training
-    assert training.mixed_precision == "auto" and training.activation_checkpointing == "none"
+    # auto: decided before the ranks start, none on CPU (trainer.launch.resolve_auto_settings)
+    assert training.mixed_precision == "auto" and training.activation_checkpointing == "auto"
     assert not training.compile
     assert compute_dtype(training, CPU) == torch.float32
     assert compute_dtype(training, CUDA) == torch.bfloat16
@@ -48,7 +49,7 @@ def test_overrides_set_the_training_section_and_it_round_trips():
     ("override", "message"),
     [
         ("training.mixed_precision=fp16", "training.mixed_precision 'fp16' is not one of auto, bf16, fp32"),
-        ("training.activation_checkpointing=some", "is not one of none, full, every_n"),
+        ("training.activation_checkpointing=some", "is not one of auto, none, full, every_n"),
         ("training.activation_checkpointing_every=0", "at least 1"),
     ],
 )
