@@ -42,7 +42,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 PREFORKED_ENV = "RTP_PREFORKED"
 """Set in a rank forked from the zygote (to the launcher's pid); the trainer reports it
@@ -81,9 +81,10 @@ FORWARDED_SIGNALS = (
 _HEADER = struct.Struct("!I")
 
 
-def socket_path(launcher_pid: int) -> str:
-    """The zygote's address for the ranks of one launcher (its pid) on this machine."""
-    return os.path.join(tempfile.gettempdir(), f"rtp-prefork-{os.getuid()}-{launcher_pid}.sock")
+def socket_path(launcher_pid: int, folder: str | None = None) -> str:
+    """The zygote's address for the ranks of one launcher (its pid) on this machine, in the
+    temporary folder (`folder`: the zygote's, where it differs from this process's)."""
+    return os.path.join(folder or tempfile.gettempdir(), f"rtp-prefork-{os.getuid()}-{launcher_pid}.sock")
 
 
 def _under_launcher() -> bool:
@@ -111,42 +112,18 @@ def run_forked(
     # A signal from the launcher before the forwarding handlers are in place would end this
     # stand-in alone (and with it, by the waiter, its rank with SIGKILL): held until then.
     held = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.connect(path)
-        request = json.dumps(
-            {
-                "module": module,
-                "argv": argv,
-                "env": dict(os.environ),
-                "cwd": os.getcwd(),
-                "launcher_pid": launcher,
-            }
-        ).encode()
-        socket.send_fds(sock, [b"R"], [0, 1, 2])
-        sock.sendall(_HEADER.pack(len(request)) + request)
-        replies = sock.makefile("rb")
-        first = replies.readline().split()
-    except OSError:
-        first = []
-    if first[:1] != [b"pid"]:  # no zygote answered: start the usual way
-        sock.close()
+    rank = ask_for_rank(path, argv, dict(os.environ), os.getcwd(), launcher, module)
+    if rank is None:  # no zygote answered: start the usual way
         signal.pthread_sigmask(signal.SIG_SETMASK, held)  # what came meanwhile acts as usual
         return None
 
     def forward(signum: int, frame: object) -> None:
-        with contextlib.suppress(OSError):
-            sock.sendall(f"signal {signum}\n".encode())
+        rank.signal(signum)
 
     for signum in FORWARDED_SIGNALS:
         signal.signal(signum, forward)
     signal.pthread_sigmask(signal.SIG_SETMASK, held)  # what came meanwhile is forwarded now
-    status = None
-    for line in replies:
-        kind, _, value = line.partition(b" ")
-        if kind == b"exit":
-            status = int(value)
-            break
+    status = rank.wait()
     if status is None:
         print("trainer: error: the pre-imported process ended before the rank did", file=sys.stderr)
         return 1
@@ -157,6 +134,62 @@ def run_forked(
         signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), -code)  # end as the rank ended: killed by the same signal
     return 128 - code  # that signal is ignored here
+
+
+class ForkedRank:
+    """A rank the zygote forked, as the process that asked for it sees it: its pid, the
+    signals to pass on to it, and its end (which the rank's waiter reports)."""
+
+    def __init__(self, sock: socket.socket, replies: BinaryIO, pid: int) -> None:
+        self.sock, self.replies, self.pid = sock, replies, pid
+
+    def signal(self, signum: int) -> None:
+        """Have the waiter send `signum` to the rank's process group (as a launcher signals a rank)."""
+        with contextlib.suppress(OSError):
+            self.sock.sendall(f"signal {signum}\n".encode())
+
+    def wait(self) -> int | None:
+        """The rank's wait status once it ended; None if the zygote's side ended first."""
+        with contextlib.suppress(OSError, ValueError):  # ValueError: closed meanwhile
+            for line in self.replies:
+                kind, _, value = line.partition(b" ")
+                if kind == b"exit":
+                    return int(value)
+        return None
+
+    def close(self) -> None:
+        self.replies.close()
+        self.sock.close()
+
+
+def ask_for_rank(
+    path: str,
+    argv: list[str],
+    env: dict[str, str],
+    cwd: str,
+    launcher_pid: int,
+    module: str = "trainer",
+    fds: tuple[int, int, int] = (0, 1, 2),
+) -> ForkedRank | None:
+    """Ask the zygote at `path` to fork `python -m <module> <argv[1:]>` with this environment,
+    working directory and standard streams (`fds`: stdin, stdout, stderr) for the ranks of
+    `launcher_pid`; None when no zygote answers."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+        request = json.dumps(
+            {"module": module, "argv": argv, "env": env, "cwd": cwd, "launcher_pid": launcher_pid}
+        ).encode()
+        socket.send_fds(sock, [b"R"], list(fds))
+        sock.sendall(_HEADER.pack(len(request)) + request)
+        replies = sock.makefile("rb")
+        first = replies.readline().split()
+    except OSError:
+        first = []
+    if first[:1] != [b"pid"] or len(first) < 2:
+        sock.close()
+        return None
+    return ForkedRank(sock, replies, int(first[1]))
 
 
 _zygote: subprocess.Popen[bytes] | None = None

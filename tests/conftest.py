@@ -21,6 +21,7 @@ import pytest
 
 from rtp_support.demo_data import write_local_dataset
 from rtp_support.embedded_s3 import free_port
+from tests.distributed import harness
 from trainer.launch import launch_tempdir
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -73,8 +74,8 @@ def training_launch(argv: list[str]) -> str | None:
 
 
 class _LaunchGuard:
-    """Refuses, in a test not marked `launches`, every new process that starts training, and
-    training ranks run by torch.multiprocessing. Processes are seen where they start, in
+    """Refuses, in a test not marked `launches`, every new process that starts training,
+    training ranks run by torch.multiprocessing, and the rank harness's ranks. Processes are seen where they start, in
     this process: an audit hook sees every `subprocess` and `os.exec*`/`posix_spawn`
     (whoever calls them: a test, `run_local_training`, a fixture), so a command that trains
     (`rtp local`) is refused by its own arguments, before anything it would start."""
@@ -87,6 +88,8 @@ class _LaunchGuard:
     def audit(self, event: str, args: tuple) -> None:
         if self.refusing is None:
             return
+        if event == harness.AUDIT_EVENT:
+            self.refuse(f"{args[0]} ranks of the rank harness")
         if event == "subprocess.Popen":
             argv = shlex.split(args[1]) if isinstance(args[1], str) else list(args[1])
         elif event in {"os.exec", "os.posix_spawn"}:
@@ -115,6 +118,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         choices=("all", "none", "only"),
         default="all",
         help="keep the tests that start training (`launches`) with the others, or none of them, or only them",
+    )
+    group.addoption(
+        "--rank-harness",
+        choices=("auto", "off"),
+        default="auto",
+        help="`auto`: runs that need no launcher fork their ranks from the session's pre-imported "
+        "process (tests/distributed/harness.py); `off`: every run goes through ft_launcher",
     )
     group.addoption(
         "--suite",
@@ -199,7 +209,7 @@ def shared_memory_of_killed_processes_removed() -> Iterator[None]:
     candidates = set(os.listdir(SHM)) - before
     mapped = _mapped_in_shm()
     for name in candidates:
-        if not name.startswith(("torch_", "sem.mp-")) or name in mapped:
+        if not name.startswith(("torch_", "sem.mp-")) or _inode(SHM / name) in mapped:
             continue
         creator = name.split("_")[1] if name.startswith("torch_") else ""
         if creator.isdigit() and Path(f"/proc/{creator}").exists():
@@ -224,19 +234,41 @@ def temporary_folder_of_the_session(tmp_path_factory) -> Iterator[Path]:
             tempfile.tempdir = previous
 
 
-def _mapped_in_shm() -> set[str]:
-    """Names under /dev/shm that some live process maps."""
-    names = set()
+@pytest.fixture(scope="session", autouse=True)
+def rank_harness(
+    request: pytest.FixtureRequest, temporary_folder_of_the_session: Path
+) -> Iterator[harness.RankHarness | None]:
+    """The session's rank harness (its pre-imported process starts at the first run that
+    uses it and ends before the session's temporary folder goes)."""
+    enabled = request.config.getoption("rank_harness") == "auto"
+    with harness.session_harness(temporary_folder_of_the_session, enabled) as session:
+        yield session
+
+
+def _mapped_in_shm() -> set[int]:
+    """Inodes of the files under /dev/shm that some live process maps. By inode, not name:
+    glibc maps a named semaphore under the temporary name it was made with (`sem.XXXXXX
+    (deleted)`), not the name it is linked to (`sem.mp-*`), so a live run's semaphores would
+    pass for unused (seen: another session's end removed a running rank's, and its writer
+    could not start)."""
+    inodes = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:
             text = maps.read_text()
         except OSError:
             continue
         for line in text.splitlines():
-            where = line.find("/dev/shm/")
-            if where >= 0:
-                names.add(line[where + len("/dev/shm/") :].removesuffix(" (deleted)"))
-    return names
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/") and fields[4].isdigit():
+                inodes.add(int(fields[4]))
+    return inodes
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except OSError:
+        return None
 
 
 @pytest.fixture(scope="session")

@@ -1,12 +1,13 @@
 import pytest
 
 from trainer.config import resolve_config
-from trainer.launch import run_local_training
 
 
 @pytest.fixture(scope="session")
 def trained_run(dataset_dir, tmp_path_factory):
     """A real (one-rank) training run with committed (synchronous) checkpoints at steps 10 and 20."""
+    from tests.distributed.conftest import run_training
+
     workdir = tmp_path_factory.mktemp("trained")
     config = resolve_config(
         named={
@@ -18,4 +19,4 @@ def trained_run(dataset_dir, tmp_path_factory):
             "checkpoint_mode": "sync",  # what validate and register read is the same in every mode
         }
     )
-    return run_local_training(1, config, echo=False).to_dict()
+    return run_training(1, config)

@@ -208,7 +208,7 @@ def test_warm_start_parent_takes_the_parents_adamw_moments_when_its_checkpoint_i
     import json
 
     from components.train.train import TrainRequest
-    from trainer.launch import run_local_training
+    from tests.distributed.conftest import run_training
 
     name, fsx = "rtp-test-warm-optimizer", tmp_path / "fsx"
     parent_checkpoint = fsx / "rtp/runs/parent-run/checkpoints/step_20"
@@ -227,7 +227,7 @@ def test_warm_start_parent_takes_the_parents_adamw_moments_when_its_checkpoint_i
 
     config = request("child").config()
     assert config.optimizer.initial_state_dir == str(parent_checkpoint)
-    summary = run_local_training(1, config, echo=False).to_dict()
+    summary = run_training(1, config)
     assert summary["completed"] and summary["steps"] == 2
     log = [json.loads(line) for line in (fsx / "rtp/runs/child/train/events.jsonl").read_text().splitlines()]
     assert [e["checkpoint"] for e in log if e["kind"] == "warm_start"] == [str(parent_checkpoint)]

@@ -235,8 +235,8 @@ def test_two_training_ranks_score_the_sharded_model_as_one_process_scores_the_ch
 def test_without_eval_windows_the_training_writes_no_record_and_validate_scores_in_process(
     dataset_dir, tmp_path
 ):
+    from tests.distributed.conftest import run_training
     from trainer.config import resolve_config
-    from trainer.launch import run_local_training
 
     config = resolve_config(
         named={
@@ -248,7 +248,7 @@ def test_without_eval_windows_the_training_writes_no_record_and_validate_scores_
         },
         overrides=["data.eval_windows=0"],
     )
-    summary = run_local_training(1, config, echo=False).to_dict()
+    summary = run_training(1, config)
     assert not (tmp_path / "eval.json").exists()
     result = validate_checkpoint(summary["checkpoint"], str(dataset_dir), 10.0)
     assert result.scored_by == "validate"

@@ -45,8 +45,8 @@ def registered(hf_checkpoints, mlflow_server, tmp_path_factory):  # noqa: F811
 
 
 def _train(dataset_dir, workdir, name, nproc):
+    from tests.distributed.conftest import run_training
     from trainer.config import resolve_config
-    from trainer.launch import run_local_training
 
     config = resolve_config(
         named={
@@ -58,7 +58,7 @@ def _train(dataset_dir, workdir, name, nproc):
         },  # the record, not the writer, is tested here
         overrides=["data.eval_windows=6", f"data.eval_champion={name}"],
     )
-    return run_local_training(nproc, config, echo=False).to_dict()
+    return run_training(nproc, config)
 
 
 def _no_download(*args, **kwargs):

@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 import rtp_prefork
+from tests.distributed import harness
 from trainer.config import TrainConfig, resolve_config
 from trainer.launch import LauncherSettings, launch_tempdir, run_local_training
 
@@ -64,13 +65,42 @@ def train(
     every: int = 4,
     overrides=(),
     launcher: LauncherSettings | None = None,
+    via_launcher: bool | None = None,
     **named,
 ) -> dict:
-    """A real multi-process run through the launcher (`launcher`: its settings, default
-    ft_launcher's defaults); returns its summary.json as a dict."""
+    """A real multi-process run; returns its summary.json as a dict. Through the launcher
+    (`launcher`: its settings, default ft_launcher's defaults) where the run needs one, else
+    in the rank harness (`run_training`); `via_launcher=True` asks for the launcher anyway."""
     config = run_config(dataset_dir, workdir, steps, every, overrides, **named)
-    settings = rtp_prefork.launcher_settings(config, launcher)  # ranks start as rtp starts them
-    return run_local_training(nproc, config, echo=False, settings=settings).to_dict()
+    return run_training(nproc, config, launcher, via_launcher)
+
+
+def needs_launcher(config: TrainConfig, launcher: LauncherSettings | None = None) -> bool:
+    """Whether only a launcher can run `config`: its faults make the launcher start ranks
+    again (`restarts_its_ranks`), or launcher settings were given (their subject is the launcher)."""
+    faults = {"faults": config.run.faults, "inprocess_restarts": config.resilience.inprocess_restarts}
+    return launcher is not None or restarts_its_ranks(faults)
+
+
+def run_training(
+    nproc: int,
+    config: TrainConfig,
+    launcher: LauncherSettings | None = None,
+    via_launcher: bool | None = None,
+) -> dict:
+    """`run_local_training(nproc, config)`'s summary as a dict: by default through the rank
+    harness (tests/distributed/harness.py: the same `python -m trainer` ranks, forked from
+    the session's pre-imported process, no launcher) unless the run needs a launcher
+    (`needs_launcher`) or `via_launcher` is true; `pytest --rank-harness=off` sends every run
+    through the launcher. The same summary and the same `TrainingFailed` either way."""
+    required = needs_launcher(config, launcher)
+    if via_launcher is False and required:
+        raise ValueError("this run restarts ranks or sets the launcher's settings: it needs the launcher")
+    session = harness.current()
+    if session is None or required or via_launcher:
+        settings = rtp_prefork.launcher_settings(config, launcher)  # ranks start as rtp starts them
+        return run_local_training(nproc, config, echo=False, settings=settings).to_dict()
+    return session.run(nproc, config).to_dict()
 
 
 def train_local_command(dataset_dir, workdir, steps: int, every: int, *extra: str) -> list[str]:
@@ -151,10 +181,16 @@ def run_mark(monkeypatch) -> Iterator[str]:
 
 
 def _leftovers(mark: str) -> list[psutil.Process]:
+    """The processes a test started that still live: those with its mark, and those forked
+    from the rank harness's zygote (they carry the zygote's mark: tests/distributed/harness.py)
+    other than the zygote itself; the launches run one at a time."""
+    session = harness.current()
+    marks = {mark} if session is None else {mark, session.mark}
+    spared = {os.getpid(), session.zygote_pid if session is not None else None}
     found = []
     for process in psutil.process_iter():
         try:
-            if process.pid != os.getpid() and process.environ().get("RTP_TEST_RUN_MARK") == mark:
+            if process.pid not in spared and process.environ().get("RTP_TEST_RUN_MARK") in marks:
                 found.append(process)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue

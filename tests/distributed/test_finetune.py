@@ -1,4 +1,4 @@
-"""Fine-tuning on conversations through the real launcher (2 ranks, a tied tiny Llama with a
+"""Fine-tuning on conversations through the real trainer (2 ranks, a tied tiny Llama with a
 ChatML template): `data.format=examples` trains on the assistant's tokens only, a run
 stopped and resumed, and one recovered from an exception and a killed rank, end with the
 uninterrupted run's weights; the training's eval record scores the holdout conversations'
@@ -109,7 +109,6 @@ def test_example_shards_are_refused_by_the_token_format(chat_inputs, tmp_path):
     """data.format=tokens would train on every token of the conversations: refused in one line
     (the other way round, tests/unit/test_examples_data.py)."""
     from tests.distributed.conftest import train
-    from tests.distributed.test_hf_models import NO_RESTARTS
     from trainer.launch import TrainingFailed
 
     snapshot, named = chat_inputs
@@ -121,7 +120,6 @@ def test_example_shards_are_refused_by_the_token_format(chat_inputs, tmp_path):
             steps=2,
             every=2,
             overrides=SETTINGS,
-            launcher=NO_RESTARTS,
             **tokens_named,
         )
     assert "holds example shards" in str(failure.value) and "data.format=examples" in str(failure.value)

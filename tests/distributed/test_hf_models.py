@@ -1,7 +1,8 @@
 """Two ranks over gloo with Hugging Face models: sharded initialization (random and
 pretrained) gives exactly the weights one process builds, the decoder layers are the FSDP
-units, and a tiny model trains through the real trainer (`rtp`'s launcher): resumed and
-fault-recovered runs end with the fault-free run's weights, and the checkpoint exports."""
+units, and a tiny model trains through the real trainer (`python -m trainer` ranks; ft_launcher
+where a rank is killed): resumed and fault-recovered runs end with the fault-free run's
+weights, and the checkpoint exports."""
 
 from __future__ import annotations
 
@@ -17,17 +18,12 @@ from rtp_support.embedded_s3 import free_port
 from tests.hf_tiny import write_tiny_model
 from trainer.checkpointing import state_dict_sha256
 from trainer.config import ModelConfig
-from trainer.launch import LauncherSettings
 from trainer.models import model_spec
 
 pytestmark = pytest.mark.timeout(300)
 
 # Low timeouts, as in test_faults.py: a recovery takes seconds on 2 CPU cores.
 FAST = ["resilience.collective_timeout_s=5", "resilience.soft_timeout_s=8", "resilience.hard_timeout_s=30"]
-# For the runs that must fail on bad input: the error is recorded as fatal at the first
-# attempt and its message comes from that record; the launcher's worker-group restarts
-# would each start the ranks again only to stop on the record (test_faults.py covers that).
-NO_RESTARTS = LauncherSettings(max_restarts=0)
 
 
 SHARDED_INIT_CASES = [
@@ -151,7 +147,7 @@ def hf_uninterrupted(hf_run_inputs, hf_full_workdir) -> dict:
 
 @pytest.mark.launches
 def test_hf_model_trains_resumes_exactly_and_exports(hf_run_inputs, hf_uninterrupted, tmp_path):
-    """Through the real launcher: 2 ranks train a pretrained Llama (async checkpoints); a run
+    """2 ranks train a pretrained Llama (async checkpoints); a run
     stopped at step 3 and resumed (sync checkpoints) reaches the same weights; the checkpoint
     validates, and exports to a folder that from_pretrained loads with the same logits."""
     from tests.distributed.conftest import train
@@ -219,7 +215,7 @@ def test_training_refuses_data_made_with_another_tokenizer(hf_run_inputs, datase
 
     _, _, overrides, named = hf_run_inputs
     with pytest.raises(TrainingFailed) as failure:
-        train(dataset_dir, tmp_path, steps=2, every=2, overrides=overrides, launcher=NO_RESTARTS, **named)
+        train(dataset_dir, tmp_path, steps=2, every=2, overrides=overrides, **named)
     assert "tokenized as bytes but the model uses tokenizer" in str(failure.value)
 
 
@@ -261,7 +257,6 @@ def test_a_folder_without_config_json_stops_training_in_one_line(hf_run_inputs, 
             tmp_path / "work",
             steps=2,
             every=2,
-            launcher=NO_RESTARTS,
             model_dir=str(empty),
             model_init="pretrained",
         )

@@ -1,4 +1,4 @@
-"""The `training` section in real runs through the launcher (gloo, CPU): activation
+"""The `training` section in real 2-rank runs (gloo, CPU): activation
 checkpointing keeps stop-and-resume bit-exact, and under bf16 compute the checkpoint still
 holds fp32 weights and AdamW state.
 
