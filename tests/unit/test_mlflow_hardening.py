@@ -247,6 +247,7 @@ def test_secret_values_with_a_trailing_newline_still_reach_the_server_and_log_in
     from components.mlflow_access import step_deadline, tracking_uri_is_configured
 
     server = LoginRecordingServer()
+    mlflow.set_tracking_uri(None)  # as in a step's fresh process: the URI comes from the variable
     try:
         monkeypatch.setenv("MLFLOW_TRACKING_URI", server.url + "\n")
         monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "pipeline\n")
