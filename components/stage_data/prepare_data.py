@@ -330,9 +330,7 @@ def prepare_data(
             max_tokens,
             overlong,
         )
-        uploaded = 0
-        if client is not None:
-            uploaded = upload_shards(client, Path(out_dir), bucket, prefix, create_bucket=False)
+        uploaded = _upload(client, out_dir, bucket, prefix)
         return {
             "out_dir": out_dir,
             "destination": destination,
@@ -356,9 +354,7 @@ def prepare_data(
         )
     else:
         index = write_shards(Path(source), Path(out_dir), shard_bytes, holdout_fraction)
-    uploaded = 0
-    if client is not None:
-        uploaded = upload_shards(client, Path(out_dir), bucket, prefix, create_bucket=False)
+    uploaded = _upload(client, out_dir, bucket, prefix)
     return {
         "out_dir": out_dir,
         "destination": destination,
@@ -371,3 +367,10 @@ def prepare_data(
         "vocab_size": index["vocab_size"],
         "objects_uploaded": uploaded,
     }
+
+
+def _upload(client: Any, out_dir: str, bucket: str, prefix: str) -> int:
+    """Objects uploaded to the user's bucket (`--dest`), or 0 without one."""
+    if client is None:
+        return 0
+    return upload_shards(client, Path(out_dir), bucket, prefix, create_bucket=False)
