@@ -39,16 +39,13 @@ CHILD = """
 import json, sys, time
 start = time.perf_counter()
 mode, checkpoint, dataset = sys.argv[1:4]
-if mode == "record":
-    from rtp_cli.main import main
-    code = main(["validate", "--checkpoint", checkpoint, "--dataset-dir", dataset, "--max-loss", "100"])
-    scored_by = "training"
-else:
-    from components.validate_checkpoint.validate import validate_checkpoint
-    result = validate_checkpoint(checkpoint, dataset, 100.0, eval_record="")
-    code, scored_by = 0, result.scored_by
+from components.validate_checkpoint.validate import validate_checkpoint
+# `record`: what `rtp validate` calls (the training's eval record found); else scored here.
+result = validate_checkpoint(checkpoint, dataset, 100.0, eval_record=None if mode == "record" else "")
+code = 0 if result.decision != "reject" else 1
 hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
-print(json.dumps({"peak_rss_mib": hwm / 1024, "wall_s": time.perf_counter() - start, "rc": code}))
+print(json.dumps({"peak_rss_mib": hwm / 1024, "wall_s": time.perf_counter() - start, "rc": code,
+                  "scored_by": result.scored_by}))
 """
 
 

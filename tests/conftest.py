@@ -4,6 +4,8 @@ and the check that only tests marked `launches` start training processes."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shlex
@@ -159,6 +161,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = [item for item in items if kept(item)]
+    # The long poles first: `make test` hands whole modules to two workers (`--dist loadfile
+    # --no-loadscope-reorder`) in this order, so the modules that launch training (the
+    # whole-pipeline ones first) start early and the short ones fill in around them.
+    cost = {}
+    for item in items:
+        module = item.nodeid.partition("::")[0]
+        rank = 0 if item.get_closest_marker("e2e") else 1 if item.get_closest_marker("launches") else 2
+        cost[module] = min(cost.get(module, 2), rank)
+    items.sort(key=lambda item: cost[item.nodeid.partition("::")[0]])  # stable: file order kept
 
 
 @pytest.fixture(autouse=True)
@@ -271,9 +282,43 @@ def _inode(path: Path) -> int | None:
         return None
 
 
+@contextlib.contextmanager
+def made_once(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[tuple[Path, Path | None]]:
+    """A session fixture's product made once per test run, not once per xdist worker: yields
+    (folder, record): the folder to make it in and, when an earlier worker already made it,
+    the JSON file it recorded (else None: make it, then write the record). The other workers
+    wait on a lock meanwhile (what they wait for, a training run, fills both cores)."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the run's folder, above each worker's own
+    folder, record = shared / name, shared / f"{name}.json"
+    with (shared / f"{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if record.exists():
+            yield folder, record
+            return
+        folder.mkdir(exist_ok=True)
+        yield folder, None
+
+
+def shared_json(tmp_path_factory: pytest.TempPathFactory, name: str, make) -> dict:
+    """`make(folder)`'s JSON result, made once per test run (`made_once`)."""
+    with made_once(tmp_path_factory, name) as (folder, record):
+        if record is not None:
+            return json.loads(record.read_text())
+        value = make(folder)
+        (folder.parent / f"{name}.json").write_text(json.dumps(value))
+        return value
+
+
 @pytest.fixture(scope="session")
 def dataset_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_local_dataset(tmp_path_factory.mktemp("dataset"), budget_bytes=300_000)
+    made = shared_json(
+        tmp_path_factory,
+        "dataset",
+        lambda folder: {"path": str(write_local_dataset(folder, budget_bytes=300_000))},
+    )
+    return Path(made["path"])
 
 
 @pytest.fixture(scope="session")
@@ -371,17 +416,20 @@ def plain_two_rank_run(dataset_dir, tmp_path_factory) -> dict:
         train_local_command,
     )
 
-    workdir = tmp_path_factory.mktemp("plain-two-rank")
-    overrides = [arg for override in (*PLAIN_OVERRIDES, NO_ZYGOTE) for arg in ("--override", override)]
-    command = train_local_command(dataset_dir, workdir, PLAIN_STEPS, PLAIN_EVERY, *overrides)
-    env = {
-        k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"
-    }  # "no MLflow", whatever ran before
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=500, stdin=subprocess.DEVNULL, env=env
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    summary = json.loads((workdir / "summary.json").read_text())
-    # The command prints the summary as its last output.
-    assert json.loads(result.stdout[result.stdout.rindex("{") :])["model_sha256"] == summary["model_sha256"]
-    return summary
+    def run(workdir: Path) -> dict:
+        overrides = [arg for override in (*PLAIN_OVERRIDES, NO_ZYGOTE) for arg in ("--override", override)]
+        command = train_local_command(dataset_dir, workdir, PLAIN_STEPS, PLAIN_EVERY, *overrides)
+        env = {
+            k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"
+        }  # "no MLflow", whatever ran before
+        result = subprocess.run(
+            command, capture_output=True, text=True, timeout=500, stdin=subprocess.DEVNULL, env=env
+        )
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        summary = json.loads((workdir / "summary.json").read_text())
+        # The command prints the summary as its last output.
+        printed = json.loads(result.stdout[result.stdout.rindex("{") :])
+        assert printed["model_sha256"] == summary["model_sha256"]
+        return summary
+
+    return shared_json(tmp_path_factory, "plain-two-rank", run)  # one run for both xdist workers

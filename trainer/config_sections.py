@@ -274,6 +274,9 @@ class ResilienceConfig:
     and a rank slower than `straggler_threshold` times the median is named; 0 turns it off."""
     straggler_threshold: float = 1.5
     """How many times the median of the other ranks' local work makes a rank a straggler."""
+    grad_spike_factor: float = 0.0
+    """A logged step's gradient norm at this many times the median of the last 20 logged ones
+    is reported (a warning and a `grad_spike` event: trainer/grad_spikes.py); 0 turns it off."""
     allreduce_check_mib: float = 0.0
     """Before a process's first attempt trains, the ranks time an all-reduce of this many MiB
     over the world and report its bus bandwidth (trainer/link_check.py); 0 turns it off

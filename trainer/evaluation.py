@@ -516,3 +516,22 @@ def read_eval_record(path: str | Path) -> dict[str, Any] | None:
     if not isinstance(record, dict) or record.get("version") != RECORD_VERSION:
         return None
     return record
+
+
+def step_callback(context: Any) -> PeriodicEval | None:
+    """trainer/step_callbacks.py's factory: on when `data.eval_every_steps` > 0; each score
+    goes to the event log (`eval`), the log and MLflow."""
+    if not context.config.data.eval_every_steps:
+        return None
+
+    def scored(step: int, score: HoldoutScore) -> None:
+        context.events.emit(
+            "eval",
+            step=step,
+            loss=score.nats_per_token,
+            bits_per_byte=score.bits_per_byte,
+            tokens=score.tokens,
+        )
+        context.progress.on_eval(step, score.nats_per_token, score.bits_per_byte)
+
+    return PeriodicEval(context.model, context.config, context.device, scored, context.keepalive)

@@ -324,7 +324,7 @@ def folders(config: dict[str, Any] | None) -> tuple[Path | None, Path | None]:
     """The run's workdir and the fast tier's node-local folder, from a config dict."""
     if config is None:
         return None, None
-    from trainer.checkpointing.tier_slots import default_local_root
+    from trainer.checkpointing import default_local_root
 
     local_dir = config.get("checkpoint", {}).get("local_dir", "")
     return Path(config["run"]["workdir"]), (Path(local_dir) if local_dir else default_local_root())

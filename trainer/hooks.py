@@ -14,7 +14,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from trainer.checkpointing.tier_slots import CaptureCache
+    from trainer.checkpointing import CaptureCache
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -105,7 +105,7 @@ class TrainHooks:
     def capture_cache(self) -> CaptureCache:
         """Where the fast tier keeps its newest capture in memory: the resilience layer gives one
         that outlives the attempt (an in-process restart resumes from it); here, one per hooks."""
-        from trainer.checkpointing.tier_slots import CaptureCache
+        from trainer.checkpointing import CaptureCache
 
         cache = getattr(self, "_capture_cache", None)
         if cache is None:

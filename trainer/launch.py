@@ -318,7 +318,7 @@ def run_local_training(
     trainer_args = trainer_arguments(config.write(work / CONFIG_FILE))
     if new_run:
         mark_new_run(work)
-        from trainer.checkpointing.local_tier import forget_run
+        from trainer.checkpointing import forget_run
 
         forget_run(config.checkpoint.local_dir, config.checkpoint_dir())  # the previous run's fast tier
     log_path = work / "logs" / "train.log"

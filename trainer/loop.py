@@ -8,8 +8,10 @@ size: a run stopped after a checkpoint and resumed reaches the same weights as o
 never stopped, whatever the checkpoint mode. Checkpoint policy (resume, when to save, what
 a save holds) is `trainer.checkpointing.CheckpointManager`'s; the loop makes its four calls:
 `load()` at start-up, `maybe_wait_for_staging()` and `save()` every step, `close()`.
-What is not the step's math plugs in around it: `Callback.on_step_end` after each step (the
-resilience layers' watchdog pings and heartbeats), `Progress` (log line, live metrics),
+What is not the step's math plugs in around it: the loop extensions of
+trainer/step_callbacks.py (straggler detection, periodic evaluation, gradient-norm spikes),
+`Callback.on_step_end` after each step (the resilience layers' watchdog pings and
+heartbeats), `Progress` (log line, live metrics),
 `FaultInjector` (drills), `_StartupClock` (start-up phases), `_publish` (rank 0's summary,
 goodput report and MLflow figures).
 
@@ -36,9 +38,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from trainer import peer_abort, waiting
-from trainer.checkpointing import CheckpointManager, model_sha256, resume_expected
-from trainer.checkpointing.tier_slots import forget_rank, local_folder
+from trainer import peer_abort, step_callbacks, waiting
+from trainer.checkpointing import CheckpointManager, forget_rank, local_folder, model_sha256, resume_expected
 from trainer.config import OptimizerConfig, TrainConfig
 from trainer.data import DataError, StepSampler, check_tokenizer, load_tokens, split_files
 from trainer.determinism import apply_determinism
@@ -61,7 +62,6 @@ from trainer.parallelize import (
     training_device,
 )
 from trainer.progress import Progress
-from trainer.stragglers import StragglerMonitor
 from trainer.summary import TrainSummary
 from trainer.timeouts import watchdog_timeouts
 
@@ -240,20 +240,23 @@ class Trainer:
                 dist.get_rank(),
             ),
         )
-        r = config.resilience
-        self.stragglers = StragglerMonitor(
-            r.straggler_every_steps, r.straggler_threshold, device, self._stragglers
-        )
-        self.callbacks.insert(0, self.stragglers)  # collective: at the same steps on every rank
         # At 8B reading or drawing the weights outlasts the launcher's heartbeat timeout.
         with self.clock.phase("model_build_s"), self.hooks.keepalive():
             self._build_model(mesh)
-        if config.data.eval_every_steps:
-            from trainer.evaluation import PeriodicEval
-
-            self.callbacks.insert(
-                1, PeriodicEval(self.model, config, device, self._scored, self.hooks.keepalive)
+        # The loop extensions the config turns on (straggler detection, periodic evaluation, ...).
+        self.extensions = step_callbacks.build(
+            step_callbacks.LoopContext(
+                config,
+                self.rank,
+                self.world,
+                device,
+                self.model,
+                self.events,
+                self.progress,
+                self.hooks.keepalive,
             )
+        )
+        self.callbacks[:0] = self.extensions.values()  # before the given ones and the hooks
         with self.clock.phase("loader_s"):
             self._build_sampler()
         self.losses: list[tuple[int, float]] = []
@@ -409,7 +412,7 @@ class Trainer:
         # A save step's host capture ran beside this forward and backward; it must be
         # complete before the optimizer changes the weights in place.
         cast(CheckpointManager, self.checkpoints).maybe_wait_for_staging()
-        with self.stragglers.local_work(step):  # no collective in it: what the ranks compare
+        with step_callbacks.local_work(self.extensions, step):  # no collective in it
             self.injector.in_local_work(step)
             self.optimizer.step()
             self.scheduler.step()
@@ -462,26 +465,6 @@ class Trainer:
                 self.progress.on_restart(restarts[-1], len(restarts))
         return loop_start
 
-    def _stragglers(self, report: dict[str, Any]) -> None:
-        # The event names the slow ranks only: one line per window must not grow with the world.
-        slow = [report["ranks"][rank] for rank in report["slow"]]
-        worst = max((entry["relative"] for entry in report["ranks"]), default=1.0)
-        self.events.emit(
-            "stragglers", steps=report["steps"], threshold=report["threshold"], slow=report["slow"],
-            slow_ranks=slow, max_relative=worst,
-        )  # fmt: skip
-        self.progress.on_stragglers(report)
-
-    def _scored(self, step: int, score: Any) -> None:
-        self.events.emit(
-            "eval",
-            step=step,
-            loss=score.nats_per_token,
-            bits_per_byte=score.bits_per_byte,
-            tokens=score.tokens,
-        )
-        self.progress.on_eval(step, score.nats_per_token, score.bits_per_byte)
-
     def _record(self, result: StepResult) -> None:
         self.step_seconds += result.duration_s
         self.steps_run += 1
@@ -520,7 +503,7 @@ class Trainer:
             completed=final_step >= config.run.steps,
             stopped_by_signal=stopped_by_signal,
             steps_run=self.steps_run,
-            stragglers=self.stragglers.last,
+            **step_callbacks.summary_fields(self.extensions),
             final_loss=self.losses[-1][1] if self.losses else None,
             losses=[{"step": s, "loss": v} for s, v in self.losses],
             **cast(CheckpointManager, self.checkpoints).summary(loop_wall_s),

@@ -333,7 +333,7 @@ def _trace_train_step(
 
 def _host_capture_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """One fast-tier slot of this rank: its parameter and optimizer shards as the tier lays them out."""
-    from trainer.checkpointing.tier_slots import plan_state
+    from trainer.checkpointing import plan_state
 
     return plan_state(list(model.parameters()), optimizer, {}, None)[0].size
 

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from nvidia_resiliency_ext.inprocess import CallWrapper
 
 from trainer import diagnostics, env, peer_abort
-from trainer.checkpointing.tier_slots import CaptureCache
+from trainer.checkpointing import CaptureCache
 from trainer.config import TrainConfig
 from trainer.env import forked_rank
 from trainer.faults import record_fatal_error

@@ -105,3 +105,26 @@ class StragglerMonitor:
         self._first_step = None
         medians, hosts = [g[0] for g in gathered], [g[1] for g in gathered]
         return {"steps": window, "threshold": self.threshold, **scores(medians, hosts, self.threshold)}
+
+    def summary_fields(self) -> dict[str, Any]:
+        return {"stragglers": self.last}
+
+
+def step_callback(context: Any) -> StragglerMonitor | None:
+    """trainer/step_callbacks.py's factory: on when `resilience.straggler_every_steps` > 0;
+    rank 0 reports each window to the event log (`stragglers`), the log and MLflow."""
+    r = context.config.resilience
+    if not r.straggler_every_steps:
+        return None
+
+    def reported(report: dict[str, Any]) -> None:
+        # The event names the slow ranks only: one line per window must not grow with the world.
+        slow = [report["ranks"][rank] for rank in report["slow"]]
+        worst = max((entry["relative"] for entry in report["ranks"]), default=1.0)
+        context.events.emit(
+            "stragglers", steps=report["steps"], threshold=report["threshold"], slow=report["slow"],
+            slow_ranks=slow, max_relative=worst,
+        )  # fmt: skip
+        context.progress.on_stragglers(report)
+
+    return StragglerMonitor(r.straggler_every_steps, r.straggler_threshold, context.device, reported)

@@ -34,6 +34,7 @@ def chat_version(tmp_path_factory):
     assert has_chat_template(exported)
     uri = f"sqlite:///{root / 'mlflow.db'}"
     mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment("rtp-chat")  # this database's, not one an earlier test made active
     with mlflow.start_run():
         info = log_hf_model(exported, torch.float32)
     version = mlflow.register_model(info.model_uri, "rtp-chat")

@@ -292,6 +292,7 @@ def test_export_dtype_follows_the_source_config():
         resolve("auto", {"dtype": "float8_e4m3fn"})
 
 
+@pytest.mark.bench  # the smoke run of benchmarks/scale_register.py (make test-slow)
 def test_the_benchmark_reports_both_paths_at_two_sizes(tmp_path):
     from benchmarks import scale_register
 

@@ -136,10 +136,7 @@ def restart_story(summary: dict, workdir: Path, lines: int = 150) -> str:
     """For an assertion's message: each restart's kind and mechanism, then the log lines
     that name an error. An unexpected restart on the CI machine is otherwise undiagnosable
     once its folder is gone."""
-    restarts = [
-        (r["kind"], r["mechanism"], r["fault_step"], r["resumed_step"], r["diagnostics"])
-        for r in summary.get("restarts", [])
-    ]
+    restarts = summary.get("restarts", [])  # whole: cause, detection, steps redone, diagnostics
     log = Path(workdir) / "logs" / "train.log"
     text = log.read_text(errors="replace").splitlines() if log.exists() else []
     marks = ("Error", "error", "Exception", "restart", "Timeout", "timed out")
@@ -150,7 +147,12 @@ def restart_story(summary: dict, workdir: Path, lines: int = 150) -> str:
         in_traceback = line.startswith("Traceback") or (in_traceback and line.startswith(" "))
         if in_traceback or any(mark in line for mark in marks):
             errors.append(line[:300])
-    return "restarts: " + repr(restarts) + "\nlog lines:\n" + "\n".join(errors[-lines:])
+    return (
+        "restarts: "
+        + json.dumps(restarts, indent=1, default=str)
+        + "\nlog lines:\n"
+        + "\n".join(errors[-lines:])
+    )
 
 
 PLAIN_STEPS, PLAIN_EVERY = 16, 4

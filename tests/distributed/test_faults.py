@@ -78,11 +78,12 @@ CASES = {
 def test_each_fault_kind_is_recovered_exactly(case, dataset_dir, tmp_path, fault_free, run_mark):
     faults = CASES[case]
     summary = train(dataset_dir, tmp_path, steps=STEPS, every=EVERY, overrides=FAST, faults=faults)
-    assert summary["completed"] and summary["steps"] == STEPS
-    assert summary["model_sha256"] == fault_free["model_sha256"]
+    story = restart_story(summary, tmp_path)  # every assertion below prints it when it fails
+    assert summary["completed"] and summary["steps"] == STEPS, story
+    assert summary["model_sha256"] == fault_free["model_sha256"], story
     kinds = [fault.split("@")[0] for fault in faults]
     assert [(r["kind"], r["mechanism"]) for r in summary["restarts"]] == [(k, MECHANISM[k]) for k in kinds], (
-        restart_story(summary, tmp_path)
+        story
     )
     resumes = [e for e in events(tmp_path) if e["kind"] == "resume"]
     assert resumes and all(e.get("tier") == "local" for e in resumes), resumes
@@ -92,9 +93,9 @@ def test_each_fault_kind_is_recovered_exactly(case, dataset_dir, tmp_path, fault
         # killed rank's newest file may be one step older (copy and file are written beside
         # the step the kill interrupted).
         oldest = restart["fault_step"] - (1 if restart["mechanism"] == "inprocess" else 2)
-        assert oldest <= restart["resumed_step"] <= restart["fault_step"], restart
-        assert restart["steps_redone"] <= 1, restart
-        assert restart["downtime_s"] > 0 and restart["startup_s"] >= 0
+        assert oldest <= restart["resumed_step"] <= restart["fault_step"], story
+        assert restart["steps_redone"] <= 1, story
+        assert restart["downtime_s"] > 0 and restart["startup_s"] >= 0, story
         # The restarted ranks of a hard fault are forked from the node's pre-imported process
         # (the rtp_prefork launcher plugin; they wait for it while it imports), and still
         # resume exactly. (Soft faults run in the rank harness, whose ranks are all forked.)
@@ -107,12 +108,14 @@ def test_each_fault_kind_is_recovered_exactly(case, dataset_dir, tmp_path, fault
     for restart in summary["restarts"]:
         # The cause as the restart machinery saw it (trainer/restart_causes.py).
         if restart["kind"] == "hang":  # rank 1's watchdog, or rank 0 waiting on it in the loss all-reduce
-            assert restart["cause"] in ("soft_timeout", "collective_timeout"), restart
+            assert restart["cause"] in ("soft_timeout", "collective_timeout"), story
         if restart["kind"] == "exception":
-            assert restart["cause_detail"].startswith("exception InjectedFault on rank 1"), restart
+            assert restart["cause_detail"].startswith("exception InjectedFault on rank 1"), story
         if restart["kind"] == "hang":
             # Detected without anyone stepping in, within the configured timeouts.
-            assert restart["detection_s"] is not None and restart["detection_s"] < 30  # the hard timeout
+            assert restart["detection_s"] is not None and restart["detection_s"] < 30, (
+                story
+            )  # the hard timeout
     if "sigkill-during-save" in kinds:
         verify_checkpoint(Path(summary["checkpoint"]), verify_hashes=True)
     for restart in summary["restarts"]:

@@ -17,7 +17,7 @@ from components.stage_data.stage import StageError, TransferSettings, s3_client,
 from tests.integration.fault_proxy import FaultProxy
 
 # One Ceph cluster per session: under `make test`'s two workers these run on the same one.
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("ceph-rgw")]
+pytestmark = pytest.mark.integration
 
 MIB = 2**20
 SMALL_OBJECTS = 40

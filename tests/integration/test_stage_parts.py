@@ -18,7 +18,7 @@ from components.stage_data.stage import StageError, stage_dataset
 from tests.integration.test_stage_ceph import SETTINGS, _assert_snapshot, _seed
 
 # One Ceph cluster per session: under `make test`'s two workers these run on the same one.
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("ceph-rgw")]
+pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -18,6 +18,16 @@ def test_the_import_contracts_are_kept():
     assert "0 broken" in result.stdout
 
 
+def test_no_benchmark_imports_rtp_cli_even_in_code_it_runs_as_a_string():
+    # import-linter reads import statements; a child process's source in a string is text to it.
+    # Running `python -m rtp_cli.main` as a user would is fine; importing it is not.
+    import re
+
+    pattern = re.compile(r"^\s*(from rtp_cli[.\s]|import rtp_cli\b)", re.MULTILINE)
+    found = [path.name for path in (ROOT / "benchmarks").glob("*.py") if pattern.search(path.read_text())]
+    assert found == []
+
+
 def test_the_byte_lm_model_hash_is_pinned():
     # Checkpoints store model_hash and a resume compares it: the value must never move.
     from trainer.config import build_config

@@ -13,10 +13,14 @@
   `latest_committed_checkpoint`; no training state, usable from a single process.
 - `fingerprint`: SHA-256 of the weights, what the exactness checks compare.
 
+The rest of the trainer imports only the names below (an import-linter contract in
+pyproject.toml); `storage` is public too, for single-process readers of checkpoints.
+
 Importing this package does not import NVRx.
 """
 
 from trainer.checkpointing.fingerprint import model_sha256, state_dict_sha256
+from trainer.checkpointing.local_tier import forget_run
 from trainer.checkpointing.manager import WRITERS, CheckpointManager, efficiency_pct, resume_expected
 from trainer.checkpointing.storage import (
     CheckpointError,
@@ -25,18 +29,31 @@ from trainer.checkpointing.storage import (
     read_meta,
     verify_checkpoint,
 )
+from trainer.checkpointing.tier_slots import (
+    CaptureCache,
+    default_local_root,
+    forget_rank,
+    local_folder,
+    plan_state,
+)
 from trainer.checkpointing.writer import CheckpointWriter, SaveRecord
 
 __all__ = [
     "WRITERS",
+    "CaptureCache",
     "CheckpointError",
     "CheckpointManager",
     "CheckpointWriter",
     "SaveRecord",
+    "default_local_root",
     "efficiency_pct",
+    "forget_rank",
+    "forget_run",
     "latest_committed_checkpoint",
     "load_model_weights",
+    "local_folder",
     "model_sha256",
+    "plan_state",
     "read_meta",
     "resume_expected",
     "state_dict_sha256",
