@@ -1,8 +1,10 @@
 """The one place that reads environment variables inside a training rank.
 
 torchrun and ft_launcher describe the rank through standard variables (RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT), which `torch.distributed.init_process_group` reads itself; the
-trainer needs only the local rank, to pick its GPU.
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, and ft_launcher's rank
+monitor socket); Kubernetes adds the pod's address; MLflow's secret its variables. Modules
+that set variables for processes they start (trainer/launch.py, determinism, diagnostics,
+gpu_defaults) write them where they build that environment.
 """
 
 from __future__ import annotations
@@ -25,9 +27,48 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def local_world_size() -> int:
+def local_world_size(default: int = 1) -> int:
     """Ranks on this machine (they share its memory)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return int(os.environ.get("LOCAL_WORLD_SIZE", str(default)))
+
+
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun / ft_launcher per worker group
+FT_SOCKET = "FT_RANK_MONITOR_IPC_SOCKET"  # present when ft_launcher runs this rank
+
+
+def master_addr() -> str:
+    """Rank 0's host (the store server's); KeyError outside a launcher."""
+    return os.environ[MASTER_ADDR]
+
+
+def master_port() -> int:
+    """The store server's port; KeyError outside a launcher."""
+    return int(os.environ[MASTER_PORT])
+
+
+def master_port_or_none() -> int | None:
+    try:
+        return int(os.environ.get(MASTER_PORT, ""))
+    except ValueError:
+        return None
+
+
+def launcher_restart() -> int:
+    """Worker-group restarts by the launcher before this process."""
+    return int(os.environ.get(RESTART_COUNT, "0"))
+
+
+def under_ft_launcher() -> bool:
+    """Whether ft_launcher's rank monitor watches this rank (its socket is set)."""
+    return bool(os.environ.get(FT_SOCKET))
+
+
+def replica_host() -> str:
+    """The address peers reach this pod at, when set (`RTP_REPLICA_HOST`, else Kubernetes'
+    `POD_IP`); empty: none set."""
+    return os.environ.get("RTP_REPLICA_HOST") or os.environ.get("POD_IP") or ""
 
 
 MLFLOW_TRACKING_URI = "MLFLOW_TRACKING_URI"

@@ -32,6 +32,8 @@ import socket
 import threading
 from collections.abc import Iterator
 
+from trainer import env
+
 log = logging.getLogger(__name__)
 
 _FD_DIR = "/proc/self/fd"
@@ -157,11 +159,8 @@ def shutdown_tracked() -> int:
 def _store_ports() -> set[int]:
     """The store server's port (MASTER_PORT: the training and NVRx's stores share it): a
     store created inside a `tracking()` block (plain `init_process_group`) is never shut down."""
-    try:
-        base = int(os.environ.get("MASTER_PORT", ""))
-    except ValueError:
-        return set()
-    return {base}
+    base = env.master_port_or_none()
+    return set() if base is None else {base}
 
 
 def forget() -> None:

@@ -36,7 +36,6 @@ import contextlib
 import datetime
 import logging
 import math
-import os
 import socket
 import threading
 import time
@@ -61,10 +60,6 @@ from trainer.timeouts import StepTimeouts, watchdog_timeouts
 
 log = logging.getLogger(__name__)
 
-MASTER_ADDR = "MASTER_ADDR"
-MASTER_PORT = "MASTER_PORT"
-RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun / ft_launcher per worker group
-FT_SOCKET = "FT_RANK_MONITOR_IPC_SOCKET"  # present when ft_launcher runs this rank
 LAST_CALL_WAIT_S = 0.2
 MONITOR_PROCESS_INTERVAL_S = 0.25
 PROGRESS_WATCHDOG_INTERVAL_S = 1.0
@@ -97,7 +92,7 @@ class _LauncherClient:
         self.last_beat = -math.inf
         self.timeouts: StepTimeouts | None = None  # the in-process layer's, when learned
         self.lock = threading.Lock()
-        if os.environ.get(FT_SOCKET):
+        if env.under_ft_launcher():
             from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
 
             self.client = RankMonitorClient()
@@ -206,7 +201,7 @@ class _Hooks(TrainHooks):
     def attempt(self) -> Attempt:
         return Attempt(
             inprocess_iteration=self.iteration,
-            launcher_restart=int(os.environ.get(RESTART_COUNT, "0")),
+            launcher_restart=env.launcher_restart(),
             inprocess_enabled=self.call_wrapper is not None,
             launcher="ft_launcher" if self.launcher.client is not None else "other",
             fault_detected_at=self.detected_at,
@@ -347,9 +342,9 @@ def _wait_until_listening(port: int, timeout_s: float = 60.0) -> None:
     connections (or after `timeout_s`; the store's own timeout then applies). A store client
     that connects before the server listens retries after a back-off of its own, which a
     restarted group would wait at each of rank 0's two stores; polling costs nothing."""
-    if int(os.environ["RANK"]) == 0:
+    if env.rank() == 0:
         return
-    host = os.environ[MASTER_ADDR]
+    host = env.master_addr()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -362,12 +357,12 @@ def _wait_until_listening(port: int, timeout_s: float = 60.0) -> None:
 def _app_store(config: TrainConfig) -> dist.TCPStore:
     """One store for every attempt's process group; each attempt uses its own key prefix.
     Multi-tenant: the wrapper's store in this process joins the same server."""
-    _wait_until_listening(int(os.environ[MASTER_PORT]))
+    _wait_until_listening(env.master_port())
     return dist.TCPStore(
-        host_name=os.environ[MASTER_ADDR],
-        port=int(os.environ[MASTER_PORT]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-        is_master=int(os.environ["RANK"]) == 0,
+        host_name=env.master_addr(),
+        port=env.master_port(),
+        world_size=env.world_size(),
+        is_master=env.rank() == 0,
         multi_tenant=True,
         wait_for_workers=True,
         timeout=datetime.timedelta(seconds=max(60.0, config.resilience.collective_timeout_s)),
@@ -403,7 +398,7 @@ def fault_tolerance(
     except Exception as exc:
         if config.resilience.inprocess_restarts == 0:  # else the wrapper's teardown noted it
             at = time.time()
-            restart = int(os.environ.get(RESTART_COUNT, "0"))
+            restart = env.launcher_restart()
             write_note(
                 config.run.workdir,
                 cause_of(exc, env.rank()),
@@ -507,7 +502,7 @@ def _wrapper(config: TrainConfig, restarts: _Restarts) -> Any:
         def __call__(self, state: Any) -> Any:
             # Where each thread was, then (peers released) the collectives, before the groups go.
             folder = diagnostics.diagnostics_dir(
-                config.run.workdir, f"restart{os.environ.get(RESTART_COUNT, '0')}-attempt{state.iteration}"
+                config.run.workdir, f"restart{env.launcher_restart()}-attempt{state.iteration}"
             )
             wrote = diagnostics.dump_stacks(folder, env.rank())
             peer_abort.shutdown_tracked()
@@ -530,7 +525,7 @@ def _wrapper(config: TrainConfig, restarts: _Restarts) -> Any:
             write_note(
                 config.run.workdir,
                 restarts.cause,
-                launcher_restart=int(os.environ.get(RESTART_COUNT, "0")),
+                launcher_restart=env.launcher_restart(),
                 iteration=state.iteration,
                 rank=env.rank(),
                 at=restarts.detected_at["at"],
@@ -544,11 +539,11 @@ def _wrapper(config: TrainConfig, restarts: _Restarts) -> Any:
 
     return inprocess.Wrapper(
         # The training store's server (already listening): its keys and the wrapper's differ.
-        store_kwargs={"port": int(os.environ[MASTER_PORT]), "multi_tenant": True},
+        store_kwargs={"port": env.master_port(), "multi_tenant": True},
         # A rank that died (SIGKILL, OOM) is the launcher's to handle: never go on with a
         # smaller world; give up so ft_launcher restarts the whole group.
         initialize=inprocess.initialize.RetryController(
-            max_iterations=r.inprocess_restarts + 1, min_world_size=int(os.environ["WORLD_SIZE"])
+            max_iterations=r.inprocess_restarts + 1, min_world_size=env.world_size()
         ),
         abort=_AbortPeers(),
         finalize=_RecordRestart(),

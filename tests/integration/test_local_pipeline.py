@@ -131,6 +131,11 @@ def test_validate_decided_from_the_training_ranks_record_of_the_final_weights(lo
     assert validate["holdout_loss"] == record["loss"]
 
 
+# make test-slow: what it proves at whole-system scale, make test proves in parts — the train
+# step's resume (tests/distributed/test_resume.py), the unchanged snapshot staged again
+# (tests/integration/test_stage_ceph.py), the refusal of a finished run name
+# (tests/unit/test_train_contract.py).
+@pytest.mark.slow
 def test_the_same_run_name_again_resumes_from_its_checkpoint(local_run, mlflow_server, local_tmpdir):
     """`rtp local --run-name e2e` a second time, two steps further, resumes from the first
     run's last checkpoint instead of starting over. Last in this module: it adds two steps to
@@ -160,6 +165,11 @@ def test_the_same_run_name_again_resumes_from_its_checkpoint(local_run, mlflow_s
     assert "embedded S3" not in refused.stdout  # nothing was started
 
 
+# make test-slow: staging a registered version and warm-starting from it
+# (tests/components/test_registry_source.py), a version's lineage tags
+# (tests/components/test_register.py) and the champion's score beside the new one
+# (tests/components/test_validate_champion.py) are in make test.
+@pytest.mark.slow
 def test_a_run_from_the_registered_champion_continues_its_training(local_run, mlflow_server, local_tmpdir):
     """`rtp local --model-source models:/rtp-e2e@champion --run-name second` in the same work dir
     and MLflow: the champion of the first run is staged from the registry and trained further,

@@ -75,7 +75,7 @@ def test_no_norm_is_judged_before_enough_were_seen():
 
 
 def test_a_factor_that_would_flag_ordinary_steps_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match="grad_spike_factor must be 0 .off. or above 1"):
+    with pytest.raises(ConfigError, match=r"grad_spike_factor must be 0 \(off\) or above 1"):
         step_callbacks.build(context(tmp_path, "resilience.grad_spike_factor=0.5"))
 
 

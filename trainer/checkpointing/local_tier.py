@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainer import env
 from trainer.checkpointing import replicas as peer_copies
 from trainer.checkpointing import tier_format as fmt
 from trainer.checkpointing import tier_restore, tier_resume
@@ -99,7 +100,7 @@ class LocalTier:
         self.checksum_s = 0.0  # spent checksumming captures for their files
         self._memory_only_said = False
         world = dist.get_world_size()
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        local_world = env.local_world_size(default=world)
         grid = slots.mesh_grid(self.params)
         self.twins = tier_restore.twins_of(grid) if grid else {}  # HSDP: who holds this rank's state too
         self.sends_to, self.holds_for = peer_copies.peers(

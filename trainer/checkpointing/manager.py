@@ -365,7 +365,6 @@ class CheckpointManager:
             self.final_drain_s = time.perf_counter() - started
             # The last step's durable checkpoint is committed: the fast tier is of no more use.
             self.local.close(discard=self.writer.writes_checkpoints)
-            self.local.close()
             self.writer.close()
             self.hooks.untrack(self)
         self.teardown_s = time.perf_counter() - started - self.final_drain_s

@@ -38,6 +38,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from trainer import env
+
 log = logging.getLogger(__name__)
 
 REPLICA_FILE = re.compile(r"^replica_rank_(\d+)_step_(\d+)_on_(\d+)\.pt$")
@@ -70,8 +72,7 @@ def listen_host(world: int, local_world: int) -> str:
     reach this pod at (`RTP_REPLICA_HOST`, `POD_IP`, or the host name's address)."""
     if world <= local_world:
         return "127.0.0.1"
-    explicit = os.environ.get("RTP_REPLICA_HOST") or os.environ.get("POD_IP")
-    return explicit or socket.gethostbyname(socket.gethostname())
+    return env.replica_host() or socket.gethostbyname(socket.gethostname())
 
 
 def held_replicas(folder: Path, holder: int, owners: list[int]) -> dict[int, dict[int, Path]]:
