@@ -295,7 +295,7 @@ class TokenStream:
             else:
                 mapped, array = self._mapped(index)
                 dest[:from_data] = array[position : position + from_data]
-                _unmap_pages(mapped, position * segment.dtype.itemsize, from_data * segment.dtype.itemsize)
+                unmap_pages(mapped, position * segment.dtype.itemsize, from_data * segment.dtype.itemsize)
         if from_data < dest.size:  # the separator after a byte file: the only token past its data
             dest[from_data] = self._separator
 
@@ -313,7 +313,7 @@ class TokenStream:
         return self._maps[index]
 
 
-def _unmap_pages(mapped: mmap.mmap, offset: int, size: int) -> None:
+def unmap_pages(mapped: mmap.mmap, offset: int, size: int) -> None:
     """Drop the pages around `[offset, offset + size)` from this process (not from the page cache)."""
     page = mmap.PAGESIZE
     begin = max(0, (offset - FAULT_AROUND_BYTES) // page * page)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import mmap
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.data import SHARD_INDEX_NAME, DataError, read_manifest
+from trainer.data import MAX_OPEN_FILES, SHARD_INDEX_NAME, DataError, read_manifest, unmap_pages
 
 FORMAT = "rtp-example-shards"
 _MIX = np.uint64(0x9E3779B97F4A7C15)
@@ -52,45 +53,66 @@ class _Shard:
     dtype: np.dtype
 
 
+MAX_MAPPED_SHARDS = MAX_OPEN_FILES // 3
+"""Shards mapped at once (three files each): a 300 GB corpus has thousands, past the usual
+limit of 1,024 open descriptors; the least recently read is unmapped first."""
+
+
 def _map(path: Path, dtype: np.dtype) -> np.ndarray:
-    with path.open("rb") as handle:
+    with path.open("rb") as handle:  # mmap keeps its own descriptor
         if path.stat().st_size == 0:
             return np.empty(0, dtype=dtype)
         mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
     return np.frombuffer(mapped, dtype=dtype)
 
 
+def _copied(array: np.ndarray, begin: int, end: int) -> np.ndarray:
+    """`array[begin:end]` copied out of its mapping, whose pages around it are then dropped from
+    this process (they stay in the page cache): a rank's memory does not grow with the examples read."""
+    out = np.array(array[begin:end])
+    if isinstance(array.base, mmap.mmap) and end > begin:
+        unmap_pages(array.base, begin * array.itemsize, (end - begin) * array.itemsize)
+    return out
+
+
 class ExampleSet:
-    """The examples of one side of an example-shard snapshot, memory-mapped (never read whole)."""
+    """The examples of one side of an example-shard snapshot, memory-mapped (never read whole):
+    at most `MAX_MAPPED_SHARDS` shards mapped at once, each example copied out."""
 
     def __init__(self, shards: list[_Shard]) -> None:
         if not shards:
             raise DataError("no example shards on this side of the split")
         self._shards = shards
         self._starts = np.cumsum([0] + [s.examples for s in shards], dtype=np.int64)
-        self._maps: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._maps: OrderedDict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
 
     def __len__(self) -> int:
         return int(self._starts[-1])
 
     def _mapped(self, shard: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        if shard not in self._maps:
-            s = self._shards[shard]
-            offsets = _map(s.offsets, np.dtype("<i8"))
-            if offsets.size != s.examples + 1:
-                raise DataError(
-                    f"{s.offsets} holds {offsets.size - 1} examples, index.json says {s.examples}"
-                )
-            self._maps[shard] = (_map(s.ids, s.dtype), _map(s.mask, np.dtype("u1")), offsets)
+        if shard in self._maps:
+            self._maps.move_to_end(shard)
+            return self._maps[shard]
+        s = self._shards[shard]
+        offsets = _map(s.offsets, np.dtype("<i8"))
+        if offsets.size != s.examples + 1:
+            raise DataError(f"{s.offsets} holds {offsets.size - 1} examples, index.json says {s.examples}")
+        self._maps[shard] = (_map(s.ids, s.dtype), _map(s.mask, np.dtype("u1")), offsets)
+        if len(self._maps) > MAX_MAPPED_SHARDS:
+            self._maps.popitem(last=False)  # unmapped when the last reference goes
         return self._maps[shard]
 
+    def open_shards(self) -> int:
+        """Shards mapped now."""
+        return len(self._maps)
+
     def example(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, mask) of example `index` (views into the mapped files)."""
+        """(ids, mask) of example `index`, copied out of the mapped files."""
         shard = int(np.searchsorted(self._starts, index, side="right")) - 1
         ids, mask, offsets = self._mapped(shard)
         local = index - int(self._starts[shard])
         begin, end = int(offsets[local]), int(offsets[local + 1])
-        return ids[begin:end], mask[begin:end]
+        return _copied(ids, begin, end), _copied(mask, begin, end)
 
 
 def example_index(dataset_dir: str | Path) -> dict[str, Any] | None:

@@ -307,3 +307,44 @@ def test_a_token_snapshot_is_not_example_shards(tmp_path, model_dir):
     )
     with pytest.raises(DataError, match=r"holds no example shards .* `rtp prepare-data --format chat"):
         load_examples(snapshot)
+
+
+def test_many_shards_are_read_with_a_bounded_number_mapped(model_dir, tmp_path, monkeypatch):
+    """A large corpus has thousands of shards: reading examples from all of them keeps at most
+    MAX_MAPPED_SHARDS mapped (three descriptors each), and every example reads the same as
+    when each shard was mapped on its own."""
+    import os
+
+    from trainer import examples_data
+
+    monkeypatch.setattr(examples_data, "MAX_MAPPED_SHARDS", 3)
+    records = [
+        {
+            "messages": [
+                {"role": "user", "content": f"{i} times two?"},
+                {"role": "assistant", "content": f"{2 * i}"},
+            ]
+        }
+        for i in range(60)
+    ]
+    index = write_example_shards(
+        write_chat(tmp_path / "in", records),
+        tmp_path / "out",
+        model_dir,
+        chat_template=CHATML,
+        shard_bytes=64,
+    )
+    train, _, _ = load_examples(snapshot(tmp_path / "out"))
+    shards = len([s for s in index["shards"] if s["split"] == "train"])
+    assert shards > 10, index["shards"]  # many more shards than may be mapped
+    descriptors = len(os.listdir("/proc/self/fd"))
+    read = [train.example(i) for i in range(len(train))] + [
+        train.example(i) for i in reversed(range(len(train)))
+    ]
+    assert train.open_shards() <= 3
+    assert len(os.listdir("/proc/self/fd")) <= descriptors + 3 * 3
+    # The same tokens and masks as a set that maps every shard afresh (copies, not views of
+    # mappings that were since dropped).
+    alone = [load_examples(tmp_path / "out")[0].example(i) for i in range(len(train))]
+    for (ids, mask), (ids_alone, mask_alone) in zip(read, alone + alone[::-1], strict=True):
+        assert ids.tolist() == ids_alone.tolist() and mask.tolist() == mask_alone.tolist()

@@ -33,7 +33,9 @@ def context(tmp_path, *overrides: str) -> step_callbacks.LoopContext:
 
 
 def result(step: int, grad_norm: float | None) -> StepResult:
-    return StepResult(step=step, loss=1.0, lr=1e-3, duration_s=0.01, grad_norm=grad_norm, stop_requested=False)
+    return StepResult(
+        step=step, loss=1.0, lr=1e-3, duration_s=0.01, grad_norm=grad_norm, stop_requested=False
+    )
 
 
 def test_the_config_decides_which_extensions_run_in_registry_order(tmp_path):
@@ -44,7 +46,11 @@ def test_the_config_decides_which_extensions_run_in_registry_order(tmp_path):
     on = step_callbacks.build(
         context(tmp_path, "resilience.straggler_every_steps=4", "resilience.grad_spike_factor=10")
     )
-    assert list(on) == [name for name, _ in step_callbacks.REGISTRY if name in on] == ["stragglers", "grad_spikes"]
+    assert (
+        list(on)
+        == [name for name, _ in step_callbacks.REGISTRY if name in on]
+        == ["stragglers", "grad_spikes"]
+    )
     # What the extensions add to the summary: the straggler report (empty before a window ends).
     assert step_callbacks.summary_fields(on) == {"stragglers": {}}
 
