@@ -446,23 +446,31 @@ class Trainer:
 
     def _start_loop(self) -> float:
         """Collective: the loop's start (perf_counter) once every rank is ready."""
-        with self.clock.phase("gc_s"):
-            _freeze_startup_objects(self.attempt)
-        with self.clock.phase("barrier_s"):
-            # Start-up took different times on each rank; the short timeout starts even.
-            waiting.barrier()
-        set_collective_timeout(self.config.resilience.collective_timeout_s)
-        loop_start = time.perf_counter()
-        startup_s = loop_start - self.clock.started
-        self.events.emit("resumed", step=self.last_step, startup_s=startup_s, phases=self.clock.phases)
-        if self.rank == 0 and self.last_step > 0:
-            self.progress.backfill(self.workdir, self.last_step)
-        if self.rank == 0 and self.attempt.is_restart:
-            from trainer import goodput
+        # Until the first step, no step end heart-beats: a busy node, or a peer still starting,
+        # must not look like a hang to the watchdog or ft_launcher (seen: a restarted group
+        # killed after 15 s without heartbeats here).
+        with self.hooks.keepalive():
+            with self.clock.phase("gc_s"):
+                _freeze_startup_objects(self.attempt)
+            with self.clock.phase("barrier_s"):
+                # Start-up took different times on each rank; the short timeout starts even.
+                waiting.barrier()
+            loop_start = time.perf_counter()
+            startup_s = loop_start - self.clock.started
+            self.events.emit("resumed", step=self.last_step, startup_s=startup_s, phases=self.clock.phases)
+            if self.rank == 0 and self.last_step > 0:
+                self.progress.backfill(self.workdir, self.last_step)
+            if self.rank == 0 and self.attempt.is_restart:
+                from trainer import goodput
 
-            restarts = goodput.analyze_run(self.workdir, time.time())["restarts"]
-            if restarts:  # what the restart cost, for the log and MLflow
-                self.progress.on_restart(restarts[-1], len(restarts))
+                restarts = goodput.analyze_run(self.workdir, time.time())["restarts"]
+                if restarts:  # what the restart cost, for the log and MLflow
+                    self.progress.on_restart(restarts[-1], len(restarts))
+            if self.last_step > 0 or self.attempt.is_restart:
+                # Rank 0 read the run's history meanwhile: the others wait here, under the
+                # start-up timeout, not in the first step's collectives under the loop's.
+                waiting.barrier()
+        set_collective_timeout(self.config.resilience.collective_timeout_s)
         return loop_start
 
     def _record(self, result: StepResult) -> None:

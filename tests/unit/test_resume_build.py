@@ -253,11 +253,31 @@ def test_the_model_build_runs_under_the_keepalive(hf_inputs, tmp_path, monkeypat
             return _function(*args, **kwargs)
 
         monkeypatch.setattr(hf_causal_lm, name, recording)
+    # And the loop's start: until its first step no step end heart-beats.
+    from trainer import loop
+    from trainer.progress import Progress
+
+    freeze, backfill = loop._freeze_startup_objects, Progress.backfill
+    monkeypatch.setattr(
+        loop,
+        "_freeze_startup_objects",
+        lambda *a: (seen.append(("loop start", hooks.depth > 0)), freeze(*a))[1],
+    )
+    monkeypatch.setattr(
+        Progress, "backfill", lambda *a: (seen.append(("backfill", hooks.depth > 0)), backfill(*a))[1]
+    )
 
     _train(_config(tmp_path, _hf(hf_inputs), "run.stop_after_steps=2"), hooks)
     _train(_config(tmp_path, _hf(hf_inputs), "run.steps=3"), hooks)  # resumed at step 2
 
-    assert seen == [("load_pretrained", True), ("_init_buffers", True), ("_init_buffers", True)]
+    assert seen == [
+        ("load_pretrained", True),
+        ("_init_buffers", True),
+        ("loop start", True),
+        ("_init_buffers", True),
+        ("loop start", True),
+        ("backfill", True),  # rank 0 reads the run's history before the others start stepping
+    ]
 
 
 def test_resume_is_expected_from_a_committed_checkpoint_a_capture_in_memory_or_a_tier_file(

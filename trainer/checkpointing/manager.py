@@ -152,12 +152,13 @@ class CheckpointManager:
         its trained parameters hold no values yet; called when nothing is restored after all,
         before the run starts fresh."""
         started = time.perf_counter()
+        # The load, and starting NVRx's writer process on a busy node, can outlast a heartbeat timeout.
         with self.hooks.keepalive():
             step = self._load_latest(init_trained)
-        self.load_s = time.perf_counter() - started
-        self.hooks.track(self)  # from here on a restart must abandon it
-        started = time.perf_counter()
-        self.writer.start(background)
+            self.load_s = time.perf_counter() - started
+            self.hooks.track(self)  # from here on a restart must abandon it
+            started = time.perf_counter()
+            self.writer.start(background)
         self.start_s = time.perf_counter() - started
         return step
 
