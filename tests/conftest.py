@@ -18,6 +18,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -142,6 +143,30 @@ def pytest_configure(config: pytest.Config) -> None:
 
 LAUNCHING_FIXTURES = frozenset({"plain_two_rank_run", "trained_run"})
 """Shared fixtures that train (whichever test asks first runs them): their users launch."""
+
+
+SAME_WORKER = {
+    "tests/integration/test_stage_ceph.py": "ceph-rgw",
+    "tests/integration/test_stage_parts.py": "ceph-rgw",
+}
+"""Modules run on one worker, as one unit: they share a session's service (one Ceph RGW, which
+takes ~25 s to start, instead of one per worker)."""
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadfile`, with the modules of `SAME_WORKER` as one unit. (pytest-xdist's
+    `loadgroup` marks have no effect under pytest 9.2: it renames `item._nodeid`, which pytest
+    no longer reads.)"""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return SAME_WORKER.get(module, module)
+
+    return Scheduling(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
