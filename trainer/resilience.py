@@ -131,10 +131,12 @@ class _LauncherClient:
         if learn or self.steps_seen == 1 or now - self.last_beat >= HEARTBEAT_INTERVAL_S:
             self._beat(now)
         if learn:  # enough samples of step time to learn from
-            self.client.calculate_and_set_hb_timeouts(skip_if_not_ready=True)
-            self._apply_floor()
+            with self.lock:
+                self.client.calculate_and_set_hb_timeouts(skip_if_not_ready=True)
+                self._apply_floor()
 
     def _apply_floor(self) -> None:
+        """Under `lock`."""
         state = self.client.state_dict()
         beats = state.get(self.client.CURRENT_TIMEOUTS_STATE_KEY, {}).get("heartbeat")
         if not beats:
@@ -154,17 +156,23 @@ class _LauncherClient:
             self.client.load_state_dict({self.client.CURRENT_TIMEOUTS_STATE_KEY: {"heartbeat": floored}})
 
     def state_dict(self) -> dict[str, Any]:
-        return (
-            dict(self.client.state_dict()) if self.client is not None and self.client.is_initialized else {}
-        )
+        if self.client is None or not self.client.is_initialized:
+            return {}
+        with self.lock:  # one message at a time on the rank monitor's socket (keep-alive beats)
+            return dict(self.client.state_dict())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.client is not None and state:
-            self.client.load_state_dict(state)
+            # Called on resume, under the keep-alive: a heartbeat sent meanwhile from its thread
+            # interleaved with this message on the socket ("invalid load key" in the rank
+            # monitor, which then heard nothing more and killed the group 60 s later).
+            with self.lock:
+                self.client.load_state_dict(state)
 
     def close(self) -> None:
         if self.client is not None and self.client.is_initialized:
-            self.client.shutdown_workload_monitoring()
+            with self.lock:
+                self.client.shutdown_workload_monitoring()
 
 
 class _Hooks(TrainHooks):
