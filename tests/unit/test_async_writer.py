@@ -287,3 +287,29 @@ def threading_name() -> str:
     import threading
 
     return threading.current_thread().name
+
+
+def test_a_restarted_attempt_reads_its_own_write_results_after_a_manager_call_was_cut_in_half(tmp_path):
+    """NVRx's in-process restart raises into the main thread again and again: one raise
+    between a Manager call's request and its reply leaves the main thread's connection a
+    reply behind, and a save the restart abandoned may have posted its results already.
+    The next attempt's writer still warms up in the background and finalizes its own."""
+    from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
+
+    from trainer import waiting
+    from trainer.checkpointing import nvrx_compat
+    from trainer.checkpointing.nvrx_writer import NvrxAsyncWriter
+
+    nvrx_compat.new_calls_queue()  # the abandoned attempt's
+    stale = filesystem_async._results_queue
+    waiting.off_main_thread("killed-save", stale.put, RuntimeError("an abandoned save's results"))
+    stale.qsize()  # the main thread's connection to the Manager
+    stale._tls.connection.send((stale._id, "qsize", (), {}))  # its reply is never read
+    writer = NvrxAsyncWriter(tmp_path, 1, 0, lambda record: None)
+    try:
+        writer.start(background=True)
+        writer.finalize()  # the warm-up's
+        assert not writer.warming_up and not (tmp_path / ".warm-up").exists()
+    finally:
+        writer.close()
+        stale._tls.connection.recv()  # in step again, for the tests after this one

@@ -24,12 +24,17 @@ the writer itself (`nvrx_writer`) reads the same on CPU and GPU:
    scratch folder at start-up (all ranks, like a real save), then deletes it.
 One more point holds on CPU and GPU alike:
 
-5. Stale write results after a restart. Writers report their results through one
-   process-wide queue (`filesystem_async._results_queue`). A save abandoned by an
-   in-process restart may already have posted its results; the next save's finalize would
-   read them instead of its own and commit metadata that lacks this rank's shards (its
-   `.metadata` would name only the other ranks' chunks). `discard_stale_results`
-   empties the queue once the abandoned writer is dead.
+5. Write results across in-process restarts. Writers report through one process-wide
+   queue (`filesystem_async._results_queue`, a Manager's). A save abandoned by a restart
+   may already have posted its results, which the next save's finalize would read instead
+   of its own. And NVRx raises its restart into the main thread again and again until the
+   thread reaches the wrapper (`inprocess/monitor_thread.py`, `MonitorThread.run`: `while
+   not self.stop_raising.is_set(): async_abort_main_thread()`): one landing between a
+   Manager call's request and its reply leaves the reply in that thread's connection, and
+   every later call on it reads the reply of the call before (seen: every later attempt's
+   warm-up read "results_queue should not be empty" beside its own result). So each
+   attempt reads a queue of its own (`new_calls_queue`), and the rank calls the Manager
+   from threads of their own only, never the main thread.
 7. Orphans. That queue lives in a Manager process NVRx spawns on first use; a rank killed
    with SIGKILL leaves it (and multiprocessing's resource tracker) running forever. The
    queue is created here first, by a Manager that asks to die with its rank. The persistent
@@ -146,24 +151,25 @@ class CpuSafePersistentAsyncCaller(core.PersistentAsyncCaller):
 _results_manager: Any = None
 
 
-def _results_queue_that_dies_with_the_rank() -> None:
-    """(7) Create NVRx's process-wide write-results queue before it does."""
+def _results_queue_of_this_attempt() -> None:
+    """(5) A write-results queue for this attempt only; (7) from a Manager that dies with the rank."""
     global _results_manager
-    if filesystem_async._results_queue is not None:
-        return
-    from multiprocessing.managers import SyncManager
+    if _results_manager is None:
+        from multiprocessing.managers import SyncManager
 
-    from trainer.lifecycle import die_with_parent
+        from trainer.lifecycle import die_with_parent
 
-    manager = SyncManager(ctx=torch.multiprocessing.get_context("spawn"))  # NVRx's context
-    manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
-    _results_manager = manager  # keep it referenced: a collected manager shuts down
-    filesystem_async._results_queue = manager.Queue()
+        # On the main thread: Linux sends the death signal when the thread that started it ends.
+        manager = SyncManager(ctx=torch.multiprocessing.get_context("spawn"))  # NVRx's context
+        manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+        _results_manager = manager  # keep it referenced: a collected manager shuts down
+    filesystem_async._results_queue = waiting.off_main_thread("rtp-ckpt-results", _results_manager.Queue)
 
 
 def new_calls_queue() -> core.AsyncCallsQueue:
-    """A persistent-worker queue whose caller is safe on CPU (and unchanged on CUDA)."""
-    _results_queue_that_dies_with_the_rank()
+    """A persistent-worker queue whose caller is safe on CPU (and unchanged on CUDA), with
+    a write-results queue of its own."""
+    _results_queue_of_this_attempt()
     calls = core.AsyncCallsQueue(persistent=True)
     calls.persistent_caller = CpuSafePersistentAsyncCaller()
     return calls
@@ -211,25 +217,15 @@ def warm_up(calls: core.AsyncCallsQueue, scratch_dir: Path, wait: bool = True) -
     tiny_state = {f"warm_up_rank_{dist.get_rank()}": torch.zeros(1)}
     writer, metadata, dist_wrapper = save_state_dict_async_plan(tiny_state, writer)
     save_fn, _preload_fn, save_args = writer.get_save_function_and_args()
-    finalize = partial(save_state_dict_async_finalize, writer, metadata, dist_wrapper)
+    # (5) It reads the results queue: not on the main thread.
+    finalize = partial(
+        waiting.off_main_thread, "rtp-ckpt-warm-up", save_state_dict_async_finalize, writer, metadata, dist_wrapper
+    )
     # (2) The tiny state is on the host: nothing to preload, and no CUDA in the worker.
     calls.schedule_async_request(CpuSafeAsyncRequest(save_fn, save_args, [finalize], preload_fn=None))
     if wait:
         calls.maybe_finalize_async_calls(blocking=True)
         finish_warm_up(scratch_dir)
-
-
-def discard_stale_results() -> int:
-    """(5) Drop results an abandoned save left in the shared queue; returns how many."""
-    queue = filesystem_async._results_queue
-    dropped = 0
-    while queue is not None:
-        try:
-            queue.get_nowait()
-        except Exception:  # queue.Empty from the Manager proxy, or the Manager is gone
-            break
-        dropped += 1
-    return dropped
 
 
 def finish_warm_up(scratch_dir: Path) -> None:

@@ -459,9 +459,7 @@ class NvrxAsyncWriter(CheckpointWriter):
                     caller.process.kill()  # it ignores SIGTERM (lifecycle.children_ignore_sigterm)
                     caller.process.join(timeout=10)
                 caller.process = None
-            from trainer.checkpointing import nvrx_compat
-
-            nvrx_compat.discard_stale_results()
+            # Results it may have posted stay in this attempt's queue (`nvrx_compat`, 5).
             self._calls.async_calls.clear()
             self._calls = None
         self._group = None
