@@ -219,7 +219,12 @@ def warm_up(calls: core.AsyncCallsQueue, scratch_dir: Path, wait: bool = True) -
     save_fn, _preload_fn, save_args = writer.get_save_function_and_args()
     # (5) It reads the results queue: not on the main thread.
     finalize = partial(
-        waiting.off_main_thread, "rtp-ckpt-warm-up", save_state_dict_async_finalize, writer, metadata, dist_wrapper
+        waiting.off_main_thread,
+        "rtp-ckpt-warm-up",
+        save_state_dict_async_finalize,
+        writer,
+        metadata,
+        dist_wrapper,
     )
     # (2) The tiny state is on the host: nothing to preload, and no CUDA in the worker.
     calls.schedule_async_request(CpuSafeAsyncRequest(save_fn, save_args, [finalize], preload_fn=None))
