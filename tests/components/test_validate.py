@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from components.validate_checkpoint.validate import report_markdown, validate_checkpoint
-from trainer.checkpointing.storage import CheckpointError, commit, prepare_staging, save_checkpoint
+from trainer.checkpointing.storage import (
+    CheckpointError,
+    commit,
+    prepare_staging,
+    rank_state,
+    save_checkpoint,
+)
 from trainer.config import build_config
 from trainer.models import model_spec
 
@@ -96,7 +102,7 @@ def test_optimizer_state_is_required_only_when_resuming_is_intended(single_rank_
 
     config = build_config("tiny-cpu")
     model = model_spec("byte-lm").build(config.model, torch.device("cpu"))
-    staging, final = prepare_staging(tmp_path, 1, rank_extra={})
+    staging, final = prepare_staging(tmp_path, 1, rank_state({}))
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(staging))
     commit(staging, final, 1, meta={"config": config.to_dict()})
     result = validate_checkpoint(str(final), str(dataset_dir), 10.0)

@@ -15,5 +15,5 @@ if __name__ == "__main__":  # the writer is spawned: it imports this module agai
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     writer = NvrxAsyncWriter(Path(sys.argv[1]), 2, 0, lambda record: None)
-    writer.start(background=True)
+    writer.open(background=True)
     os.kill(os.getpid(), signal.SIGKILL)

@@ -307,9 +307,9 @@ def test_a_restarted_attempt_reads_its_own_write_results_after_a_manager_call_wa
     stale._tls.connection.send((stale._id, "qsize", (), {}))  # its reply is never read
     writer = NvrxAsyncWriter(tmp_path, 1, 0, lambda record: None)
     try:
-        writer.start(background=True)
-        writer.finalize()  # the warm-up's
-        assert not writer.warming_up and not (tmp_path / ".warm-up").exists()
+        writer.open(background=True)
+        writer.wait("committed")  # the warm-up's
+        assert not (tmp_path / ".warm-up").exists()  # finalized, then removed
     finally:
         writer.close()
         stale._tls.connection.recv()  # in step again, for the tests after this one

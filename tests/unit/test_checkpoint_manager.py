@@ -200,7 +200,7 @@ def test_a_periodic_save_is_skipped_while_a_restarted_writer_starts_but_a_final_
     from trainer.checkpointing.torch_writers import SyncWriter
 
     starting = {"now": False}
-    monkeypatch.setattr(SyncWriter, "warming_up", property(lambda self: starting["now"]))
+    monkeypatch.setattr(SyncWriter, "_still_warming_up", lambda self: starting["now"])
     model, optimizer = _trained_model()
     manager = _manager(tmp_path, "sync", model, optimizer)
     manager.load(background=True)
@@ -232,7 +232,7 @@ def test_an_async_save_whose_writer_process_died_fails_instead_of_waiting_foreve
             manager.save(step, last_step=False, loss=1.0)
         manager.maybe_wait_for_staging()  # hands the save to its finisher
         with pytest.raises(CheckpointError, match="writer process died"):
-            manager.writer.finalize()
+            manager.writer.wait("committed")
         assert not list((tmp_path / "checkpoints").glob("step_*[0-9]"))  # nothing committed
     finally:
         manager.abandon()

@@ -133,7 +133,7 @@ def test_a_deletion_cut_short_leaves_no_torn_checkpoint_that_looks_committed(tmp
     with pytest.raises(_Killed):
         apply_retention(tmp_path, keep_last=1)
     with pytest.raises(_Killed):
-        storage.prepare_staging(tmp_path, 3, {})  # a re-save of step 3 replaces it
+        storage.prepare_staging(tmp_path, 3, storage.rank_state({}))  # a re-save of step 3 replaces it
     monkeypatch.undo()
     for _, folder in storage.committed_steps(tmp_path):
         verify_checkpoint(folder, verify_hashes=True)
@@ -143,7 +143,7 @@ def test_a_deletion_cut_short_leaves_no_torn_checkpoint_that_looks_committed(tmp
 
 def test_manifest_takes_shard_hashes_from_sidecars_and_drops_them(tmp_path):
     model, optimizer = _trained_model()
-    staging, final = storage.prepare_staging(tmp_path, 1, {})
+    staging, final = storage.prepare_staging(tmp_path, 1, storage.rank_state({}))
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -230,15 +230,19 @@ def _two_rank_saves(rank: int, store_path: str, root: str, out_dir: str) -> None
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(storage, "sha256_file", recorded_sha256_file)
             writer = SyncWriter(Path(root), keep_last=5, keep_every=0, on_commit=lambda record: None)
-            writer.start(background=False)
-            staging, final = storage.prepare_staging(root, 1, {"position": 1})
-            now = time.perf_counter()
+            writer.open(background=False)
+            staging, final = storage.staging_paths(root, 1)
             record = SaveRecord(step=1, mode="sync", blocked_s=0.0)
             pending = PendingSave(
-                record=record, staging=staging, final=final, meta={}, started_at=now, queued_at=now
+                record=record,
+                staging=staging,
+                final=final,
+                meta={},
+                rank_state=storage.rank_state({"position": 1}),
+                started_at=time.perf_counter(),
             )
             model_state, optim_state = get_state_dict(model, optimizer)
-            writer.start_save({"model": model_state, "optim": optim_state}, pending)
+            writer.save({"model": model_state, "optim": optim_state}, pending)
             writer.close()
             in_sync = list(hashed)
             hashed.clear()

@@ -47,7 +47,7 @@ def _save_step_3(manager, last: bool) -> None:
     """Step 3's save as the loop makes it, and its commit waited for."""
     manager.save(3, last_step=last, loss=1.0)
     manager.maybe_wait_for_staging()
-    manager.writer.finalize()
+    manager.writer.wait("committed")
 
 
 def _committed(tmp_path) -> list[int]:

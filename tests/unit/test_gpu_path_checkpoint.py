@@ -69,7 +69,7 @@ def test_blocking_checkpoint_work_runs_inside_the_keepalive(tmp_path, monkeypatc
 
     hooks = _RecordingHooks()
     seen: dict[str, int] = {}
-    real_save, real_load, real_start = SyncWriter.start_save, storage_module.load_checkpoint, SyncWriter.start
+    real_save, real_load, real_start = SyncWriter._write, storage_module.load_checkpoint, SyncWriter.open
 
     def start(self, background):
         seen["start"] = hooks.depth  # NVRx's writer process may take long to start on a busy node
@@ -83,8 +83,8 @@ def test_blocking_checkpoint_work_runs_inside_the_keepalive(tmp_path, monkeypatc
         seen["load"] = hooks.depth
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(SyncWriter, "start_save", save)
-    monkeypatch.setattr(SyncWriter, "start", start)
+    monkeypatch.setattr(SyncWriter, "_write", save)
+    monkeypatch.setattr(SyncWriter, "open", start)
     monkeypatch.setattr(storage_module, "load_checkpoint", load)
     model, optimizer = _trained_model()
     manager = _manager(tmp_path, "sync", model, optimizer, hooks=hooks)

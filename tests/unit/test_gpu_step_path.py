@@ -188,18 +188,21 @@ def test_torch_async_stages_every_save_through_the_same_stager_into_the_same_buf
     writer = torch_writers.TorchAsyncWriter(
         Path(tmp_path), keep_last=5, keep_every=0, on_commit=lambda r: None
     )
-    writer.start(background=False)
+    writer.open(background=False)
     weights = {"w": torch.arange(1000, dtype=torch.float32)}
     for step in (1, 2):
         weights["w"] += 1
-        staging_dir, final = storage.prepare_staging(tmp_path, step, {})
-        now = time.perf_counter()
+        staging_dir, final = storage.staging_paths(tmp_path, step)
         record = SaveRecord(step=step, mode="torch-async", blocked_s=0.0)
         pending = PendingSave(
-            record=record, staging=staging_dir, final=final, meta={}, started_at=now, queued_at=now
+            record=record,
+            staging=staging_dir,
+            final=final,
+            meta={},
+            rank_state=storage.rank_state({}),
+            started_at=time.perf_counter(),
         )
-        writer.finalize()  # as the manager does: the previous save commits before the next stages
-        writer.start_save({"model": dict(weights)}, pending)
+        assert writer.save({"model": dict(weights)}, pending) == "queued"  # the previous one committed first
     writer.close()
     assert len(stagers) == 2 and stagers[0] is stagers[1]
     assert buffers[0] and buffers[0] == buffers[1]  # the second save reused the first's host buffers

@@ -34,8 +34,8 @@ from torch import nn
 
 from trainer import env
 from trainer.checkpointing import replicas as peer_copies
+from trainer.checkpointing import storage, tier_restore, tier_resume
 from trainer.checkpointing import tier_format as fmt
-from trainer.checkpointing import tier_restore, tier_resume
 from trainer.checkpointing import tier_slots as slots
 from trainer.checkpointing.slot_refs import Lease
 from trainer.checkpointing.tier_interval import CaptureInterval
@@ -226,11 +226,8 @@ class LocalTier:
             "identity": dict(self.identity),
             "groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
             "scheduler": self.scheduler.state_dict(),
-            "torch_rng": torch.get_rng_state(),
         }
-        if torch.cuda.is_available():
-            meta["cuda_rng"] = torch.cuda.get_rng_state()
-        return meta
+        return storage.rank_state(meta)  # with the RNG states
 
     def _slots_ready(self, plan: slots.Plan, wait: bool) -> bool:
         """Whether a capture of `plan` may be queued now: its slot is made by the capture

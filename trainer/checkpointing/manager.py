@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer import waiting
-from trainer.checkpointing import slot_refs, storage
+from trainer.checkpointing import storage
 from trainer.checkpointing import tier_slots as slots
 from trainer.checkpointing.fingerprint import model_sha256
 from trainer.checkpointing.local_tier import LocalTier
@@ -104,19 +104,10 @@ class CheckpointManager:
         # A LoRA run's adapters and the base they apply to (None: full training), once per attempt.
         self.adapters = adapter_identity(config)
         self._queued: list[SaveRecord] = []  # queued by the writer, not yet told to `on_queued`
-        self.writer = WRITERS[settings.mode](
-            self.root,
-            settings.keep_last,
-            settings.keep_every_steps,
-            self._on_commit,
-            on_queued=self._queued.append,
-            keepalive=hooks.keepalive,
-        )
         self.records: list[SaveRecord] = []
         self.durable_step = 0  # the newest committed durable checkpoint this attempt knows of
         self.resumed_durable_step = 0
         self.local_tier_s = 0.0
-        self._prepared = False  # `save()` has offered the writer the state's layout
         self.deferred_saves: list[int] = []
         self.local = LocalTier(
             every_steps=settings.local_every_steps,
@@ -135,6 +126,16 @@ class CheckpointManager:
             replicas=settings.local_replicas,
             cache=hooks.capture_cache(),
         )
+        self.writer = WRITERS[settings.mode](
+            self.root,
+            settings.keep_last,
+            settings.keep_every_steps,
+            self._on_commit,
+            on_queued=self._queued.append,
+            keepalive=hooks.keepalive,
+            prepare_captures=self.local.prepare_for_saves,
+        )
+        self._last_step = 0  # the step of the latest `save()` call
         self.resumed_from: str | None = None
         self.load_s = 0.0
         self.start_s = 0.0
@@ -158,7 +159,7 @@ class CheckpointManager:
             self.load_s = time.perf_counter() - started
             self.hooks.track(self)  # from here on a restart must abandon it
             started = time.perf_counter()
-            self.writer.start(background)
+            self.writer.open(background)
         self.start_s = time.perf_counter() - started
         return step
 
@@ -251,7 +252,7 @@ class CheckpointManager:
         copy (and the fast tier's) ran beside forward and backward and must be complete
         before the optimizer changes the weights in place."""
         self.local_tier_s += self.local.before_optimizer_step()
-        self.writer.wait_for_staging()
+        self.writer.wait("staged")
         self._report_queued()
 
     def save(self, step: int, last_step: bool, loss: float) -> SaveRecord | None:
@@ -259,26 +260,16 @@ class CheckpointManager:
         is a checkpoint step or `last_step` (the attempt's last step, or a stop was
         requested), and commit a finished save as soon as all ranks agree. Returns the
         record of a save begun now, else None."""
+        self._last_step = step
         record = self._maybe_save(step, loss, last_step)
-        self.writer.poll()
-        if not self._prepared:
-            # After the attempt's first step the state's layout is known: a slot for the
-            # saves' captures is made ahead (with the tier on, the captures make theirs).
-            self._prepared = True
-            if self.writer.reads_captures:
-                self.local.prepare_for_saves()
+        self.writer.wait("step")
         return record
 
     def _maybe_save(self, step: int, loss_value: float, final: bool) -> SaveRecord | None:
-        due = (final or step % self.settings.every_steps == 0) and self.writer.writes_checkpoints
-        previous = max(self.resumed_durable_step, self.records[-1].step if self.records else 0)
-        if due and self.writer.defers(step, final, previous, self.settings.every_steps):
-            self.deferred_saves.append(step)
-            self.events.emit("checkpoint_deferred", step=step, reason="writer starting")
-            due = False
-        if not due:
+        if not (final or step % self.settings.every_steps == 0):
             self._capture(step, for_save=False)
             return None
+        previous = max(self.resumed_durable_step, self.records[-1].step if self.records else 0)
         meta = {
             "config": self.config.to_dict(),
             "model_hash": self.config.model_hash(),
@@ -288,10 +279,32 @@ class CheckpointManager:
             **{name: state.state_dict() for name, state in self.states.items()},
             "sampler": self.sampler.state_dict(next_step=step + 1),  # read by every rank's resume
         }
-        rank_extra = {"sampler": self.sampler.state_dict(next_step=step + 1)}
+        staging, final_dir = storage.staging_paths(self.root, step)
+        record = SaveRecord(step=step, mode=self.writer.mode, blocked_s=0.0, path=str(final_dir))
+        pending = PendingSave(
+            record,
+            staging,
+            final_dir,
+            meta,
+            # RNG and loader state, taken on the training thread at the save's step.
+            rank_state=storage.rank_state({"sampler": self.sampler.state_dict(next_step=step + 1)}),
+            started_at=time.perf_counter(),
+            last=final,
+            deferrable=not final and previous > 0 and step - previous <= self.settings.every_steps,
+            during_write=None if self.during_save is None else functools.partial(self.during_save, step),
+        )
+        pending.lend = functools.partial(self._lend, pending)
         # Waits for the previous write, writes a sync save whole: the progress signals go on.
         with self.hooks.keepalive():
-            record = self._save(step, meta, rank_extra, last=final)
+            outcome = self.writer.save(storage.training_state_dict(self.model, self.optimizer), pending)
+            if pending.lease is None:  # the writer did not write from the fast tier's capture
+                self._capture(step, for_save=False)
+            if outcome != "queued":
+                if outcome == "deferred":
+                    self.deferred_saves.append(step)
+                    self.events.emit("checkpoint_deferred", step=step, reason="writer starting")
+                return None
+            self.records.append(record)
             fields = (
                 {"weights_sha256": model_sha256(self.model)} if self.settings.record_weight_hashes else {}
             )
@@ -310,41 +323,11 @@ class CheckpointManager:
             self.local_tier_s += time.perf_counter() - started
         return lease
 
-    def _save(self, step: int, meta: dict[str, Any], rank_extra: dict[str, Any], last: bool) -> SaveRecord:
-        began = time.perf_counter()
-        self.writer.finalize()  # the previous save commits first: its slot or buffers are reused
-        previous_wait_s = time.perf_counter() - began
-        state = self._state_dict()
-        capture_began = time.perf_counter()
-        # The last save is written from the live state, except that device tensors need a host copy.
-        lease = self._capture(
-            step, for_save=self.writer.reads_captures and (not last or slot_refs.holds_device_tensors(state))
-        )
-        # Blocked since `began`, less the capture: that is the tier's time.
-        started = began + (time.perf_counter() - capture_began)
-        staging, final, state_of_rank = self.writer.stage(step, rank_extra)
-        record = SaveRecord(
-            step=step,
-            mode=self.writer.mode,
-            blocked_s=0.0,
-            previous_wait_s=previous_wait_s,
-            path=str(final),
-        )
-        pending = PendingSave(
-            record,
-            staging,
-            final,
-            meta,
-            started_at=started,
-            queued_at=started,
-            last=last,
-            rank_state=state_of_rank,
-            lease=lease,
-            during_write=None if self.during_save is None else functools.partial(self.during_save, step),
-        )
-        self.writer.start_save(state, pending)
-        self.records.append(record)
-        return record
+    def _lend(self, pending: PendingSave) -> None:
+        """`PendingSave.lend`: the capture's time is the tier's (`local_tier_s`), not the save's."""
+        started = time.perf_counter()
+        pending.lease = self._capture(pending.record.step, for_save=True)
+        pending.started_at += time.perf_counter() - started
 
     def _report_queued(self) -> None:
         """Tells `on_queued` of the saves the writer queued, after their event is logged."""
@@ -354,18 +337,15 @@ class CheckpointManager:
             for record in queued:
                 self.on_queued(record.step)
 
-    def _state_dict(self) -> dict[str, Any]:
-        return storage.training_state_dict(self.model, self.optimizer)
-
     def close(self) -> None:
         """Collective, at the end of the loop: the last checkpoint is committed (the run's
         result is durable), then the writer is stopped."""
         started = time.perf_counter()
         with self.hooks.keepalive():  # the attempt's last save is written here
-            self.writer.finalize()
+            self.writer.wait("committed")
             self.final_drain_s = time.perf_counter() - started
-            # The last step's durable checkpoint is committed: the fast tier is of no more use.
-            self.local.close(discard=self.writer.writes_checkpoints)
+            # A durable checkpoint of the last step leaves the fast tier of no more use.
+            self.local.close(discard=self.durable_step == self._last_step > 0)
             self.writer.close()
             self.hooks.untrack(self)
         self.teardown_s = time.perf_counter() - started - self.final_drain_s
@@ -375,7 +355,7 @@ class CheckpointManager:
         process group is gone, e.g. before an in-process restart); the save in progress is
         never committed. Safe to call again if interrupted."""
         self.local.close(flush=False)
-        self.writer.abandon()
+        self.writer.close(commit=False)
         self.hooks.untrack(self)
 
     def summary(self, loop_wall_s: float) -> dict[str, Any]:

@@ -2,22 +2,22 @@
 
 NVRx 0.4.1's persistent writer process with the DCP plan / background write / finalize
 split of `FileSystemWriterAsync`. A save writes the host capture of its step, lent by the
-host-state engine (`local_tier.Lease`); its tensors reach the worker as references into
+host-state engine (`PendingSave.lend`); its tensors reach the worker as references into
 the slot file (`slot_refs`). The writer's planner thread waits for the capture, plans the
 write and sends it to the worker while the next step's forward and backward run;
-`wait_for_staging()`, before every `optimizer.step()`, waits for the planner if it is
+`wait("staged")`, before every `optimizer.step()`, waits for the planner if it is
 still running and then starts the save's *finisher* thread. The finisher waits for the
 worker to report the write done, gathers every rank's write results over the writer's own
 gloo group (NVRx's finalize, with the request numbers compared), and on rank 0 writes
-DCP's metadata and commits; `poll()` (every step) only looks whether it ended, and
-reports the commit from the loop. The next save or `finalize()` joins it.
+DCP's metadata and commits; `wait("step")` only looks whether it ended, and reports the
+commit from the loop. The next save or `wait("committed")` joins it.
 
 NVRx's own finalizing (`AsyncCallsQueue.maybe_finalize_async_calls`) runs collectives on
 the loop at every step; it is used for the start-up warm-up only (docs/checkpointing.md).
 What 0.4.1 needs on a CPU build lives in `nvrx_compat`.
 
 The attempt's last save (its last step, or a stop was requested) has no step to hide a
-background write behind: `finalize()` writes it in this process with NVRx's bucket writer
+background write behind: `wait("committed")` writes it in this process with NVRx's bucket writer
 (from the live state on the host, from the lent capture on a GPU), into the same layout,
 with the same shard hashes and commit, and without the hand-offs to other threads and
 processes.
@@ -31,7 +31,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -39,17 +38,16 @@ import torch.multiprocessing
 
 from trainer import lifecycle, peer_abort, waiting
 from trainer.checkpointing import slot_refs, storage
-from trainer.checkpointing.writer import CheckpointWriter, PendingSave
+from trainer.checkpointing.writer import CheckpointWriter, PendingSave, Until
 
 # nvidia_resiliency_ext (and `nvrx_compat`, which imports it) is imported inside the methods:
 # the other modes never pay for it.
 
 
 class NvrxAsyncWriter(CheckpointWriter):
-    """`async`: returns from `start_save()` once the save's planning is queued."""
+    """`async`: returns from `save()` once the save's planning is queued."""
 
     mode = "async"
-    reads_captures = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -68,8 +66,9 @@ class NvrxAsyncWriter(CheckpointWriter):
         self._committing = False
         self._warming_up = False
         self._last_state: dict[str, Any] | None = None
+        self._stepped = False  # a step ended: the captures' slot may be made ahead
 
-    def start(self, background: bool) -> None:
+    def open(self, background: bool) -> None:
         from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import (
             CheckpointMetadataCache,
         )
@@ -90,7 +89,7 @@ class NvrxAsyncWriter(CheckpointWriter):
             nvrx_compat.warm_up(self._calls, self.root / ".warm-up", wait=not background)
         self._warming_up = background
 
-    def start_save(self, state: dict[str, Any], pending: PendingSave) -> None:
+    def _write(self, state: dict[str, Any], pending: PendingSave) -> None:
         """Queue the save's planning: the planner thread waits for the lent capture, plans
         the write over it and sends it to the writer process, while the loop is still in
         forward and backward; the loop registers it for finalizing in `_hand_off()`, before
@@ -98,7 +97,10 @@ class NvrxAsyncWriter(CheckpointWriter):
         plans from all ranks; later ones reuse NVRx's cached plan) over the writer's own
         gloo group, never the loop's.
 
-        The attempt's last save (`pending.last`) is only remembered: `finalize()` writes it."""
+        The attempt's last save (`pending.last`) is only remembered: `wait("committed")`
+        writes it (from the lent capture only where the state is on a device)."""
+        if pending.lend is not None and (not pending.last or slot_refs.holds_device_tensors(state)):
+            pending.lend()
         if pending.last:
             self._pending = self._handoff = pending
             self._last_state = state
@@ -108,9 +110,7 @@ class NvrxAsyncWriter(CheckpointWriter):
         from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
 
         if pending.lease is None or self._planner is None:
-            raise RuntimeError(
-                "an async save needs the host capture of its step (CheckpointManager lends it)"
-            )
+            raise RuntimeError("an async save needs the host capture of its step (PendingSave.lend)")
         writer = FileSystemWriterAsync(str(pending.staging))
         # NVRx numbers requests in the order every rank schedules them; taken here, on the loop.
         self._calls.call_idx += 1
@@ -163,17 +163,21 @@ class NvrxAsyncWriter(CheckpointWriter):
         pending.queued_at = time.perf_counter()
         return partial(self._finish, writer, metadata, dist_wrapper, pending, call_idx, save_fn is not None)
 
-    @property
-    def warming_up(self) -> bool:
+    def _still_warming_up(self) -> bool:
         return self._warming_up
 
-    def stage(self, step: int, rank_extra: dict[str, Any]) -> tuple[Path, Path, dict[str, Any] | None]:
-        """The RNG state is taken now; the folder is made later, by the planner thread or
-        `_write_last()` (`_stage`)."""
-        staging, final = storage.staging_paths(self.root, step)
-        return staging, final, storage.rank_state(rank_extra)
+    def wait(self, until: Until) -> None:
+        if until == "staged":
+            self._wait_staged()
+        elif until == "step":
+            self._poll()
+            if not self._stepped and self.prepare_captures is not None:
+                self.prepare_captures()  # the state's layout is known after the first step
+            self._stepped = True
+        else:
+            self._finalize()
 
-    def wait_for_staging(self) -> None:
+    def _wait_staged(self) -> None:
         """Completes the hand-off of a save captured and planned while forward and backward
         ran (waiting for the planner if needed), then reports it queued."""
         pending = self._handoff
@@ -190,10 +194,7 @@ class NvrxAsyncWriter(CheckpointWriter):
     def _stage(self, pending: PendingSave) -> None:
         """The staging folder and this rank's RNG/loader file; a barrier over the writer's
         group."""
-        assert pending.rank_state is not None
-        storage.prepare_staging(
-            self.root, pending.record.step, {}, state=pending.rank_state, group=self._group
-        )
+        storage.prepare_staging(self.root, pending.record.step, pending.rank_state, group=self._group)
 
     def _hand_off(self) -> None:
         if self._last_state is not None:
@@ -237,7 +238,7 @@ class NvrxAsyncWriter(CheckpointWriter):
         """The finisher thread, on every rank: wait for this rank's write, gather all ranks'
         write results over the writer's group (the request numbers must match), then rank 0
         writes DCP's `.metadata` and commits (fsyncs, manifest, rename, retention). The loop
-        learns of the commit in `poll()` or `finalize()`."""
+        learns of the commit in `wait("step")` or `wait("committed")`."""
         from torch.distributed.checkpoint import CheckpointException
         from torch.distributed.checkpoint.utils import _get_failure_dict
 
@@ -306,7 +307,7 @@ class NvrxAsyncWriter(CheckpointWriter):
         pending.record.write_s = time.perf_counter() - pending.queued_at
         self.on_commit(pending.record)
 
-    def poll(self) -> None:
+    def _poll(self) -> None:
         """Cheap and without collectives for saves: reports a save whose finisher ended
         (the ranks may learn of it a step apart; each commit is reported once per rank).
         During a background warm-up it finalizes the warm-up save (NVRx's collective check)."""
@@ -330,7 +331,7 @@ class NvrxAsyncWriter(CheckpointWriter):
         self._warming_up = False
         nvrx_compat.finish_warm_up(self.root / ".warm-up")
 
-    def finalize(self) -> None:
+    def _finalize(self) -> None:
         if self._warming_up:
             self._wait_for_writer()
             self._finish_warm_up()
@@ -346,8 +347,8 @@ class NvrxAsyncWriter(CheckpointWriter):
         Planned like every save (NVRx's cached plan, the writer's group), written bucket by
         bucket by NVRx's own bucket writer in this process, then finalized and committed
         as `_finish` does. Any earlier save was committed before this one started
-        (`manager._save`), and the state is the live one: nothing changed it since
-        `start_save()`. Host tensors are written as they are; device tensors from the host
+        (`CheckpointWriter.save`), and the state is the live one: nothing changed it since
+        `save()`. Host tensors are written as they are; device tensors from the host
         capture of the step."""
         from torch.distributed.checkpoint import CheckpointException
         from torch.distributed.checkpoint.utils import _get_failure_dict
@@ -409,8 +410,16 @@ class NvrxAsyncWriter(CheckpointWriter):
             if not self._calls.maybe_finalize_async_calls(blocking=False):
                 time.sleep(0.005)
 
-    def close(self) -> None:
-        """Also stops the writer process."""
+    def close(self, commit: bool = True) -> None:
+        """Also stops the writer process.
+
+        Without `commit`, safe to call again after being interrupted half-way (an in-process
+        restart raises asynchronously into the main thread): each step is re-checked, and
+        the writer process is forgotten only once it is dead, so NVRx's `close()`/`__del__`
+        never waits on a writer that can no longer answer."""
+        if not commit:
+            self._abandon()
+            return
         super().close()
         if self._planner is not None:
             self._planner.close()
@@ -422,13 +431,8 @@ class NvrxAsyncWriter(CheckpointWriter):
             dist.destroy_process_group(self._group)
             self._group = None
 
-    def abandon(self) -> None:
-        """The staging folder is never committed.
-
-        Safe to call again after being interrupted half-way (an in-process restart raises
-        asynchronously into the main thread): each step is re-checked, and the writer
-        process is forgotten only once it is dead, so NVRx's `close()`/`__del__` never waits
-        on a writer that can no longer answer."""
+    def _abandon(self) -> None:
+        """The staging folder is never committed."""
         for pending in (self._pending, self._handoff, self._finishing):
             if pending is not None:
                 _release(pending)

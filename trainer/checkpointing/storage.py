@@ -302,6 +302,13 @@ def rank_state(extra: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
+def restore_rng(state: dict[str, Any]) -> None:
+    """The RNG states `rank_state` took (a save's rank file, a fast-tier capture)."""
+    torch.set_rng_state(state["torch_rng"])
+    if "cuda_rng" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng"])
+
+
 def staging_paths(root: str | Path, step: int) -> tuple[Path, Path]:
     """(staging, final) folders of step `step`'s save."""
     final = step_dir(Path(root), step)
@@ -309,15 +316,10 @@ def staging_paths(root: str | Path, step: int) -> tuple[Path, Path]:
 
 
 def prepare_staging(
-    root: str | Path,
-    step: int,
-    rank_extra: dict[str, Any],
-    *,
-    state: dict[str, Any] | None = None,
-    group: dist.ProcessGroup | None = None,
+    root: str | Path, step: int, state: dict[str, Any], *, group: dist.ProcessGroup | None = None
 ) -> tuple[Path, Path]:
     """Collective over `group` (default: all ranks): an empty `step_<N>.tmp/` with this
-    rank's RNG/loader state in it (`state`, taken earlier with `rank_state`, or now).
+    rank's RNG/loader state in it (`state`, taken at the save's step with `rank_state`).
 
     Returns (staging, final). A leftover staging folder (a save that died) is discarded,
     and so is a committed folder of the same step (re-saving after resuming from older).
@@ -325,8 +327,6 @@ def prepare_staging(
     base = Path(root)
     rank = dist.get_rank()
     staging, final = staging_paths(base, step)
-    if state is None:
-        state = rank_state(rank_extra)
     if rank == 0:
         base.mkdir(parents=True, exist_ok=True)
         if staging.exists():
@@ -380,7 +380,7 @@ def save_checkpoint(
 ) -> SaveResult:
     """Collective, synchronous: returns once the checkpoint is committed everywhere."""
     started = time.perf_counter()
-    staging, final = prepare_staging(root, step, rank_extra)
+    staging, final = prepare_staging(root, step, rank_state(rank_extra))
     with shard_records_without_crc32():
         dcp.save(training_state_dict(model, optimizer), checkpoint_id=str(staging))
     write_hash_sidecars(staging, dist.get_rank())
@@ -432,9 +432,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
                 f"{rank_file} holds more than tensors and numbers; refusing to unpickle it "
                 f"({str(exc).splitlines()[0]})"
             ) from None
-        torch.set_rng_state(rank_state["torch_rng"])
-        if "cuda_rng" in rank_state and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rank_state["cuda_rng"])
+        restore_rng(rank_state)
     return {"meta": read_meta(folder), "rank_state": rank_state}
 
 

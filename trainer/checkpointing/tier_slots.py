@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from trainer.checkpointing import storage
 from trainer.checkpointing import tier_format as fmt
 
 HEAD_FILE = re.compile(r"^rank_(\d+)_step_(\d+)_slot_([01])\.head$")
@@ -331,6 +332,4 @@ def load_capture(
     for group, saved_group in zip(optimizer.param_groups, snapshot["groups"], strict=True):
         group.update(saved_group)
     scheduler.load_state_dict(snapshot["scheduler"])
-    torch.set_rng_state(snapshot["torch_rng"])
-    if "cuda_rng" in snapshot and torch.cuda.is_available():
-        torch.cuda.set_rng_state(snapshot["cuda_rng"])
+    storage.restore_rng(snapshot)

@@ -8,10 +8,10 @@
   for NVRx. It stages through one `DefaultStager` kept for the attempt, as NVRx keeps its
   slots: its host buffers are made at the first save and reused (torch's default makes and
   frees a copy per save), and on CUDA they are pinned and filled by non-blocking copies on
-  a stream of their own while the next forward and backward run (`wait_for_staging` before
+  a stream of their own while the next forward and backward run (`wait("staged")` before
   the optimizer step), as NVRx's capture does. A second thread waits for the write and
-  hashes this rank's shards; `poll()` (every step) commits once every rank's thread is
-  done, and `finalize()` waits for it.
+  hashes this rank's shards; `wait("step")` (every step) commits once every rank's thread
+  is done, and `wait("committed")` waits for it.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from trainer import peer_abort, waiting
 from trainer.checkpointing import storage
-from trainer.checkpointing.writer import CheckpointWriter, PendingSave
+from trainer.checkpointing.writer import CheckpointWriter, PendingSave, Until
 
 SAVE_THREADS = 2
 """Writer threads per rank for a `sync` save (torch's FileSystemWriter `thread_count`, one by
@@ -85,13 +85,15 @@ def hashing_writer(staging: str | Path, thread_count: int = SAVE_THREADS) -> Fil
 
 
 class SyncWriter(CheckpointWriter):
-    """`sync`: returns from `start_save()` once the checkpoint is committed."""
+    """`sync`: returns from `save()` once the checkpoint is committed."""
 
     mode = "sync"
 
-    def start_save(self, state: dict[str, Any], pending: PendingSave) -> None:
+    def _write(self, state: dict[str, Any], pending: PendingSave) -> None:
+        storage.prepare_staging(self.root, pending.record.step, pending.rank_state)
         # Not on this thread: DCP's gathers wait inside C for the slowest rank's write, and a
         # main thread in C stamps no progress for NVRx's watchdog (trainer/waiting.py).
+        pending.queued_at = pending.started_at
         waiting.off_main_thread("rtp-ckpt-save", _write, state, pending)
         # Each shard left its sidecar as it was written: rank 0's commit reads only those. A
         # shard without one (its write failed) is hashed here, on its own rank.
@@ -99,13 +101,13 @@ class SyncWriter(CheckpointWriter):
         self._commit(pending, loop_waited_for_write=True)
         self._queued(pending.record)
 
-    def finalize(self) -> None:
+    def wait(self, until: Until) -> None:
         pass  # nothing is ever pending
 
 
 class TorchAsyncWriter(CheckpointWriter):
-    """`torch-async`: returns from `start_save()` once torch has staged the state (on CUDA:
-    once the copies are queued; `wait_for_staging()` waits for them)."""
+    """`torch-async`: returns from `save()` once torch has staged the state (on CUDA: once
+    the copies are queued; `wait("staged")` waits for them)."""
 
     mode = "torch-async"
 
@@ -117,7 +119,7 @@ class TorchAsyncWriter(CheckpointWriter):
         self._pending: PendingSave | None = None
         self._staging: Future[None] | None = None
 
-    def start(self, background: bool) -> None:
+    def open(self, background: bool) -> None:
         # A group of its own: the writer thread's collectives must not interleave with
         # the training loop's on the default group.
         with peer_abort.tracking():  # an in-process restart shuts its connections down
@@ -125,8 +127,9 @@ class TorchAsyncWriter(CheckpointWriter):
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rtp-ckpt-hash")
         self._stager = kept_stager(torch.cuda.is_available())
 
-    def start_save(self, state: dict[str, Any], pending: PendingSave) -> None:
-        assert self._hasher is not None, "TorchAsyncWriter.start() was not called"
+    def _write(self, state: dict[str, Any], pending: PendingSave) -> None:
+        assert self._hasher is not None, "TorchAsyncWriter.open() was not called"
+        storage.prepare_staging(self.root, pending.record.step, pending.rank_state)
         staged = {} if self._stager is None else {"async_stager": self._stager}
         response = dcp.async_save(
             state, checkpoint_id=str(pending.staging), process_group=self._group, **staged
@@ -145,64 +148,56 @@ class TorchAsyncWriter(CheckpointWriter):
         if self._staging is None:
             self._queued(pending.record)
 
-    def wait_for_staging(self) -> None:
-        """The staging copies (CUDA) read the weights the optimizer is about to change."""
-        if self._staging is None or self._pending is None:
+    def wait(self, until: Until) -> None:
+        pending = self._pending
+        if pending is None:
             return
-        record = self._pending.record
+        if until != "step":
+            self._wait_staged(pending)  # for the last save no optimizer step waited for it
+        if until == "committed":
+            self._finish(pending)
+            return
+        if until == "step":
+            # The agreement all-reduce, and the commit once agreed, block the loop.
+            started = time.perf_counter()
+            not_done = torch.tensor([0 if pending.future.done() else 1], dtype=torch.int)
+            dist.all_reduce(not_done)
+            if not_done.item() == 0:
+                self._finish(pending)
+            elapsed = time.perf_counter() - started
+            pending.record.finalize_s += elapsed
+            pending.record.blocked_s += elapsed
+
+    def _wait_staged(self, pending: PendingSave) -> None:
+        """The staging copies (CUDA) read the weights the optimizer is about to change."""
+        if self._staging is None:
+            return
         with self.keepalive():
             started = time.perf_counter()
             staging, self._staging = self._staging, None
             waiting.result(staging)
             elapsed = time.perf_counter() - started
-        record.handoff_s += elapsed
-        record.blocked_s += elapsed
-        self._queued(record)
-
-    def poll(self) -> None:
-        """Its time (the agreement all-reduce, and the commit once agreed) blocks the loop, so
-        it is added to the pending save's `blocked_s`."""
-        pending = self._pending
-        if pending is None:
-            return
-        started = time.perf_counter()
-        not_done = torch.tensor([0 if pending.future.done() else 1], dtype=torch.int)
-        dist.all_reduce(not_done)
-        if not_done.item() == 0:
-            self._finish()
-        elapsed = time.perf_counter() - started
-        pending.record.finalize_s += elapsed
+        pending.record.handoff_s += elapsed
         pending.record.blocked_s += elapsed
+        self._queued(pending.record)
 
-    def finalize(self) -> None:
-        if self._pending is not None:
-            self.wait_for_staging()  # the last save: no optimizer step waited for it
-            self._finish()
-
-    def _finish(self) -> None:
-        pending = self._pending
-        assert pending is not None
+    def _finish(self, pending: PendingSave) -> None:
         waiting.result(pending.future)  # re-raises a failed background write
         self._commit(pending)
         self._pending = None
 
-    def close(self) -> None:
-        super().close()
-        if self._group is not None:
+    def close(self, commit: bool = True) -> None:
+        super().close(commit)
+        self._pending = self._staging = None
+        if commit and self._group is not None:
             dist.destroy_process_group(self._group)
-            self._group = None
-        if self._hasher is not None:
+        self._group = None  # without commit, its process group is gone with the default one
+        if commit and self._hasher is not None:
             self._hasher.shutdown()
-            self._hasher = None
-        if self._stager is not None:
+        self._hasher = None
+        if commit and self._stager is not None:
             self._stager.close()  # frees (and unpins) its buffers
-            self._stager = None
-
-    def abandon(self) -> None:
-        self._pending = None
-        self._staging = None
-        self._group = None  # its process group is gone with the default one
-        self._stager = None  # a staging copy may still run: its buffers go with it
+        self._stager = None  # without commit, a staging copy may still run: its buffers go with it
 
 
 def kept_stager(cuda: bool) -> Any:

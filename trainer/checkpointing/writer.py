@@ -1,18 +1,19 @@
-"""The one interface every checkpoint mode implements, and what a save records.
+"""The one contract every checkpoint mode implements, and what a save records.
 
 A `CheckpointWriter` is how a save's state reaches a committed folder; one subclass per
 `checkpoint.mode` (`manager.WRITERS` maps a mode to its class):
 
-- `NoCheckpoints` (`off`): never saves.
+- `NoCheckpoints` (`off`): the contract doing nothing.
 - `torch_writers.SyncWriter` (`sync`): torch DCP `dcp.save`; the loop waits for the write.
 - `torch_writers.TorchAsyncWriter` (`torch-async`): torch's `dcp.async_save`.
 - `nvrx_writer.NvrxAsyncWriter` (`async`): NVRx's persistent writer process.
 
-All of them are collective objects: every rank holds one and calls it at the same steps.
-They write the same torch DCP folders through `storage`'s staging and commit, so a
-checkpoint saved in any mode with N ranks loads with M ranks. A save is committed only
-after every rank's write finished. This module also holds the helpers the modes share: the
-save record, the collective commit with background retention.
+The contract is four operations (`open`, `save`, `wait`, `close`); the manager calls them
+alike in every mode. All are collective (every rank calls them at the same steps) but
+`close(commit=False)`. Every mode writes the same torch DCP folders through `storage`'s
+staging and commit, so a checkpoint saved in any mode with N ranks loads with M ranks. A
+save is committed only after every rank's write finished. This module also holds what
+the modes share: the save record, the collective commit with background retention.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch.distributed as dist
 
@@ -65,27 +66,32 @@ class SaveRecord:
 
 @dataclass(slots=True)
 class PendingSave:
-    """A save between `start_save()` and its commit."""
+    """A save between `CheckpointWriter.save()` and its commit."""
 
     record: SaveRecord
     staging: Path
     final: Path
     meta: dict[str, Any]
+    rank_state: dict[str, Any]
+    """This rank's RNG and loader state at the save's step (`storage.rank_state`), for its
+    file in the staging folder."""
     started_at: float
     """When the save began (before waiting for the previous one): `blocked_s` counts from here."""
-    queued_at: float
+    queued_at: float = 0.0
     """When the write was handed to the background: `write_s` counts from here."""
     future: Any = None
     """torch-async: the background write and shard hashing."""
-    rank_state: dict[str, Any] | None = None
-    """This rank's RNG and loader state at the save's step, for its file in the staging
-    folder; set when the writer's `stage()` leaves making the folder to `start_save()`."""
     last: bool = False
     """The attempt's last save (its last step, or a stop was requested): no optimizer step
-    follows it, so the live state stays as saved until `finalize()`."""
+    follows it, so the live state stays as saved until it is committed."""
+    deferrable: bool = False
+    """A periodic save that a writer still warming up may skip: the fast tier covers
+    recovery meanwhile (never the last save, never before a first durable one, never two in
+    a row; the same on every rank)."""
+    lend: Callable[[], None] | None = None
+    """Lends the host capture of this step (sets `lease`); called by a writer that writes from it."""
     lease: Lease | None = None
-    """The host capture of this step, lent to a writer that `reads_captures`: its slot is
-    not overwritten until the writer releases it."""
+    """The lent capture: its slot is not overwritten until the writer releases it."""
     during_write: Callable[[], None] | None = None
     """A drill's slow file system (`slow-save`): the writer calls it where it writes this
     save, on the thread that writes (never the training thread)."""
@@ -93,21 +99,29 @@ class PendingSave:
 
 OnCommit = Callable[[SaveRecord], None]
 KeepAlive = Callable[[], contextlib.AbstractContextManager[None]]
+Outcome = Literal["queued", "deferred", "off"]
+Until = Literal["staged", "step", "committed"]
 
 
 class CheckpointWriter(ABC):
-    """How one `checkpoint.mode` writes a save. Collective: call on every rank, same steps.
+    """How one `checkpoint.mode` writes a save, in four operations:
 
-    The manager calls, in order: `start()` once; per due save `defers()`, then
-    `finalize()` (the previous save must be committed first), `stage()` and `start_save()`;
-    `wait_for_staging()` before every optimizer step; `poll()` after every step; `close()`
-    at the end, or `abandon()` when the process group is gone. A save handed to the
-    background (or written) is reported to `on_queued`, a committed one to `on_commit`."""
+    - `open(background)`, once before the first save: what the mode needs up front, so the
+      first save is not slower (`background`: it may finish while training runs, after a restart);
+    - `save(state, pending)` at a due save: the previous save commits first, then this one
+      is written or handed to the background ("queued"), or skipped ("deferred", "off");
+    - `wait(until)`: "staged" right before every optimizer step (a save still copying the
+      weights), "step" after every step (cheap: commits a save every rank finished),
+      "committed" (the pending save is committed);
+    - `close(commit)`: at the end, the last save committed and everything released; with
+      `commit=False` (not collective) the pending work is dropped, never committed, because
+      the process group is gone (before an in-process restart). Safe to call again.
+
+    A save handed to the background (or written) is reported to `on_queued`, a committed
+    one to `on_commit`; `prepare_captures` is called after the attempt's first step by a
+    writer that writes from the fast tier's captures (`PendingSave.lend`)."""
 
     mode: ClassVar[str]
-    writes_checkpoints: ClassVar[bool] = True
-    reads_captures: ClassVar[bool] = False
-    """Writes a save from the host capture of its step (`PendingSave.lease`)."""
     host_bytes = 0
     """Host memory its own copies of the state held at most (for the summary)."""
 
@@ -120,6 +134,7 @@ class CheckpointWriter(ABC):
         *,
         on_queued: OnCommit | None = None,
         keepalive: KeepAlive = contextlib.nullcontext,
+        prepare_captures: Callable[[], None] | None = None,
     ) -> None:
         self.root = root
         self.keep_last = keep_last
@@ -127,61 +142,40 @@ class CheckpointWriter(ABC):
         self.on_commit = on_commit
         self.on_queued = on_queued
         self.keepalive = keepalive  # around blocking waits the writer decides on itself
+        self.prepare_captures = prepare_captures
         self._retention: threading.Thread | None = None
 
-    def start(self, background: bool) -> None:  # noqa: B027 (optional: a default that does nothing)
-        """Collective: create what the mode needs up front, so the first save is not slower.
+    def open(self, background: bool) -> None:  # noqa: B027 (optional: a default that does nothing)
+        """Collective, once: create what the mode needs before its first save."""
 
-        `background`: may finish warming up while training runs (after a restart)."""
-
-    def defers(self, step: int, last_step: bool, previous_save: int, interval: int) -> bool:
-        """Whether the periodic save due at `step` is skipped because the writer is still
-        warming up (a restart's writer warms up in the background; waiting here would block
-        the loop for seconds and could trip the in-process watchdog). The fast tier covers
-        recovery meanwhile. Never the attempt's last save, never before a first durable save
-        (`previous_save`: the newest one this attempt resumed from or queued, 0 for none),
-        never two in a row (at most `interval` steps after it). Every rank decides alike: the
-        warm-up ends in a collective, and the steps compared are the ones every rank resumed
-        from or queued."""
-        return not last_step and self.warming_up and previous_save > 0 and step - previous_save <= interval
-
-    def stage(self, step: int, rank_extra: dict[str, Any]) -> tuple[Path, Path, dict[str, Any] | None]:
-        """Collective: (staging, final, rank_state) for step `step`'s save. Here the staging
-        folder is made now with this rank's RNG/loader file; a writer that makes it later
-        (in a background thread) returns the rank state taken now instead of None."""
-        staging, final = storage.prepare_staging(self.root, step, rank_extra)
-        return staging, final, None
-
-    @abstractmethod
-    def start_save(self, state: dict[str, Any], pending: PendingSave) -> None:
+    def save(self, state: dict[str, Any], pending: PendingSave) -> Outcome:
         """Collective: begin writing `state` (model and optimizer) into `pending.staging`."""
-
-    @property
-    def warming_up(self) -> bool:
-        """The writer started in the background (after a restart) and is not ready yet; the
-        same on every rank at the same step (it turns ready in a collective `poll()`)."""
-        return False
-
-    def wait_for_staging(self) -> None:  # noqa: B027 (optional: a default that does nothing)
-        """Collective: the optimizer is about to change the weights in place; a save still
-        copying them is waited for here (and reported to `on_queued` once queued)."""
-
-    def poll(self) -> None:  # noqa: B027 (optional: a default that does nothing)
-        """Collective, cheap, every step: commit the pending save if every rank's write finished."""
+        if pending.deferrable and self._still_warming_up():
+            return "deferred"
+        began = time.perf_counter()
+        self.wait("committed")  # the previous save commits first: its slot or buffers are reused
+        pending.record.previous_wait_s = time.perf_counter() - began
+        self._write(state, pending)
+        return "queued"
 
     @abstractmethod
-    def finalize(self) -> None:
-        """Collective: wait for the pending save (and any warm-up) and commit it."""
+    def wait(self, until: Until) -> None:
+        """Collective: see the class doc."""
 
-    def close(self) -> None:
-        """Collective: finalize, then release what `start()` created (safe to call twice)."""
-        self.finalize()
-        if self._retention is not None:
-            waiting.join(self._retention)
+    def close(self, commit: bool = True) -> None:
+        """See the class doc; subclasses release what `open()` made after this."""
+        if commit:
+            self.wait("committed")
+            if self._retention is not None:
+                waiting.join(self._retention)
 
-    def abandon(self) -> None:  # noqa: B027 (optional: a default that does nothing)
-        """Not collective: drop pending work without committing it (its process group is
-        gone, e.g. before an in-process restart). Safe to call again if interrupted."""
+    def _write(self, state: dict[str, Any], pending: PendingSave) -> None:
+        raise NotImplementedError
+
+    def _still_warming_up(self) -> bool:
+        """Started in the background (after a restart) and not ready yet; the same on every
+        rank at the same step (it turns ready in a collective `wait("step")`)."""
+        return False
 
     def _commit(self, pending: PendingSave, loop_waited_for_write: bool = False) -> None:
         """Collective commit of a finished write; rank 0 applies retention in the background."""
@@ -209,13 +203,12 @@ class CheckpointWriter(ABC):
 
 
 class NoCheckpoints(CheckpointWriter):
-    """`off`: never saves (the manager checks `writes_checkpoints` before building any state)."""
+    """`off`: never saves."""
 
     mode = "off"
-    writes_checkpoints = False
 
-    def start_save(self, state: dict[str, Any], pending: PendingSave) -> None:
-        raise RuntimeError("checkpoint.mode is off: nothing may be saved")
+    def save(self, state: dict[str, Any], pending: PendingSave) -> Outcome:
+        return "off"
 
-    def finalize(self) -> None:
+    def wait(self, until: Until) -> None:
         pass
