@@ -19,17 +19,17 @@ pytestmark = pytest.mark.usefixtures("single_rank_group")
 def test_the_async_last_save_of_device_tensors_is_written_from_host_copies(tmp_path, monkeypatch):
     """NVRx's bucket writer asserts host tensors: on a GPU the live (CUDA) state must not reach
     it. Here the state is on the host, so the check that it is a device state is forced."""
-    from nvidia_resiliency_ext.checkpointing.async_ckpt import state_dict_saver
+    from trainer.checkpointing import nvrx_writer
 
     monkeypatch.setattr(slot_refs, "holds_device_tensors", lambda state: True)
     planned: list[dict] = []
-    real_plan = state_dict_saver.save_state_dict_async_plan
+    real_plan = nvrx_writer.save_state_dict_async_plan
 
     def recording_plan(state, *args, **kwargs):
         planned.append(state)
         return real_plan(state, *args, **kwargs)
 
-    monkeypatch.setattr(state_dict_saver, "save_state_dict_async_plan", recording_plan)
+    monkeypatch.setattr(nvrx_writer, "save_state_dict_async_plan", recording_plan)
     model, optimizer = _trained_model()
     manager = _manager(tmp_path, "async", model, optimizer)
     manager.load()

@@ -16,6 +16,7 @@ is gone). `summary` reports what saving cost. How a save is written is the
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import os
 import time
@@ -32,11 +33,9 @@ from trainer.checkpointing import storage
 from trainer.checkpointing import tier_slots as slots
 from trainer.checkpointing.fingerprint import model_sha256
 from trainer.checkpointing.local_tier import LocalTier
-from trainer.checkpointing.nvrx_writer import NvrxAsyncWriter
 from trainer.checkpointing.replicas import REPLICA_FILE
 from trainer.checkpointing.slot_refs import Lease
-from trainer.checkpointing.torch_writers import SyncWriter, TorchAsyncWriter
-from trainer.checkpointing.writer import CheckpointWriter, NoCheckpoints, PendingSave, SaveRecord
+from trainer.checkpointing.writer import CheckpointWriter, PendingSave, SaveRecord
 from trainer.config import TrainConfig
 from trainer.data import DataSampler
 from trainer.events import EventLog
@@ -47,13 +46,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-WRITERS: dict[str, type[CheckpointWriter]] = {
-    "off": NoCheckpoints,
-    "sync": SyncWriter,
-    "torch-async": TorchAsyncWriter,
-    "async": NvrxAsyncWriter,
+WRITERS: dict[str, str] = {
+    "off": "trainer.checkpointing.writer:NoCheckpoints",
+    "sync": "trainer.checkpointing.torch_writers:SyncWriter",
+    "torch-async": "trainer.checkpointing.torch_writers:TorchAsyncWriter",
+    "async": "trainer.checkpointing.nvrx_writer:NvrxAsyncWriter",
 }
-"""`checkpoint.mode` -> the class that writes its saves."""
+"""`checkpoint.mode` -> the class that writes its saves, imported when used (NVRx: `async` only)."""
+
+
+def writer_class(mode: str) -> type[CheckpointWriter]:
+    module, name = WRITERS[mode].split(":")
+    writer: type[CheckpointWriter] = getattr(importlib.import_module(module), name)
+    return writer
+
 
 _META_KEYS = frozenset({"config", "model_hash", "adapters", "scheduler", "loss", "sampler", "step"})
 """What a save's metadata holds already: not a name for `states`."""
@@ -126,7 +132,7 @@ class CheckpointManager:
             replicas=settings.local_replicas,
             cache=hooks.capture_cache(),
         )
-        self.writer = WRITERS[settings.mode](
+        self.writer = writer_class(settings.mode)(
             self.root,
             settings.keep_last,
             settings.keep_every_steps,

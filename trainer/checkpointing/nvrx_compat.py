@@ -1,41 +1,46 @@
-"""What NVRx 0.4.1's asynchronous checkpointing needs on a CPU build of torch; no-ops on CUDA.
+"""Every touch of NVRx 0.4.1 beyond its public API, each work-around named after the
+upstream behaviour it answers (file:line at v0.4.1). tests/unit/test_nvrx_upstream.py
+asserts each behaviour, so an upgrade that no longer needs a work-around fails its test.
+`nvrx_writer` uses NVRx's public API (`FileSystemWriterAsync`, `save_state_dict_async_plan`,
+`AsyncCallsQueue`, `AsyncRequest`) and this module, and reads the same on CPU and GPU.
 
-NVRx 0.4.1 assumes CUDA in four places. Each adjustment lives here, with its reason, so
-the writer itself (`nvrx_writer`) reads the same on CPU and GPU:
+NVRx 0.4.1 assumes CUDA in four places (no-ops on CUDA):
 
-1. Collectives on CUDA tensors. `AsyncCaller.sync_all_async_calls` and
-   `AsyncRequest.execute_finalize_fns` build their all-reduce tensor on
+1. Collectives on CUDA tensors (core.py:125, :190). `AsyncCaller.sync_all_async_calls`
+   and `AsyncRequest.execute_finalize_fns` build their all-reduce tensor on
    `torch.cuda.current_device()`, which raises on a CPU build. gloo reduces CPU tensors
    fine, so the subclasses below build them on the CPU. (`no_dist=True` would also avoid
    the error but drops the cross-rank agreement that every rank finished the same save.)
-2. The preload step. The writer's `preload_fn` calls `torch.cuda.synchronize()` inside
+2. The preload step (filesystem_async.py:233). The writer's `preload_fn` calls `torch.cuda.synchronize()` inside
    the persistent worker: on CPU that kills the worker and the trainer then waits forever;
    on a GPU it opens a CUDA context on the worker's current device, GPU 0, for every local
    rank. No request passes one (the warm-up's tensor is on the host; real saves' capture,
    point 3, already is the device-to-host copy), and the worker sees only its rank's GPU.
-3. Torn checkpoints. CPU tensors are handed to the worker in place (moved to shared
+3. Torn checkpoints (filesystem_async.py:140, `_clone_if_needed`). CPU tensors are handed to the worker in place (moved to shared
    memory) and written while the optimizer keeps changing them, so a saved step would mix
    weights from later steps. Every save is
    therefore written from the host-state engine's capture of its step (`local_tier`, on
    CUDA as well, where it replaces NVRx's preload), taken beside the next forward and backward.
-4. Warm-up. 0.4.1 has no warm-up API: the first save pays for spawning the worker and the
+4. Warm-up. 0.4.1 has no warm-up call (core.py:347 starts the worker at the first save): the first save pays for spawning the worker and the
    write-results Manager, and the first real write for the worker's
    first fork of writer processes. `warm_up` writes a one-tensor DCP checkpoint into a
    scratch folder at start-up (all ranks, like a real save), then deletes it.
-One more point holds on CPU and GPU alike:
+And on CPU and GPU alike:
 
 5. Write results across in-process restarts. Writers report through one process-wide
-   queue (`filesystem_async._results_queue`, a Manager's). A save abandoned by a restart
+   queue (`filesystem_async._results_queue`, a Manager's: filesystem_async.py:58-67). A save abandoned by a restart
    may already have posted its results, which the next save's finalize would read instead
    of its own. And NVRx raises its restart into the main thread again and again until the
-   thread reaches the wrapper (`inprocess/monitor_thread.py`, `MonitorThread.run`: `while
-   not self.stop_raising.is_set(): async_abort_main_thread()`): one landing between a
+   thread reaches the wrapper (inprocess/monitor_thread.py:181-182, `MonitorThread.run`:
+   `while not self.stop_raising.is_set(): async_abort_main_thread()`): one landing between a
    Manager call's request and its reply leaves the reply in that thread's connection, and
    every later call on it reads the reply of the call before (seen: every later attempt's
    warm-up read "results_queue should not be empty" beside its own result). So each
    attempt reads a queue of its own (`new_calls_queue`), and the rank calls the Manager
    from threads of their own only, never the main thread.
-7. Orphans. That queue lives in a Manager process NVRx spawns on first use; a rank killed
+6. Orphans. That queue lives in a Manager process NVRx spawns on first use
+   (filesystem_async.py:66), its worker too (core.py:347-360), neither asking to die with
+   its rank; a rank killed
    with SIGKILL leaves it (and multiprocessing's resource tracker) running forever. The
    queue is created here first, by a Manager that asks to die with its rank. The persistent
    worker is started here too, not by NVRx, so that it asks the same as its first act: a
@@ -43,7 +48,8 @@ One more point holds on CPU and GPU alike:
    warm-up) then does not wait for requests forever, holding the resource tracker,
    torch_shm_manager and /dev/shm.
    Each asks with its rank's pid, so a rank that died before the request still counts.
-8. Shard writes. NVRx's bucket writer opens each shard with the builtin `open`;
+7. Shard writes. NVRx's bucket writer opens each shard with the builtin `open`
+   (filesystem_async.py:386);
    `hash_shards_as_written` makes that `storage.ShardWriter`, which hashes the bytes on
    their way (the shard is not read back for the manifest), and the worker skips torch.save's
    per-record CRC-32, which torch.load never checks.
@@ -53,7 +59,9 @@ from __future__ import annotations
 
 import gc
 import os
+import queue
 import shutil
+import threading
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -67,7 +75,7 @@ from trainer import env, waiting
 
 
 def hash_shards_as_written() -> None:
-    """(8) In this process, NVRx's bucket writer (its module's only `open`) writes through
+    """(7) In this process, NVRx's bucket writer (its module's only `open`) writes through
     `ShardWriter`."""
     from trainer.checkpointing import storage
 
@@ -78,7 +86,7 @@ _shard_writer_prepared = False
 
 
 def prepare_shard_writer_process() -> None:
-    """(8) In the persistent worker, at its first save (its start-up overlaps the ranks'
+    """(7) In the persistent worker, at its first save (its start-up overlaps the ranks'
     and imports nothing more): shards hashed as written, no CRC-32, and its start-up
     objects frozen out of the garbage collector."""
     global _shard_writer_prepared
@@ -114,7 +122,7 @@ class CpuSafeAsyncRequest(core.AsyncRequest):
 
 
 class CpuSafePersistentAsyncCaller(core.PersistentAsyncCaller):
-    """(1) `sync_all_async_calls` with the is-alive reduction on a CPU tensor; (7) a worker
+    """(1) `sync_all_async_calls` with the is-alive reduction on a CPU tensor; (6) a worker
     that dies with its rank from its start."""
 
     def schedule_async_call(self, async_req: core.AsyncRequest) -> None:
@@ -152,7 +160,7 @@ _results_manager: Any = None
 
 
 def _results_queue_of_this_attempt() -> None:
-    """(5) A write-results queue for this attempt only; (7) from a Manager that dies with the rank."""
+    """(5) A write-results queue for this attempt only; (6) from a Manager that dies with the rank."""
     global _results_manager
     if _results_manager is None:
         from multiprocessing.managers import SyncManager
@@ -175,6 +183,50 @@ def new_calls_queue() -> core.AsyncCallsQueue:
     return calls
 
 
+def number_request(calls: core.AsyncCallsQueue) -> int:
+    """NVRx numbers requests in the order every rank schedules them (its
+    `schedule_async_request`, core.py:550); taken on the loop, for a request sent later."""
+    calls.call_idx += 1
+    return calls.call_idx
+
+
+def send(calls: core.AsyncCallsQueue, request: core.AsyncRequest) -> None:
+    """The first half of NVRx's `schedule_async_request` (core.py:538-560): the request to
+    the persistent worker, from the planner thread. Its finalize half is the writer's own
+    finisher, not `maybe_finalize_async_calls`, whose collectives would run on the loop."""
+    calls.persistent_caller.schedule_async_call(request)
+
+
+def wait_for_write(calls: core.AsyncCallsQueue, call_idx: int, abandoned: threading.Event) -> bool:
+    """Until the worker reports request `call_idx` written (True; core.py:496 puts it on
+    `comp_q`), or `abandoned` is set (False); raises if the worker died."""
+    caller = calls.persistent_caller
+    while True:
+        try:
+            done = caller.comp_q.get(timeout=0.05)
+        except queue.Empty:
+            if abandoned.is_set():
+                return False
+            if caller.process is None or not caller.process.is_alive():
+                raise RuntimeError("the checkpoint writer process died before finishing the write") from None
+            continue
+        if done == call_idx:
+            return True
+
+
+def forget(calls: core.AsyncCallsQueue) -> None:
+    """An in-process restart's end of the queue: the worker killed (it ignores SIGTERM) and
+    forgotten only once dead, so NVRx's `close()`/`__del__` (core.py:432-447) never waits on
+    a worker that cannot answer; its requests dropped unfinalized. Safe to repeat."""
+    caller = calls.persistent_caller
+    if caller is not None and caller.process is not None:
+        if caller.process.is_alive():
+            caller.process.kill()
+            caller.process.join(timeout=10)
+        caller.process = None
+    calls.async_calls.clear()
+
+
 def only_the_ranks_gpu(local_rank: int, environ: dict[str, str] | Any = os.environ) -> None:
     """(2) Before CUDA initializes in the worker: any CUDA use lands on its rank's GPU."""
     visible = [d.strip() for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
@@ -186,7 +238,7 @@ def only_the_ranks_gpu(local_rank: int, environ: dict[str, str] | Any = os.envir
 
 
 def _worker_main(rank_pid: int, local_rank: int, *loop_args: Any) -> None:
-    """(7) The persistent worker: set it up to die with its rank, then NVRx's loop."""
+    """(6) The persistent worker: set it up to die with its rank, then NVRx's loop."""
     from trainer.lifecycle import prepare_background_writer
 
     prepare_background_writer(parent_pid=rank_pid)
@@ -242,8 +294,6 @@ def finish_warm_up(scratch_dir: Path) -> None:
 def write_buckets_here(writer: Any) -> Any:
     """This rank's write results (or the exception that failed it): NVRx's bucket writer,
     called in this process instead of in processes forked for it."""
-    import queue
-
     from trainer.checkpointing import storage
 
     transforms = [writer.transforms] if hasattr(writer, "transforms") else []

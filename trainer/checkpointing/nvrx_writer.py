@@ -35,13 +35,19 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing
+from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
+from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import (
+    CheckpointMetadataCache,
+    save_state_dict_async_plan,
+)
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.utils import _get_failure_dict
 
 from trainer import lifecycle, peer_abort, waiting
-from trainer.checkpointing import slot_refs, storage
+from trainer.checkpointing import nvrx_compat, slot_refs, storage
 from trainer.checkpointing.writer import CheckpointWriter, PendingSave, Until
 
-# nvidia_resiliency_ext (and `nvrx_compat`, which imports it) is imported inside the methods:
-# the other modes never pay for it.
+# Imported only when `checkpoint.mode` is async (`manager.WRITERS`): the other modes never import NVRx.
 
 
 class NvrxAsyncWriter(CheckpointWriter):
@@ -69,11 +75,6 @@ class NvrxAsyncWriter(CheckpointWriter):
         self._stepped = False  # a step ended: the captures' slot may be made ahead
 
     def open(self, background: bool) -> None:
-        from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import (
-            CheckpointMetadataCache,
-        )
-
-        from trainer.checkpointing import nvrx_compat
 
         # What is not a slot reference travels by shared-memory file name, not descriptor.
         torch.multiprocessing.set_sharing_strategy("file_system")
@@ -107,16 +108,12 @@ class NvrxAsyncWriter(CheckpointWriter):
             pending.queued_at = time.perf_counter()
             pending.record.queue_s = pending.record.blocked_s = pending.queued_at - pending.started_at
             return
-        from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
 
         if pending.lease is None or self._planner is None:
             raise RuntimeError("an async save needs the host capture of its step (PendingSave.lend)")
         writer = FileSystemWriterAsync(str(pending.staging))
-        # NVRx numbers requests in the order every rank schedules them; taken here, on the loop.
-        self._calls.call_idx += 1
-        self._planned = self._planner.submit(
-            partial(self._plan_and_send, writer, pending, self._calls.call_idx, state)
-        )
+        call_idx = nvrx_compat.number_request(self._calls)
+        self._planned = self._planner.submit(partial(self._plan_and_send, writer, pending, call_idx, state))
         self._pending = self._handoff = pending
         pending.record.queue_s = pending.record.blocked_s = time.perf_counter() - pending.started_at
 
@@ -128,9 +125,6 @@ class NvrxAsyncWriter(CheckpointWriter):
 
         This is the first half of NVRx's `AsyncCallsQueue.schedule_async_request` (number,
         freeze, send to the persistent worker); the finalize half is `_finish`."""
-        from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
-
-        from trainer.checkpointing import nvrx_compat
 
         assert pending.lease is not None
         snapshot = pending.lease.state_over(state)
@@ -159,7 +153,7 @@ class NvrxAsyncWriter(CheckpointWriter):
             preload_fn=None,
             call_idx=call_idx,
         ).freeze()
-        self._calls.persistent_caller.schedule_async_call(request)
+        nvrx_compat.send(self._calls, request)
         pending.queued_at = time.perf_counter()
         return partial(self._finish, writer, metadata, dist_wrapper, pending, call_idx, save_fn is not None)
 
@@ -239,10 +233,8 @@ class NvrxAsyncWriter(CheckpointWriter):
         write results over the writer's group (the request numbers must match), then rank 0
         writes DCP's `.metadata` and commits (fsyncs, manifest, rename, retention). The loop
         learns of the commit in `wait("step")` or `wait("committed")`."""
-        from torch.distributed.checkpoint import CheckpointException
-        from torch.distributed.checkpoint.utils import _get_failure_dict
 
-        if sent and not self._wait_for_write(call_idx):
+        if sent and not nvrx_compat.wait_for_write(self._calls, call_idx, self._abandoned):
             return  # abandoned
         _release(pending)  # this rank's files are written: the fast tier may overwrite the slot
         gathered = dist_wrapper.gather_object((call_idx, writer.retrieve_write_results()))
@@ -268,24 +260,6 @@ class NvrxAsyncWriter(CheckpointWriter):
         )
         pending.record.bytes_total = storage.checkpoint_bytes(pending.final)
         storage.apply_retention(self.root, self.keep_last, self.keep_every)
-
-    def _wait_for_write(self, call_idx: int) -> bool:
-        """Until the worker reports request `call_idx` written (True), or the save is
-        abandoned (False); raises if the worker died."""
-        caller = self._calls.persistent_caller
-        while True:
-            try:
-                done = caller.comp_q.get(timeout=0.05)
-            except queue.Empty:
-                if self._abandoned.is_set():
-                    return False
-                if caller.process is None or not caller.process.is_alive():
-                    raise RuntimeError(
-                        "the checkpoint writer process died before finishing the write"
-                    ) from None
-                continue
-            if done == call_idx:
-                return True
 
     def _join_finisher(self) -> None:
         """Wait for the finisher (on every rank: it ended in the same gather) and report the
@@ -326,7 +300,6 @@ class NvrxAsyncWriter(CheckpointWriter):
             pending.record.blocked_s += time.perf_counter() - started
 
     def _finish_warm_up(self) -> None:
-        from trainer.checkpointing import nvrx_compat
 
         self._warming_up = False
         nvrx_compat.finish_warm_up(self.root / ".warm-up")
@@ -350,8 +323,6 @@ class NvrxAsyncWriter(CheckpointWriter):
         (`CheckpointWriter.save`), and the state is the live one: nothing changed it since
         `save()`. Host tensors are written as they are; device tensors from the host
         capture of the step."""
-        from torch.distributed.checkpoint import CheckpointException
-        from torch.distributed.checkpoint.utils import _get_failure_dict
 
         state, self._last_state = self._last_state, None
         pending, self._handoff = self._pending, None
@@ -374,10 +345,6 @@ class NvrxAsyncWriter(CheckpointWriter):
         """The last save's plan, write (NVRx's bucket writer, in this process) and results'
         gather over the writer's group: (writer, metadata, dist wrapper, every rank's results
         on the coordinator)."""
-        from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
-        from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
-
-        from trainer.checkpointing import nvrx_compat
 
         try:
             if slot_refs.holds_device_tensors(state):
@@ -457,14 +424,8 @@ class NvrxAsyncWriter(CheckpointWriter):
                 self._finisher.join(timeout=30)
             self._finisher = self._finisher_error = self._finishing = None
         if self._calls is not None:
-            caller = self._calls.persistent_caller
-            if caller is not None and caller.process is not None:
-                if caller.process.is_alive():
-                    caller.process.kill()  # it ignores SIGTERM (lifecycle.children_ignore_sigterm)
-                    caller.process.join(timeout=10)
-                caller.process = None
             # Results it may have posted stay in this attempt's queue (`nvrx_compat`, 5).
-            self._calls.async_calls.clear()
+            nvrx_compat.forget(self._calls)
             self._calls = None
         self._group = None
 
