@@ -98,7 +98,7 @@ def test_a_lent_slot_is_not_overwritten_until_released_and_stays_the_fallback(tm
         assert tier.capture(1, 0)
         _step(model, optimizer)
         lease = tier.capture_for_save(2, 0)
-        assert lease is not None and lease.wait() is tier._slots[lease.slot]
+        assert lease is not None and lease.wait() is tier.slot(lease.slot)
         at_2 = [p.detach().clone() for p in model.parameters()]
         assert tier.capture_for_save(3, 0) is None  # one lent slot at a time
         for step in (3, 4):
@@ -222,8 +222,8 @@ def test_a_saves_capture_is_taken_while_measuring_when_the_sender_reads_and_behi
         assert len(tier.schedule._marks) == 4 and tier.schedule._marks[-1][1]  # step 4 counted as a copy
 
         with tier._lock:
-            tier.sender._sending = tier._slot  # the sender reads the slot the next capture would take
-        due = tier._slot
+            tier.sender._sending = tier.next_slot  # the sender reads the slot the next capture would take
+        due = tier.next_slot
         _step(model, optimizer)
         lease = tier.capture_for_save(5, 0)
         assert lease.slot == 1 - due
@@ -245,7 +245,7 @@ def test_a_saves_capture_is_taken_while_measuring_when_the_sender_reads_and_behi
         threading.Timer(0.3, release.set).start()
         _step(model, optimizer)
         lease = manager.local.capture_for_save(2, 0)  # waits for the slot, not skipped
-        assert lease.wait() is manager.local._slots[0] and manager.local._slots[1] is None
+        assert lease.wait() is manager.local.slot(0) and manager.local.slot(1) is None
         lease.release()
     finally:
         release.set()
@@ -268,7 +268,7 @@ def test_a_state_over_a_capture_copies_what_the_capture_lacks_and_planning_error
         weight = next(iter(model.state_dict()))
         assert torch.equal(over["model"][weight], model.state_dict()[weight])
         assert over["model"][weight].data_ptr() != model.state_dict()[weight].data_ptr()  # the slot's copy
-        assert lease.serving is manager.local._slots[lease.slot]
+        assert lease.serving is manager.local.slot(lease.slot)
         assert torch.equal(over["extra"], extra) and over["extra"].data_ptr() != extra.data_ptr()
         assert over["lr"] == 0.5
         lease.release()

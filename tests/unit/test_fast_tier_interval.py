@@ -134,12 +134,12 @@ def test_budget_captures_less_often_when_copies_are_expensive_against_the_step(
     try:
         measuring = _clocked_steps(capture, tier, clock, model, optimizer, range(1, CALIBRATION_STEPS + 1))
         assert (
-            measuring == [1, 3, 5, 7, 9] and tier.interval == 2 and "still measuring" in tier.interval_reason
+            measuring == [1, 3, 5, 7, 9] and tier.interval == 2 and "still measuring" in tier.schedule.reason
         )
         with caplog.at_level(logging.INFO, logger="trainer.checkpointing.local_tier"):
             later = _clocked_steps(capture, tier, clock, model, optimizer, range(CALIBRATION_STEPS + 1, 31))
-        assert tier.measured["copy_s"] == pytest.approx(copy_s)
-        assert tier.measured["step_s"] == pytest.approx(STEP_S)  # the steps without a copy in flight
+        assert tier.schedule.measured["copy_s"] == pytest.approx(copy_s)
+        assert tier.schedule.measured["step_s"] == pytest.approx(STEP_S)  # the steps without a copy in flight
         assert tier.interval == interval == budget_interval(copy_s, STEP_S, 5.0)
         assert later == [s for s in range(CALIBRATION_STEPS + 1, 31) if s % interval == 0]
         assert tier.captures == len(measuring) + len(later)
@@ -151,7 +151,7 @@ def test_budget_captures_less_often_when_copies_are_expensive_against_the_step(
         )
         assert "checkpoint.local_every_steps=budget on CPU" in lines[0]
         assert f"a copy {1e3 * copy_s:.1f} ms, a step 60.0 ms" in lines[0]
-        assert tier.summary() == {
+        assert tier.schedule.summary() == {
             "local_tier_interval": interval,
             "local_tier_interval_reason": "budget: copies within 5% of the loop's time",
             "local_tier_copy_s": pytest.approx(copy_s),
@@ -191,7 +191,7 @@ def test_auto_on_cpu_and_a_step_count_keep_their_interval_whatever_the_copies_co
             range(1, 2 * CALIBRATION_STEPS + 3),
         )
         assert captured == [s for s in range(1, 2 * CALIBRATION_STEPS + 3) if s % interval == 0]
-        assert tier.summary() == {
+        assert tier.schedule.summary() == {
             "local_tier_interval": interval,
             "local_tier_interval_reason": reason,
             "local_tier_copy_s": None,
@@ -220,7 +220,7 @@ def test_the_interval_is_chosen_once_a_copy_was_timed(tmp_path, monkeypatch):
     try:
         first = CALIBRATION_STEPS + 1  # the window's end: nothing timed, a new window from here
         assert _clocked_steps(capture, tier, clock, model, optimizer, range(1, first + 1)) == []
-        assert tier.interval == 2 and not tier.measured
+        assert tier.interval == 2 and not tier.schedule.measured
         release.set()
         tier._preparing.result(timeout=30)
         second = _clocked_steps(
@@ -228,7 +228,7 @@ def test_the_interval_is_chosen_once_a_copy_was_timed(tmp_path, monkeypatch):
         )
         assert second == list(range(first + 2, first + CALIBRATION_STEPS, 2)) and tier.interval == 2
         _clocked_steps(capture, tier, clock, model, optimizer, [first + CALIBRATION_STEPS])
-        assert tier.interval == 4 and tier.measured["copy_s"] == pytest.approx(0.01)
+        assert tier.interval == 4 and tier.schedule.measured["copy_s"] == pytest.approx(0.01)
     finally:
         manager.abandon()
         forget_run("", tmp_path / "checkpoints")
@@ -291,7 +291,7 @@ def _budget_rank(rank: int, store_path: str, folder: str) -> None:
                 tier.wait_copy()
             result = {
                 "interval": tier.interval,
-                "wanted": tier.measured["wanted"],
+                "wanted": tier.schedule.measured["wanted"],
                 "collectives": collectives,
             }
             Path(folder, f"rank{rank}.json").write_text(json.dumps(result))

@@ -28,6 +28,42 @@ def test_no_benchmark_imports_rtp_cli_even_in_code_it_runs_as_a_string():
     assert found == []
 
 
+def _private_names_of_the_fast_tier() -> set[str]:
+    import ast
+
+    module = ast.parse((ROOT / "trainer/checkpointing/local_tier.py").read_text())
+    tier = next(n for n in module.body if isinstance(n, ast.ClassDef) and n.name == "LocalTier")
+    names = {n.name for n in tier.body if isinstance(n, ast.FunctionDef)}
+    names |= {
+        n.attr
+        for n in ast.walk(tier)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"
+    }
+    return {name for name in names if name.startswith("_") and not name.startswith("__")}
+
+
+def test_nothing_outside_the_fast_tiers_module_touches_its_private_fields():
+    """The tier owns its state (issue 51): other trainer modules use its public names only.
+    A private name read on anything but `self` outside local_tier.py is a finding."""
+    import ast
+
+    private = _private_names_of_the_fast_tier()
+    assert {"_slots", "_held", "_lock", "_capture"} <= private  # the scan sees the tier's fields
+    found = []
+    for path in sorted((ROOT / "trainer").rglob("*.py")):
+        if path.name == "local_tier.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            owner = node.value if isinstance(node, ast.Attribute) else None
+            if (
+                owner is not None
+                and node.attr in private
+                and not (isinstance(owner, ast.Name) and owner.id == "self")
+            ):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+    assert found == []
+
+
 def test_the_byte_lm_model_hash_is_pinned():
     # Checkpoints store model_hash and a resume compares it: the value must never move.
     from trainer.config import build_config

@@ -83,7 +83,7 @@ class LocalTier:
         self.cache = cache if cache is not None else slots.CaptureCache()
         self._slots: list[slots.Slot | None] = [None, None]
         newest = self.cache.newest_slot(self.key)
-        self._slot = 1 - (1 if newest is None else newest)  # the next capture's: not the newest one's
+        self.next_slot = 1 - (1 if newest is None else newest)  # the next capture's: not the newest one's
         self._held: int | None = None  # the slot a durable save writes from (`capture_for_save`)
         self._lock = threading.Lock()
         self._stream: Any = None
@@ -106,11 +106,9 @@ class LocalTier:
         self.sends_to, self.holds_for = peer_copies.peers(
             self.rank, world, local_world, replicas if self.enabled else 0
         )
-        self._listen_host = peer_copies.listen_host(world, local_world) if self.holds_for else ""
-        self._receiver: peer_copies.ReplicaReceiver | None = None
-        self.sender = peer_copies.ReplicaSender(
-            self.rank, self.sends_to, self._lock, lambda slot: self._slots[slot]
-        )
+        self.listen_host = peer_copies.listen_host(world, local_world) if self.holds_for else ""
+        self.receiver: peer_copies.ReplicaReceiver | None = None
+        self.sender = peer_copies.ReplicaSender(self.rank, self.sends_to, self._lock, self.slot)
         self.restored_from: dict[int, int] = {}  # after restore(): owner -> the peer it came from
 
     @property
@@ -120,18 +118,6 @@ class LocalTier:
     @property
     def interval(self) -> int:
         return self.schedule.interval
-
-    @property
-    def interval_reason(self) -> str:
-        return self.schedule.reason
-
-    @property
-    def measured(self) -> dict[str, float]:
-        return self.schedule.measured
-
-    def summary(self) -> dict[str, Any]:
-        """The summary's fields of the interval: what it is, why, and what it was chosen on."""
-        return self.schedule.summary()
 
     # ---- capture ---------------------------------------------------------------------
 
@@ -167,16 +153,20 @@ class LocalTier:
         assert held is not None and self._copy is not None
         return Lease(self, held, self._copy)
 
-    def _release(self, slot: int) -> None:
+    def slot(self, index: int) -> slots.Slot | None:
+        """The mapping of slot `index` (None until made)."""
+        return self._slots[index]
+
+    def release_slot(self, slot: int) -> None:
         with self._lock:
             if self._held == slot:
                 self._held = None
 
     def _capture(self, step: int, durable_step: int, hold: bool = False) -> bool:
         """Queue the copy of this rank's state after step `step` (False: skipped). `hold`:
-        the slot stays the save's until `_release`."""
+        the slot stays the save's until `release_slot`."""
         with self._lock:
-            slot = self._slot if self.enabled else 0  # saves only: one slot is enough
+            slot = self.next_slot if self.enabled else 0  # saves only: one slot is enough
             if self._held == slot:  # a save still writes from it: overwrite the newer one
                 slot = 1 - slot
             if self.sender.reading(slot):  # the sender still reads this slot: skip one
@@ -184,7 +174,7 @@ class LocalTier:
                     return False
                 slot = 1 - slot  # a save's capture is not skipped: the newer one goes
                 self.sender.reading(slot)
-            self._slot = 1 - slot
+            self.next_slot = 1 - slot
             if hold:
                 self._held = slot
         # What changes outside the optimizer step is taken now; the shards are copied
@@ -203,7 +193,7 @@ class LocalTier:
         plan = self._plan_for(meta)
         if not self._slots_ready(plan, wait=hold):
             with self._lock:
-                self._slot = slot  # not taken: the next capture fills it
+                self.next_slot = slot  # not taken: the next capture fills it
                 if hold:
                     self._held = None
             return False
@@ -446,9 +436,9 @@ class LocalTier:
             self._copier.shutdown(wait=True)
             self._copier = None
         self.sender.close(flush=flush and not discard)
-        if self._receiver is not None:
-            self._receiver.close()
-            self._receiver = None
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
         if discard or not self.enabled:  # saves only: nothing to recover from
             self.cache.drop(self.key)
             self._slots = [None, None]

@@ -373,7 +373,7 @@ class CheckpointManager:
             "local_tier_captures": self.local.captures,
             "local_tier_checksum_s": self.local.checksum_s,
             "local_replicas_sent": self.local.sender.sent,
-            **self.local.summary(),
+            **self.local.schedule.summary(),  # the interval: what it is, why, on what
             "checkpoint": str(latest) if latest else None,
             "checkpoint_mode": self.settings.mode,
             "resumed_from": self.resumed_from,

@@ -105,14 +105,14 @@ class Lease:
     def wait(self) -> Slot:
         """The slot holding the complete capture (raises what failed the copy)."""
         self._copy.result()
-        target = self._tier._slots[self.slot]
+        target = self._tier.slot(self.slot)
         assert target is not None
         return target
 
     def release(self) -> None:
         """The save no longer reads the slot (written, failed or abandoned); idempotent."""
         self.serving = None
-        self._tier._release(self.slot)
+        self._tier.release_slot(self.slot)
 
     def state_over(self, state: dict[str, Any], shared: bool = True) -> dict[str, Any]:
         """`state` (a state dict of the captured step) with each tensor replaced by its copy

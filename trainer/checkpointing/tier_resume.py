@@ -44,7 +44,7 @@ def restore(tier: LocalTier, durable_step: int) -> int | None:
     checkpoint). Also starts this attempt's replica receiver and learns its peers'."""
     mine = _candidates(tier) if tier.enabled else {}
     held = peer_copies.held_replicas(tier.folder, tier.rank, tier.holds_for)
-    if tier.holds_for and tier._receiver is None:
+    if tier.holds_for and tier.receiver is None:
         tier.sender.token = secrets.token_bytes(32) if tier.rank == 0 else b""
     info = {
         "own": sorted(mine),
@@ -97,7 +97,7 @@ def restore(tier: LocalTier, durable_step: int) -> int | None:
             if source is not None or mine[step] != "memory":  # the cached capture stays where it is
                 tier.cache.put(tier.key, snapshot, None)
             if source is None and (match := slots.HEAD_FILE.match(Path(mine[step]).name)):
-                tier._slot = 1 - int(match.group(3))  # the first capture keeps this one
+                tier.next_slot = 1 - int(match.group(3))  # the first capture keeps this one
             tier.restored_from = {r: peer for r, (_, peer) in enumerate(verdicts) if peer is not None}
             return step
         if problem:
@@ -111,12 +111,12 @@ def _start_replication(tier: LocalTier, gathered: list[Any]) -> None:
     if not any(g["holds"] for g in gathered):  # the same on every rank
         return
     tier.sender.token = gathered[0]["token"]
-    if tier.holds_for and tier._receiver is None:
-        tier._receiver = peer_copies.ReplicaReceiver(
-            tier.folder, tier.rank, tier.holds_for, tier.sender.token, tier._listen_host
+    if tier.holds_for and tier.receiver is None:
+        tier.receiver = peer_copies.ReplicaReceiver(
+            tier.folder, tier.rank, tier.holds_for, tier.sender.token, tier.listen_host
         )
     addresses: list[Any] = [None] * len(gathered)
-    dist.all_gather_object(addresses, tier._receiver.address if tier._receiver else None)
+    dist.all_gather_object(addresses, tier.receiver.address if tier.receiver else None)
     tier.sender.holders = {
         r: tuple(a) for r, a in enumerate(addresses) if a is not None and r in tier.sends_to
     }
