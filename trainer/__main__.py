@@ -49,6 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.parallelize import shutdown_distributed
     from trainer.resilience import fault_tolerance
 
+    if config.checkpoint.mode == "async":  # NVRx's writer processes, forked ready-imported
+        from trainer import forkserver
+        from trainer.checkpointing import WRITERS
+
+        forkserver.start([WRITERS["async"].partition(":")[0]])
     try:
         with fault_tolerance(config, process_started_at) as train:
             summary = train()

@@ -47,7 +47,9 @@ And on CPU and GPU alike:
    worker still importing torch when its rank is killed (during a restart's background
    warm-up) then does not wait for requests forever, holding the resource tracker,
    torch_shm_manager and /dev/shm.
-   Each asks with its rank's pid, so a rank that died before the request still counts.
+   Each asks with its parent's pid, so a parent that died before the request still counts.
+   Both are forked from the rank's own fork server where it runs (`trainer.forkserver`:
+   imported already, where NVRx's spawn imports torch and NVRx again), else spawned.
 7. Shard writes. NVRx's bucket writer opens each shard with the builtin `open`
    (filesystem_async.py:386);
    `hash_shards_as_written` makes that `storage.ShardWriter`, which hashes the bytes on
@@ -71,7 +73,7 @@ import torch
 import torch.distributed as dist
 from nvidia_resiliency_ext.checkpointing.async_ckpt import core, filesystem_async
 
-from trainer import env, waiting
+from trainer import env, forkserver, waiting
 
 
 def hash_shards_as_written() -> None:
@@ -132,12 +134,12 @@ class CpuSafePersistentAsyncCaller(core.PersistentAsyncCaller):
 
     def _start_worker(self) -> None:
         """NVRx's own start of the worker (`schedule_async_call`), with `_worker_main` first."""
-        rank = dist.get_rank()
-        self.rank = rank  # NVRx's own start sets it the same way
-        self.process = torch.multiprocessing.get_context("spawn").Process(
+        self.rank = rank = dist.get_rank()  # NVRx's own start sets it the same way
+        context, parent = forkserver.context()  # the rank's fork server, else spawn (NVRx's own)
+        self.process = context.Process(
             target=_worker_main,
             args=(
-                os.getpid(),
+                parent,
                 env.local_rank(),
                 rank,
                 self.queue,
@@ -168,8 +170,8 @@ def _results_queue_of_this_attempt() -> None:
         from trainer.lifecycle import die_with_parent
 
         # On the main thread: Linux sends the death signal when the thread that started it ends.
-        manager = SyncManager(ctx=torch.multiprocessing.get_context("spawn"))  # NVRx's context
-        manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+        manager = SyncManager(ctx=forkserver.context()[0])
+        manager.start(initializer=die_with_parent, initargs=(forkserver.context()[1],))
         _results_manager = manager  # keep it referenced: a collected manager shuts down
     filesystem_async._results_queue = waiting.off_main_thread("rtp-ckpt-results", _results_manager.Queue)
 
@@ -237,11 +239,12 @@ def only_the_ranks_gpu(local_rank: int, environ: dict[str, str] | Any = os.envir
     # Fewer devices than local ranks: the launcher already narrowed them per rank.
 
 
-def _worker_main(rank_pid: int, local_rank: int, *loop_args: Any) -> None:
-    """(6) The persistent worker: set it up to die with its rank, then NVRx's loop."""
+def _worker_main(parent_pid: int, local_rank: int, *loop_args: Any) -> None:
+    """(6) The persistent worker: set it up to die with its parent (the rank, or the rank's
+    fork server, which dies with it), then NVRx's loop."""
     from trainer.lifecycle import prepare_background_writer
 
-    prepare_background_writer(parent_pid=rank_pid)
+    prepare_background_writer(parent_pid=parent_pid)
     only_the_ranks_gpu(local_rank)
     core.PersistentAsyncCaller.async_loop(*loop_args)
 
