@@ -517,8 +517,10 @@ def _become_rank(conn: socket.socket, fds: list[int], request: dict[str, Any], n
     os.environ.clear()
     os.environ.update(request["env"])
     os.environ[PREFORKED_ENV] = str(request["launcher_pid"])
-    for signum in (*FORWARDED_SIGNALS, signal.SIGCHLD, signal.SIGPIPE):
+    for signum in (*FORWARDED_SIGNALS, signal.SIGCHLD):
         signal.signal(signum, signal.SIG_DFL)
+    # As a new interpreter starts: a write to a closed connection raises, it does not kill.
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if nice is not None:
         os.setpriority(os.PRIO_PROCESS, 0, nice)

@@ -19,6 +19,7 @@ already running, a standard library whose fork server differs), `context()` is s
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import secrets
@@ -26,6 +27,7 @@ import signal
 import socket
 import sys
 import threading
+import traceback
 from collections.abc import Iterable
 from multiprocessing import forkserver
 from typing import Any
@@ -72,12 +74,14 @@ def start(modules: Iterable[str] = ()) -> bool:
         try:
             os.close(alive_w)
             die_with_parent(rank)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # inherited by what it forks
+            _signals_of_a_new_interpreter()
             forkserver.main(listener.fileno(), alive_r, [])  # ends when the rank is gone
         except SystemExit:
             pass
-        except BaseException:
+        except BaseException:  # the writer's next start will fail: say why in the rank's log
             code = 1
+            traceback.print_exc()
+            sys.stderr.flush()
         finally:
             os._exit(code)  # never the rank's exit handlers
     os.close(alive_r)
@@ -85,6 +89,21 @@ def start(modules: Iterable[str] = ()) -> bool:
     server._forkserver_address, server._forkserver_alive_fd = address, alive_w
     server._forkserver_pid = _server_pid = pid
     return True
+
+
+def _signals_of_a_new_interpreter() -> None:
+    """What a spawned process starts with, inherited by what the server forks: no handler of
+    the rank's, nothing blocked, SIGPIPE and SIGXFSZ ignored as Python ignores them (a write
+    to a closed connection raises instead of killing: the results Manager died of SIGPIPE
+    where the rank had it at the default), and SIGTERM ignored (the module doc)."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    for number in signal.valid_signals():
+        if number not in (signal.SIGKILL, signal.SIGSTOP):
+            with contextlib.suppress(OSError, ValueError, RuntimeError):
+                signal.signal(number, signal.SIG_DFL)
+    for number in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGTERM):
+        signal.signal(number, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def context() -> tuple[Any, int]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -172,7 +173,9 @@ def forget(workdir: str | Path) -> None:
 
 def merge(notes: list[dict[str, Any]]) -> RestartCause | None:
     """The ranks' notes of one attempt as one cause: the most telling kind; for an
-    exception, the note of the rank that raised it (it knows the type)."""
+    exception, the note of the rank that raised it first (it knows the type; a peer's error
+    written later, such as gloo's "Connection closed by peer" once the restart took the
+    connections down, is its consequence), and the ranks that raised the same type."""
     if not notes:
         return None
     best = min(
@@ -180,11 +183,13 @@ def merge(notes: list[dict[str, Any]]) -> RestartCause | None:
         key=lambda note: (
             _PRIORITY.index(note.get("cause", UNKNOWN)) if note.get("cause") in _PRIORITY else len(_PRIORITY),
             not note.get("exception"),
+            note.get("time", math.inf),
         ),
     )
-    ranks = sorted(
-        {rank for note in notes if note.get("cause") == best["cause"] for rank in note.get("ranks", [])}
-    )
+    same = [note for note in notes if note.get("cause") == best["cause"]]
+    if best.get("exception"):
+        same = [note for note in same if note.get("exception") in (best["exception"], "", None)]
+    ranks = sorted({rank for note in same for rank in note.get("ranks", [])})
     return RestartCause(
         best["cause"],
         tuple(ranks),

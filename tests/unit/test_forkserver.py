@@ -42,9 +42,17 @@ print(json.dumps({{"started": started, "method": context.get_start_method(), "pa
 
 
 def report(queue) -> None:
-    """In a started process: its parent, and whether NVRx was imported before it ran."""
+    """In a started process: its parent, whether NVRx was imported before it ran, and its
+    signal dispositions."""
     queue.put(
-        {"ppid": os.getppid(), "nvrx": "nvidia_resiliency_ext.checkpointing.async_ckpt.core" in sys.modules}
+        {
+            "ppid": os.getppid(),
+            "nvrx": "nvidia_resiliency_ext.checkpointing.async_ckpt.core" in sys.modules,
+            "signals": {
+                name: str(signal.getsignal(getattr(signal, name)))
+                for name in ("SIGPIPE", "SIGTERM", "SIGUSR1")
+            },
+        }
     )
 
 
@@ -88,15 +96,26 @@ def test_this_pythons_fork_server_is_the_one_start_stands_in_for():
     assert forkserver.stdlib_matches()
 
 
+IGNORED, DEFAULT = str(signal.SIG_IGN), str(signal.SIG_DFL)
+
+
 def test_the_writers_processes_are_forked_from_the_ranks_server_with_nvrx_imported_and_die_with_the_rank():
-    process = rank(after="time.sleep(600)")
+    # A rank forked from rtp_prefork's zygote once had SIGPIPE at the default (the results
+    # Manager then died of a write to a closed connection), and a rank may hold handlers.
+    process = rank(
+        before="import signal; signal.signal(signal.SIGPIPE, signal.SIG_DFL); "
+        "signal.signal(signal.SIGUSR1, lambda *_: None)",
+        after="time.sleep(600)",
+    )
     try:
         seen = first_line(process)
         assert seen["started"] and seen["method"] == "forkserver", seen
         server = seen["parent"]
         assert server != seen["rank"] and psutil.Process(server).ppid() == seen["rank"]
         # Forked from the server, NVRx imported before the process ran anything (spawn: not).
-        assert seen["seen"] == {"ppid": server, "nvrx": True} and seen["exitcode"] == 0, seen
+        assert seen["seen"]["ppid"] == server and seen["seen"]["nvrx"] and seen["exitcode"] == 0, seen
+        # What a spawned process starts with, SIGTERM ignored (the rank's final save outlives it).
+        assert seen["seen"]["signals"] == {"SIGPIPE": IGNORED, "SIGTERM": IGNORED, "SIGUSR1": DEFAULT}, seen
         # SIGTERM to the whole group (a launcher stopping the rank) leaves the server to its rank.
         os.kill(server, signal.SIGTERM)
         time.sleep(0.5)
@@ -125,4 +144,4 @@ def test_a_rank_already_running_a_thread_spawns_its_writer_as_nvrx_does():
     seen = first_line(process)
     assert process.wait(120) == 0
     assert not seen["started"] and seen["method"] == "spawn", seen
-    assert seen["seen"] == {"ppid": seen["rank"], "nvrx": False}, seen
+    assert seen["seen"]["ppid"] == seen["rank"] and not seen["seen"]["nvrx"], seen

@@ -98,6 +98,19 @@ def test_an_exception_restart_is_reported_with_its_type_from_the_rank_that_raise
     assert restart["cause_detail"] == "exception ValueError on rank 1: bad batch"
 
 
+def test_a_peers_error_caused_by_the_restart_is_not_taken_for_the_exception(tmp_path):
+    """Rank 1 raises; the restart takes its connections down before rank 0 is told, and rank
+    0's collective fails with an error of its own, written down a moment later."""
+    raised_on_rank1 = cause_of(InjectedFault("injected fault exception@6:1"), rank=1)
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:33481")
+    consequence_on_rank0 = cause_of(gloo, rank=0)
+    assert consequence_on_rank0.cause == "exception"
+    write_note(tmp_path, consequence_on_rank0, launcher_restart=0, iteration=0, rank=0, at=6.2)
+    write_note(tmp_path, raised_on_rank1, launcher_restart=0, iteration=0, rank=1, at=6.0)
+    [restart] = analyze(EVENTS, [], 9.0, read_notes(tmp_path))["restarts"]
+    assert restart["cause_detail"] == "exception InjectedFault on rank 1: injected fault exception@6:1"
+
+
 def test_a_note_of_an_earlier_attempt_is_not_taken_for_this_restart_cause(tmp_path):
     old = cause_of(ValueError("long ago"), rank=0)
     write_note(tmp_path, old, launcher_restart=0, iteration=0, rank=0, at=0.5)  # before the attempt

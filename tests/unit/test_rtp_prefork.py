@@ -41,6 +41,7 @@ if mode == "report":
         "torch_imported": "torch" in sys.modules,
         "own_session": os.getsid(0) == os.getpid(),
         "main": sys.modules["__main__"].__spec__.name,
+        "sigpipe_ignored": signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN,
     }))
     sys.exit(int(sys.argv[2]))
 if mode == "wait-for-sigterm":
@@ -124,6 +125,9 @@ def test_the_forked_rank_runs_with_the_stand_ins_arguments_environment_and_strea
     assert report["torch_imported"], "the rank did not start from the pre-imported process"
     assert report["own_session"]
     assert report["main"] == "rank_target"
+    # As in a new interpreter: a write to a closed connection raises BrokenPipeError, it
+    # does not kill the rank (nor, through its fork server, the NVRx results Manager).
+    assert report["sigpipe_ignored"]
 
 
 def test_a_rank_killed_by_a_signal_ends_its_stand_in_by_the_same_signal(zygote):
