@@ -48,6 +48,8 @@ _RECORDS = re.compile(r"Interruption\.(\w+) on ranks=\{([\d,\s]*)\}")
 _COLLECTIVE_TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 """How gloo ("Timed out waiting 5000ms for recv ...") and NCCL's watchdog ("Watchdog caught
 collective operation timeout") word a collective that waited `collective_timeout_s` for a peer."""
+_PEER_GONE = re.compile(r"Connection (closed|reset) by peer|Broken pipe", re.IGNORECASE)
+"""How an error says that a peer went away (gloo, sockets): the consequence of a fault elsewhere."""
 _PRIORITY = [
     HARD_TIMEOUT,
     SOFT_TIMEOUT,
@@ -173,9 +175,10 @@ def forget(workdir: str | Path) -> None:
 
 def merge(notes: list[dict[str, Any]]) -> RestartCause | None:
     """The ranks' notes of one attempt as one cause: the most telling kind; for an
-    exception, the note of the rank that raised it first (it knows the type; a peer's error
-    written later, such as gloo's "Connection closed by peer" once the restart took the
-    connections down, is its consequence), and the ranks that raised the same type."""
+    exception, the note of the rank that raised it (it knows the type), not a peer's error
+    that says a peer went away (gloo's "Connection closed by peer" once the restart took
+    the raising rank's connections down: a consequence, noted as early or later), and the
+    ranks that raised the same type."""
     if not notes:
         return None
     best = min(
@@ -183,6 +186,7 @@ def merge(notes: list[dict[str, Any]]) -> RestartCause | None:
         key=lambda note: (
             _PRIORITY.index(note.get("cause", UNKNOWN)) if note.get("cause") in _PRIORITY else len(_PRIORITY),
             not note.get("exception"),
+            bool(_PEER_GONE.search(note.get("message") or "")),
             note.get("time", math.inf),
         ),
     )
