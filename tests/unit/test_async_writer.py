@@ -313,3 +313,48 @@ def test_a_restarted_attempt_reads_its_own_write_results_after_a_manager_call_wa
     finally:
         writer.close()
         stale._tls.connection.recv()  # in step again, for the tests after this one
+
+
+def test_a_save_abandoned_while_it_is_planned_never_plans_on_the_training_group(tmp_path, monkeypatch):
+    """An in-process restart abandons the writer while its planner thread may still be planning
+    the previous step's save. What the planner runs after that must stay on the writer's own
+    group: a collective on the training group (what a plan on no group is) meets the peers'
+    next-step FSDP all-gathers, and gloo aborts the rank ("op.preamble.length <= op.nbytes",
+    seen under load in `rtp bench finetune`'s exception run)."""
+    import threading
+    import time
+
+    from trainer.checkpointing import nvrx_writer
+
+    staging, release, groups = threading.Event(), threading.Event(), []
+    prepare_staging, plan = storage.prepare_staging, nvrx_writer.save_state_dict_async_plan
+
+    def slow_prepare(root, step, state, group=None):
+        staging.set()
+        release.wait(30)  # the restart abandons the writer meanwhile
+        return prepare_staging(root, step, state, group=group)
+
+    def recording_plan(*args, process_group=None, **kwargs):
+        groups.append(process_group)
+        return plan(*args, process_group=process_group, **kwargs)
+
+    monkeypatch.setattr(storage, "prepare_staging", slow_prepare)
+    monkeypatch.setattr(nvrx_writer, "save_state_dict_async_plan", recording_plan)
+    model, optimizer = _trained_model()
+    manager = _manager(tmp_path, "async", model, optimizer, extra=["checkpoint.local_every_steps=0"])
+    manager.load()
+    try:
+        for step in (1, 2, 3):  # the save is at step 3
+            _step(model, optimizer)
+            manager.save(step, last_step=False, loss=1.0)
+        assert staging.wait(30)
+    finally:
+        manager.abandon()
+        release.set()
+    deadline = time.monotonic() + 30
+    while not groups and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for thread in threading.enumerate():
+        if thread.name == "rtp-ckpt-plan":
+            thread.join(30)  # abandoned: it ends after this job
+    assert groups and all(group is not None for group in groups)

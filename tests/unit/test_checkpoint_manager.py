@@ -198,14 +198,10 @@ def test_learned_heartbeat_timeouts_never_go_below_the_floor(monkeypatch):
 def test_a_periodic_save_is_skipped_while_a_restarted_writer_starts_but_a_final_one_waits(
     tmp_path, monkeypatch
 ):
-    from trainer.checkpointing.torch_writers import SyncWriter
-
-    starting = {"now": False}
-    monkeypatch.setattr(SyncWriter, "_still_warming_up", lambda self: starting["now"])
     model, optimizer = _trained_model()
     manager = _manager(tmp_path, "sync", model, optimizer)
     manager.load(background=True)
-    starting["now"] = True
+    manager.writer.warming_up = True  # as a writer opened in the background says until it is ready
     assert manager.save(3, last_step=False, loss=1.0) is not None  # no durable checkpoint yet: never skipped
     assert manager.save(6, last_step=False, loss=1.0) is None  # skipped: the writer is starting
     assert manager.save(9, last_step=False, loss=1.0) is not None  # never two in a row

@@ -70,7 +70,6 @@ class NvrxAsyncWriter(CheckpointWriter):
         self._abandoned = threading.Event()  # tells a finisher to stop waiting
         self._commit_lock = threading.Lock()  # abandoned, or committing: never both
         self._committing = False
-        self._warming_up = False
         self._last_state: dict[str, Any] | None = None
         self._stepped = False  # a step ended: the captures' slot may be made ahead
 
@@ -88,7 +87,7 @@ class NvrxAsyncWriter(CheckpointWriter):
         with lifecycle.children_ignore_sigterm():  # the results Manager starts here too
             self._calls = nvrx_compat.new_calls_queue()
             nvrx_compat.warm_up(self._calls, self.root / ".warm-up", wait=not background)
-        self._warming_up = background
+        self.warming_up = background
 
     def _write(self, state: dict[str, Any], pending: PendingSave) -> None:
         """Queue the save's planning: the planner thread waits for the lent capture, plans
@@ -113,12 +112,15 @@ class NvrxAsyncWriter(CheckpointWriter):
             raise RuntimeError("an async save needs the host capture of its step (PendingSave.lend)")
         writer = FileSystemWriterAsync(str(pending.staging))
         call_idx = nvrx_compat.number_request(self._calls)
-        self._planned = self._planner.submit(partial(self._plan_and_send, writer, pending, call_idx, state))
+        # The group is bound now: an in-process restart's `_abandon` drops `self._group` while
+        # the planner may still run, and a plan on no group would run on the training group.
+        job = partial(self._plan_and_send, writer, pending, call_idx, state, self._group)
+        self._planned = self._planner.submit(job)
         self._pending = self._handoff = pending
         pending.record.queue_s = pending.record.blocked_s = time.perf_counter() - pending.started_at
 
     def _plan_and_send(
-        self, writer: Any, pending: PendingSave, call_idx: int, state: dict[str, Any]
+        self, writer: Any, pending: PendingSave, call_idx: int, state: dict[str, Any], group: Any
     ) -> Callable[[], None]:
         """The planner thread: plan the write over the complete capture and send it to the
         writer process; returns what finishes it (`_finish`, for the finisher thread).
@@ -128,11 +130,13 @@ class NvrxAsyncWriter(CheckpointWriter):
 
         assert pending.lease is not None
         snapshot = pending.lease.state_over(state)
-        self._stage(pending)
+        if self._abandoned.is_set():
+            raise storage.CheckpointError(f"the save of step {pending.record.step} was abandoned")
+        self._stage(pending, group)
         if pending.during_write is not None:
             pending.during_write()
         writer, metadata, dist_wrapper = save_state_dict_async_plan(
-            snapshot, writer, process_group=self._group, enable_cache=True, metadata_cache=self._plan_cache
+            snapshot, writer, process_group=group, enable_cache=True, metadata_cache=self._plan_cache
         )
         save_fn, _preload_fn, save_args = writer.get_save_function_and_args()
         if save_args and pending.lease.serving is not None:
@@ -156,9 +160,6 @@ class NvrxAsyncWriter(CheckpointWriter):
         nvrx_compat.send(self._calls, request)
         pending.queued_at = time.perf_counter()
         return partial(self._finish, writer, metadata, dist_wrapper, pending, call_idx, save_fn is not None)
-
-    def _still_warming_up(self) -> bool:
-        return self._warming_up
 
     def wait(self, until: Until) -> None:
         if until == "staged":
@@ -185,10 +186,10 @@ class NvrxAsyncWriter(CheckpointWriter):
             pending.record.blocked_s += elapsed
         self._queued(pending.record)
 
-    def _stage(self, pending: PendingSave) -> None:
+    def _stage(self, pending: PendingSave, group: Any) -> None:
         """The staging folder and this rank's RNG/loader file; a barrier over the writer's
-        group."""
-        storage.prepare_staging(self.root, pending.record.step, pending.rank_state, group=self._group)
+        group (never None: that would be the training group)."""
+        storage.prepare_staging(self.root, pending.record.step, pending.rank_state, group=group)
 
     def _hand_off(self) -> None:
         if self._last_state is not None:
@@ -286,9 +287,9 @@ class NvrxAsyncWriter(CheckpointWriter):
         (the ranks may learn of it a step apart; each commit is reported once per rank).
         During a background warm-up it finalizes the warm-up save (NVRx's collective check)."""
         if self._pending is None:
-            if self._warming_up and not self._calls.get_num_unfinalized_calls():
+            if self.warming_up and not self._calls.get_num_unfinalized_calls():
                 self._finish_warm_up()
-            elif self._warming_up:
+            elif self.warming_up:
                 self._calls.maybe_finalize_async_calls(blocking=False)
             return
         finisher = self._finisher
@@ -301,11 +302,11 @@ class NvrxAsyncWriter(CheckpointWriter):
 
     def _finish_warm_up(self) -> None:
 
-        self._warming_up = False
+        self.warming_up = False
         nvrx_compat.finish_warm_up(self.root / ".warm-up")
 
     def _finalize(self) -> None:
-        if self._warming_up:
+        if self.warming_up:
             self._wait_for_writer()
             self._finish_warm_up()
         if self._last_state is not None:
@@ -332,7 +333,7 @@ class NvrxAsyncWriter(CheckpointWriter):
         # Not on this thread: planning and the results' gather wait inside C for the slowest
         # rank (its write), and a main thread in C stamps no progress for NVRx's watchdog.
         writer, metadata, dist_wrapper, all_results = waiting.off_main_thread(
-            "rtp-ckpt-last-save", self._write_here, state, pending
+            "rtp-ckpt-last-save", self._write_here, state, pending, self._group
         )
         if dist_wrapper.is_coordinator:
             failures = _get_failure_dict(all_results)
@@ -341,7 +342,7 @@ class NvrxAsyncWriter(CheckpointWriter):
             writer.finish(metadata, all_results)  # DCP's .metadata
         self._commit(pending)
 
-    def _write_here(self, state: dict[str, Any], pending: PendingSave) -> tuple[Any, Any, Any, Any]:
+    def _write_here(self, state: dict[str, Any], pending: PendingSave, group: Any) -> tuple[Any, ...]:
         """The last save's plan, write (NVRx's bucket writer, in this process) and results'
         gather over the writer's group: (writer, metadata, dist wrapper, every rank's results
         on the coordinator)."""
@@ -351,11 +352,11 @@ class NvrxAsyncWriter(CheckpointWriter):
                 # NVRx's bucket writer writes host tensors only: the capture of this step.
                 assert pending.lease is not None
                 state = pending.lease.state_over(state, shared=False)
-            self._stage(pending)
+            self._stage(pending, group)
             writer, metadata, dist_wrapper = save_state_dict_async_plan(
                 state,
                 FileSystemWriterAsync(str(pending.staging)),
-                process_group=self._group,
+                process_group=group,
                 enable_cache=True,
                 metadata_cache=self._plan_cache,
             )
@@ -405,7 +406,7 @@ class NvrxAsyncWriter(CheckpointWriter):
                 _release(pending)
         self._pending = self._handoff = None
         self._last_state = None
-        self._warming_up = False
+        self.warming_up = False
         with self._commit_lock:
             self._abandoned.set()
             committing = self._committing

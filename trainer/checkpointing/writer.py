@@ -123,6 +123,9 @@ class CheckpointWriter(ABC):
 
     mode: ClassVar[str]
     host_bytes = 0
+    # Opened in the background (after a restart) and not ready yet; the same on every rank at
+    # the same step (it turns ready in a collective `wait("step")`): periodic saves are deferred.
+    warming_up = False
     """Host memory its own copies of the state held at most (for the summary)."""
 
     def __init__(
@@ -150,7 +153,7 @@ class CheckpointWriter(ABC):
 
     def save(self, state: dict[str, Any], pending: PendingSave) -> Outcome:
         """Collective: begin writing `state` (model and optimizer) into `pending.staging`."""
-        if pending.deferrable and self._still_warming_up():
+        if pending.deferrable and self.warming_up:
             return "deferred"
         began = time.perf_counter()
         self.wait("committed")  # the previous save commits first: its slot or buffers are reused
@@ -171,11 +174,6 @@ class CheckpointWriter(ABC):
 
     def _write(self, state: dict[str, Any], pending: PendingSave) -> None:
         raise NotImplementedError
-
-    def _still_warming_up(self) -> bool:
-        """Started in the background (after a restart) and not ready yet; the same on every
-        rank at the same step (it turns ready in a collective `wait("step")`)."""
-        return False
 
     def _commit(self, pending: PendingSave, loop_waited_for_write: bool = False) -> None:
         """Collective commit of a finished write; rank 0 applies retention in the background."""
