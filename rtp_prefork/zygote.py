@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import functools
 import gc
 import importlib
 import io
@@ -40,7 +41,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -264,13 +265,25 @@ def _process_exists(pid: int) -> bool:
 
 def _wait_until_serving(path: str, timeout_s: float) -> bool:
     """Whether the zygote at `path` serves, waiting up to `timeout_s` while one is starting
-    (it holds its lock); no wait when none lives."""
+    (it holds its lock); no wait when none lives. A waiting rank asks the zygote to finish its
+    imports at normal priority (`hurry_path`): at the lowest, other work on a busy node can
+    starve them for the whole wait."""
     deadline = time.monotonic() + timeout_s
+    hurried = False
     while not os.path.exists(path):
         if time.monotonic() > deadline or not _zygote_alive(path + ".lock"):
             return os.path.exists(path)
+        if not hurried and timeout_s > 0:
+            hurried = True
+            with contextlib.suppress(OSError):
+                Path(hurry_path(path)).touch()
         time.sleep(0.05)
     return True
+
+
+def hurry_path(path: str) -> str:
+    """A file a waiting rank creates beside the zygote's address: import at normal priority."""
+    return path + ".hurry"
 
 
 def _zygote_alive(lock_path: str) -> bool:
@@ -302,14 +315,31 @@ def _may_restore_priority(original: int) -> bool:
     return soft == resource.RLIM_INFINITY or soft >= 20 - original
 
 
-def _lower_session_priority() -> None:
+def _lower_session_priority() -> str | None:
     """With the kernel's autogroup scheduling (common on desktops and VMs) CPU time is shared
     between sessions first, and a process's nice only ranks it within its session: the
     zygote, alone in its session, would get a rank's share however nice it is. Its session's
     own priority is lowered instead (any process may lower its own); a rank forked from it
-    starts a session of its own, at normal priority."""
-    with contextlib.suppress(OSError):
-        Path("/proc/self/autogroup").write_text("19")
+    starts a session of its own, at normal priority. Returns the session's nice before
+    (None without autogroup)."""
+    autogroup = Path("/proc/self/autogroup")
+    with contextlib.suppress(OSError, IndexError):
+        before = autogroup.read_text().split("nice")[1].strip()  # "/autogroup-7117 nice 0"
+        autogroup.write_text("19")
+        return before
+    return None
+
+
+def _restore_priority(importer: int, nice: int | None, autogroup: str | None) -> None:
+    """Back to the priority the zygote started with: its importing thread (`importer`, a
+    thread id) and its session, where allowed (raising a priority takes CAP_SYS_NICE or
+    `RLIMIT_NICE`)."""
+    if nice is not None:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, importer, nice)
+    if autogroup is not None:
+        with contextlib.suppress(OSError):
+            Path("/proc/self/autogroup").write_text(autogroup)
 
 
 def modules_for(config_json: str) -> list[str]:
@@ -350,14 +380,15 @@ def serve(launcher_pid: int, config_json: str, lock_fd: int | None = None) -> in
     restore = original_nice if _may_restore_priority(original_nice) else None
     if restore is not None:
         os.setpriority(os.PRIO_PROCESS, 0, 19)
-    _lower_session_priority()
+    autogroup = _lower_session_priority()
     started = time.monotonic()
     try:
         try:
             launcher = os.pidfd_open(launcher_pid)
         except ProcessLookupError:
             return 0
-        with _ending_with(launcher, path + ".lock" if lock_fd is not None else None):
+        hurry = functools.partial(_restore_priority, threading.get_native_id(), restore, autogroup)
+        with _ending_with(launcher, path + ".lock" if lock_fd is not None else None, hurry_path(path), hurry):
             warm_up(modules_for(config_json))
         unsafe = _fork_hazard()
         if unsafe:
@@ -385,25 +416,40 @@ def serve(launcher_pid: int, config_json: str, lock_fd: int | None = None) -> in
         return 0
     finally:
         if lock_fd is not None and os.getpid() == zygote:
-            with contextlib.suppress(OSError):
-                os.unlink(path + ".lock")
+            for leftover in (path + ".lock", hurry_path(path)):
+                with contextlib.suppress(OSError):
+                    os.unlink(leftover)
 
 
 @contextlib.contextmanager
-def _ending_with(launcher: int, lock_path: str | None) -> Iterator[None]:
+def _ending_with(
+    launcher: int, lock_path: str | None, hurry_file: str, hurry: Callable[[], None]
+) -> Iterator[None]:
     """End this process as soon as the launcher (its pidfd) ends while the block runs: the
-    imports, which at nice 19 on a busy node can outlast the launcher by a minute. The
-    watcher thread is joined before the block returns: none is left to fork."""
+    imports, which at nice 19 on a busy node can outlast the launcher by a minute. Call
+    `hurry` once when `hurry_file` appears (a restarted rank waits; looked for every 0.2 s).
+    The watcher thread is joined before the block returns: none is left to fork."""
     stop_r, stop_w = os.pipe()
 
     def watch() -> None:
-        ready, _, _ = select.select([launcher, stop_r], [], [])
-        if stop_r not in ready:
-            _log("launcher ended while importing")
-            if lock_path is not None:
+        hurried = False
+        while True:
+            ready, _, _ = select.select([launcher, stop_r], [], [], None if hurried else 0.2)
+            if stop_r in ready:
+                return
+            if launcher in ready:
+                break
+            if not hurried and os.path.exists(hurry_file):
+                hurried = True
+                hurry()
                 with contextlib.suppress(OSError):
-                    os.unlink(lock_path)
-            os._exit(0)
+                    os.unlink(hurry_file)
+                _log("a restarted rank waits: importing at normal priority")
+        _log("launcher ended while importing")
+        if lock_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(lock_path)
+        os._exit(0)
 
     watcher = threading.Thread(target=watch, name="rtp-prefork-watch", daemon=True)
     watcher.start()

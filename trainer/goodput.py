@@ -59,7 +59,7 @@ def _cause(
         and since <= note.get("time", since) <= until
     ]
     merged = restart_causes.merge(mine)
-    if merged is not None:
+    if merged is not None and not (mechanism == "launcher" and restart_causes.peers_gone_only(mine)):
         return merged
     if mechanism == "launcher":  # no rank could say: one was killed or exited
         return RestartCause(restart_causes.LAUNCHER)

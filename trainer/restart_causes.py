@@ -173,6 +173,14 @@ def forget(workdir: str | Path) -> None:
             path.unlink(missing_ok=True)
 
 
+def peers_gone_only(notes: list[dict[str, Any]]) -> bool:
+    """Whether every note is an error that says a peer went away: what the survivors of a
+    rank whose process ended (SIGKILL, an abort) see, a consequence and not the cause."""
+    return bool(notes) and all(
+        note.get("cause") == EXCEPTION and _PEER_GONE.search(note.get("message") or "") for note in notes
+    )
+
+
 def merge(notes: list[dict[str, Any]]) -> RestartCause | None:
     """The ranks' notes of one attempt as one cause: the most telling kind; for an
     exception, the note of the rank that raised it (it knows the type), not a peer's error

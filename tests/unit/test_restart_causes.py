@@ -112,6 +112,28 @@ def test_a_peers_error_caused_by_the_restart_is_not_taken_for_the_exception(tmp_
         assert restart["cause_detail"] == "exception InjectedFault on rank 1: injected fault exception@6:1"
 
 
+def test_a_worker_group_restart_after_a_rank_died_is_the_launcher_s_not_the_survivors_error(tmp_path):
+    """Rank 1 is SIGKILLed (or aborts): rank 0's collective fails with "Connection reset by
+    peer" and rank 0 notes that before ft_launcher restarts the group. The restart is the
+    launcher's (a process ended); rank 0's error is what it saw of it, not the cause."""
+    gloo = RuntimeError(
+        "[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:28881: Connection reset by peer"
+    )
+    write_note(tmp_path, cause_of(gloo, rank=0), launcher_restart=0, iteration=0, rank=0, at=6.0)
+    events = [*EVENTS[:4], _attempt(7.0, 0, restart=1), EVENTS[5]]
+    [restart] = analyze(events, [], 9.0, read_notes(tmp_path))["restarts"]
+    assert (restart["mechanism"], restart["cause"]) == ("launcher", "launcher")
+    # In process, the survivors' error is all there is to say (the raising rank's note is missing).
+    [restart] = analyze(EVENTS, [], 9.0, read_notes(tmp_path))["restarts"]
+    assert (restart["mechanism"], restart["cause"]) == ("inprocess", "exception")
+    # A rank's own exception before a launcher restart stays the cause.
+    write_note(
+        tmp_path, cause_of(ValueError("bad batch"), rank=1), launcher_restart=0, iteration=0, rank=1, at=6.0
+    )
+    [restart] = analyze(events, [], 9.0, read_notes(tmp_path))["restarts"]
+    assert restart["cause_detail"] == "exception ValueError on rank 1: bad batch"
+
+
 def test_a_note_of_an_earlier_attempt_is_not_taken_for_this_restart_cause(tmp_path):
     old = cause_of(ValueError("long ago"), rank=0)
     write_note(tmp_path, old, launcher_restart=0, iteration=0, rank=0, at=0.5)  # before the attempt

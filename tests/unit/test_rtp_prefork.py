@@ -222,6 +222,7 @@ def test_a_zygote_still_importing_ends_with_its_launcher(tmp_path):
         env=env,
         stdout=subprocess.PIPE,
         text=True,
+        start_new_session=True,  # its autogroup at nice 19, not the test process's
     )
     try:
         deadline = time.monotonic() + 60
@@ -241,6 +242,70 @@ def test_a_zygote_still_importing_ends_with_its_launcher(tmp_path):
             process.wait()
         with contextlib.suppress(OSError):
             os.unlink(lock)
+
+
+SERVE_SLOWLY_LOCKED = (
+    "import fcntl, os, sys; from rtp_prefork import zygote as prefork; "
+    "lock = os.open(sys.argv[3], os.O_RDWR | os.O_CREAT); fcntl.flock(lock, fcntl.LOCK_EX); "
+    "prefork.WARM_MODULES = ('slow_import',); sys.exit(prefork.serve(int(sys.argv[1]), '{}', lock))"
+)
+
+
+def _nice_of_session(pid: int) -> str | None:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/autogroup").read_text().split("nice")[1].strip()
+    return None
+
+
+def test_a_restarted_rank_waiting_for_a_zygote_has_it_import_at_normal_priority(tmp_path):
+    """At the lowest priority, other work on a busy node can starve the zygote's imports for
+    the whole of a restarted rank's wait (seen under load: 60 s, then the rank imported by
+    itself): a rank that waits has the zygote go back to the priority it started with."""
+    original = os.getpriority(os.PRIO_PROCESS, 0)
+    if not prefork._may_restore_priority(original):
+        pytest.skip("this user may not raise a priority again: the zygote imports at its own")
+    (tmp_path / "slow_import.py").write_text(
+        "import pathlib, sys, time\npathlib.Path(sys.argv[2]).touch()\ntime.sleep(600)\n"
+    )
+    launcher = subprocess.Popen(["sleep", "600"])
+    path = prefork.socket_path(launcher.pid)
+    importing = tmp_path / "importing"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    zygote = subprocess.Popen(
+        [sys.executable, "-c", SERVE_SLOWLY_LOCKED, str(launcher.pid), str(importing), path + ".lock"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # as `start_zygote` starts it: a session (autogroup) of its own
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not importing.exists():
+            assert zygote.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        assert os.getpriority(os.PRIO_PROCESS, zygote.pid) == 19
+        autogroup = _nice_of_session(os.getpid()) is not None
+        assert _nice_of_session(zygote.pid) == ("19" if autogroup else None)
+        assert not prefork._wait_until_serving(path, timeout_s=0.5)  # importing all the while
+        deadline = time.monotonic() + 10
+        while os.getpriority(os.PRIO_PROCESS, zygote.pid) != original:
+            assert time.monotonic() < deadline, "the zygote stayed at the lowest priority"
+            time.sleep(0.05)
+        assert _nice_of_session(zygote.pid) == ("0" if autogroup else None)  # a new session's
+        while os.path.exists(prefork.hurry_path(path)):  # taken
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        launcher.kill()
+        launcher.wait()
+        assert zygote.wait(timeout=10) == 0
+        assert "importing at normal priority" in zygote.stdout.read()
+    finally:
+        for process in (launcher, zygote):
+            process.kill()
+            process.wait()
+        for leftover in (path + ".lock", prefork.hurry_path(path)):
+            with contextlib.suppress(OSError):
+                os.unlink(leftover)
 
 
 def _wait_for(path: Path) -> str:
