@@ -221,14 +221,13 @@ def test_a_saves_capture_is_taken_while_measuring_when_the_sender_reads_and_behi
         tier.wait_copy()
         assert len(tier.schedule._marks) == 4 and tier.schedule._marks[-1][1]  # step 4 counted as a copy
 
-        with tier._lock:
-            tier.sender._sending = tier.next_slot  # the sender reads the slot the next capture would take
-        due = tier.next_slot
+        due, reading = tier.next_slot, tier.sender.reading
+        # The sender reads the slot the next capture would take.
+        monkeypatch.setattr(tier.sender, "reading", lambda slot: slot == due or reading(slot))
         _step(model, optimizer)
         lease = tier.capture_for_save(5, 0)
         assert lease.slot == 1 - due
-        with tier._lock:
-            tier.sender._sending = None
+        monkeypatch.setattr(tier.sender, "reading", reading)
         lease.release()
         tier.wait_copy()
     finally:
