@@ -1,6 +1,7 @@
 """The checkpoint manager and its writers: when saves happen, what they hold, and how they fail."""
 
 import json
+import multiprocessing
 
 import pytest
 import torch
@@ -220,7 +221,7 @@ def test_an_async_save_whose_writer_process_died_fails_instead_of_waiting_foreve
     manager = _manager(tmp_path, "async", model, optimizer, extra=["checkpoint.local_every_steps=0"])
     manager.load()
     try:
-        worker = manager.writer._calls.persistent_caller.process
+        (worker,) = [p for p in multiprocessing.active_children() if p.name == "rtp-ckpt-writer"]
         worker.kill()
         worker.join(timeout=30)
         for step in (1, 2, 3):  # the save is at step 3

@@ -162,7 +162,7 @@ def test_large_slots_are_made_ahead_without_the_loop_waiting_and_keep_an_earlier
         manager.save(2, last_step=False, loss=1.0)  # still preparing: skipped too
         assert manager.local.captures == 0 and not list(folder.glob("*.head"))
         release.set()
-        manager.local._preparing.result(timeout=30)
+        manager.local.wait_prepared(timeout=30)
         _train_and_capture(manager, model, optimizer, (3, 4, 5))
         assert _heads(folder) == ["rank_0_step_4_slot_1.head", "rank_0_step_5_slot_0.head"]
         expected = [p.detach().clone() for p in model.parameters()]
@@ -174,7 +174,7 @@ def test_large_slots_are_made_ahead_without_the_loop_waiting_and_keep_an_earlier
         _step(other_model, other_optimizer)
         resumed.save(6, last_step=False, loss=1.0)  # preparing
         release.set()
-        resumed.local._preparing.result(timeout=30)
+        resumed.local.wait_prepared(timeout=30)
         # Mapped again, nothing overwritten yet: both captures and their headers stand.
         assert _heads(folder) == ["rank_0_step_4_slot_1.head", "rank_0_step_5_slot_0.head"]
         _train_and_capture(resumed, other_model, other_optimizer, (7,))  # into the older slot (1)

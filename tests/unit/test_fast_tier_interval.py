@@ -134,13 +134,15 @@ def test_budget_captures_less_often_when_copies_are_expensive_against_the_step(
     try:
         measuring = _clocked_steps(capture, tier, clock, model, optimizer, range(1, CALIBRATION_STEPS + 1))
         assert (
-            measuring == [1, 3, 5, 7, 9] and tier.interval == 2 and "still measuring" in tier.schedule.reason
+            measuring == [1, 3, 5, 7, 9]
+            and tier.schedule.interval == 2
+            and "still measuring" in tier.schedule.reason
         )
         with caplog.at_level(logging.INFO, logger="trainer.checkpointing.local_tier"):
             later = _clocked_steps(capture, tier, clock, model, optimizer, range(CALIBRATION_STEPS + 1, 31))
         assert tier.schedule.measured["copy_s"] == pytest.approx(copy_s)
         assert tier.schedule.measured["step_s"] == pytest.approx(STEP_S)  # the steps without a copy in flight
-        assert tier.interval == interval == budget_interval(copy_s, STEP_S, 5.0)
+        assert tier.schedule.interval == interval == budget_interval(copy_s, STEP_S, 5.0)
         assert later == [s for s in range(CALIBRATION_STEPS + 1, 31) if s % interval == 0]
         assert tier.captures == len(measuring) + len(later)
         assert _heads(tier.folder)[-1].startswith(f"rank_0_step_{later[-1]}_")
@@ -220,15 +222,42 @@ def test_the_interval_is_chosen_once_a_copy_was_timed(tmp_path, monkeypatch):
     try:
         first = CALIBRATION_STEPS + 1  # the window's end: nothing timed, a new window from here
         assert _clocked_steps(capture, tier, clock, model, optimizer, range(1, first + 1)) == []
-        assert tier.interval == 2 and not tier.schedule.measured
+        assert tier.schedule.interval == 2 and not tier.schedule.measured
         release.set()
-        tier._preparing.result(timeout=30)
+        tier.wait_prepared(timeout=30)
         second = _clocked_steps(
             capture, tier, clock, model, optimizer, range(first + 1, first + CALIBRATION_STEPS)
         )
-        assert second == list(range(first + 2, first + CALIBRATION_STEPS, 2)) and tier.interval == 2
+        assert second == list(range(first + 2, first + CALIBRATION_STEPS, 2)) and tier.schedule.interval == 2
         _clocked_steps(capture, tier, clock, model, optimizer, [first + CALIBRATION_STEPS])
-        assert tier.interval == 4 and tier.schedule.measured["copy_s"] == pytest.approx(0.01)
+        assert tier.schedule.interval == 4 and tier.schedule.measured["copy_s"] == pytest.approx(0.01)
+    finally:
+        manager.abandon()
+        forget_run("", tmp_path / "checkpoints")
+
+
+@pytest.mark.usefixtures("single_rank_group")
+def test_a_saves_capture_at_an_off_step_counts_as_a_copy_while_measuring(tmp_path, monkeypatch):
+    """A durable save's capture is taken at any step; in the measuring window it counts as a
+    copy, so the step after it (slowed by the copy) is not timed as a step without one:
+    saves at every off-step leave no step to time, and the tier measures another window."""
+    clock = _install_clock(monkeypatch, 0.5)  # a copy far longer than the step
+    model, optimizer = _trained_model()
+    manager = _manager(tmp_path, "off", model, optimizer, extra=["checkpoint.local_every_steps=budget"])
+    tier = manager.local
+
+    def capture_or_save(step):
+        if step % 2:
+            return tier.capture(step, 0)
+        lease = tier.capture_for_save(step, 0)
+        assert lease is not None and lease.wait().step == step
+        lease.release()
+        return True
+
+    try:
+        steps = range(1, CALIBRATION_STEPS + 2)  # the window and its agreement step
+        assert _clocked_steps(capture_or_save, tier, clock, model, optimizer, steps) == list(steps)
+        assert tier.schedule.measuring and not tier.schedule.measured  # no step timed without a copy
     finally:
         manager.abandon()
         forget_run("", tmp_path / "checkpoints")
@@ -290,7 +319,7 @@ def _budget_rank(rank: int, store_path: str, folder: str) -> None:
                 tier.capture(step, 0)
                 tier.wait_copy()
             result = {
-                "interval": tier.interval,
+                "interval": tier.schedule.interval,
                 "wanted": tier.schedule.measured["wanted"],
                 "collectives": collectives,
             }

@@ -115,10 +115,6 @@ class LocalTier:
     def enabled(self) -> bool:
         return self.schedule.interval > 0
 
-    @property
-    def interval(self) -> int:
-        return self.schedule.interval
-
     # ---- capture ---------------------------------------------------------------------
 
     def capture(self, step: int, durable_step: int) -> bool:
@@ -130,7 +126,7 @@ class LocalTier:
             return False
         if self.schedule.measuring:
             return self.schedule.measure(step, lambda: self._capture(step, durable_step), self.wait_copy)
-        return step % self.interval == 0 and self._capture(step, durable_step)
+        return step % self.schedule.interval == 0 and self._capture(step, durable_step)
 
     def capture_for_save(self, step: int, durable_step: int) -> Lease | None:
         """Capture step `step` (a durable save's) whatever the interval, also with the tier
@@ -209,6 +205,11 @@ class LocalTier:
                 self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rtp-local-copy")
             self._slots_ready(self._plan_for(self._meta(0, 0)), wait=False)
 
+    def wait_prepared(self, timeout: float | None = None) -> None:
+        """Wait for the large slots being made ahead, if any (raises what failed)."""
+        if (preparing := self._preparing) is not None:
+            preparing.result(timeout)
+
     def _meta(self, step: int, durable_step: int) -> dict[str, Any]:
         meta = {
             "step": step,
@@ -227,27 +228,21 @@ class LocalTier:
         `before_optimizer_step()`: seconds for 12 GB slots, more with page-locking."""
         if plan.size < PREPARE_AHEAD_BYTES:
             return True
-        preparing = self._preparing
-        if preparing is not None:
-            if not preparing.done():
-                return wait  # a save's capture queues behind it (one copy thread)
-            self._preparing = None
-            preparing.result()  # raises what failed in the thread
-        if all(s is not None and s.layout == plan.layout for s in self._slots[: self._slot_count]):
+        if self._preparing is not None and not self._preparing.done():
+            return wait  # a save's capture queues behind it (one copy thread)
+        self.wait_prepared()  # done: raises what failed in the thread
+        self._preparing = None
+        if all(s is not None and s.layout == plan.layout for s in self._slots[: 2 if self.enabled else 1]):
             return True
         assert self._copier is not None
         self._preparing = self._copier.submit(self._prepare_slots, plan)
         return wait
 
-    @property
-    def _slot_count(self) -> int:
-        return 2 if self.enabled else 1
-
     def _prepare_slots(self, plan: slots.Plan) -> None:
         """The copy thread: map both slots for `plan` without touching what they hold (an
         earlier attempt's capture and its header stay usable until the slot is overwritten:
         its headers are removed then, see `_slot_for`)."""
-        for slot in range(self._slot_count):
+        for slot in range(2 if self.enabled else 1):
             current = self._slots[slot]
             if slot == self._held:  # a save reads its file: remapped once released
                 continue

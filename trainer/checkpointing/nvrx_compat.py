@@ -147,6 +147,7 @@ class CpuSafePersistentAsyncCaller(core.PersistentAsyncCaller):
                 self.comp_q,
                 core.logger.getEffectiveLevel(),
             ),
+            name="rtp-ckpt-writer",
         )
         self.process.start()
 

@@ -101,6 +101,7 @@ class Lease:
         self.slot = slot
         self._copy = copy
         self.serving: Slot | None = None  # set by the save that reads the slot
+        self.released = False
 
     def wait(self) -> Slot:
         """The slot holding the complete capture (raises what failed the copy)."""
@@ -112,7 +113,9 @@ class Lease:
     def release(self) -> None:
         """The save no longer reads the slot (written, failed or abandoned); idempotent."""
         self.serving = None
-        self._tier.release_slot(self.slot)
+        if not self.released:  # a later save may hold the same slot by now
+            self._tier.release_slot(self.slot)
+        self.released = True
 
     def state_over(self, state: dict[str, Any], shared: bool = True) -> dict[str, Any]:
         """`state` (a state dict of the captured step) with each tensor replaced by its copy
