@@ -356,3 +356,33 @@ def test_a_save_abandoned_while_it_is_planned_never_plans_on_the_training_group(
         if thread.name == "rtp-ckpt-plan":
             thread.join(30)  # abandoned: it ends after this job
     assert groups and all(group is not None for group in groups)
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_the_warm_up_save_is_planned_and_finalized_on_the_writers_group(tmp_path, monkeypatch, background):
+    """The warm-up's finalize gathers the ranks' results; on no group it would gather on the
+    training group (what `group=None` resolves to when it runs), which after an in-process
+    restart is the next attempt's, where the peers run the loop's collectives."""
+    from nvidia_resiliency_ext.checkpointing.async_ckpt import state_dict_saver
+
+    groups = []
+    plan = state_dict_saver.save_state_dict_async_plan
+
+    def recording_plan(*args, process_group=None, **kwargs):
+        groups.append(process_group)
+        return plan(*args, process_group=process_group, **kwargs)
+
+    monkeypatch.setattr(state_dict_saver, "save_state_dict_async_plan", recording_plan)
+    model, optimizer = _trained_model()
+    manager = _manager(tmp_path, "async", model, optimizer, extra=["checkpoint.local_every_steps=0"])
+    manager.load(background=background)
+    try:
+        for step in (1, 2, 3):  # the save at step 3 finalizes the warm-up first
+            _step(model, optimizer)
+            manager.save(step, last_step=step == 3, loss=1.0)
+        manager.close()
+    except BaseException:
+        manager.abandon()
+        raise
+    assert (tmp_path / "checkpoints" / "step_3").is_dir() and not manager.writer.warming_up
+    assert groups and all(group is not None for group in groups)

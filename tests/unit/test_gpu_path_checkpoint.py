@@ -107,7 +107,7 @@ def test_nvrx_worker_never_preloads_and_sees_only_its_ranks_gpu(tmp_path, monkey
             requests.append(request)
 
     monkeypatch.setattr(nvrx_compat, "needs_cpu_adjustments", lambda: False)  # as on a GPU
-    nvrx_compat.warm_up(Calls(), tmp_path / "warm", wait=False)
+    nvrx_compat.warm_up(Calls(), tmp_path / "warm", None, wait=False)
     [request] = requests
     assert request.preload_fn is None  # NVRx's preload synchronizes the worker's GPU 0
     environ = {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}

@@ -250,9 +250,11 @@ def _worker_main(parent_pid: int, local_rank: int, *loop_args: Any) -> None:
     core.PersistentAsyncCaller.async_loop(*loop_args)
 
 
-def warm_up(calls: core.AsyncCallsQueue, scratch_dir: Path, wait: bool = True) -> None:
+def warm_up(calls: core.AsyncCallsQueue, scratch_dir: Path, group: Any, wait: bool = True) -> None:
     """(4) Collective: run one tiny save end to end so the first real save costs what the
     others do. `scratch_dir` must be the same path on every rank; it is removed after.
+    Planned and finalized on the writer's `group`: a finalize still running when an in-process
+    restart comes must not gather on the next attempt's training group.
 
     With `wait=False` the worker starts (a fresh interpreter: seconds) while training goes
     on; the tiny save is finalized by the queue before the first real one, and
@@ -271,7 +273,7 @@ def warm_up(calls: core.AsyncCallsQueue, scratch_dir: Path, wait: bool = True) -
     # A key per rank: DCP writes a replicated tensor from one rank only, and a rank with
     # nothing to write would not start its worker.
     tiny_state = {f"warm_up_rank_{dist.get_rank()}": torch.zeros(1)}
-    writer, metadata, dist_wrapper = save_state_dict_async_plan(tiny_state, writer)
+    writer, metadata, dist_wrapper = save_state_dict_async_plan(tiny_state, writer, process_group=group)
     save_fn, _preload_fn, save_args = writer.get_save_function_and_args()
     # (5) It reads the results queue: not on the main thread.
     finalize = partial(

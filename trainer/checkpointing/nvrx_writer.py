@@ -86,7 +86,7 @@ class NvrxAsyncWriter(CheckpointWriter):
         self._plan_cache = CheckpointMetadataCache()
         with lifecycle.children_ignore_sigterm():  # the results Manager starts here too
             self._calls = nvrx_compat.new_calls_queue()
-            nvrx_compat.warm_up(self._calls, self.root / ".warm-up", wait=not background)
+            nvrx_compat.warm_up(self._calls, self.root / ".warm-up", self._group, wait=not background)
         self.warming_up = background
 
     def _write(self, state: dict[str, Any], pending: PendingSave) -> None:
