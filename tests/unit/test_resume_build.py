@@ -173,6 +173,37 @@ def test_a_resume_from_a_committed_checkpoint_reads_no_safetensors_and_draws_no_
     assert summary.model_sha256 == uninterrupted["hf"]
 
 
+def test_every_dcp_read_and_write_off_the_main_thread_is_bound_to_the_attempts_group(
+    hf_inputs, tmp_path, monkeypatch
+):
+    """The pretrained weights' read, a `sync` save and a resume's load run in threads
+    (trainer/waiting.py) that an in-process restart leaves running: each gets the group of
+    the attempt that began it, not None, which DCP resolves to the default group when each
+    collective runs, by then the next attempt's, where the peers run their own."""
+    import threading
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    calls = []
+
+    def recording(name, function):
+        def wrapper(*args, process_group=None, **kwargs):
+            calls.append((name, threading.current_thread().name, process_group, dist.group.WORLD))
+            return function(*args, process_group=process_group, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(dcp, "load", recording("load", dcp.load))
+    monkeypatch.setattr(dcp, "save", recording("save", dcp.save))
+    _train(_config(tmp_path, _hf(hf_inputs), "run.stop_after_steps=2"))
+    _train(_config(tmp_path, _hf(hf_inputs)))
+    # The weights' read and the save of step 2; the resume's load and the save of step 4.
+    assert [name for name, *_ in calls] == ["load", "save", "load", "save"]
+    assert all(thread != "MainThread" for _, thread, _, _ in calls)
+    assert all(group is not None and group is world for _, _, group, world in calls)
+
+
 def test_a_resume_from_a_fast_tier_capture_reads_no_safetensors_and_draws_no_weights(
     hf_inputs, uninterrupted, tmp_path, calls
 ):

@@ -84,9 +84,11 @@ def training_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> d
 
 def _load_training_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Collective: `training_state_dict`'s tensors read from the checkpoint at `path`, set."""
-    state = training_state_dict(model, optimizer)
+    state, group = training_state_dict(model, optimizer), dist.group.WORLD
     # In a thread: DCP's collectives wait inside C for the slowest rank's read (trainer/waiting.py).
-    waiting.off_main_thread("rtp-ckpt-load", dcp.load, state, checkpoint_id=str(path))
+    # On this attempt's group, bound now: on none, a load an in-process restart interrupts would
+    # run its last gather on the next attempt's group (resolved when it runs).
+    waiting.off_main_thread("rtp-ckpt-load", dcp.load, state, checkpoint_id=str(path), process_group=group)
     set_state_dict(
         model,
         optimizer,

@@ -337,6 +337,7 @@ def load_pretrained(model: nn.Module, folder: Path) -> None:
         to_load,
         storage_reader=HuggingFaceStorageReader(str(folder)),
         planner=DefaultLoadPlanner(allow_partial_load=True),
+        process_group=torch.distributed.group.WORLD,  # bound now: see storage's load
     )
 
 
