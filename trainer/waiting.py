@@ -59,7 +59,10 @@ def off_main_thread(name: str, function: Callable[..., T], *args: Any, **kwargs:
     caller's CUDA device (a new thread starts on device 0).
 
     A daemon: if the wait is interrupted (an in-process restart raises into the main thread),
-    the work ends on its own, failing once the restart's abort closes its process group."""
+    the work ends on its own, failing once the restart's abort closes its process group. So
+    pass the collectives' group bound at the call (`dist.group.WORLD` now, or a group of
+    their own): on none they resolve the default group when each runs, by then perhaps the
+    next attempt's, where the peers run their own collectives."""
     future: concurrent.futures.Future[T] = concurrent.futures.Future()
     device = torch.cuda.current_device() if torch.cuda.is_available() else None
 

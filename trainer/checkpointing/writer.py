@@ -123,10 +123,10 @@ class CheckpointWriter(ABC):
 
     mode: ClassVar[str]
     host_bytes = 0
-    # Opened in the background (after a restart) and not ready yet; the same on every rank at
-    # the same step (it turns ready in a collective `wait("step")`): periodic saves are deferred.
-    warming_up = False
     """Host memory its own copies of the state held at most (for the summary)."""
+    warming_up = False
+    """Opened in the background (after a restart) and not ready yet; the same on every rank at
+    the same step (it turns ready in a collective `wait("step")`): periodic saves are deferred."""
 
     def __init__(
         self,
