@@ -296,14 +296,19 @@ def test_an_error_no_restart_can_fix_is_not_retried(dataset_dir, tmp_path, run_m
 DURABLE_EVERY = 8
 
 
-def _killed_run_config(dataset_dir, workdir):
+# Steps 10 on take 300 ms longer on each rank (a sleep): its copy and replica threads keep up,
+# so no capture is skipped before the kill (a rank skips one while its sender reads that slot).
+KEEP_UP = ["slow@10:0:300", "slow@10:1:300"]
+
+
+def _killed_run_config(dataset_dir, workdir, faults=()):
     return run_config(
         dataset_dir,
         workdir,
         steps=STEPS,
         every=DURABLE_EVERY,
         overrides=[*FAST, "checkpoint.local_replicas=1", NO_ZYGOTE],  # its launchers restart nothing
-        faults=["sigkill@14:1"],
+        faults=["sigkill@14:1", *faults],
         inprocess_restarts=0,
     )
 
@@ -315,7 +320,7 @@ def killed_without_restarts(dataset_dir, tmp_path_factory) -> Path:
     and the replica its peer holds), shared by the tests that damage a copy of it and
     relaunch."""
     workdir = tmp_path_factory.mktemp("killed")
-    config = _killed_run_config(dataset_dir, workdir)
+    config = _killed_run_config(dataset_dir, workdir, KEEP_UP)
     with pytest.raises(TrainingFailed):
         run_local_training(
             2,
@@ -378,8 +383,11 @@ def test_a_cold_restart_resumes_from_the_fast_tier_or_a_peers_replica_and_falls_
     moved.rename(folder)
     own = {rank: _steps(folder, f"rank_{rank}_step_*.head") for rank in (0, 1)}
     replica_of_1 = _steps(folder, "replica_rank_1_step_*_on_0.pt")
-    assert own[0] and own[1] and replica_of_1, sorted(p.name for p in folder.iterdir())
-    assert max(set(own[0]) & set(own[1])) > DURABLE_EVERY, sorted(p.name for p in folder.iterdir())
+    listing = sorted(p.name for p in folder.iterdir())
+    assert own[0] and own[1] and replica_of_1, listing
+    # The subject: a step newer than the durable one that rank 0 holds its own copy of and
+    # rank 1's replica of.
+    assert max(set(own[0]) & set(replica_of_1), default=0) > DURABLE_EVERY, listing
     newest = own[1].pop(max(own[1]))
     newest_slot = folder / f"rank_1_slot_{newest.name.split('_slot_')[1].removesuffix('.head')}.data"
     newest_slot.write_bytes(newest_slot.read_bytes()[: newest_slot.stat().st_size // 2])

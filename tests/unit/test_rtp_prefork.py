@@ -287,17 +287,17 @@ def test_a_restarted_rank_waiting_for_a_zygote_has_it_import_at_normal_priority(
         autogroup = _nice_of_session(os.getpid()) is not None
         assert _nice_of_session(zygote.pid) == ("19" if autogroup else None)
         assert not prefork._wait_until_serving(path, timeout_s=0.5)  # importing all the while
-        deadline = time.monotonic() + 10
-        while os.getpriority(os.PRIO_PROCESS, zygote.pid) != original:
-            assert time.monotonic() < deadline, "the zygote stayed at the lowest priority"
+        # The zygote takes the request (removes the file) once it has raised both priorities;
+        # its watcher thread still runs at nice 19, so on a busy machine that may take a while.
+        deadline = time.monotonic() + 60
+        while os.path.exists(prefork.hurry_path(path)):
+            assert time.monotonic() < deadline, "the zygote never took the request"
             time.sleep(0.05)
+        assert os.getpriority(os.PRIO_PROCESS, zygote.pid) == original
         assert _nice_of_session(zygote.pid) == ("0" if autogroup else None)  # a new session's
-        while os.path.exists(prefork.hurry_path(path)):  # taken
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
         launcher.kill()
         launcher.wait()
-        assert zygote.wait(timeout=10) == 0
+        assert zygote.wait(timeout=60) == 0
         assert "importing at normal priority" in zygote.stdout.read()
     finally:
         for process in (launcher, zygote):
