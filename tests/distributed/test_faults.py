@@ -296,9 +296,9 @@ def test_an_error_no_restart_can_fix_is_not_retried(dataset_dir, tmp_path, run_m
 DURABLE_EVERY = 8
 
 
-# Steps 10 on take 300 ms longer on each rank (a sleep): its copy and replica threads keep up,
-# so no capture is skipped before the kill (a rank skips one while its sender reads that slot).
-KEEP_UP = ["slow@10:0:300", "slow@10:1:300"]
+# Steps 9 on take 300 ms longer on each rank (a sleep): the save of step 8 releases its slot, and
+# the copy and replica threads keep up (a rank skips a capture while its sender reads that slot).
+KEEP_UP = ["slow@9:0:300", "slow@9:1:300"]
 
 
 def _killed_run_config(dataset_dir, workdir, faults=()):
