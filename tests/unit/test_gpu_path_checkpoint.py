@@ -1,5 +1,5 @@
 """Checkpoint work on the GPU path, checked in one process over a one-rank gloo group: the
-async mode's last save of a device state is written from the host capture of its step,
+async mode's last save is a DCP write (device tensors copied by DCP) on the writer's group,
 blocking checkpoint work runs inside the hooks' keep-alive, and NVRx's worker never preloads."""
 
 from __future__ import annotations
@@ -10,36 +10,39 @@ import pytest
 import torch
 
 from tests.unit.checkpoint_helpers import _manager, _trained_model
-from trainer.checkpointing import nvrx_compat, slot_refs, storage
+from trainer.checkpointing import nvrx_compat, storage
 from trainer.hooks import TrainHooks
 
 pytestmark = pytest.mark.usefixtures("single_rank_group")
 
 
-def test_the_async_last_save_of_device_tensors_is_written_from_host_copies(tmp_path, monkeypatch):
-    """NVRx's bucket writer asserts host tensors: on a GPU the live (CUDA) state must not reach
-    it. Here the state is on the host, so the check that it is a device state is forced."""
-    from trainer.checkpointing import nvrx_writer
+def test_the_async_last_save_is_a_dcp_write_on_the_writers_group(tmp_path, monkeypatch):
+    """The attempt's last `async` save is written in the rank by DCP (which copies a device
+    state to the host itself, as in `sync` mode), off the training thread, on the writer's
+    own group bound at the call: neither the training group nor none (an in-process restart
+    may leave the thread running into the next attempt)."""
+    import threading
 
-    monkeypatch.setattr(slot_refs, "holds_device_tensors", lambda state: True)
-    planned: list[dict] = []
-    real_plan = nvrx_writer.save_state_dict_async_plan
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
 
-    def recording_plan(state, *args, **kwargs):
-        planned.append(state)
-        return real_plan(state, *args, **kwargs)
+    calls = []
+    real_save = dcp.save
 
-    monkeypatch.setattr(nvrx_writer, "save_state_dict_async_plan", recording_plan)
+    def recording(*args, process_group=None, **kwargs):
+        calls.append((threading.current_thread().name, process_group))
+        return real_save(*args, process_group=process_group, **kwargs)
+
+    monkeypatch.setattr(dcp, "save", recording)
     model, optimizer = _trained_model()
     manager = _manager(tmp_path, "async", model, optimizer)
     manager.load()
     manager.maybe_wait_for_staging()
     manager.save(1, last_step=True, loss=1.0)  # the attempt's last save: written by close()
     manager.close()
-    live = {p.data_ptr() for p in model.parameters()}
-    [written] = [state for state in planned if "model" in state]  # not the writer's warm-up
-    written_ptrs = {tensor.data_ptr() for tensor in written["model"].values()}
-    assert not written_ptrs & live, "the last save handed the live tensors to NVRx's writer"
+    [(thread, group)] = calls
+    assert thread == "rtp-ckpt-last-save"
+    assert isinstance(group, dist.ProcessGroup) and group is not dist.group.WORLD
     assert (
         storage.latest_committed_checkpoint(tmp_path / "checkpoints") == tmp_path / "checkpoints" / "step_1"
     )

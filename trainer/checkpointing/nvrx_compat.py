@@ -77,8 +77,7 @@ from trainer import env, forkserver, waiting
 
 
 def hash_shards_as_written() -> None:
-    """(7) In this process, NVRx's bucket writer (its module's only `open`) writes through
-    `ShardWriter`."""
+    """(7) NVRx's bucket writer (its module's only `open`) writes through `ShardWriter`."""
     from trainer.checkpointing import storage
 
     filesystem_async.open = storage.ShardWriter  # type: ignore[attr-defined]
@@ -295,28 +294,6 @@ def finish_warm_up(scratch_dir: Path) -> None:
     """After the warm-up save was finalized (a collective: every rank wrote its part)."""
     if dist.get_rank() == 0:
         shutil.rmtree(scratch_dir, ignore_errors=True)
-
-
-def write_buckets_here(writer: Any) -> Any:
-    """This rank's write results (or the exception that failed it): NVRx's bucket writer,
-    called in this process instead of in processes forked for it."""
-    from trainer.checkpointing import storage
-
-    transforms = [writer.transforms] if hasattr(writer, "transforms") else []
-    results: list[Any] = []
-    for index, bucket in enumerate(writer.write_buckets or []):
-        outcome: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        done: queue.Queue[int] = queue.Queue()
-        done.put(index)  # the writer takes one item off it and marks it done when finished
-        with storage.shard_records_without_crc32():
-            filesystem_async.FileSystemWriterAsync.write_preloaded_data(
-                transforms, index, bucket, outcome, done, use_fsync=True
-            )
-        _, written = outcome.get()
-        if isinstance(written, BaseException):
-            return written
-        results.extend(written)
-    return results
 
 
 def write_then_hash(save_fn: Callable[..., None], staging: str, rank: int, *args: Any) -> None:

@@ -17,10 +17,9 @@ the loop at every step; it is used for the start-up warm-up only (docs/checkpoin
 What 0.4.1 needs on a CPU build lives in `nvrx_compat`.
 
 The attempt's last save (its last step, or a stop was requested) has no step to hide a
-background write behind: `wait("committed")` writes it in this process with NVRx's bucket writer
-(from the live state on the host, from the lent capture on a GPU), into the same layout,
-with the same shard hashes and commit, and without the hand-offs to other threads and
-processes.
+background write behind: `wait("committed")` writes it in this process as a `sync` save is
+written (`torch_writers.write_dcp`, over the writer's group), with the same shard hashes and
+commit, and without the hand-offs to other threads and processes.
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.utils import _get_failure_dict
 
 from trainer import lifecycle, peer_abort, waiting
-from trainer.checkpointing import nvrx_compat, slot_refs, storage
+from trainer.checkpointing import nvrx_compat, slot_refs, storage, torch_writers
 from trainer.checkpointing.writer import CheckpointWriter, PendingSave, Until
 
 # Imported only when `checkpoint.mode` is async (`manager.WRITERS`): the other modes never import NVRx.
@@ -77,7 +76,6 @@ class NvrxAsyncWriter(CheckpointWriter):
 
         # What is not a slot reference travels by shared-memory file name, not descriptor.
         torch.multiprocessing.set_sharing_strategy("file_system")
-        nvrx_compat.hash_shards_as_written()  # the last save is written in this process
         # Save planning gathers plans from all ranks, and runs in the planner thread
         # while the loop runs collectives of its own: a group of its own keeps them apart.
         with peer_abort.tracking():  # an in-process restart shuts its connections down
@@ -98,8 +96,8 @@ class NvrxAsyncWriter(CheckpointWriter):
         gloo group, never the loop's.
 
         The attempt's last save (`pending.last`) is only remembered: `wait("committed")`
-        writes it (from the lent capture only where the state is on a device)."""
-        if pending.lend is not None and (not pending.last or slot_refs.holds_device_tensors(state)):
+        writes it."""
+        if pending.lend is not None and not pending.last:
             pending.lend()
         if pending.last:
             self._pending = self._handoff = pending
@@ -132,7 +130,8 @@ class NvrxAsyncWriter(CheckpointWriter):
         snapshot = pending.lease.state_over(state)
         if self._abandoned.is_set():
             raise storage.CheckpointError(f"the save of step {pending.record.step} was abandoned")
-        self._stage(pending, group)
+        # The staging folder and this rank's RNG/loader file: a barrier over the writer's group.
+        storage.prepare_staging(self.root, pending.record.step, pending.rank_state, group=group)
         if pending.during_write is not None:
             pending.during_write()
         writer, metadata, dist_wrapper = save_state_dict_async_plan(
@@ -185,11 +184,6 @@ class NvrxAsyncWriter(CheckpointWriter):
             pending.record.handoff_s += elapsed
             pending.record.blocked_s += elapsed
         self._queued(pending.record)
-
-    def _stage(self, pending: PendingSave, group: Any) -> None:
-        """The staging folder and this rank's RNG/loader file; a barrier over the writer's
-        group (never None: that would be the training group)."""
-        storage.prepare_staging(self.root, pending.record.step, pending.rank_state, group=group)
 
     def _hand_off(self) -> None:
         if self._last_state is not None:
@@ -316,57 +310,23 @@ class NvrxAsyncWriter(CheckpointWriter):
         self._join_finisher()
 
     def _write_last(self) -> None:
-        """Collective: write the attempt's last save here and commit it (see the module doc).
-
-        Planned like every save (NVRx's cached plan, the writer's group), written bucket by
-        bucket by NVRx's own bucket writer in this process, then finalized and committed
-        as `_finish` does. Any earlier save was committed before this one started
-        (`CheckpointWriter.save`), and the state is the live one: nothing changed it since
-        `save()`. Host tensors are written as they are; device tensors from the host
-        capture of the step."""
+        """Collective: write the attempt's last save here, as a `sync` save is written (DCP,
+        each shard hashed as written) but over the writer's group, and commit it. Any earlier
+        save was committed before this one started (`CheckpointWriter.save`), and the state
+        is the live one: nothing changed it since `save()`."""
 
         state, self._last_state = self._last_state, None
         pending, self._handoff = self._pending, None
         assert state is not None and pending is not None
         self._join_finisher()
         self._pending = None
-        # Not on this thread: planning and the results' gather wait inside C for the slowest
-        # rank (its write), and a main thread in C stamps no progress for NVRx's watchdog.
-        writer, metadata, dist_wrapper, all_results = waiting.off_main_thread(
-            "rtp-ckpt-last-save", self._write_here, state, pending, self._group
+        # Not on this thread: the staging barrier and DCP's gathers wait inside C for the
+        # slowest rank, and a main thread in C stamps no progress for NVRx's watchdog.
+        waiting.off_main_thread(
+            "rtp-ckpt-last-save", _stage_and_write, self.root, state, pending, self._group
         )
-        if dist_wrapper.is_coordinator:
-            failures = _get_failure_dict(all_results)
-            if failures:
-                raise CheckpointException("write", failures)
-            writer.finish(metadata, all_results)  # DCP's .metadata
-        self._commit(pending)
-
-    def _write_here(self, state: dict[str, Any], pending: PendingSave, group: Any) -> tuple[Any, ...]:
-        """The last save's plan, write (NVRx's bucket writer, in this process) and results'
-        gather over the writer's group: (writer, metadata, dist wrapper, every rank's results
-        on the coordinator)."""
-
-        try:
-            if slot_refs.holds_device_tensors(state):
-                # NVRx's bucket writer writes host tensors only: the capture of this step.
-                assert pending.lease is not None
-                state = pending.lease.state_over(state, shared=False)
-            self._stage(pending, group)
-            writer, metadata, dist_wrapper = save_state_dict_async_plan(
-                state,
-                FileSystemWriterAsync(str(pending.staging)),
-                process_group=group,
-                enable_cache=True,
-                metadata_cache=self._plan_cache,
-            )
-            results = nvrx_compat.write_buckets_here(writer)
-            if pending.during_write is not None:
-                pending.during_write()
-        finally:
-            _release(pending)
         storage.write_hash_sidecars(pending.staging, dist.get_rank())
-        return writer, metadata, dist_wrapper, dist_wrapper.gather_object(results)
+        self._commit(pending)
 
     def _wait_for_writer(self) -> None:
         """Finalize every queued NVRx request, checking every 5 ms.
@@ -460,3 +420,9 @@ class Planner:
                 future.set_result(job())
             except BaseException as exc:  # raised where the future is waited for
                 future.set_exception(exc)
+
+
+def _stage_and_write(root: Any, state: dict[str, Any], pending: PendingSave, group: Any) -> None:
+    """The last save's staging folder, then its write (`torch_writers.write_dcp`) on `group`."""
+    storage.prepare_staging(root, pending.record.step, pending.rank_state, group=group)
+    torch_writers.write_dcp(state, pending, group)

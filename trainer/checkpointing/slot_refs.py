@@ -27,13 +27,6 @@ if TYPE_CHECKING:
     from trainer.checkpointing.local_tier import LocalTier
 
 
-def holds_device_tensors(state: dict[str, Any]) -> bool:
-    """Whether any tensor of `state` lives off the host (a DTensor by its local shard)."""
-    from torch.utils._pytree import tree_leaves
-
-    return any(isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu" for leaf in tree_leaves(state))
-
-
 @dataclass(frozen=True, slots=True)
 class SlotRef:
     path: str
@@ -117,11 +110,11 @@ class Lease:
             self._tier.release_slot(self.slot)
         self.released = True
 
-    def state_over(self, state: dict[str, Any], shared: bool = True) -> dict[str, Any]:
+    def state_over(self, state: dict[str, Any]) -> dict[str, Any]:
         """`state` (a state dict of the captured step) with each tensor replaced by its copy
         in the slot, matched by the local shard's address, shape and dtype: the state dict's
         tensors are views of the shards the capture copied. One the capture lacks is copied
-        here. `shared`: for another process, which reads a slot in memory only as a copy."""
+        here, as is every tensor of a slot in memory only (the writer process reads it as a copy)."""
         from torch.distributed.tensor import DTensor
         from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -139,7 +132,7 @@ class Lease:
                 continue
             local = slots.local_shard(value)
             host = held.get((local.data_ptr(), tuple(local.shape), local.dtype))
-            if host is None or (shared and slot.path is None):
+            if host is None or slot.path is None:
                 host = local.detach().to("cpu", copy=True)
             if isinstance(value, DTensor):  # built directly: this runs off the training thread
                 host = DTensor(host, value._spec, requires_grad=False)

@@ -94,7 +94,7 @@ class SyncWriter(CheckpointWriter):
         # Not on this thread: DCP's gathers wait inside C for the slowest rank's write, and a
         # main thread in C stamps no progress for NVRx's watchdog (trainer/waiting.py).
         pending.queued_at = pending.started_at
-        waiting.off_main_thread("rtp-ckpt-save", _write, state, pending, dist.group.WORLD)  # bound now
+        waiting.off_main_thread("rtp-ckpt-save", write_dcp, state, pending, dist.group.WORLD)  # bound now
         # Each shard left its sidecar as it was written: rank 0's commit reads only those. A
         # shard without one (its write failed) is hashed here, on its own rank.
         storage.write_hash_sidecars(pending.staging, dist.get_rank())
@@ -232,9 +232,10 @@ def _host_bytes(state: Any) -> int:
     return state.numel() * state.element_size() if isinstance(state, torch.Tensor) else 0
 
 
-def _write(state: dict[str, Any], pending: PendingSave, group: Any) -> None:
-    """A `sync` save's DCP write (in a thread of its own), on the group of the attempt that
-    began it: on none, one an in-process restart interrupts would gather on the next one's."""
+def write_dcp(state: dict[str, Any], pending: PendingSave, group: Any) -> None:
+    """A save's DCP write in the calling process (`sync`, and `async`'s last save), each shard
+    hashed as written, in a thread of its own, on the group bound when it began: on none, a
+    write an in-process restart interrupts would gather on the next attempt's group."""
     with storage.shard_records_without_crc32():
         dcp.save(state, storage_writer=hashing_writer(pending.staging), process_group=group)
     if pending.during_write is not None:
