@@ -134,13 +134,8 @@ def _own_payload(tier: LocalTier, where: str) -> Any:
 
 
 def _read(tier: LocalTier, where: str) -> tuple[dict[str, Any] | None, str | None]:
-    if where == "memory":
-        return tier.cache.get(tier.key), None
-    head = Path(where)
-    match = slots.HEAD_FILE.match(head.name)
-    assert match is not None
-    data = fmt.read_bytes(head, head.with_name(slots.slot_name(tier.rank, int(match.group(3)))))
-    return fmt.load_bytes(data, where)
+    payload = _own_payload(tier, where)
+    return (payload, None) if where == "memory" else fmt.load_bytes(payload, where)
 
 
 def _matches(tier: LocalTier, snapshot: dict[str, Any], durable_step: int) -> bool:
