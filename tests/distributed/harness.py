@@ -90,7 +90,7 @@ class RankHarness:
             self._zygote.kill()
             self._zygote.wait()
         self._zygote = None
-        for leftover in (self._path, self._path + ".lock"):
+        for leftover in (self._path, self._path + ".lock", zygote.hurry_path(self._path)):
             with contextlib.suppress(OSError):
                 os.unlink(leftover)
 
@@ -120,6 +120,8 @@ class RankHarness:
                 stderr=log,
                 start_new_session=True,  # a test's signal to its own group must not reach it
             )
+        # Waited for, as a restarted rank waits: its imports at normal priority, not nice 19.
+        Path(zygote.hurry_path(self._path)).touch()
         deadline = time.monotonic() + START_TIMEOUT_S
         while not os.path.exists(self._path):
             if self._zygote.poll() is not None or time.monotonic() > deadline:
