@@ -322,12 +322,26 @@ def _lower_session_priority() -> str | None:
     own priority is lowered instead (any process may lower its own); a rank forked from it
     starts a session of its own, at normal priority. Returns the session's nice before
     (None without autogroup)."""
-    autogroup = Path("/proc/self/autogroup")
     with contextlib.suppress(OSError, IndexError):
-        before = autogroup.read_text().split("nice")[1].strip()  # "/autogroup-7117 nice 0"
-        autogroup.write_text("19")
+        before = Path("/proc/self/autogroup").read_text().split("nice")[1].strip()  # "/autogroup-7 nice 0"
+        _set_session_nice("19")
         return before
     return None
+
+
+def _set_session_nice(nice: str, patience_s: float = 5.0) -> None:
+    """Write this session's nice. Without CAP_SYS_ADMIN the kernel takes one such write per
+    0.1 s from the whole machine and refuses others with EAGAIN (two zygotes starting at once
+    met that in CI): retry until `patience_s` has passed, then raise."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            Path("/proc/self/autogroup").write_text(nice)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
 
 
 def _restore_priority(importer: int, nice: int | None, autogroup: str | None) -> None:
@@ -339,7 +353,7 @@ def _restore_priority(importer: int, nice: int | None, autogroup: str | None) ->
             os.setpriority(os.PRIO_PROCESS, importer, nice)
     if autogroup is not None:
         with contextlib.suppress(OSError):
-            Path("/proc/self/autogroup").write_text(autogroup)
+            _set_session_nice(autogroup)
 
 
 def modules_for(config_json: str) -> list[str]:

@@ -66,6 +66,12 @@ def _rank(rank: int, port: int, results: dict, mode: str) -> None:
         results["waited_s"] = time.monotonic() - started
         store.set("rank0-out", "1")
     finally:
+        # Each rank ends its group as a restart's abort does (a group left for the
+        # interpreter's exit, its peer gone, aborted there once in CI: "terminate called
+        # without an active exception").
+        peer_abort.shutdown_tracked()
+        if dist.is_initialized():
+            dist.destroy_process_group()
         if child is not None:
             child.kill()
             child.wait()
