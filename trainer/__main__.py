@@ -11,6 +11,7 @@ would count as Succeeded), and the launcher or the engine restarts it from that 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import sys
 import time
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     process_started_at = time.time()
     args = parser.parse_args(argv)
     die_with_parent()
+    faulthandler.enable(all_threads=True)  # a crashing rank logs every thread's Python stack
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args)

@@ -399,7 +399,10 @@ class Trainer:
             self._checkpoints_open = False
         finally:
             self._stop.restore()
-        return self._finish(loop_wall_s, stopped_by_signal)
+        # The run's end is blocking work too: rank 0's goodput report, MLflow and summary can
+        # outlast a soft timeout on a busy node (and restart a finished run in-process).
+        with self.hooks.keepalive():
+            return self._finish(loop_wall_s, stopped_by_signal)
 
     def train_step(self, step: int) -> StepResult:
         """One optimizer step over the global batch; collective (one all-reduce at its end)."""
@@ -493,8 +496,7 @@ class Trainer:
                 phases[name] = peak
 
         phase_ended("train")
-        with self.hooks.keepalive():  # gathers every tensor: minutes at 8B+
-            fingerprint = model_sha256(self.model)
+        fingerprint = model_sha256(self.model)  # gathers every tensor: minutes at 8B+
         phase_ended("fingerprint")
         final_step = self.losses[-1][0] if self.losses else self.last_step
         # Scored where the model already is, for the validate step; not in a SIGTERM's grace
@@ -502,8 +504,7 @@ class Trainer:
         if config.data.eval_windows > 0 and not stopped_by_signal:
             from trainer.evaluation import write_eval_record
 
-            with self.hooks.keepalive():
-                write_eval_record(self.model, config, fingerprint, final_step, self.rank, self.device)
+            write_eval_record(self.model, config, fingerprint, final_step, self.rank, self.device)
             phase_ended("evaluation")
         summary = TrainSummary(
             steps=final_step,

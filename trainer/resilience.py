@@ -239,7 +239,7 @@ class _Hooks(TrainHooks):
 
     @contextlib.contextmanager
     def keepalive(self) -> Iterator[None]:
-        """Blocking work (the model build, a save, a wait for a write, a load, the fingerprint):
+        """Blocking work (the model build, a save, a wait for a write, a load, the run's end):
         a thread pings the watchdog and heart-beats meanwhile, for at most
         `resilience.blocking_work_limit_s`. Nested uses share the outermost thread."""
         if self._keepalive_depth:

@@ -298,6 +298,11 @@ def test_the_model_build_runs_under_the_keepalive(hf_inputs, tmp_path, monkeypat
         Progress, "backfill", lambda *a: (seen.append(("backfill", hooks.depth > 0)), backfill(*a))[1]
     )
 
+    publish = loop._publish
+    monkeypatch.setattr(
+        loop, "_publish", lambda *a: (seen.append(("publish", hooks.depth > 0)), publish(*a))[1]
+    )
+
     _train(_config(tmp_path, _hf(hf_inputs), "run.stop_after_steps=2"), hooks)
     _train(_config(tmp_path, _hf(hf_inputs), "run.steps=3"), hooks)  # resumed at step 2
 
@@ -305,9 +310,11 @@ def test_the_model_build_runs_under_the_keepalive(hf_inputs, tmp_path, monkeypat
         ("load_pretrained", True),
         ("_init_buffers", True),
         ("loop start", True),
+        ("publish", True),  # rank 0's goodput report, MLflow and summary at the run's end
         ("_init_buffers", True),
         ("loop start", True),
         ("backfill", True),  # rank 0 reads the run's history before the others start stepping
+        ("publish", True),
     ]
 
 

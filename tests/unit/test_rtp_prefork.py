@@ -325,7 +325,9 @@ def test_the_session_priority_comes_back_though_the_kernel_refuses_a_second_writ
         command = ["setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin", *command]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60, start_new_session=True)
+        done = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=60, start_new_session=True
+        )
     except FileNotFoundError:
         pytest.skip("setpriv is not installed: cannot run without CAP_SYS_ADMIN")
     if done.returncode != 0 and "setpriv" in done.stderr:
