@@ -308,9 +308,12 @@ def _log(message: str) -> None:
 
 
 def _may_restore_priority(original: int) -> bool:
-    """Whether a process at nice 19 may go back to `original` (CAP_SYS_NICE in practice)."""
-    if os.geteuid() == 0:
-        return True
+    """Whether a process at nice 19 may go back to `original`: with CAP_SYS_NICE (which root
+    in a container may lack) or a high enough `RLIMIT_NICE`."""
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        effective = int(Path("/proc/self/status").read_text().split("CapEff:")[1].split()[0], 16)
+        if effective & (1 << 23):  # CAP_SYS_NICE
+            return True
     soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
     return soft == resource.RLIM_INFINITY or soft >= 20 - original
 
