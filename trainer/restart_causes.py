@@ -128,6 +128,10 @@ def cause_of(error: BaseException | None, rank: int, soft_timeout_s: float | Non
     if named:
         cause = next(kind for kind in _PRIORITY if kind in named)
         return RestartCause(cause, tuple(sorted(named[cause])), soft_timeout_s=soft_timeout_s)
+    if "RankShouldRestart" in (cls.__name__ for cls in type(error).__mro__):
+        # NVRx raises it again and again without a message until the rank reaches the wrapper
+        # (inprocess/monitor_thread.py:181-182): one that landed alone names no cause here.
+        return RestartCause(UNKNOWN, (rank,))
     kind = EXCEPTION
     if type(error).__name__ in (
         "RuntimeError",

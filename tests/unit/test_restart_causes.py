@@ -112,6 +112,19 @@ def test_a_peers_error_caused_by_the_restart_is_not_taken_for_the_exception(tmp_
         assert restart["cause_detail"] == "exception InjectedFault on rank 1: injected fault exception@6:1"
 
 
+def test_a_repeated_restart_request_without_a_message_is_not_taken_for_the_exception(tmp_path):
+    """NVRx's monitor thread raises RankShouldRestart again, without a message, until the
+    rank reaches the wrapper: a rank whose attempt ended on a bare one (noted first) knows
+    nothing of the cause (a fresh-clone run reported "exception RankShouldRestart on rank 0")."""
+    bare_on_rank0 = cause_of(RankShouldRestart(), rank=0)
+    assert bare_on_rank0.cause == "unknown"
+    raised_on_rank1 = cause_of(InjectedFault("injected fault exception@6:1"), rank=1)
+    write_note(tmp_path, bare_on_rank0, launcher_restart=0, iteration=0, rank=0, at=5.9)
+    write_note(tmp_path, raised_on_rank1, launcher_restart=0, iteration=0, rank=1, at=6.0)
+    [restart] = analyze(EVENTS, [], 9.0, read_notes(tmp_path))["restarts"]
+    assert restart["cause_detail"] == "exception InjectedFault on rank 1: injected fault exception@6:1"
+
+
 def test_a_worker_group_restart_after_a_rank_died_is_the_launcher_s_not_the_survivors_error(tmp_path):
     """Rank 1 is SIGKILLed (or aborts): rank 0's collective fails with "Connection reset by
     peer" and rank 0 notes that before ft_launcher restarts the group. The restart is the
