@@ -129,8 +129,9 @@ def cause_of(error: BaseException | None, rank: int, soft_timeout_s: float | Non
         cause = next(kind for kind in _PRIORITY if kind in named)
         return RestartCause(cause, tuple(sorted(named[cause])), soft_timeout_s=soft_timeout_s)
     if "RankShouldRestart" in (cls.__name__ for cls in type(error).__mro__):
-        # NVRx raises it again and again without a message until the rank reaches the wrapper
-        # (inprocess/monitor_thread.py:181-182): one that landed alone names no cause here.
+        # Without NVRx's message: raised again until the rank reaches the wrapper, or raised
+        # anew (the type alone) after one landed in a weakref callback or `__del__` and was
+        # ignored (inprocess/monitor_thread.py:181-182 and :96-100): it names no cause here.
         return RestartCause(UNKNOWN, (rank,))
     kind = EXCEPTION
     if type(error).__name__ in (

@@ -113,9 +113,10 @@ def test_a_peers_error_caused_by_the_restart_is_not_taken_for_the_exception(tmp_
 
 
 def test_a_repeated_restart_request_without_a_message_is_not_taken_for_the_exception(tmp_path):
-    """NVRx's monitor thread raises RankShouldRestart again, without a message, until the
-    rank reaches the wrapper: a rank whose attempt ended on a bare one (noted first) knows
-    nothing of the cause (a fresh-clone run reported "exception RankShouldRestart on rank 0")."""
+    """NVRx raises RankShouldRestart again without its message (until the rank reaches the
+    wrapper; or after one landed in a weakref callback, where Python ignores it): a rank
+    whose attempt ended on a bare one (noted first) knows nothing of the cause (a fresh-clone
+    run reported "exception RankShouldRestart on rank 0")."""
     bare_on_rank0 = cause_of(RankShouldRestart(), rank=0)
     assert bare_on_rank0.cause == "unknown"
     raised_on_rank1 = cause_of(InjectedFault("injected fault exception@6:1"), rank=1)
