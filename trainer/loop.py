@@ -525,7 +525,11 @@ class Trainer:
             peak_mem_bytes=max(phases.values()) if phases else peak_memory_bytes(self.device),
             peak_mem_bytes_by_phase=phases,
         )
-        return _publish(summary, self.workdir, self.progress) if self.rank == 0 else summary
+        if self.rank != 0:
+            return summary
+        # In a thread: a call blocked in C (an MLflow request to a stalled server) on the main
+        # thread stamps no progress for NVRx's watchdog, keep-alive or not (trainer/waiting.py).
+        return waiting.off_main_thread("rtp-publish", _publish, summary, self.workdir, self.progress)
 
 
 def _publish(summary: TrainSummary, workdir: Path, progress: Progress) -> TrainSummary:

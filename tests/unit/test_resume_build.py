@@ -14,6 +14,7 @@ import collections
 import contextlib
 import gc
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -298,10 +299,14 @@ def test_the_model_build_runs_under_the_keepalive(hf_inputs, tmp_path, monkeypat
         Progress, "backfill", lambda *a: (seen.append(("backfill", hooks.depth > 0)), backfill(*a))[1]
     )
 
-    publish = loop._publish
-    monkeypatch.setattr(
-        loop, "_publish", lambda *a: (seen.append(("publish", hooks.depth > 0)), publish(*a))[1]
-    )
+    publish, publishing_threads = loop._publish, []
+
+    def publishing(*args):
+        seen.append(("publish", hooks.depth > 0))
+        publishing_threads.append(threading.current_thread().name)
+        return publish(*args)
+
+    monkeypatch.setattr(loop, "_publish", publishing)
 
     _train(_config(tmp_path, _hf(hf_inputs), "run.stop_after_steps=2"), hooks)
     _train(_config(tmp_path, _hf(hf_inputs), "run.steps=3"), hooks)  # resumed at step 2
@@ -316,6 +321,9 @@ def test_the_model_build_runs_under_the_keepalive(hf_inputs, tmp_path, monkeypat
         ("backfill", True),  # rank 0 reads the run's history before the others start stepping
         ("publish", True),
     ]
+    # Not on the main thread: a call blocked in C there (a stalled MLflow server) stamps no
+    # progress for NVRx's watchdog, keep-alive or not.
+    assert publishing_threads == ["rtp-publish", "rtp-publish"]
 
 
 def test_resume_is_expected_from_a_committed_checkpoint_a_capture_in_memory_or_a_tier_file(
