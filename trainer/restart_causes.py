@@ -192,6 +192,7 @@ def merge(notes: list[dict[str, Any]]) -> RestartCause | None:
     that says a peer went away (gloo's "Connection closed by peer" once the restart took
     the raising rank's connections down: a consequence, noted as early or later), and the
     ranks that raised the same type."""
+    notes = [note for note in notes if note.get("cause") != UNKNOWN]  # they say nothing
     if not notes:
         return None
     best = min(

@@ -124,6 +124,11 @@ def test_a_repeated_restart_request_without_a_message_is_not_taken_for_the_excep
     write_note(tmp_path, raised_on_rank1, launcher_restart=0, iteration=0, rank=1, at=6.0)
     [restart] = analyze(EVENTS, [], 9.0, read_notes(tmp_path))["restarts"]
     assert restart["cause_detail"] == "exception InjectedFault on rank 1: injected fault exception@6:1"
+    # Alone, before a worker-group restart (a rank was killed), it leaves the launcher's cause.
+    (tmp_path / "restart_causes" / "group0-attempt0-rank1.json").unlink()
+    events = [*EVENTS[:4], _attempt(7.0, 0, restart=1), EVENTS[5]]
+    [restart] = analyze(events, [], 9.0, read_notes(tmp_path))["restarts"]
+    assert (restart["mechanism"], restart["cause"]) == ("launcher", "launcher")
 
 
 def test_a_worker_group_restart_after_a_rank_died_is_the_launcher_s_not_the_survivors_error(tmp_path):
