@@ -307,13 +307,21 @@ def _log(message: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} prefork[{os.getpid()}]: {message}", flush=True)
 
 
+CAP_SYS_ADMIN, CAP_SYS_NICE = 21, 23  # bits of linux/capability.h
+
+
+def has_capability(bit: int) -> bool:
+    """Whether this process holds capability `bit` (its effective set; False if unreadable)."""
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        return bool(int(Path("/proc/self/status").read_text().split("CapEff:")[1].split()[0], 16) >> bit & 1)
+    return False
+
+
 def _may_restore_priority(original: int) -> bool:
     """Whether a process at nice 19 may go back to `original`: with CAP_SYS_NICE (which root
     in a container may lack) or a high enough `RLIMIT_NICE`."""
-    with contextlib.suppress(OSError, IndexError, ValueError):
-        effective = int(Path("/proc/self/status").read_text().split("CapEff:")[1].split()[0], 16)
-        if effective & (1 << 23):  # CAP_SYS_NICE
-            return True
+    if has_capability(CAP_SYS_NICE):
+        return True
     soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
     return soft == resource.RLIM_INFINITY or soft >= 20 - original
 
