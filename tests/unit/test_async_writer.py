@@ -183,8 +183,12 @@ def test_the_writer_process_is_set_up_for_shards_once_at_its_first_save(monkeypa
         assert torch.serialization.get_crc32_options() is False
         frozen = gc.get_freeze_count()
         assert frozen > 0
-        nvrx_compat.prepare_shard_writer_process()  # a later save: nothing again
-        assert gc.get_freeze_count() == frozen
+        # A later save: nothing again. Counted by calls: the frozen count itself drops when
+        # another thread frees a frozen object (seen in a fresh-clone run: 2 fewer).
+        freezes = []
+        monkeypatch.setattr(gc, "freeze", lambda: freezes.append(1))
+        nvrx_compat.prepare_shard_writer_process()
+        assert freezes == []
     finally:
         gc.unfreeze()
         torch.serialization.set_crc32_options(crc)
