@@ -1,6 +1,8 @@
 """`rtp bench checkpoint`: the same training run under every checkpoint mode, side by side.
 
-Each mode trains the same model (preset `bench-cpu`: ~25M parameters, ~300 MB of model +
+The modes are the trainer's (`off`, `sync`, `async`) and `torch-async`, torch's
+`dcp.async_save`, which benchmarks/torch_async.py plugs in as `sync`'s writer. Each mode
+trains the same model (preset `bench-cpu`: ~25M parameters, ~300 MB of model +
 AdamW state) for the same steps with the same checkpoint interval, through the real
 launcher (N ranks over gloo on CPU, NCCL on GPU). Reported per mode, from the run's own
 summary.json:
@@ -45,9 +47,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report
+from benchmarks import report, torch_async
 from trainer.config import CHECKPOINT_MODES, build_config
 from trainer.launch import run_local_training
+
+MODES = (*CHECKPOINT_MODES, torch_async.MODE)
+"""The trainer's modes and torch-async, the peer NVRx's `async` is compared with (a plug-in writer)."""
 
 
 def run_mode(
@@ -75,7 +80,7 @@ def run_mode(
             f"run.workdir={workdir}",
             f"run.steps={steps}",
             f"checkpoint.every_steps={every}",
-            f"checkpoint.mode={mode}",
+            *torch_async.overrides(mode),
             "run.seed=1",
             "checkpoint.keep_last=2",
             "run.log_every_steps=1000",
@@ -284,7 +289,7 @@ def format_table(result: dict[str, Any]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--modes",
-        default=",".join(CHECKPOINT_MODES),
+        default=",".join(MODES),
         help="comma-separated modes to compare (default: %(default)s)",
     )
     parser.add_argument(
@@ -337,11 +342,9 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--warmup-steps must be at least 0 and below --steps ({args.steps}), got {args.warmup_steps}"
         )
-    unknown = sorted(set(modes) - set(CHECKPOINT_MODES))
+    unknown = sorted(set(modes) - set(MODES))
     if unknown:
-        raise ValueError(
-            f"unknown checkpoint mode(s) {', '.join(unknown)}; choose from {', '.join(CHECKPOINT_MODES)}"
-        )
+        raise ValueError(f"unknown checkpoint mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
     result = run_benchmark(
         modes=modes,
         nproc=args.nproc,

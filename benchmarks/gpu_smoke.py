@@ -58,7 +58,7 @@ from typing import Any
 STEPS = 6
 EVERY = 2
 MODES = ("async", "sync", "torch-async", "off")
-"""Every checkpoint mode; async (the default) first, so it runs first."""
+"""Every checkpoint mode and torch-async (a plug-in writer); async (the default) first, so it runs first."""
 GPU_PRESET, CPU_PRESET = "small-cpu", "tiny-cpu"
 GPU_TIMEOUTS = {"soft_timeout_s": 20.0, "hard_timeout_s": 40.0, "collective_timeout_s": 60.0}
 """On CUDA the collective timeout (NCCL's watchdog) must exceed the hard timeout."""
@@ -117,6 +117,8 @@ def deterministic_available() -> bool:
 
 def train_args(run: SmokeRun, root: Path, dataset: Path, *, cpu: bool, deterministic: bool) -> list[str]:
     """The `rtp` arguments of one run (after `python -m rtp_cli.main`)."""
+    from benchmarks import torch_async
+
     timeouts = CPU_TIMEOUTS if cpu else GPU_TIMEOUTS
     args = [
         "train-local",
@@ -127,7 +129,11 @@ def train_args(run: SmokeRun, root: Path, dataset: Path, *, cpu: bool, determini
         f"--checkpoint-local-dir={root / run.name / 'local-tier'}",
         f"--steps={STEPS}",
         f"--checkpoint-every={EVERY}",
-        f"--checkpoint-mode={run.mode}",
+        # torch-async is a plug-in writer in place of sync's (benchmarks/torch_async.py).
+        *[
+            f"--checkpoint-mode={value}" if key == "checkpoint.mode" else f"--override={key}={value}"
+            for key, value in (setting.split("=", 1) for setting in torch_async.overrides(run.mode))
+        ],
         "--seed=5",
         *[f"--override=resilience.{key}={value:g}" for key, value in timeouts.items()],
         f"--override=checkpoint.local_every_steps={run.local_every}",
@@ -528,6 +534,8 @@ def plan_only(
     runs: list[SmokeRun], *, root: Path, dataset: Path, cpu: bool, deterministic: bool, probe: bool = True
 ) -> list[dict[str, Any]]:
     """The dry run: each command built, parsed and resolved; nothing trains."""
+    from trainer.checkpointing.manager import writer_class
+
     results = []
     for run in runs:
         args = train_args(run, root, dataset, cpu=cpu, deterministic=deterministic)
@@ -547,7 +555,8 @@ def plan_only(
                 status="planned",
                 failures=[],
                 settings={
-                    "checkpoint_mode": config.checkpoint.mode,
+                    # As the summary reports it: the writer's (torch-async is sync's plug-in).
+                    "checkpoint_mode": writer_class(config.checkpoint.writer or config.checkpoint.mode).mode,
                     "faults": config.run.faults,
                     "soft_timeout_s": r.soft_timeout_s,
                     "hard_timeout_s": r.hard_timeout_s,

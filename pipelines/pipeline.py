@@ -123,7 +123,7 @@ def build_pipeline(
             steps: Total training steps.
             nproc: Training processes in the train pod (GPUs per node, or CPU processes).
             checkpoint_every: Save a checkpoint every N steps.
-            checkpoint_mode: How checkpoints are written: async (NVRx, overlaps the write with training), torch-async, sync, or off.
+            checkpoint_mode: How checkpoints are written: async (NVRx, overlaps the write with training), sync, or off.
             seed: Random seed for weights and data order.
             preset: Model size preset: {presets}.
             overrides: Extra trainer config as 'section.field=value' items separated by spaces, e.g. 'optimizer.lr=1e-3'.

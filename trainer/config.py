@@ -20,6 +20,7 @@ import hashlib
 import inspect
 import itertools
 import json
+import re
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -454,6 +455,13 @@ def validate(config: TrainConfig) -> None:
     if config.checkpoint.mode not in CHECKPOINT_MODES:
         raise ConfigError(
             f"checkpoint.mode {config.checkpoint.mode!r} is not one of {', '.join(CHECKPOINT_MODES)}"
+        )
+    if config.checkpoint.writer and (
+        config.checkpoint.mode == "off" or not re.fullmatch(r"[\w.]+:\w+", config.checkpoint.writer)
+    ):
+        raise ConfigError(
+            f"checkpoint.writer {config.checkpoint.writer!r} must be module:Class (a CheckpointWriter "
+            "subclass, e.g. benchmarks.torch_async:TorchAsyncWriter) with a checkpoint.mode other than off"
         )
     if config.checkpoint.keep_every_steps < 0:
         raise ConfigError("checkpoint.keep_every_steps must be 0 (off) or a positive step count")

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-CheckpointMode = Literal["off", "sync", "torch-async", "async"]
+CheckpointMode = Literal["off", "sync", "async"]
 ModelInit = Literal["pretrained", "random"]
 WarmStart = Literal["fresh", "parent"]
 MixedPrecision = Literal["auto", "bf16", "fp32"]
@@ -161,8 +161,11 @@ def parse_timeout(dotted_key: str, value: Any) -> float | str:
 class CheckpointConfig:
     mode: CheckpointMode = named("checkpoint_mode", DEFAULT_CHECKPOINT_MODE, pipeline=True)
     """How checkpoints are written: async (NVRx persistent worker, overlaps the write with
-    training), torch-async (dcp.async_save), sync (dcp.save; each rank hashes its own shards,
-    rank 0 commits from their sidecars) or off."""
+    training), sync (dcp.save; each rank hashes its own shards, rank 0 commits from their
+    sidecars) or off."""
+    writer: str = ""
+    """A `CheckpointWriter` class (module:Class) that writes the saves in place of the mode's
+    own: a plug-in, such as the benchmarks' torch-async (benchmarks.torch_async:TorchAsyncWriter)."""
     dir: str = named("checkpoint_dir", "", path=True)
     """Folder holding step_<N>/ checkpoints; empty means <workdir>/checkpoints."""
     every_steps: int = named("checkpoint_every", 10, pipeline=True)

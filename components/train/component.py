@@ -63,7 +63,7 @@ def train_model(
         steps: total optimizer steps.
         nproc: training processes in this pod (GPUs, or CPU processes).
         checkpoint_every: save a checkpoint every N steps.
-        checkpoint_mode: async (NVRx), torch-async, sync or off.
+        checkpoint_mode: async (NVRx), sync or off.
         seed: random seed.
         preset: model/optimizer preset ({presets}).
         overrides: extra config as 'section.field=value' items separated by spaces.

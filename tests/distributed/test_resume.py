@@ -7,6 +7,7 @@ import shutil
 import pytest
 import torch
 
+from benchmarks import torch_async
 from tests.distributed.conftest import PLAIN_EVERY, PLAIN_STEPS, events, run_config, train
 from trainer.checkpointing import latest_committed_checkpoint, load_model_weights, state_dict_sha256
 from trainer.checkpointing.storage import committed_steps, read_meta
@@ -57,8 +58,12 @@ def assert_saves_hold_the_weights_of_their_step(workdir) -> None:
 @pytest.mark.parametrize("mode", ["sync", "torch-async", "async"])
 def test_stopped_and_resumed_run_matches_uninterrupted(mode, dataset_dir, tmp_path, uninterrupted):
     overrides = RECORDED if mode != "sync" else ()
-    first = train(dataset_dir, tmp_path, steps=STEPS, every=EVERY, overrides=overrides, checkpoint_mode=mode,
+    named = "sync" if mode == torch_async.MODE else mode  # torch-async: sync's plug-in writer
+    if mode == torch_async.MODE:
+        overrides = (*overrides, f"checkpoint.writer={torch_async.WRITER}")
+    first = train(dataset_dir, tmp_path, steps=STEPS, every=EVERY, overrides=overrides, checkpoint_mode=named,
                   stop_after=6)  # fmt: skip
+    assert first["checkpoint_mode"] == mode
     assert first["steps"] == 6 and not first["completed"]
     assert first["checkpoint"].endswith("step_6")
     assert first["model_sha256"] != uninterrupted["model_sha256"]
@@ -69,7 +74,7 @@ def test_stopped_and_resumed_run_matches_uninterrupted(mode, dataset_dir, tmp_pa
     (torn / "__0_0.distcp").write_bytes(b"partial")
 
     resumed = train(
-        dataset_dir, tmp_path, steps=STEPS, every=EVERY, overrides=overrides, checkpoint_mode=mode
+        dataset_dir, tmp_path, steps=STEPS, every=EVERY, overrides=overrides, checkpoint_mode=named
     )
     assert resumed["resumed_from"].endswith("step_6")
     assert resumed["steps_run"] == STEPS - 6

@@ -355,7 +355,7 @@ def test_run_of_the_local_package_sends_its_spec(kfp_api, package, capsys):
     [
         ("stepz=10", ["unknown pipeline parameter 'stepz'", "steps", "checkpoint_mode"]),
         ("steps=ten", ["steps", "an integer"]),
-        ("checkpoint_mode=fast", ["checkpoint_mode", "off, sync, torch-async, async"]),
+        ("checkpoint_mode=fast", ["checkpoint_mode", "off, sync, async"]),
     ],
 )
 def test_bad_parameters_are_rejected_before_any_request(kfp_api, package, capsys, argument, needles):

@@ -27,6 +27,10 @@ def test_every_checkpoint_mode_has_one_writer_class():
 
     assert tuple(WRITERS) == CHECKPOINT_MODES
     assert [writer_class(mode).mode for mode in WRITERS] == list(CHECKPOINT_MODES)
+    # checkpoint.writer plugs in a class by its path: a CheckpointWriter, or refused.
+    assert writer_class("benchmarks.torch_async:TorchAsyncWriter").mode == "torch-async"
+    with pytest.raises(TypeError, match="not a CheckpointWriter"):
+        writer_class("json:dumps")
 
 
 def test_importing_checkpointing_does_not_import_nvrx():
@@ -50,6 +54,7 @@ def test_manager_saves_at_every_nth_and_final_step_and_resumes_from_the_latest(t
     manager.close()
     assert saved == [3, 5]
     summary = manager.summary(loop_wall_s=10.0)
+    assert summary["checkpoint_mode"] == mode  # torch-async: the plug-in writer's name
     assert [save["step"] for save in summary["checkpoint_saves"]] == [3, 5]
     assert summary["checkpoint"] == str(tmp_path / "checkpoints" / "step_5")
     assert storage.read_meta(tmp_path / "checkpoints" / "step_5")["loss"] == 1.0

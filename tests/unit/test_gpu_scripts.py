@@ -25,6 +25,7 @@ import pytest
 
 from benchmarks import gpu_smoke
 from benchmarks.gpu_smoke import GPU_TIMEOUTS, SmokeRun, check_run, plan_runs
+from trainer.checkpointing.manager import writer_class
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[2]
@@ -271,8 +272,10 @@ def _stand_in_launcher(bad: dict[str, dict]):
         blocked = 2 * gpu_smoke.CPU_TIMEOUTS["soft_timeout_s"]
         saves = [{"step": 4, "blocked_s": blocked}] if kind == "slow-save" else []
         tier_off = "--override=checkpoint.local_every_steps=0" in command
+        # The summary names the writer's mode, a plug-in's (torch-async) too, as a rank does.
+        plug_in = [arg.split("=", 2)[2] for arg in command if arg.startswith("--override=checkpoint.writer=")]
         written = summary(
-            flags["checkpoint-mode"],
+            writer_class(plug_in[0]).mode if plug_in else flags["checkpoint-mode"],
             restarts=restarts,
             device="cpu",
             checkpoint_saves=saves,

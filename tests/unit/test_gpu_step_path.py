@@ -146,7 +146,7 @@ def test_the_straggler_timer_leaves_out_the_wait_for_the_fast_tiers_copy(dataset
 def test_torch_async_keeps_one_stager_pinned_and_in_the_background_on_cuda(monkeypatch):
     from torch.distributed.checkpoint import staging
 
-    from trainer.checkpointing import torch_writers
+    from benchmarks import torch_async
 
     seen: list[staging.StagingOptions] = []
 
@@ -155,8 +155,8 @@ def test_torch_async_keeps_one_stager_pinned_and_in_the_background_on_cuda(monke
             seen.append(options)
 
     monkeypatch.setattr(staging, "DefaultStager", Recording)
-    torch_writers.kept_stager(cuda=True)
-    torch_writers.kept_stager(cuda=False)
+    torch_async.kept_stager(cuda=True)
+    torch_async.kept_stager(cuda=False)
     assert seen[0] == staging.StagingOptions(
         use_pinned_memory=True, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=True
     )
@@ -169,7 +169,8 @@ def test_torch_async_stages_every_save_through_the_same_stager_into_the_same_buf
 
     import torch.distributed.checkpoint as dcp
 
-    from trainer.checkpointing import storage, torch_writers
+    from benchmarks import torch_async
+    from trainer.checkpointing import storage
     from trainer.checkpointing.writer import PendingSave, SaveRecord
 
     stagers: list[object] = []
@@ -184,10 +185,8 @@ def test_torch_async_stages_every_save_through_the_same_stager_into_the_same_buf
         buffers.append({id(buffer) for buffer in mapping.values()})
         return response
 
-    monkeypatch.setattr(torch_writers.dcp, "async_save", recording_async_save)
-    writer = torch_writers.TorchAsyncWriter(
-        Path(tmp_path), keep_last=5, keep_every=0, on_commit=lambda r: None
-    )
+    monkeypatch.setattr(torch_async.dcp, "async_save", recording_async_save)
+    writer = torch_async.TorchAsyncWriter(Path(tmp_path), keep_last=5, keep_every=0, on_commit=lambda r: None)
     writer.open(background=False)
     weights = {"w": torch.arange(1000, dtype=torch.float32)}
     for step in (1, 2):

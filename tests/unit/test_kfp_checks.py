@@ -56,7 +56,7 @@ def test_parameters_are_typed_from_the_spec():
         ("max_loss=nan", ["max_loss", "a number"]),
         ("flag=maybe", ["flag", "true or false"]),
         ("tags={}", ["tags", "a JSON list"]),
-        ("checkpoint_mode=fast", ["checkpoint_mode", "async", "torch-async", "sync", "off"]),
+        ("checkpoint_mode=fast", ["checkpoint_mode", "async", "sync", "off"]),
         ("steps=0", ["steps", "at least 1"]),
         ("steps", ["name=value"]),
         ("=3", ["name=value"]),

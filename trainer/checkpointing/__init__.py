@@ -4,8 +4,8 @@
   `maybe_wait_for_staging()` before `optimizer.step()`, `save()` after every step,
   `close()` (or `abandon()` on the error path) — and the summary's figures; `resume_expected`
   tells the model build, before any weight exists, whether `load()` is to fill them.
-- `writer`: the `CheckpointWriter` interface and the `off` writer; `torch_writers`: `sync`
-  and `torch-async`; `nvrx_writer`: `async` (NVRx's persistent worker).
+- `writer`: the `CheckpointWriter` interface and the `off` writer; `torch_writers`: `sync`;
+  `nvrx_writer`: `async` (NVRx's persistent worker); `checkpoint.writer` plugs in others.
 - `local_tier`: the host-state engine, one host copy of each rank's shards per capture,
   read by the fast tier (with `tier_*`, `replicas`) and by `async` saves (`slot_refs`).
 - `nvrx_compat`: what NVRx 0.4.1 needs on a CPU build of torch.

@@ -9,7 +9,7 @@ with the metadata a resume needs (config, model hash, scheduler, loss, the regis
 `states`) and each rank's loader position, and commits finished saves; `close()` makes
 the last save durable and stops the writer (`abandon()` instead, when the process group
 is gone). `summary` reports what saving cost. How a save is written is the
-`checkpoint.mode`'s writer class, picked from `WRITERS`; the events `resume`,
+`checkpoint.mode`'s writer class, picked from `WRITERS` (or `checkpoint.writer`); the events `resume`,
 `checkpoint_queued`, `checkpoint_deferred` and `checkpoint_committed` are emitted here.
 """
 
@@ -49,15 +49,17 @@ log = logging.getLogger(__name__)
 WRITERS: dict[str, str] = {
     "off": "trainer.checkpointing.writer:NoCheckpoints",
     "sync": "trainer.checkpointing.torch_writers:SyncWriter",
-    "torch-async": "trainer.checkpointing.torch_writers:TorchAsyncWriter",
     "async": "trainer.checkpointing.nvrx_writer:NvrxAsyncWriter",
 }
 """`checkpoint.mode` -> the class that writes its saves, imported when used (NVRx: `async` only)."""
 
 
-def writer_class(mode: str) -> type[CheckpointWriter]:
-    module, name = WRITERS[mode].split(":")
-    writer: type[CheckpointWriter] = getattr(importlib.import_module(module), name)
+def writer_class(spec: str) -> type[CheckpointWriter]:
+    """The writer class of a mode, or of a `checkpoint.writer` plug-in ("module:Class")."""
+    module, name = WRITERS.get(spec, spec).split(":")
+    writer = getattr(importlib.import_module(module), name)
+    if not (isinstance(writer, type) and issubclass(writer, CheckpointWriter)):
+        raise TypeError(f"checkpoint writer {spec!r} is not a CheckpointWriter subclass")
     return writer
 
 
@@ -132,7 +134,7 @@ class CheckpointManager:
             replicas=settings.local_replicas,
             cache=hooks.capture_cache(),
         )
-        self.writer = writer_class(settings.mode)(
+        self.writer = writer_class(settings.writer or settings.mode)(
             self.root,
             settings.keep_last,
             settings.keep_every_steps,
@@ -375,7 +377,7 @@ class CheckpointManager:
             "local_replicas_sent": self.local.sender.sent,
             **self.local.schedule.summary(),  # the interval: what it is, why, on what
             "checkpoint": str(latest) if latest else None,
-            "checkpoint_mode": self.settings.mode,
+            "checkpoint_mode": self.writer.mode,
             "resumed_from": self.resumed_from,
             "checkpoint_saves": [record.as_dict() for record in self.records],
             "checkpoint_blocked_s": blocked_total,

@@ -5,8 +5,10 @@ A `CheckpointWriter` is how a save's state reaches a committed folder; one subcl
 
 - `NoCheckpoints` (`off`): the contract doing nothing.
 - `torch_writers.SyncWriter` (`sync`): torch DCP `dcp.save`; the loop waits for the write.
-- `torch_writers.TorchAsyncWriter` (`torch-async`): torch's `dcp.async_save`.
 - `nvrx_writer.NvrxAsyncWriter` (`async`): NVRx's persistent writer process.
+
+`checkpoint.writer` plugs in another subclass ("module:Class"): the benchmarks' `torch-async`
+(torch's `dcp.async_save`, benchmarks/torch_async.py) is one.
 
 The contract is four operations (`open`, `save`, `wait`, `close`); the manager calls them
 alike in every mode. All are collective (every rank calls them at the same steps) but
@@ -79,8 +81,6 @@ class PendingSave:
     """When the save began (before waiting for the previous one): `blocked_s` counts from here."""
     queued_at: float = 0.0
     """When the write was handed to the background: `write_s` counts from here."""
-    future: Any = None
-    """torch-async: the background write and shard hashing."""
     last: bool = False
     """The attempt's last save (its last step, or a stop was requested): no optimizer step
     follows it, so the live state stays as saved until it is committed."""
