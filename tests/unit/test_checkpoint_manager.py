@@ -23,14 +23,18 @@ pytestmark = pytest.mark.usefixtures("single_rank_group")
 def test_every_checkpoint_mode_has_one_writer_class():
     from trainer.checkpointing import WRITERS
     from trainer.checkpointing.manager import writer_class
-    from trainer.config import CHECKPOINT_MODES
+    from trainer.config import CHECKPOINT_MODES, ConfigError
 
     assert tuple(WRITERS) == CHECKPOINT_MODES
     assert [writer_class(mode).mode for mode in WRITERS] == list(CHECKPOINT_MODES)
     # checkpoint.writer plugs in a class by its path: a CheckpointWriter, or refused.
     assert writer_class("benchmarks.torch_async:TorchAsyncWriter").mode == "torch-async"
-    with pytest.raises(TypeError, match="not a CheckpointWriter"):
+    with pytest.raises(ConfigError, match="not a CheckpointWriter"):
         writer_class("json:dumps")
+    with pytest.raises(
+        ConfigError, match="cannot be loaded on this rank: No module named 'benchmarks.nosuch'"
+    ):
+        writer_class("benchmarks.nosuch:Writer")  # an error no restart retries
 
 
 def test_importing_checkpointing_does_not_import_nvrx():

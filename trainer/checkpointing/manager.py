@@ -36,7 +36,7 @@ from trainer.checkpointing.local_tier import LocalTier
 from trainer.checkpointing.replicas import REPLICA_FILE
 from trainer.checkpointing.slot_refs import Lease
 from trainer.checkpointing.writer import CheckpointWriter, PendingSave, SaveRecord
-from trainer.config import TrainConfig
+from trainer.config import ConfigError, TrainConfig
 from trainer.data import DataSampler
 from trainer.events import EventLog
 from trainer.lora import adapter_identity, adapter_problem
@@ -55,11 +55,15 @@ WRITERS: dict[str, str] = {
 
 
 def writer_class(spec: str) -> type[CheckpointWriter]:
-    """The writer class of a mode, or of a `checkpoint.writer` plug-in ("module:Class")."""
+    """The writer class of a mode, or of a `checkpoint.writer` plug-in ("module:Class"); a
+    ConfigError (no restart retries it) where that names no CheckpointWriter subclass."""
     module, name = WRITERS.get(spec, spec).split(":")
-    writer = getattr(importlib.import_module(module), name)
+    try:
+        writer = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"checkpoint.writer {spec!r} cannot be loaded on this rank: {exc}") from exc
     if not (isinstance(writer, type) and issubclass(writer, CheckpointWriter)):
-        raise TypeError(f"checkpoint writer {spec!r} is not a CheckpointWriter subclass")
+        raise ConfigError(f"checkpoint.writer {spec!r} is not a CheckpointWriter subclass")
     return writer
 
 
