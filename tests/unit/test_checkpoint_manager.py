@@ -32,7 +32,7 @@ def test_every_checkpoint_mode_has_one_writer_class():
     with pytest.raises(ConfigError, match="not a CheckpointWriter"):
         writer_class("json:dumps")
     with pytest.raises(
-        ConfigError, match="cannot be loaded on this rank: No module named 'benchmarks.nosuch'"
+        ConfigError, match=r"cannot be loaded on this rank: No module named 'benchmarks\.nosuch'"
     ):
         writer_class("benchmarks.nosuch:Writer")  # an error no restart retries
 
