@@ -47,12 +47,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report, torch_async
+from benchmarks import report
 from trainer.config import CHECKPOINT_MODES, build_config
 from trainer.launch import run_local_training
 
-MODES = (*CHECKPOINT_MODES, torch_async.MODE)
-"""The trainer's modes and torch-async, the peer NVRx's `async` is compared with (a plug-in writer)."""
+TORCH_ASYNC = "torch-async"
+"""torch's `dcp.async_save`, the peer NVRx's `async` is compared with: a writer plugged in
+(benchmarks/torch_async.py, imported by the ranks only: it imports torch)."""
+MODES = (*CHECKPOINT_MODES, TORCH_ASYNC)
+
+
+def mode_overrides(mode: str) -> list[str]:
+    """The trainer settings (`key=value` overrides) of a benchmark's checkpoint mode."""
+    if mode == TORCH_ASYNC:
+        return ["checkpoint.mode=sync", "checkpoint.writer=benchmarks.torch_async:TorchAsyncWriter"]
+    return [f"checkpoint.mode={mode}"]
 
 
 def run_mode(
@@ -80,7 +89,7 @@ def run_mode(
             f"run.workdir={workdir}",
             f"run.steps={steps}",
             f"checkpoint.every_steps={every}",
-            *torch_async.overrides(mode),
+            *mode_overrides(mode),
             "run.seed=1",
             "checkpoint.keep_last=2",
             "run.log_every_steps=1000",

@@ -117,7 +117,7 @@ def deterministic_available() -> bool:
 
 def train_args(run: SmokeRun, root: Path, dataset: Path, *, cpu: bool, deterministic: bool) -> list[str]:
     """The `rtp` arguments of one run (after `python -m rtp_cli.main`)."""
-    from benchmarks import torch_async
+    from benchmarks.checkpoint import mode_overrides
 
     timeouts = CPU_TIMEOUTS if cpu else GPU_TIMEOUTS
     args = [
@@ -132,7 +132,7 @@ def train_args(run: SmokeRun, root: Path, dataset: Path, *, cpu: bool, determini
         # torch-async is a plug-in writer in place of sync's (benchmarks/torch_async.py).
         *[
             f"--checkpoint-mode={value}" if key == "checkpoint.mode" else f"--override={key}={value}"
-            for key, value in (setting.split("=", 1) for setting in torch_async.overrides(run.mode))
+            for key, value in (setting.split("=", 1) for setting in mode_overrides(run.mode))
         ],
         "--seed=5",
         *[f"--override=resilience.{key}={value:g}" for key, value in timeouts.items()],

@@ -11,8 +11,8 @@ step), as NVRx's capture does. A second thread waits for the write and hashes th
 shards; `wait("step")` (every step) commits once every rank's thread is done, and
 `wait("committed")` waits for it.
 
-`overrides(mode)` turns a benchmark's mode name into the trainer's settings: `torch-async`
-is `checkpoint.mode=sync` with this writer in its place.
+`benchmarks.checkpoint.mode_overrides` plugs it in: `checkpoint.mode=sync` with this writer
+in its place.
 """
 
 from __future__ import annotations
@@ -29,16 +29,6 @@ import torch.distributed.checkpoint as dcp
 from trainer import peer_abort, waiting
 from trainer.checkpointing import CheckpointWriter, storage
 from trainer.checkpointing.writer import PendingSave, Until
-
-MODE = "torch-async"
-WRITER = "benchmarks.torch_async:TorchAsyncWriter"
-
-
-def overrides(mode: str) -> list[str]:
-    """The trainer settings (`key=value` overrides) of a benchmark's checkpoint mode."""
-    if mode == MODE:
-        return ["checkpoint.mode=sync", f"checkpoint.writer={WRITER}"]
-    return [f"checkpoint.mode={mode}"]
 
 
 class TorchAsyncWriter(CheckpointWriter):

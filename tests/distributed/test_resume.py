@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from benchmarks import torch_async
+from benchmarks.checkpoint import mode_overrides
 from tests.distributed.conftest import PLAIN_EVERY, PLAIN_STEPS, events, run_config, train
 from trainer.checkpointing import latest_committed_checkpoint, load_model_weights, state_dict_sha256
 from trainer.checkpointing.storage import committed_steps, read_meta
@@ -57,10 +57,9 @@ def assert_saves_hold_the_weights_of_their_step(workdir) -> None:
 
 @pytest.mark.parametrize("mode", ["sync", "torch-async", "async"])
 def test_stopped_and_resumed_run_matches_uninterrupted(mode, dataset_dir, tmp_path, uninterrupted):
-    overrides = RECORDED if mode != "sync" else ()
-    named = "sync" if mode == torch_async.MODE else mode  # torch-async: sync's plug-in writer
-    if mode == torch_async.MODE:
-        overrides = (*overrides, f"checkpoint.writer={torch_async.WRITER}")
+    mode_setting, *plug_in = mode_overrides(mode)  # torch-async: sync with a plug-in writer
+    named = mode_setting.removeprefix("checkpoint.mode=")
+    overrides = (*(RECORDED if mode != "sync" else ()), *plug_in)
     first = train(dataset_dir, tmp_path, steps=STEPS, every=EVERY, overrides=overrides, checkpoint_mode=named,
                   stop_after=6)  # fmt: skip
     assert first["checkpoint_mode"] == mode

@@ -28,7 +28,7 @@ def _save(root, step, model, optimizer):
 
 
 def _manager(tmp_path, mode, model, optimizer, events=None, hooks=None, extra=(), states=None):
-    from benchmarks import torch_async
+    from benchmarks.checkpoint import mode_overrides
     from trainer.checkpointing import CheckpointManager
     from trainer.config import build_config
     from trainer.data import StepSampler
@@ -37,7 +37,7 @@ def _manager(tmp_path, mode, model, optimizer, events=None, hooks=None, extra=()
 
     config = build_config(
         "tiny-cpu",
-        [f"run.workdir={tmp_path}", *torch_async.overrides(mode), "checkpoint.every_steps=3", *extra],
+        [f"run.workdir={tmp_path}", *mode_overrides(mode), "checkpoint.every_steps=3", *extra],
     )
     config.model = model.cfg  # the checkpoint's model hash must match the model saved
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
