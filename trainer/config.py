@@ -453,8 +453,14 @@ def validate(config: TrainConfig) -> None:
     if config.data.eval_windows < 0:
         raise ConfigError("data.eval_windows must be >= 0 (0: no end-of-training holdout score)")
     if config.checkpoint.mode not in CHECKPOINT_MODES:
+        moved = (  # a user-facing mode until 7 December 2026
+            "; torch-async is a benchmark's plug-in writer now: checkpoint.mode=sync with "
+            "checkpoint.writer=benchmarks.torch_async:TorchAsyncWriter"
+            if config.checkpoint.mode == "torch-async"
+            else ""
+        )
         raise ConfigError(
-            f"checkpoint.mode {config.checkpoint.mode!r} is not one of {', '.join(CHECKPOINT_MODES)}"
+            f"checkpoint.mode {config.checkpoint.mode!r} is not one of {', '.join(CHECKPOINT_MODES)}{moved}"
         )
     if config.checkpoint.writer and (
         config.checkpoint.mode == "off" or not re.fullmatch(r"[\w.]+:\w+", config.checkpoint.writer)

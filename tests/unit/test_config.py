@@ -56,6 +56,7 @@ def test_overrides_set_typed_values():
         ("run.steps=0", "at least 1"),
         ("optimizer.lr", "not key=value"),
         ("checkpoint.mode=fast", "off, sync, async"),
+        ("checkpoint.mode=torch-async", "checkpoint.mode=sync with checkpoint.writer=benchmarks.torch_async"),
         ("checkpoint.writer=TorchAsyncWriter", "must be module:Class"),
         ("checkpoint.keep_every_steps=-1", "keep_every_steps"),
         ("data.eval_every_steps=-1", "eval_every_steps"),
