@@ -254,6 +254,11 @@ class ShardWriter:
     def fileno(self) -> int:
         return self._file.fileno()
 
+    def close(self) -> None:
+        """DCP's writer closes its stream inside the `with` block that owns the file: only a
+        flush here; the file is closed, and its sidecar written, when that block ends."""
+        self._file.flush()
+
     def __enter__(self) -> ShardWriter:
         return self
 

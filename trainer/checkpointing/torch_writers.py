@@ -28,30 +28,6 @@ default): each serializes and writes a shard file of its own (`__<rank>_<thread>
 so one file's serialization overlaps the other's write."""
 
 
-class _ShardStream:
-    """A `storage.ShardWriter` as DCP's writer uses a stream: it calls `close()` inside the
-    `with` block that owns the file; the file is closed, and its hash sidecar written, when
-    that block ends."""
-
-    def __init__(self, shard: storage.ShardWriter) -> None:
-        self._shard = shard
-
-    def write(self, data: Any) -> int:
-        return self._shard.write(data)
-
-    def tell(self) -> int:
-        return self._shard.tell()
-
-    def flush(self) -> None:
-        self._shard.flush()
-
-    def fileno(self) -> int:
-        return self._shard.fileno()
-
-    def close(self) -> None:
-        self._shard.flush()
-
-
 class _HashingFileSystem(FileSystem):
     """torch DCP's local file system, whose shard files hash their bytes as they are written."""
 
@@ -62,7 +38,7 @@ class _HashingFileSystem(FileSystem):
                 yield stream
             return
         with storage.ShardWriter(path) as shard:
-            yield _ShardStream(shard)
+            yield shard
 
 
 def hashing_writer(staging: str | Path, thread_count: int = SAVE_THREADS) -> FileSystemWriter:
