@@ -106,12 +106,6 @@ def run_mode(
         **window,
         "blocked_s_per_save_median": statistics.median(blocked) if blocked else 0.0,
         "blocked_s_per_save_max": max(blocked) if blocked else 0.0,
-        "queue_s_per_save_median": statistics.median(s["queue_s"] for s in saves) if saves else 0.0,
-        "finalize_s_per_save_median": statistics.median(s["finalize_s"] for s in saves) if saves else 0.0,
-        "previous_wait_s_per_save_median": (
-            statistics.median(s["previous_wait_s"] for s in saves) if saves else 0.0
-        ),
-        "handoff_s_per_save_median": statistics.median(s["handoff_s"] for s in saves) if saves else 0.0,
         "write_s_per_save_median": statistics.median(s["write_s"] for s in saves) if saves else 0.0,
         "efficiency_pct": summary["efficiency_pct"],
         "wall_s": summary["loop_wall_s"] + summary["final_drain_s"],

@@ -69,7 +69,7 @@ class TorchAsyncWriter(CheckpointWriter):
         )
         pending.queued_at = time.perf_counter()
         self._pending = pending
-        pending.record.queue_s = pending.record.blocked_s = time.perf_counter() - pending.started_at
+        pending.record.blocked_s = time.perf_counter() - pending.started_at
         if self._stager is not None and not self.host_bytes:
             self.host_bytes = _host_bytes(state)  # the stager's buffers, kept for the attempt
         if self._staging is None:
@@ -92,9 +92,7 @@ class TorchAsyncWriter(CheckpointWriter):
             dist.all_reduce(not_done)
             if not_done.item() == 0:
                 self._finish(pending)
-            elapsed = time.perf_counter() - started
-            pending.record.finalize_s += elapsed
-            pending.record.blocked_s += elapsed
+            pending.record.blocked_s += time.perf_counter() - started
 
     def _wait_staged(self, pending: PendingSave) -> None:
         """The staging copies (CUDA) read the weights the optimizer is about to change."""
@@ -104,9 +102,7 @@ class TorchAsyncWriter(CheckpointWriter):
             started = time.perf_counter()
             staging, self._staging = self._staging, None
             waiting.result(staging)
-            elapsed = time.perf_counter() - started
-        pending.record.handoff_s += elapsed
-        pending.record.blocked_s += elapsed
+        pending.record.blocked_s += time.perf_counter() - started
         self._queued(pending.record)
 
     def _finish(self, pending: PendingSave) -> None:

@@ -30,13 +30,13 @@ pytestmark = pytest.mark.usefixtures("single_rank_group")
 
 def test_commit_leaves_only_the_final_folder_with_marker_and_manifest(tmp_path):
     model, optimizer = _trained_model()
-    result = _save(tmp_path, 3, model, optimizer)
-    assert result.path == tmp_path / "step_3"
+    saved = _save(tmp_path, 3, model, optimizer)
+    assert saved == tmp_path / "step_3"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3"]
     for name in (COMMIT_MARKER, ".metadata", "manifest.json", "meta.json", "rank_state/rank_0.pt"):
-        assert (result.path / name).is_file(), name
-    verify_checkpoint(result.path, verify_hashes=True)
-    assert storage.read_meta(result.path)["step"] == 3
+        assert (saved / name).is_file(), name
+    verify_checkpoint(saved, verify_hashes=True)
+    assert storage.read_meta(saved)["step"] == 3
 
 
 def test_load_restores_weights_optimizer_and_rng(tmp_path):
@@ -173,10 +173,10 @@ def test_a_rank_state_file_that_would_run_code_is_refused(tmp_path, monkeypatch)
     monkeypatch.setenv("RTP_TEST_PWNED", str(marker))
     torch.save(
         {"torch_rng": torch.get_rng_state(), "x": _RunsCodeWhenUnpickled()},
-        saved.path / "rank_state/rank_0.pt",
+        saved / "rank_state/rank_0.pt",
     )
     with pytest.raises(CheckpointError, match="refusing to unpickle"):
-        load_checkpoint(saved.path, *_trained_model(seed=1))
+        load_checkpoint(saved, *_trained_model(seed=1))
     assert not marker.exists()
 
 
@@ -184,10 +184,10 @@ def test_a_checkpoint_is_verified_against_its_published_manifest_before_loading(
     from trainer.checkpointing.storage import manifest_sha256, verify_published
 
     model, optimizer = _trained_model()
-    saved = _save(tmp_path, 1, model, optimizer).path
+    saved = _save(tmp_path, 1, model, optimizer)
     published = manifest_sha256(saved)
     verify_published(saved, published)
-    other = _save(tmp_path / "other", 1, *_trained_model(seed=5)).path
+    other = _save(tmp_path / "other", 1, *_trained_model(seed=5))
     with pytest.raises(CheckpointError, match="not the checkpoint the train step published"):
         verify_published(other, published)
     shard = next(saved.glob("*.distcp"))

@@ -221,10 +221,46 @@ def test_a_slot_file_that_does_not_fit_keeps_the_captures_in_memory_and_says_wha
         forget_run("", tmp_path / "checkpoints")
 
 
+def write_snapshot_file(path, snapshot):
+    """A snapshot as one fast-tier file (header, then tensor bytes), as a slot and its header read joined."""
+    from trainer.checkpointing.tier_format import (
+        TENSOR_KEY,
+        aligned,
+        checksums,
+        header_bytes,
+        layout_of,
+        static_section,
+    )
+
+    tensors = []
+
+    def strip(value):
+        if torch.is_tensor(value):
+            tensors.append(value.detach().contiguous())
+            return {TENSOR_KEY: len(tensors) - 1}
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(strip(v) for v in value)
+        return value
+
+    skeleton = strip(snapshot)
+    layout = layout_of(tensors)
+    size = aligned(layout[-1][2] + layout[-1][3]) if layout else 0
+    body = bytearray(size)
+    for tensor, (_, _, place, nbytes) in zip(tensors, layout, strict=True):
+        if nbytes:
+            body[place : place + nbytes] = tensor.reshape(-1).view(torch.uint8).numpy().data
+    header = header_bytes(static_section(skeleton, layout, size), {"checksums": checksums(body)})
+    with path.open("wb", buffering=0) as handle:
+        handle.write(header)
+        handle.write(body)
+
+
 def test_a_fast_tier_file_holds_its_snapshot_exactly_and_a_torn_flipped_or_foreign_one_is_refused(
     tmp_path, monkeypatch
 ):
-    from trainer.checkpointing.tier_format import load_bytes, read_bytes, write_snapshot_file
+    from trainer.checkpointing.tier_format import load_bytes, read_bytes
 
     snapshot = {
         "step": 3,

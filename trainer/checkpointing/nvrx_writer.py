@@ -103,7 +103,7 @@ class NvrxAsyncWriter(CheckpointWriter):
             self._pending = self._handoff = pending
             self._last_state = state
             pending.queued_at = time.perf_counter()
-            pending.record.queue_s = pending.record.blocked_s = pending.queued_at - pending.started_at
+            pending.record.blocked_s = pending.queued_at - pending.started_at
             return
 
         if pending.lease is None or self._planner is None:
@@ -115,7 +115,7 @@ class NvrxAsyncWriter(CheckpointWriter):
         job = partial(self._plan_and_send, writer, pending, call_idx, state, self._group)
         self._planned = self._planner.submit(job)
         self._pending = self._handoff = pending
-        pending.record.queue_s = pending.record.blocked_s = time.perf_counter() - pending.started_at
+        pending.record.blocked_s = time.perf_counter() - pending.started_at
 
     def _plan_and_send(
         self, writer: Any, pending: PendingSave, call_idx: int, state: dict[str, Any], group: Any
@@ -180,9 +180,7 @@ class NvrxAsyncWriter(CheckpointWriter):
         with self.keepalive():  # may wait for a capture of the whole state
             started = time.perf_counter()
             self._hand_off()
-            elapsed = time.perf_counter() - started
-            pending.record.handoff_s += elapsed
-            pending.record.blocked_s += elapsed
+            pending.record.blocked_s += time.perf_counter() - started
         self._queued(pending.record)
 
     def _hand_off(self) -> None:
@@ -291,7 +289,6 @@ class NvrxAsyncWriter(CheckpointWriter):
             started = time.perf_counter()
             pending = self._pending
             self._join_finisher()
-            pending.record.finalize_s += time.perf_counter() - started
             pending.record.blocked_s += time.perf_counter() - started
 
     def _finish_warm_up(self) -> None:

@@ -28,7 +28,6 @@ import pickle
 import re
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -96,14 +95,6 @@ def _load_training_state(path: str | Path, model: nn.Module, optimizer: torch.op
         optim_state_dict=state["optim"],
         options=trained_state_options(model),
     )
-
-
-@dataclass(frozen=True, slots=True)
-class SaveResult:
-    path: Path
-    step: int
-    blocked_s: float
-    bytes_total: int
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -384,15 +375,14 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     meta: dict[str, Any],
     rank_extra: dict[str, Any],
-) -> SaveResult:
-    """Collective, synchronous: returns once the checkpoint is committed everywhere."""
-    started = time.perf_counter()
+) -> Path:
+    """Collective, synchronous: returns the folder once the checkpoint is committed everywhere."""
     staging, final = prepare_staging(root, step, rank_state(rank_extra))
     with shard_records_without_crc32():
         dcp.save(training_state_dict(model, optimizer), checkpoint_id=str(staging))
     write_hash_sidecars(staging, dist.get_rank())
-    bytes_total = commit(staging, final, step, meta)
-    return SaveResult(path=final, step=step, blocked_s=time.perf_counter() - started, bytes_total=bytes_total)
+    commit(staging, final, step, meta)
+    return final
 
 
 _DELETING = ".deleting"

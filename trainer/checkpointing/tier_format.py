@@ -1,8 +1,8 @@
 """The fast tier's single-file format (pure: bytes in, state out; no process group).
 
-A capture's bytes are raw tensor bytes (copied into a mapped slot; `write_snapshot_file`
-writes them with plain file writes, which release the GIL: torch.save holds the GIL while
-it writes tensor bytes, stalling the training thread). Everything else is in a header of
+A capture's bytes are raw tensor bytes (copied into a mapped slot, whose file is the
+capture's file: torch.save would hold the GIL while it writes tensor bytes, stalling the
+training thread). Everything else is in a header of
 two sections saved with torch.save and read back with `weights_only=True`:
 
   MAGIC | static section | capture section | padding | tensor bytes, each at a 64-byte boundary
@@ -88,32 +88,6 @@ def fill(value: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(fill(v, tensors) for v in value)
     return value
-
-
-def write_snapshot_file(path: Path, snapshot: dict[str, Any]) -> None:
-    tensors: list[torch.Tensor] = []
-
-    def strip(value: Any) -> Any:
-        if torch.is_tensor(value):
-            tensors.append(value.detach().contiguous())
-            return {TENSOR_KEY: len(tensors) - 1}
-        if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(strip(v) for v in value)
-        return value
-
-    skeleton = strip(snapshot)
-    layout = layout_of(tensors)
-    size = aligned(layout[-1][2] + layout[-1][3]) if layout else 0
-    body = bytearray(size)
-    for tensor, (_, _, place, nbytes) in zip(tensors, layout, strict=True):
-        if nbytes:
-            body[place : place + nbytes] = tensor.reshape(-1).view(torch.uint8).numpy().data
-    header = header_bytes(static_section(skeleton, layout, size), {"checksums": checksums(body)})
-    with path.open("wb", buffering=0) as handle:
-        handle.write(header)
-        handle.write(body)
 
 
 def read_snapshot_bytes(payload: bytes | bytearray) -> dict[str, Any]:

@@ -43,20 +43,8 @@ class SaveRecord:
     step: int
     mode: str
     blocked_s: float
-    """Time the training loop waited: for the previous save, building the state dict,
-    planning, the device-to-host (or host) copy, queueing, finalizing."""
-    queue_s: float = 0.0
-    """The part of `blocked_s` spent inside save(): previous save, state dict, planning, and
-    for sync and torch-async the copy."""
-    previous_wait_s: float = 0.0
-    """The part of `queue_s` spent waiting for the previous save to commit (its background
-    write had not finished within the checkpoint interval)."""
-    handoff_s: float = 0.0
-    """async only: the part of `blocked_s` spent before the next optimizer step, waiting for
-    the capture and planning that ran beside forward and backward, and starting the finisher."""
-    finalize_s: float = 0.0
-    """The part of `blocked_s` spent in later steps agreeing that the write finished,
-    finalizing and committing it."""
+    """Time the training loop waited for this save: the previous save, the state dict,
+    planning, the device-to-host (or host) copy, queueing, finalizing and committing."""
     write_s: float | None = None
     """From queueing to commit (background write + finalize); the blocked time for sync."""
     bytes_total: int | None = None
@@ -155,9 +143,7 @@ class CheckpointWriter(ABC):
         """Collective: begin writing `state` (model and optimizer) into `pending.staging`."""
         if pending.deferrable and self.warming_up:
             return "deferred"
-        began = time.perf_counter()
         self.wait("committed")  # the previous save commits first: its slot or buffers are reused
-        pending.record.previous_wait_s = time.perf_counter() - began
         self._write(state, pending)
         return "queued"
 
