@@ -243,3 +243,24 @@ def test_an_async_save_whose_writer_process_died_fails_instead_of_waiting_foreve
         assert not list((tmp_path / "checkpoints").glob("step_*[0-9]"))  # nothing committed
     finally:
         manager.abandon()
+
+
+def test_a_checkpoint_of_another_architecture_is_refused_before_a_tensor_is_read(tmp_path):
+    from trainer.config import ModelConfig
+    from trainer.models import model_spec
+
+    model, optimizer = _trained_model()
+    manager = _manager(tmp_path, "sync", model, optimizer, extra=["checkpoint.local_every_steps=0"])
+    manager.load()
+    manager.save(1, last_step=True, loss=1.0)
+    manager.close()
+    wider = model_spec("byte-lm").build(
+        ModelConfig(d_model=48, n_layers=1, n_heads=2, seq_len=16), torch.device("cpu")
+    )
+    other = _manager(tmp_path, "sync", wider, torch.optim.AdamW(wider.parameters()))
+    with pytest.raises(storage.CheckpointError) as refused:
+        other.load()
+    assert str(refused.value) == (
+        f"{tmp_path / 'checkpoints' / 'step_1'} cannot be used by this run: it holds another model "
+        "architecture than this run's model config; use a new checkpoint dir to train this model"
+    )

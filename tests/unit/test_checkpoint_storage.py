@@ -210,8 +210,7 @@ def _two_rank_saves(rank: int, store_path: str, root: str, out_dir: str) -> None
     from torch.distributed.device_mesh import init_device_mesh
 
     from trainer.checkpointing import model_sha256
-    from trainer.checkpointing.torch_writers import SyncWriter
-    from trainer.checkpointing.writer import PendingSave, SaveRecord
+    from trainer.checkpointing.writer import PendingSave, SaveRecord, SyncWriter
     from trainer.parallelize import apply_fsdp
 
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)

@@ -41,7 +41,7 @@ def test_the_async_last_save_is_a_dcp_write_on_the_writers_group(tmp_path, monke
     manager.save(1, last_step=True, loss=1.0)  # the attempt's last save: written by close()
     manager.close()
     [(thread, group)] = calls
-    assert thread == "rtp-ckpt-last-save"
+    assert thread == "rtp-ckpt-save"
     assert isinstance(group, dist.ProcessGroup) and group is not dist.group.WORLD
     assert (
         storage.latest_committed_checkpoint(tmp_path / "checkpoints") == tmp_path / "checkpoints" / "step_1"
@@ -68,7 +68,7 @@ class _RecordingHooks(TrainHooks):
 
 def test_blocking_checkpoint_work_runs_inside_the_keepalive(tmp_path, monkeypatch):
     from trainer.checkpointing import storage as storage_module
-    from trainer.checkpointing.torch_writers import SyncWriter
+    from trainer.checkpointing.writer import SyncWriter
 
     hooks = _RecordingHooks()
     seen: dict[str, int] = {}
@@ -105,12 +105,15 @@ def test_blocking_checkpoint_work_runs_inside_the_keepalive(tmp_path, monkeypatc
 def test_nvrx_worker_never_preloads_and_sees_only_its_ranks_gpu(tmp_path, monkeypatch):
     requests = []
 
-    class Calls:
-        def schedule_async_request(self, request):
+    class Worker:
+        def schedule_async_call(self, request):
             requests.append(request)
 
-    monkeypatch.setattr(nvrx_compat, "needs_cpu_adjustments", lambda: False)  # as on a GPU
-    nvrx_compat.warm_up(Calls(), tmp_path / "warm", None, wait=False)
+    class Calls:
+        call_idx = -1
+        persistent_caller = Worker()
+
+    nvrx_compat.warm_up(Calls(), tmp_path / "warm", None)
     [request] = requests
     assert request.preload_fn is None  # NVRx's preload synchronizes the worker's GPU 0
     environ = {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}

@@ -213,7 +213,7 @@ def test_torch_async_stages_every_save_through_the_same_stager_into_the_same_buf
 def test_a_sync_save_writes_a_shard_per_thread_and_hashes_each_as_written(tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
-    from trainer.checkpointing import storage, torch_writers
+    from trainer.checkpointing import storage, writer
 
     read_back: list[str] = []
     sha256_file = storage.sha256_file
@@ -222,7 +222,7 @@ def test_a_sync_save_writes_a_shard_per_thread_and_hashes_each_as_written(tmp_pa
     )
     state = {"a": torch.arange(4000, dtype=torch.float32), "b": torch.ones(3000)}
     with storage.shard_records_without_crc32():
-        dcp.save(state, storage_writer=torch_writers.hashing_writer(tmp_path, thread_count=2))
+        dcp.save(state, storage_writer=writer.hashing_writer(tmp_path, thread_count=2))
     shards = sorted(p.name for p in tmp_path.glob("*.distcp"))
     assert shards == ["__0_0.distcp", "__0_1.distcp"]
     storage.write_hash_sidecars(tmp_path, 0)  # what the sync writer calls: nothing left to hash

@@ -18,7 +18,8 @@ cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU build's
 @cpu_only
 @pytest.mark.usefixtures("single_rank_group")
 def test_1_the_finalize_and_is_alive_agreements_reduce_a_cuda_tensor():
-    """core.py:125 and :190 build the all-reduce tensor on `torch.cuda.current_device()`."""
+    """core.py:125 and :190 build the all-reduce tensor on `torch.cuda.current_device()`: why
+    the writer never calls them (it finalizes every save, the warm-up's too, itself)."""
     with pytest.raises((AssertionError, RuntimeError)):
         core.AsyncRequest(None, (), []).execute_finalize_fns()
     caller = core.PersistentAsyncCaller()

@@ -4,7 +4,7 @@
   `maybe_wait_for_staging()` before `optimizer.step()`, `save()` after every step,
   `close()` (or `abandon()` on the error path) — and the summary's figures; `resume_expected`
   tells the model build, before any weight exists, whether `load()` is to fill them.
-- `writer`: the `CheckpointWriter` interface and the `off` writer; `torch_writers`: `sync`;
+- `writer`: the `CheckpointWriter` interface, the `off` writer and `sync` (torch DCP);
   `nvrx_writer`: `async` (NVRx's persistent worker); `checkpoint.writer` plugs in others.
 - `local_tier`: the host-state engine, one host copy of each rank's shards per capture,
   read by the fast tier (with `tier_*`, `replicas`) and by `async` saves (`slot_refs`).

@@ -63,15 +63,12 @@ class LocalTier:
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         replicas: int = 0,
-        copy_budget_pct: float | None = None,
         cache: slots.CaptureCache | None = None,
     ) -> None:
         # What training changes (a LoRA run's adapters): frozen parameters are the same at
         # every step and are read from the model folder again by every attempt.
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.schedule = CaptureInterval(
-            every_steps, bool(self.params and self.params[0].is_cuda), copy_budget_pct
-        )
+        self.schedule = CaptureInterval(every_steps, bool(self.params and self.params[0].is_cuda))
         self.key = slots.run_key(checkpoint_dir)
         self.folder = slots.local_folder(local_dir, checkpoint_dir)
         self.identity = identity

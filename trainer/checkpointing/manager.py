@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 WRITERS: dict[str, str] = {
     "off": "trainer.checkpointing.writer:NoCheckpoints",
-    "sync": "trainer.checkpointing.torch_writers:SyncWriter",
+    "sync": "trainer.checkpointing.writer:SyncWriter",
     "async": "trainer.checkpointing.nvrx_writer:NvrxAsyncWriter",
 }
 """`checkpoint.mode` -> the class that writes its saves, imported when used (NVRx: `async` only)."""
@@ -203,7 +203,8 @@ class CheckpointManager:
                 init_trained()
             self._warm_start_optimizer()
             return 0
-        self._refuse_other_model(durable_meta, latest)  # before reading tensors that may not fit
+        # Before reading tensors that may not fit:
+        self._refuse_other_model(durable_meta, str(latest), "use a new checkpoint dir to train this model")
         restored = storage.load_checkpoint(latest, self.model, self.optimizer)
         meta = restored["meta"]
         self.sampler.check_resumable(meta.get("sampler", {}), str(latest))  # the same data, or refused
@@ -216,14 +217,15 @@ class CheckpointManager:
             log.info("resumed from %s at step %d", latest, step)
         return step
 
-    def _refuse_other_model(self, meta: dict[str, Any], path: Path | str) -> None:
-        if meta.get("model_hash") != self.config.model_hash():
-            raise storage.CheckpointError(
-                f"{path} was trained with a different model config; use a new checkpoint dir"
-            )
-        problem = adapter_problem(meta.get("adapters"), self.adapters, self.config.model)
+    def _refuse_other_model(self, meta: dict[str, Any], what: str, remedy: str) -> None:
+        """A checkpoint of another architecture, or with adapters for another base, is refused."""
+        problem = (
+            "it holds another model architecture than this run's model config"
+            if meta.get("model_hash") != self.config.model_hash()
+            else adapter_problem(meta.get("adapters"), self.adapters, self.config.model)
+        )
         if problem:
-            raise storage.CheckpointError(f"{path} cannot be resumed by this run: {problem}")
+            raise storage.CheckpointError(f"{what} cannot be used by this run: {problem}; {remedy}")
 
     def _warm_start_optimizer(self) -> None:
         """A new run with optimizer.warm_start=parent: the parent checkpoint's weights and AdamW
@@ -238,18 +240,8 @@ class CheckpointManager:
                 "changed): set optimizer.warm_start=fresh"
             )
         storage.verify_checkpoint(source)
-        parent = storage.read_meta(source)
-        if parent.get("model_hash") != self.config.model_hash():
-            raise storage.CheckpointError(
-                f"{source} (the parent's checkpoint) holds another architecture than model.model_dir: "
-                "set optimizer.warm_start=fresh"
-            )
-        problem = adapter_problem(parent.get("adapters"), self.adapters, self.config.model)
-        if problem:
-            raise storage.CheckpointError(
-                f"{source} (the parent's checkpoint) cannot warm-start this run: {problem}; "
-                "set optimizer.warm_start=fresh"
-            )
+        what = f"{source} (the parent's checkpoint)"
+        self._refuse_other_model(storage.read_meta(source), what, "set optimizer.warm_start=fresh")
         storage.load_parent_state(source, self.model, self.optimizer)
         self.events.emit("warm_start", checkpoint=source)
         if self.rank == 0:

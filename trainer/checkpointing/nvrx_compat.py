@@ -4,13 +4,13 @@ asserts each behaviour, so an upgrade that no longer needs a work-around fails i
 `nvrx_writer` uses NVRx's public API (`FileSystemWriterAsync`, `save_state_dict_async_plan`,
 `AsyncCallsQueue`, `AsyncRequest`) and this module, and reads the same on CPU and GPU.
 
-NVRx 0.4.1 assumes CUDA in four places (no-ops on CUDA):
+NVRx 0.4.1 assumes CUDA in four places:
 
-1. Collectives on CUDA tensors (core.py:125, :190). `AsyncCaller.sync_all_async_calls`
-   and `AsyncRequest.execute_finalize_fns` build their all-reduce tensor on
-   `torch.cuda.current_device()`, which raises on a CPU build. gloo reduces CPU tensors
-   fine, so the subclasses below build them on the CPU. (`no_dist=True` would also avoid
-   the error but drops the cross-rank agreement that every rank finished the same save.)
+1. Collectives on CUDA tensors (core.py:125, :190): `AsyncRequest.execute_finalize_fns` and
+   `PersistentAsyncCaller.sync_all_async_calls` build their all-reduce tensor on
+   `torch.cuda.current_device()`, which raises on a CPU build. Neither is called: every
+   save, the warm-up's too, is finalized by the writer's own code (its finisher waits for
+   the worker's report on `comp_q`, then gathers over the writer's gloo group).
 2. The preload step (filesystem_async.py:233). The writer's `preload_fn` calls `torch.cuda.synchronize()` inside
    the persistent worker: on CPU that kills the worker and the trainer then waits forever;
    on a GPU it opens a CUDA context on the worker's current device, GPU 0, for every local
@@ -23,8 +23,9 @@ NVRx 0.4.1 assumes CUDA in four places (no-ops on CUDA):
    CUDA as well, where it replaces NVRx's preload), taken beside the next forward and backward.
 4. Warm-up. 0.4.1 has no warm-up call (core.py:347 starts the worker at the first save): the first save pays for spawning the worker and the
    write-results Manager, and the first real write for the worker's
-   first fork of writer processes. `warm_up` writes a one-tensor DCP checkpoint into a
-   scratch folder at start-up (all ranks, like a real save), then deletes it.
+   first fork of writer processes. `warm_up` sends a one-tensor DCP save into a scratch
+   folder at start-up (all ranks, like a real save); the writer waits for it before its
+   first save and then deletes the folder.
 And on CPU and GPU alike:
 
 5. Write results across in-process restarts. Writers report through one process-wide
@@ -65,7 +66,6 @@ import queue
 import shutil
 import threading
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -99,32 +99,8 @@ def prepare_shard_writer_process() -> None:
     _shard_writer_prepared = True
 
 
-def needs_cpu_adjustments() -> bool:
-    return not torch.cuda.is_available()
-
-
-class CpuSafeAsyncRequest(core.AsyncRequest):
-    """(1) `execute_finalize_fns` with the call-index agreement reduced on a CPU tensor."""
-
-    def execute_finalize_fns(self, validate_matching_call_idx: bool = True) -> int:
-        if not needs_cpu_adjustments():
-            return super().execute_finalize_fns(validate_matching_call_idx)
-        for finalize_fn in self.finalize_fns:
-            finalize_fn()
-        if validate_matching_call_idx:
-            agreed = torch.tensor([self.call_idx], dtype=torch.int)
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-            if agreed.item() != self.call_idx:
-                raise RuntimeError(
-                    f"ranks finalized different checkpoint requests ({agreed.item()} vs {self.call_idx}): "
-                    "every rank must save at the same steps"
-                )
-        return self.call_idx
-
-
-class CpuSafePersistentAsyncCaller(core.PersistentAsyncCaller):
-    """(1) `sync_all_async_calls` with the is-alive reduction on a CPU tensor; (6) a worker
-    that dies with its rank from its start."""
+class DyingWithRankAsyncCaller(core.PersistentAsyncCaller):
+    """(6) NVRx's persistent caller, with a worker that dies with its rank from its start."""
 
     def schedule_async_call(self, async_req: core.AsyncRequest) -> None:
         if async_req.async_fn is not None and self.process is None:
@@ -150,13 +126,6 @@ class CpuSafePersistentAsyncCaller(core.PersistentAsyncCaller):
         )
         self.process.start()
 
-    def sync_all_async_calls(self, is_alive: int) -> bool:
-        if not needs_cpu_adjustments():
-            return super().sync_all_async_calls(is_alive)
-        alive = torch.tensor([int(is_alive)], dtype=torch.int)
-        dist.all_reduce(alive)
-        return bool(alive.item() == 0)
-
 
 _results_manager: Any = None
 
@@ -177,11 +146,11 @@ def _results_queue_of_this_attempt() -> None:
 
 
 def new_calls_queue() -> core.AsyncCallsQueue:
-    """A persistent-worker queue whose caller is safe on CPU (and unchanged on CUDA), with
-    a write-results queue of its own."""
+    """A persistent-worker queue whose worker dies with its rank, with a write-results queue
+    of its own."""
     _results_queue_of_this_attempt()
     calls = core.AsyncCallsQueue(persistent=True)
-    calls.persistent_caller = CpuSafePersistentAsyncCaller()
+    calls.persistent_caller = DyingWithRankAsyncCaller()
     return calls
 
 
@@ -249,51 +218,32 @@ def _worker_main(parent_pid: int, local_rank: int, *loop_args: Any) -> None:
     core.PersistentAsyncCaller.async_loop(*loop_args)
 
 
-def warm_up(calls: core.AsyncCallsQueue, scratch_dir: Path, group: Any, wait: bool = True) -> None:
-    """(4) Collective: run one tiny save end to end so the first real save costs what the
-    others do. `scratch_dir` must be the same path on every rank; it is removed after.
-    Planned and finalized on the writer's `group`: a finalize still running when an in-process
-    restart comes must not gather on the next attempt's training group.
-
-    With `wait=False` the worker starts (a fresh interpreter: seconds) while training goes
-    on; the tiny save is finalized by the queue before the first real one, and
-    `finish_warm_up` removes the scratch folder. Restarts use this: they need the first
-    step soon more than an even first save."""
-    from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import (
-        save_state_dict_async_finalize,
-        save_state_dict_async_plan,
-    )
+def warm_up(calls: core.AsyncCallsQueue, scratch_dir: Path, group: Any) -> Callable[[threading.Event], None]:
+    """(4) Collective over the writer's `group`: plan one tiny save into `scratch_dir` (the
+    same path on every rank) and send it, which starts the worker (a fresh interpreter:
+    seconds) while the caller goes on. Returns what waits for this rank's write and reads
+    its results (5: not on the main thread), until `abandoned` is set."""
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
 
     if dist.get_rank() == 0:
         shutil.rmtree(scratch_dir, ignore_errors=True)
         scratch_dir.mkdir(parents=True)
-    waiting.barrier()
+    waiting.barrier(group)
     writer = filesystem_async.FileSystemWriterAsync(str(scratch_dir))
     # A key per rank: DCP writes a replicated tensor from one rank only, and a rank with
     # nothing to write would not start its worker.
     tiny_state = {f"warm_up_rank_{dist.get_rank()}": torch.zeros(1)}
-    writer, metadata, dist_wrapper = save_state_dict_async_plan(tiny_state, writer, process_group=group)
+    writer, _, _ = save_state_dict_async_plan(tiny_state, writer, process_group=group)
     save_fn, _preload_fn, save_args = writer.get_save_function_and_args()
-    # (5) It reads the results queue: not on the main thread.
-    finalize = partial(
-        waiting.off_main_thread,
-        "rtp-ckpt-warm-up",
-        save_state_dict_async_finalize,
-        writer,
-        metadata,
-        dist_wrapper,
-    )
+    call_idx = number_request(calls)
     # (2) The tiny state is on the host: nothing to preload, and no CUDA in the worker.
-    calls.schedule_async_request(CpuSafeAsyncRequest(save_fn, save_args, [finalize], preload_fn=None))
-    if wait:
-        calls.maybe_finalize_async_calls(blocking=True)
-        finish_warm_up(scratch_dir)
+    send(calls, core.AsyncRequest(save_fn, save_args, [], preload_fn=None, call_idx=call_idx).freeze())
 
+    def written(abandoned: threading.Event) -> None:
+        if wait_for_write(calls, call_idx, abandoned):
+            writer.retrieve_write_results()  # raises what failed
 
-def finish_warm_up(scratch_dir: Path) -> None:
-    """After the warm-up save was finalized (a collective: every rank wrote its part)."""
-    if dist.get_rank() == 0:
-        shutil.rmtree(scratch_dir, ignore_errors=True)
+    return written
 
 
 def write_then_hash(save_fn: Callable[..., None], staging: str, rank: int, *args: Any) -> None:

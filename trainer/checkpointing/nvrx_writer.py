@@ -13,18 +13,20 @@ DCP's metadata and commits; `wait("step")` only looks whether it ended, and repo
 commit from the loop. The next save or `wait("committed")` joins it.
 
 NVRx's own finalizing (`AsyncCallsQueue.maybe_finalize_async_calls`) runs collectives on
-the loop at every step; it is used for the start-up warm-up only (docs/checkpointing.md).
-What 0.4.1 needs on a CPU build lives in `nvrx_compat`.
+the loop at every step; it is not used, not even for the start-up warm-up, whose write is
+waited for by the planner thread, and agreed on at a save (docs/checkpointing.md). What
+0.4.1 needs on a CPU build lives in `nvrx_compat`.
 
 The attempt's last save (its last step, or a stop was requested) has no step to hide a
 background write behind: `wait("committed")` writes it in this process as a `sync` save is
-written (`torch_writers.write_dcp`, over the writer's group), with the same shard hashes and
+written (`CheckpointWriter._write_now`, over the writer's group), with the same shard hashes and
 commit, and without the hand-offs to other threads and processes.
 """
 
 from __future__ import annotations
 
 import queue
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -32,8 +34,10 @@ from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing
+from nvidia_resiliency_ext.checkpointing.async_ckpt import core
 from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
 from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import (
     CheckpointMetadataCache,
@@ -43,8 +47,8 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.utils import _get_failure_dict
 
 from trainer import lifecycle, peer_abort, waiting
-from trainer.checkpointing import nvrx_compat, slot_refs, storage, torch_writers
-from trainer.checkpointing.writer import CheckpointWriter, PendingSave, Until
+from trainer.checkpointing import nvrx_compat, slot_refs, storage
+from trainer.checkpointing.writer import CheckpointWriter, Outcome, PendingSave, Until
 
 # Imported only when `checkpoint.mode` is async (`manager.WRITERS`): the other modes never import NVRx.
 
@@ -71,6 +75,7 @@ class NvrxAsyncWriter(CheckpointWriter):
         self._committing = False
         self._last_state: dict[str, Any] | None = None
         self._stepped = False  # a step ended: the captures' slot may be made ahead
+        self._warm_up: Future[None] | None = None  # this rank's warm-up write (`nvrx_compat.warm_up`)
 
     def open(self, background: bool) -> None:
 
@@ -84,8 +89,21 @@ class NvrxAsyncWriter(CheckpointWriter):
         self._plan_cache = CheckpointMetadataCache()
         with lifecycle.children_ignore_sigterm():  # the results Manager starts here too
             self._calls = nvrx_compat.new_calls_queue()
-            nvrx_compat.warm_up(self._calls, self.root / ".warm-up", self._group, wait=not background)
-        self.warming_up = background
+            written = nvrx_compat.warm_up(self._calls, self.root / ".warm-up", self._group)
+        # The planner is idle until the first save, which waits for the warm-up first.
+        self._warm_up = self._planner.submit(partial(written, self._abandoned))
+        self.warming_up = True
+        if not background:
+            self._finish_warm_up()
+
+    def save(self, state: dict[str, Any], pending: PendingSave) -> Outcome:
+        if self.warming_up and pending.deferrable:
+            # Collective (while warming up, at a save only): ready when every rank's warm-up is written.
+            done = torch.tensor([int(self._warm_up is not None and self._warm_up.done())])
+            waiting.wait_polled(dist.all_reduce(done, dist.ReduceOp.MIN, group=self._group, async_op=True))
+            if done.item():
+                self._finish_warm_up()
+        return super().save(state, pending)
 
     def _write(self, state: dict[str, Any], pending: PendingSave) -> None:
         """Queue the save's planning: the planner thread waits for the lent capture, plans
@@ -145,7 +163,7 @@ class NvrxAsyncWriter(CheckpointWriter):
                 slot_refs.by_reference(save_args[1], pending.lease.serving),
                 *save_args[2:],
             ]
-        request = nvrx_compat.CpuSafeAsyncRequest(
+        request = core.AsyncRequest(
             partial(nvrx_compat.write_then_hash, save_fn, str(pending.staging), dist.get_rank())
             if save_fn
             else None,
@@ -275,30 +293,27 @@ class NvrxAsyncWriter(CheckpointWriter):
         self.on_commit(pending.record)
 
     def _poll(self) -> None:
-        """Cheap and without collectives for saves: reports a save whose finisher ended
-        (the ranks may learn of it a step apart; each commit is reported once per rank).
-        During a background warm-up it finalizes the warm-up save (NVRx's collective check)."""
-        if self._pending is None:
-            if self.warming_up and not self._calls.get_num_unfinalized_calls():
-                self._finish_warm_up()
-            elif self.warming_up:
-                self._calls.maybe_finalize_async_calls(blocking=False)
-            return
+        """Cheap and without collectives: reports a save whose finisher ended (the ranks may
+        learn of it a step apart; each commit is reported once per rank)."""
         finisher = self._finisher
-        if finisher is not None and not finisher.is_alive():
+        if self._pending is not None and finisher is not None and not finisher.is_alive():
             started = time.perf_counter()
             pending = self._pending
             self._join_finisher()
             pending.record.blocked_s += time.perf_counter() - started
 
     def _finish_warm_up(self) -> None:
-
-        self.warming_up = False
-        nvrx_compat.finish_warm_up(self.root / ".warm-up")
+        """Collective: this rank's warm-up write, then every rank's; the scratch folder goes."""
+        assert self._warm_up is not None
+        with self.keepalive():  # the worker's start may take seconds on a busy node
+            waiting.result(self._warm_up)
+        waiting.barrier(self._group)
+        self.warming_up, self._warm_up = False, None
+        if dist.get_rank() == 0:
+            shutil.rmtree(self.root / ".warm-up", ignore_errors=True)
 
     def _finalize(self) -> None:
         if self.warming_up:
-            self._wait_for_writer()
             self._finish_warm_up()
         if self._last_state is not None:
             self._write_last()
@@ -317,23 +332,7 @@ class NvrxAsyncWriter(CheckpointWriter):
         assert state is not None and pending is not None
         self._join_finisher()
         self._pending = None
-        # Not on this thread: the staging barrier and DCP's gathers wait inside C for the
-        # slowest rank, and a main thread in C stamps no progress for NVRx's watchdog.
-        waiting.off_main_thread(
-            "rtp-ckpt-last-save", _stage_and_write, self.root, state, pending, self._group
-        )
-        storage.write_hash_sidecars(pending.staging, dist.get_rank())
-        self._commit(pending)
-
-    def _wait_for_writer(self) -> None:
-        """Finalize every queued NVRx request, checking every 5 ms.
-
-        `maybe_finalize_async_calls(blocking=True)` sleeps 0.1 s between checks, which would
-        round every wait for the previous save up to 100 ms. Each check is one all-reduce
-        on every rank with the same result everywhere, so the ranks leave together."""
-        while self._calls.get_num_unfinalized_calls():
-            if not self._calls.maybe_finalize_async_calls(blocking=False):
-                time.sleep(0.005)
+        self._write_now(state, pending, self._group, loop_waits=False)
 
     def close(self, commit: bool = True) -> None:
         """Also stops the writer process.
@@ -363,7 +362,7 @@ class NvrxAsyncWriter(CheckpointWriter):
                 _release(pending)
         self._pending = self._handoff = None
         self._last_state = None
-        self.warming_up = False
+        self.warming_up, self._warm_up = False, None
         with self._commit_lock:
             self._abandoned.set()
             committing = self._committing
@@ -417,9 +416,3 @@ class Planner:
                 future.set_result(job())
             except BaseException as exc:  # raised where the future is waited for
                 future.set_exception(exc)
-
-
-def _stage_and_write(root: Any, state: dict[str, Any], pending: PendingSave, group: Any) -> None:
-    """The last save's staging folder, then its write (`torch_writers.write_dcp`) on `group`."""
-    storage.prepare_staging(root, pending.record.step, pending.rank_state, group=group)
-    torch_writers.write_dcp(state, pending, group)

@@ -13,7 +13,7 @@ Layout of one checkpoint (a DCP folder, so N-rank saves load on M ranks or one p
 `latest_committed_checkpoint()` only ever returns a folder whose marker, DCP metadata and
 manifest check out; a torn or tampered one is skipped with a warning naming the bad file.
 This module holds the storage logic: folders, commit, manifest, retention, load. The
-writers (`writer`, `torch_writers`, `nvrx_writer`) decide how a save reaches it, and the
+writers (`writer`, `nvrx_writer`) decide how a save reaches it, and the
 manager (`manager`) when.
 """
 

@@ -43,9 +43,9 @@ def budget_interval(copy_s: float, step_s: float, budget_pct: float = COPY_BUDGE
 class CaptureInterval:
     """One attempt's capture schedule; `interval` 0 means the tier is off."""
 
-    def __init__(self, setting: int | str, on_cuda: bool, budget_pct: float | None = None) -> None:
+    def __init__(self, setting: int | str, on_cuda: bool) -> None:
         self.setting = setting
-        self.budget_pct = COPY_BUDGET_PCT if budget_pct is None else budget_pct
+        self.budget_pct = COPY_BUDGET_PCT
         self.device = "CUDA" if on_cuda else "CPU"
         self.measuring = uses_copy_budget(setting, on_cuda)
         if self.measuring:

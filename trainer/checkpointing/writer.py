@@ -4,7 +4,7 @@ A `CheckpointWriter` is how a save's state reaches a committed folder; one subcl
 `checkpoint.mode` (`manager.WRITERS` maps a mode to its class):
 
 - `NoCheckpoints` (`off`): the contract doing nothing.
-- `torch_writers.SyncWriter` (`sync`): torch DCP `dcp.save`; the loop waits for the write.
+- `SyncWriter` (`sync`): torch DCP `dcp.save`; the loop waits for the write and the commit.
 - `nvrx_writer.NvrxAsyncWriter` (`async`): NVRx's persistent writer process.
 
 `checkpoint.writer` plugs in another subclass ("module:Class"): the benchmarks' `torch-async`
@@ -15,21 +15,26 @@ alike in every mode. All are collective (every rank calls them at the same steps
 `close(commit=False)`. Every mode writes the same torch DCP folders through `storage`'s
 staging and commit, so a checkpoint saved in any mode with N ranks loads with M ranks. A
 save is committed only after every rank's write finished. This module also holds what
-the modes share: the save record, the collective commit with background retention.
+the modes share: the save record, a save written in the calling process (`sync`'s, and
+`async`'s last: `_write_now`), the collective commit with background retention.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from trainer import waiting
 from trainer.checkpointing import storage
@@ -114,7 +119,8 @@ class CheckpointWriter(ABC):
     """Host memory its own copies of the state held at most (for the summary)."""
     warming_up = False
     """Opened in the background (after a restart) and not ready yet; the same on every rank at
-    the same step (it turns ready in a collective `wait("step")`): periodic saves are deferred."""
+    the same step (it turns ready in a collective call, `save()` or `wait()`): periodic saves
+    are deferred."""
 
     def __init__(
         self,
@@ -161,6 +167,19 @@ class CheckpointWriter(ABC):
     def _write(self, state: dict[str, Any], pending: PendingSave) -> None:
         raise NotImplementedError
 
+    def _write_now(self, state: dict[str, Any], pending: PendingSave, group: Any, loop_waits: bool) -> None:
+        """Collective over `group`: stage and write the save in this process (DCP, each shard
+        hashed as written), then commit it; `loop_waits`: its write counts as blocked time."""
+        # In a thread bound to `group`: the staging barrier and DCP's gathers wait inside C for the
+        # slowest rank, and a main thread in C stamps no progress for NVRx's watchdog
+        # (trainer/waiting.py); on no group, a write an in-process restart interrupts would
+        # gather on the next attempt's group.
+        waiting.off_main_thread("rtp-ckpt-save", _stage_and_write, self.root, state, pending, group)
+        # Each shard left its sidecar as it was written: rank 0's commit reads only those. A
+        # shard without one (its write failed) is hashed here, on its own rank.
+        storage.write_hash_sidecars(pending.staging, dist.get_rank())
+        self._commit(pending, loop_waits)
+
     def _commit(self, pending: PendingSave, loop_waited_for_write: bool = False) -> None:
         """Collective commit of a finished write; rank 0 applies retention in the background."""
         record = pending.record
@@ -196,3 +215,52 @@ class NoCheckpoints(CheckpointWriter):
 
     def wait(self, until: Until) -> None:
         pass
+
+
+SAVE_THREADS = 2
+"""Writer threads per rank for a `sync` save (torch's FileSystemWriter `thread_count`, one by
+default): each serializes and writes a shard file of its own (`__<rank>_<thread>.distcp`),
+so one file's serialization overlaps the other's write."""
+
+
+class _HashingFileSystem(FileSystem):
+    """torch DCP's local file system, whose shard files hash their bytes as they are written."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+        if mode != "wb" or not str(path).endswith(".distcp"):  # `.metadata`, reads
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with storage.ShardWriter(path) as shard:
+            yield shard
+
+
+def hashing_writer(staging: str | Path, thread_count: int = SAVE_THREADS) -> FileSystemWriter:
+    """DCP's FileSystemWriter into `staging`, each shard hashed as written (its sidecar)."""
+    writer = FileSystemWriter(str(staging), thread_count=thread_count)
+    writer.fs = _HashingFileSystem()
+    return writer
+
+
+class SyncWriter(CheckpointWriter):
+    """`sync`: returns from `save()` once the checkpoint is committed."""
+
+    mode = "sync"
+
+    def _write(self, state: dict[str, Any], pending: PendingSave) -> None:
+        pending.queued_at = pending.started_at
+        self._write_now(state, pending, dist.group.WORLD, loop_waits=True)
+        self._queued(pending.record)
+
+    def wait(self, until: Until) -> None:
+        pass  # nothing is ever pending
+
+
+def _stage_and_write(root: Path, state: dict[str, Any], pending: PendingSave, group: Any) -> None:
+    """`_write_now`'s thread: the staging folder (a barrier over `group`), then the DCP write."""
+    storage.prepare_staging(root, pending.record.step, pending.rank_state, group=group)
+    with storage.shard_records_without_crc32():
+        dcp.save(state, storage_writer=hashing_writer(pending.staging), process_group=group)
+    if pending.during_write is not None:
+        pending.during_write()
