@@ -304,13 +304,12 @@ def _budget_rank(rank: int, store_path: str, folder: str) -> None:
             model, optimizer = _trained_model()
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
             tier = LocalTier(
-                every_steps="budget",
-                local_dir=folder,
-                checkpoint_dir=Path(folder) / "checkpoints",
-                identity={"model_hash": "test", "world_size": 2},
-                model=model,
-                optimizer=optimizer,
-                scheduler=scheduler,
+                CheckpointConfig(local_every_steps="budget", local_dir=folder),
+                Path(folder) / "checkpoints",
+                {"model_hash": "test", "world_size": 2},
+                model,
+                optimizer,
+                scheduler,
             )
             for step in range(1, 2 * CALIBRATION_STEPS + 1):
                 clock.advance(STEP_S)

@@ -39,6 +39,7 @@ from trainer.checkpointing import tier_format as fmt
 from trainer.checkpointing import tier_slots as slots
 from trainer.checkpointing.slot_refs import Lease
 from trainer.checkpointing.tier_interval import CaptureInterval
+from trainer.config import CheckpointConfig
 
 log = logging.getLogger(__name__)
 
@@ -54,23 +55,22 @@ class LocalTier:
 
     def __init__(
         self,
-        *,
-        every_steps: int | str,
-        local_dir: str,
+        settings: CheckpointConfig,
         checkpoint_dir: str | Path,
         identity: dict[str, Any],
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
-        replicas: int = 0,
         cache: slots.CaptureCache | None = None,
     ) -> None:
         # What training changes (a LoRA run's adapters): frozen parameters are the same at
         # every step and are read from the model folder again by every attempt.
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.schedule = CaptureInterval(every_steps, bool(self.params and self.params[0].is_cuda))
+        self.schedule = CaptureInterval(
+            settings.local_every_steps, bool(self.params and self.params[0].is_cuda)
+        )
         self.key = slots.run_key(checkpoint_dir)
-        self.folder = slots.local_folder(local_dir, checkpoint_dir)
+        self.folder = slots.local_folder(settings.local_dir, checkpoint_dir)
         self.identity = identity
         self.model = model
         self.optimizer = optimizer
@@ -101,7 +101,7 @@ class LocalTier:
         grid = slots.mesh_grid(self.params)
         self.twins = tier_restore.twins_of(grid) if grid else {}  # HSDP: who holds this rank's state too
         self.sends_to, self.holds_for = peer_copies.peers(
-            self.rank, world, local_world, replicas if self.enabled else 0
+            self.rank, world, local_world, settings.local_replicas if self.enabled else 0
         )
         self.listen_host = peer_copies.listen_host(world, local_world) if self.holds_for else ""
         self.receiver: peer_copies.ReplicaReceiver | None = None
@@ -119,11 +119,9 @@ class LocalTier:
         the newest durable checkpoint step this attempt knows of. Not collective, except at
         the one step of an attempt where the ranks agree on a budget's interval (every rank
         calls it at every step)."""
-        if not self.enabled:
-            return False
-        if self.schedule.measuring:
-            return self.schedule.measure(step, lambda: self._capture(step, durable_step), self.wait_copy)
-        return step % self.schedule.interval == 0 and self._capture(step, durable_step)
+        return self.enabled and self.schedule.maybe_capture(
+            step, lambda: self._capture(step, durable_step), self.wait_copy
+        )
 
     def capture_for_save(self, step: int, durable_step: int) -> Lease | None:
         """Capture step `step` (a durable save's) whatever the interval, also with the tier
@@ -133,12 +131,9 @@ class LocalTier:
         with self._lock:
             if self._held is not None:
                 return None
-        if self.schedule.measuring:
-            captured = self.schedule.measure(
-                step, lambda: self._capture(step, durable_step, hold=True), self.wait_copy, force=True
-            )
-        else:
-            captured = self._capture(step, durable_step, hold=True)
+        captured = self.schedule.maybe_capture(
+            step, lambda: self._capture(step, durable_step, hold=True), self.wait_copy, force=True
+        )
         if not captured:
             raise RuntimeError(f"the host capture of step {step} for its checkpoint was not taken")
         with self._lock:

@@ -121,22 +121,15 @@ class CheckpointManager:
         self.resumed_durable_step = 0
         self.local_tier_s = 0.0
         self.deferred_saves: list[int] = []
+        # The run is the tier's folder's name (its checkpoint folder, hashed); what must match too:
+        identity = {
+            "model_hash": config.model_hash(),
+            "adapters": self.adapters,
+            "world_size": dist.get_world_size(),
+            "layout": _layout(model),  # a capture under another mesh holds other shards
+        }
         self.local = LocalTier(
-            every_steps=settings.local_every_steps,
-            local_dir=settings.local_dir,
-            checkpoint_dir=self.root,
-            # The run is the folder's name (its checkpoint folder, hashed); what must match too:
-            identity={
-                "model_hash": config.model_hash(),
-                "adapters": self.adapters,
-                "world_size": dist.get_world_size(),
-                "layout": _layout(model),  # a capture under another mesh holds other shards
-            },
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            replicas=settings.local_replicas,
-            cache=hooks.capture_cache(),
+            settings, self.root, identity, model, optimizer, scheduler, hooks.capture_cache()
         )
         self.writer = writer_class(settings.writer or settings.mode)(
             self.root,

@@ -77,13 +77,15 @@ class CaptureInterval:
         with self._lock:
             self._copy_seconds.append(seconds)
 
-    def measure(
+    def maybe_capture(
         self, step: int, capture: Callable[[], bool], wait_copy: Callable[[], Any], force: bool = False
     ) -> bool:
-        """While measuring: `capture()` every other step for `CALIBRATION_STEPS` steps, timing
+        """`capture()` if step `step` is a capture step (`force`: a save's, at any step); whether
+        it captured. While measuring: every other step for `CALIBRATION_STEPS` steps, timing
         each step after one without a copy (a capture slows the next step: its optimizer step
-        waits for the copy); then the agreement (`_agree`). `force`: a save's capture, taken
-        at any step. Whether it captured."""
+        waits for the copy); then the agreement (`_agree`)."""
+        if not self.measuring:
+            return (force or step % self.interval == 0) and capture()
         now = time.perf_counter()
         if self._window_start is None:
             self._window_start = step
