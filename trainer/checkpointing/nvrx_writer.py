@@ -60,7 +60,7 @@ class NvrxAsyncWriter(CheckpointWriter):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._pending: PendingSave | None = None
+        self._pending: PendingSave | None = None  # not committed yet (a finisher's, while one runs)
         self._handoff: PendingSave | None = None
         self._calls: Any = None
         self._group: Any = None
@@ -68,7 +68,6 @@ class NvrxAsyncWriter(CheckpointWriter):
         self._planned: Future[Callable[[], None]] | None = None
         self._plan_cache: Any = None
         self._finisher: threading.Thread | None = None
-        self._finishing: PendingSave | None = None  # the save the finisher finishes
         self._finisher_error: BaseException | None = None
         self._abandoned = threading.Event()  # tells a finisher to stop waiting
         self._commit_lock = threading.Lock()  # abandoned, or committing: never both
@@ -216,7 +215,6 @@ class NvrxAsyncWriter(CheckpointWriter):
                 f"planning the checkpoint of step {pending.record.step} failed: {exc}"
             ) from exc
         assert self._finisher is None  # the save began by finalizing the previous one
-        self._finishing = pending
         # A daemon: a rank that dies must not be kept alive by it (a commit is atomic).
         self._finisher = threading.Thread(
             target=self._run_finisher, args=(finish, pending), name="rtp-ckpt-finish", daemon=True
@@ -280,15 +278,10 @@ class NvrxAsyncWriter(CheckpointWriter):
             return
         waiting.join(finisher)  # may wait minutes for the previous write
         error, self._finisher_error = self._finisher_error, None
-        pending, self._finishing = self._finishing, None
-        if self._pending is pending:
-            self._pending = None
+        pending, self._pending = self._pending, None
         if error is not None:
             raise storage.CheckpointError(f"finishing a checkpoint failed: {error}") from error
-        if pending is not None:
-            self._record_commit(pending)
-
-    def _record_commit(self, pending: PendingSave) -> None:
+        assert pending is not None
         pending.record.write_s = time.perf_counter() - pending.queued_at
         self.on_commit(pending.record)
 
@@ -357,9 +350,8 @@ class NvrxAsyncWriter(CheckpointWriter):
 
     def _abandon(self) -> None:
         """The staging folder is never committed."""
-        for pending in (self._pending, self._handoff, self._finishing):
-            if pending is not None:
-                _release(pending)
+        if self._pending is not None:  # the save handed off, or still to be
+            _release(self._pending)
         self._pending = self._handoff = None
         self._last_state = None
         self.warming_up, self._warm_up = False, None
@@ -379,7 +371,7 @@ class NvrxAsyncWriter(CheckpointWriter):
             # under the next attempt's resume.
             if committing:
                 self._finisher.join(timeout=30)
-            self._finisher = self._finisher_error = self._finishing = None
+            self._finisher = self._finisher_error = None
         if self._calls is not None:
             # Results it may have posted stay in this attempt's queue (`nvrx_compat`, 5).
             nvrx_compat.forget(self._calls)
