@@ -264,3 +264,56 @@ def test_a_checkpoint_of_another_architecture_is_refused_before_a_tensor_is_read
         f"{tmp_path / 'checkpoints' / 'step_1'} cannot be used by this run: it holds another model "
         "architecture than this run's model config; use a new checkpoint dir to train this model"
     )
+
+
+def test_a_restarted_async_writer_defers_a_periodic_save_until_every_ranks_warm_up_is_written(tmp_path):
+    """After a restart the writer warms up in the background: a periodic save is deferred
+    while any rank's warm-up write is not done (the ranks agree at the save), and taken once
+    it is."""
+    from concurrent.futures import Future
+
+    extra = ["checkpoint.local_every_steps=0", "checkpoint.every_steps=2"]
+    model, optimizer = _trained_model()
+    first = _manager(tmp_path, "async", model, optimizer, extra=extra)
+    first.load()
+    first.save(2, last_step=True, loss=1.0)
+    first.close()
+    restarted = _manager(tmp_path, "async", model, optimizer, extra=extra)
+    assert restarted.load(background=True) == 2
+    try:
+        writer = restarted.writer
+        started = writer._warm_up
+        writer._warm_up = not_yet = Future()  # as a rank whose worker is still starting
+        for step in (3, 4):
+            _step(model, optimizer)
+            restarted.maybe_wait_for_staging()
+            restarted.save(step, last_step=False, loss=1.0)
+        assert restarted.deferred_saves == [4] and writer.warming_up
+        not_yet.set_result(started.result(timeout=60))  # the real warm-up write, then "done"
+        for step in (5, 6):
+            _step(model, optimizer)
+            restarted.maybe_wait_for_staging()
+            restarted.save(step, last_step=False, loss=1.0)
+        restarted.maybe_wait_for_staging()
+        restarted.close()
+    except BaseException:
+        restarted.abandon()
+        raise
+    assert restarted.deferred_saves == [4] and not writer.warming_up
+    assert not (tmp_path / "checkpoints" / ".warm-up").exists()
+    assert sorted(c.name for c in (tmp_path / "checkpoints").iterdir()) == ["step_2", "step_6"]
+    again = _manager(tmp_path, "async", model, optimizer, extra=extra)
+    assert again.load(background=True) == 6
+    try:
+        again.writer._warm_up.result(timeout=60)  # every rank's warm-up is written by the save
+        for step in (7, 8):
+            _step(model, optimizer)
+            again.maybe_wait_for_staging()
+            again.save(step, last_step=False, loss=1.0)
+        assert again.deferred_saves == [] and not again.writer.warming_up
+        again.maybe_wait_for_staging()
+        again.close()
+    except BaseException:
+        again.abandon()
+        raise
+    assert (tmp_path / "checkpoints" / "step_8").is_dir()
