@@ -84,7 +84,9 @@ class LocalTier:
         self._held: int | None = None  # the slot a durable save writes from (`capture_for_save`)
         self._lock = threading.Lock()
         self._stream: Any = None
-        self._copier: ThreadPoolExecutor | None = None
+        self._copier = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="rtp-local-copy"
+        )  # threads on first use
         self._copy: Future[None] | None = None
         self._preparing: Future[None] | None = None  # large slots made ahead (`_slots_ready`)
         self._copied = threading.Event()  # the loop may change the weights again
@@ -173,8 +175,6 @@ class LocalTier:
         if self.params and self.params[0].is_cuda:
             step_done = torch.cuda.Event()  # the copies must see the finished step
             step_done.record()
-        if self._copier is None:
-            self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rtp-local-copy")
         self.wait_copy()  # the previous capture's header is written (it runs in the same thread)
         # The walk over the state runs here, between steps: in the copy thread it would
         # compete with the training thread for the interpreter lock.
@@ -193,8 +193,6 @@ class LocalTier:
         """Not collective, after the first optimizer step: with the tier off, the slot the
         saves are captured into is made ahead, while training goes on."""
         if not self.enabled and self.params:
-            if self._copier is None:
-                self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rtp-local-copy")
             self._slots_ready(self._plan_for(self._meta(0, 0)), wait=False)
 
     def wait_prepared(self, timeout: float | None = None) -> None:
@@ -226,7 +224,6 @@ class LocalTier:
         self._preparing = None
         if all(s is not None and s.layout == plan.layout for s in self._slots[: 2 if self.enabled else 1]):
             return True
-        assert self._copier is not None
         self._preparing = self._copier.submit(self._prepare_slots, plan)
         return wait
 
@@ -239,7 +236,7 @@ class LocalTier:
             if slot == self._held:  # a save reads its file: remapped once released
                 continue
             if current is None or current.layout != plan.layout:
-                self._slots[slot] = self._make_slot(slot, plan, drop_heads=False)
+                self._slots[slot] = self._make_slot(slot, plan)
 
     def _capture_into(self, slot: int, meta: dict[str, Any], plan: slots.Plan, step_done: Any) -> None:
         """The copy thread: copy the state into `slot`, then write its header."""
@@ -293,42 +290,38 @@ class LocalTier:
         return plan
 
     def _slot_for(self, slot: int, plan: slots.Plan) -> slots.Slot:
-        """The slot's mapping, made (again) when the state's layout is new."""
+        """The slot's mapping, made (again) when the state's layout is new, without the
+        headers of what it held (an earlier attempt's too): it is overwritten next."""
         current = self._slots[slot]
-        if current is not None and current.layout == plan.layout:
-            if current.plan is not plan:
-                current.plan, current.filled = plan, None
-            if current.stale_heads:  # prepared ahead: its old headers go before the overwrite
-                self._drop_heads(slot)
-                current.stale_heads = False
-            return current
-        made = self._make_slot(slot, plan, drop_heads=True)
-        self._slots[slot] = made
-        return made
+        if current is None or current.layout != plan.layout:
+            current = self._slots[slot] = self._make_slot(slot, plan)
+        elif current.plan is not plan:
+            current.plan, current.filled = plan, None
+        if current.stale_heads:
+            self._drop_heads(slot)
+            current.stale_heads = False
+        return current
 
     def _drop_heads(self, slot: int) -> None:
         """Remove every header of `slot` in the folder (an earlier attempt's too)."""
-        for name in os.listdir(self.folder):
+        for name in os.listdir(self.folder) if self.folder.is_dir() else []:
             match = slots.HEAD_FILE.match(name)
             if match and int(match.group(1)) == self.rank and int(match.group(3)) == slot:
                 (self.folder / name).unlink(missing_ok=True)
 
-    def _make_slot(self, slot: int, plan: slots.Plan, drop_heads: bool) -> slots.Slot:
-        """Map (and on CUDA page-lock) `slot` for `plan`. `drop_heads`: the capture a header
-        names must be what the slot holds, so any header of this slot goes before the file
-        is touched; else (prepared ahead) that happens before the first overwrite."""
+    def _make_slot(self, slot: int, plan: slots.Plan) -> slots.Slot:
+        """Map (and on CUDA page-lock) `slot` for `plan`, its content unchanged: a header of
+        this slot still names what it holds until it is overwritten (`_slot_for`), except
+        when its size changes."""
         layout, size = plan.layout, plan.size
         path = self.folder / slots.slot_name(self.rank, slot)
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            if drop_heads:
-                self._drop_heads(slot)
-            elif path.exists() and path.stat().st_size != size:
+            if path.exists() and path.stat().st_size != size:
                 # Resizing it invalidates what it held (and a mapping of it still in use).
                 self.cache.drop(self.key, slot)
                 self._drop_heads(slot)
             made = slots.Slot(path, layout, size)
-            made.stale_heads = not drop_heads
         except OSError as exc:  # no room for the file: keep the copy in memory only
             self.write_errors += 1
             path.unlink(missing_ok=True)
@@ -419,9 +412,7 @@ class LocalTier:
         further use: free the memory and /dev/shm they hold."""
         with contextlib.suppress(Exception):
             self.wait_copy()
-        if self._copier is not None:
-            self._copier.shutdown(wait=True)
-            self._copier = None
+        self._copier.shutdown(wait=True)  # safe to repeat
         self.sender.close(flush=flush and not discard)
         if self.receiver is not None:
             self.receiver.close()

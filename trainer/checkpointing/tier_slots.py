@@ -188,7 +188,7 @@ class Slot:
         self.step: int | None = None
         self.plan: Plan | None = None
         self.filled: Any = None  # the plan's skeleton over this slot's tensors
-        self.stale_heads = False  # headers of what it held before may still name it
+        self.stale_heads = True  # headers of what it held before may still name it
         data: Any
         if path is None:
             data = bytearray(max(size, 1))
