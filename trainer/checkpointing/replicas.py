@@ -97,7 +97,6 @@ class ReplicaReceiver:
         self.holder = holder
         self.owners = set(owners)
         self.token = token
-        self.received = 0
         self.rejected = 0
         self._listener = socket.create_server((host, 0))
         self._listener.settimeout(0.2)  # how often the thread looks whether it must stop
@@ -142,7 +141,6 @@ class ReplicaReceiver:
             os.replace(temporary, final)
         finally:
             temporary.unlink(missing_ok=True)
-        self.received += 1
         steps = sorted(held_replicas(self.folder, self.holder, [owner])[owner].items())
         for _, old in steps[:-KEEP_PER_OWNER]:
             old.unlink(missing_ok=True)

@@ -97,10 +97,6 @@ def _load_training_state(path: str | Path, model: nn.Module, optimizer: torch.op
     )
 
 
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step_{step}"
-
-
 def committed_steps(root: str | Path) -> list[tuple[int, Path]]:
     """(step, folder) of every folder that looks committed, newest first (not verified)."""
     base = Path(root)
@@ -309,7 +305,7 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 def staging_paths(root: str | Path, step: int) -> tuple[Path, Path]:
     """(staging, final) folders of step `step`'s save."""
-    final = step_dir(Path(root), step)
+    final = Path(root) / f"step_{step}"
     return final.with_name(final.name + ".tmp"), final
 
 
