@@ -308,10 +308,8 @@ class NvrxAsyncWriter(CheckpointWriter):
     def _finalize(self) -> None:
         if self.warming_up:
             self._finish_warm_up()
-        if self._last_state is not None:
-            self._write_last()
-        if self._pending is not None and self._handoff is not None:
-            self._hand_off()  # saved at the loop's last step: no optimizer step follows
+        if self._handoff is not None:  # no optimizer step follows (the last save, or the loop's last step)
+            self._hand_off()
         self._join_finisher()
 
     def _write_last(self) -> None:
