@@ -84,9 +84,8 @@ class LocalTier:
         self._held: int | None = None  # the slot a durable save writes from (`capture_for_save`)
         self._lock = threading.Lock()
         self._stream: Any = None
-        self._copier = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="rtp-local-copy"
-        )  # threads on first use
+        # The copy thread (started by the first job): captures, and large slots made ahead.
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rtp-local-copy")
         self._copy: Future[None] | None = None
         self._preparing: Future[None] | None = None  # large slots made ahead (`_slots_ready`)
         self._copied = threading.Event()  # the loop may change the weights again
