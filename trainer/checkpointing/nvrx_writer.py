@@ -6,7 +6,7 @@ host-state engine (`PendingSave.lend`); its tensors reach the worker as referenc
 the slot file (`slot_refs`). The writer's planner thread waits for the capture, plans the
 write and sends it to the worker while the next step's forward and backward run;
 `wait("staged")`, before every `optimizer.step()`, waits for the planner if it is
-still running and then starts the save's *finisher* thread. The finisher waits for the
+still running and then queues the save's *finish* behind it. The finish waits for the
 worker to report the write done, gathers every rank's write results over the writer's own
 gloo group (NVRx's finalize, with the request numbers compared), and on rank 0 writes
 DCP's metadata and commits; `wait("step")` only looks whether it ended, and reports the
@@ -30,6 +30,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import Future
 from functools import partial
 from typing import Any
@@ -60,16 +61,15 @@ class NvrxAsyncWriter(CheckpointWriter):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._pending: PendingSave | None = None  # not committed yet (a finisher's, while one runs)
+        self._pending: PendingSave | None = None  # not committed yet
         self._handoff: PendingSave | None = None
         self._calls: Any = None
         self._group: Any = None
         self._planner: Planner | None = None
         self._planned: Future[Callable[[], None]] | None = None
+        self._finished: Future[None] | None = None  # the pending save's finish (`_finish`)
         self._plan_cache: Any = None
-        self._finisher: threading.Thread | None = None
-        self._finisher_error: BaseException | None = None
-        self._abandoned = threading.Event()  # tells a finisher to stop waiting
+        self._abandoned = threading.Event()  # tells a finish to stop waiting
         self._commit_lock = threading.Lock()  # abandoned, or committing: never both
         self._committing = False
         self._last_state: dict[str, Any] | None = None
@@ -138,7 +138,7 @@ class NvrxAsyncWriter(CheckpointWriter):
         self, writer: Any, pending: PendingSave, call_idx: int, state: dict[str, Any], group: Any
     ) -> Callable[[], None]:
         """The planner thread: plan the write over the complete capture and send it to the
-        writer process; returns what finishes it (`_finish`, for the finisher thread).
+        writer process; returns what finishes it (`_finish`, queued at the hand-off).
 
         This is the first half of NVRx's `AsyncCallsQueue.schedule_async_request` (number,
         freeze, send to the persistent worker); the finalize half is `_finish`."""
@@ -209,25 +209,13 @@ class NvrxAsyncWriter(CheckpointWriter):
         assert pending is not None and planned is not None
         try:
             finish = waiting.result(planned)  # planned and sent
-        except BaseException as exc:
+        except Exception as exc:
             _release(pending)
             raise storage.CheckpointError(
                 f"planning the checkpoint of step {pending.record.step} failed: {exc}"
             ) from exc
-        assert self._finisher is None  # the save began by finalizing the previous one
-        # A daemon: a rank that dies must not be kept alive by it (a commit is atomic).
-        self._finisher = threading.Thread(
-            target=self._run_finisher, args=(finish, pending), name="rtp-ckpt-finish", daemon=True
-        )
-        self._finisher.start()
-
-    def _run_finisher(self, finish: Callable[[], None], pending: PendingSave) -> None:
-        try:
-            finish()
-        except BaseException as exc:  # re-raised on the training thread by _join_finisher()
-            self._finisher_error = exc
-        finally:
-            _release(pending)
+        assert self._finished is None and self._planner is not None  # the previous save committed first
+        self._finished = self._planner.submit(finish)  # the next save's planning queues behind it
 
     def _finish(
         self,
@@ -238,14 +226,18 @@ class NvrxAsyncWriter(CheckpointWriter):
         call_idx: int,
         sent: bool,
     ) -> None:
-        """The finisher thread, on every rank: wait for this rank's write, gather all ranks'
-        write results over the writer's group (the request numbers must match), then rank 0
-        writes DCP's `.metadata` and commits (fsyncs, manifest, rename, retention). The loop
-        learns of the commit in `wait("step")` or `wait("committed")`."""
-
-        if sent and not nvrx_compat.wait_for_write(self._calls, call_idx, self._abandoned):
-            return  # abandoned
-        _release(pending)  # this rank's files are written: the fast tier may overwrite the slot
+        """The planner thread, after the loop's hand-off, on every rank: wait for this rank's
+        write, gather all ranks' write results over the writer's group (the request numbers
+        must match), then rank 0 writes DCP's `.metadata` and commits (fsyncs, manifest,
+        rename, retention). The loop learns of the commit in `wait("step")` or
+        `wait("committed")`."""
+        try:
+            if sent and not nvrx_compat.wait_for_write(self._calls, call_idx, self._abandoned):
+                return  # abandoned
+        finally:
+            _release(
+                pending
+            )  # this rank's files are written (or never will be): the tier may overwrite the slot
         gathered = dist_wrapper.gather_object((call_idx, writer.retrieve_write_results()))
         if not dist_wrapper.is_coordinator:
             return
@@ -270,29 +262,27 @@ class NvrxAsyncWriter(CheckpointWriter):
         pending.record.bytes_total = storage.checkpoint_bytes(pending.final)
         storage.apply_retention(self.root, self.keep_last, self.keep_every)
 
-    def _join_finisher(self) -> None:
-        """Wait for the finisher (on every rank: it ended in the same gather) and report the
-        pending save committed, from the loop."""
-        finisher, self._finisher = self._finisher, None
-        if finisher is None:
+    def _join_finish(self) -> None:
+        """Wait for the pending save's finish (on every rank: it ended in the same gather) and
+        report the save committed, from the loop."""
+        finished, self._finished = self._finished, None
+        if finished is None:
             return
-        waiting.join(finisher)  # may wait minutes for the previous write
-        error, self._finisher_error = self._finisher_error, None
         pending, self._pending = self._pending, None
-        if error is not None:
-            raise storage.CheckpointError(f"finishing a checkpoint failed: {error}") from error
         assert pending is not None
+        try:
+            waiting.result(finished)  # may wait minutes for the previous write
+        except Exception as exc:
+            raise storage.CheckpointError(f"finishing a checkpoint failed: {exc}") from exc
         pending.record.write_s = time.perf_counter() - pending.queued_at
         self.on_commit(pending.record)
 
     def _poll(self) -> None:
-        """Cheap and without collectives: reports a save whose finisher ended (the ranks may
+        """Cheap and without collectives: reports a save whose finish ended (the ranks may
         learn of it a step apart; each commit is reported once per rank)."""
-        finisher = self._finisher
-        if self._pending is not None and finisher is not None and not finisher.is_alive():
+        if (pending := self._pending) is not None and self._finished is not None and self._finished.done():
             started = time.perf_counter()
-            pending = self._pending
-            self._join_finisher()
+            self._join_finish()
             pending.record.blocked_s += time.perf_counter() - started
 
     def _finish_warm_up(self) -> None:
@@ -310,7 +300,7 @@ class NvrxAsyncWriter(CheckpointWriter):
             self._finish_warm_up()
         if self._handoff is not None:  # no optimizer step follows (the last save, or the loop's last step)
             self._hand_off()
-        self._join_finisher()
+        self._join_finish()
 
     def _write_last(self) -> None:
         """Collective: write the attempt's last save here, as a `sync` save is written (DCP,
@@ -321,7 +311,7 @@ class NvrxAsyncWriter(CheckpointWriter):
         state, self._last_state = self._last_state, None
         pending, self._handoff = self._pending, None
         assert state is not None and pending is not None
-        self._join_finisher()
+        self._join_finish()
         self._pending = None
         self._write_now(state, pending, self._group, loop_waits=False)
 
@@ -360,16 +350,16 @@ class NvrxAsyncWriter(CheckpointWriter):
             # Its planning ends on its own (a gather fails once the peers' connections go).
             self._planner.close()
             self._planner = self._planned = None
-        if self._finisher is not None:
-            # Waiting for the write, it stops within 50 ms; in the writer group's gather it
-            # may wait for a peer's write, and ends when the peers' connections go down (the
+        if self._finished is not None:
+            # Waiting for the write, the finish stops within 50 ms; in the writer group's gather
+            # it may wait for a peer's write, and ends when the peers' connections go down (the
             # restart's abort) or the gather completes, and an abandoned save is never
             # committed: the restart does not wait for it. A commit already in progress (rank 0, local file work,
             # atomic either way) is waited for: its retention must not delete a checkpoint
             # under the next attempt's resume.
             if committing:
-                self._finisher.join(timeout=30)
-            self._finisher = self._finisher_error = None
+                futures.wait([self._finished], timeout=30)
+            self._finished = None
         if self._calls is not None:
             # Results it may have posted stay in this attempt's queue (`nvrx_compat`, 5).
             nvrx_compat.forget(self._calls)
