@@ -66,24 +66,23 @@ class LocalTier:
         # What training changes (a LoRA run's adapters): frozen parameters are the same at
         # every step and are read from the model folder again by every attempt.
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.schedule = CaptureInterval(
-            settings.local_every_steps, bool(self.params and self.params[0].is_cuda)
-        )
+        self._cuda = bool(self.params and self.params[0].is_cuda)
+        self.schedule = CaptureInterval(settings.local_every_steps, self._cuda)
         self.key = slots.run_key(checkpoint_dir)
         self.folder = slots.local_folder(settings.local_dir, checkpoint_dir)
         self.identity = identity
-        self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.rank = dist.get_rank()
         # What survives an in-process restart; a new cache is what a new process has.
         self.cache = cache if cache is not None else slots.CaptureCache()
         self._slots: list[slots.Slot | None] = [None, None]
-        newest = self.cache.newest_slot(self.key)
-        self.next_slot = 1 - (1 if newest is None else newest)  # the next capture's: not the newest one's
+        # The next capture's slot: not the newest capture's (0 when there is none).
+        self.next_slot = int(self.cache.newest_slot(self.key) == 0)
         self._held: int | None = None  # the slot a durable save writes from (`capture_for_save`)
         self._lock = threading.Lock()
-        self._stream: Any = None
+        # CUDA: the side stream of the copies.
+        self._stream: Any = torch.cuda.Stream(device=self.params[0].device) if self._cuda else None
         # The copy thread (started by the first job): captures, and large slots made ahead.
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rtp-local-copy")
         self._copy: Future[None] | None = None
@@ -99,8 +98,8 @@ class LocalTier:
         self._memory_only_said = False
         world = dist.get_world_size()
         local_world = env.local_world_size(default=world)
-        grid = slots.mesh_grid(self.params)
-        self.twins = tier_restore.twins_of(grid) if grid else {}  # HSDP: who holds this rank's state too
+        # HSDP: who holds this rank's state too.
+        self.twins = tier_restore.twins_of(slots.mesh_grid(self.params) or [])
         self.sends_to, self.holds_for = peer_copies.peers(
             self.rank, world, local_world, settings.local_replicas if self.enabled else 0
         )
@@ -132,15 +131,13 @@ class LocalTier:
         with self._lock:
             if self._held is not None:
                 return None
-        captured = self.schedule.maybe_capture(
+        if not self.schedule.maybe_capture(
             step, lambda: self._capture(step, durable_step, hold=True), self.wait_copy, force=True
-        )
-        if not captured:
+        ):
             raise RuntimeError(f"the host capture of step {step} for its checkpoint was not taken")
-        with self._lock:
-            held = self._held
-        assert held is not None and self._copy is not None
-        return Lease(self, held, self._copy)
+        # Set by that capture; only this lease releases it.
+        assert self._held is not None and self._copy is not None
+        return Lease(self, self._held, self._copy)
 
     def slot(self, index: int) -> slots.Slot | None:
         """The mapping of slot `index` (None until made)."""
@@ -170,19 +167,15 @@ class LocalTier:
         # beside the next step's forward and backward (they change only in its optimizer
         # step, which `before_optimizer_step()` holds until the copy is complete).
         meta = self._meta(step, durable_step)
-        step_done = None
-        if self.params and self.params[0].is_cuda:
-            step_done = torch.cuda.Event()  # the copies must see the finished step
-            step_done.record()
+        # CUDA: the copies must see the finished step.
+        step_done = torch.cuda.current_stream().record_event() if self._cuda else None
         self.wait_copy()  # the previous capture's header is written (it runs in the same thread)
         # The walk over the state runs here, between steps: in the copy thread it would
         # compete with the training thread for the interpreter lock.
         plan = self._plan_for(meta)
         if not self._slots_ready(plan, wait=hold):
-            with self._lock:
-                self.next_slot = slot  # not taken: the next capture fills it
-                if hold:
-                    self._held = None
+            with self._lock:  # not taken (never a save's: `wait`): the next capture fills it
+                self.next_slot = slot
             return False
         self._copied.clear()
         self._copy = self._copier.submit(self._capture_into, slot, meta, plan, step_done)
@@ -231,10 +224,8 @@ class LocalTier:
         earlier attempt's capture and its header stay usable until the slot is overwritten:
         its headers are removed then, see `_slot_for`)."""
         for slot in range(2 if self.enabled else 1):
-            current = self._slots[slot]
-            if slot == self._held:  # a save reads its file: remapped once released
-                continue
-            if current is None or current.layout != plan.layout:
+            current = self._slots[slot]  # the slot a save reads is remapped once released
+            if slot != self._held and (current is None or current.layout != plan.layout):
                 self._slots[slot] = self._make_slot(slot, plan)
 
     def _capture_into(self, slot: int, meta: dict[str, Any], plan: slots.Plan, step_done: Any) -> None:
@@ -256,23 +247,23 @@ class LocalTier:
         if self._cuda_copied is not None:
             self._cuda_copied.synchronize()
             copy_s = self._cuda_copy_began.elapsed_time(self._cuda_copied) / 1e3  # the transfer itself
-        sums = None
         if target.path is not None and self.enabled:  # a file other processes may read: checked when read
             began = time.perf_counter()
             sums = fmt.checksums(target.data)
             self.checksum_s += time.perf_counter() - began
             copy_s += time.perf_counter() - began  # part of what a capture costs
+            try:
+                target.head = self._write_head(slot, plan, {**dynamic, "checksums": sums})
+                target.step = int(meta["step"])
+            except OSError as exc:  # a full /dev/shm must not stop training
+                self.write_errors += 1
+                if self.write_errors == 1:
+                    log.warning("fast checkpoint tier: cannot write to %s: %s", self.folder, exc)
         if self.schedule.measuring:
             self.schedule.record_copy(copy_s)
         if target.filled is None:
             target.filled = fmt.fill(plan.skeleton, target.tensors)
         captured = {**fmt.fill(dynamic, target.tensors), **target.filled}
-        if sums is not None:
-            try:
-                target.head = self._write_head(slot, plan, {**dynamic, "checksums": sums})
-                target.step = int(meta["step"])
-            except OSError as exc:  # a full /dev/shm must not stop training
-                self._write_failed(exc)
         if self.enabled:
             self.cache.put(self.key, captured, slot)  # complete: what an in-process restart resumes from
         with self._lock:
@@ -303,24 +294,22 @@ class LocalTier:
 
     def _drop_heads(self, slot: int) -> None:
         """Remove every header of `slot` in the folder (an earlier attempt's too)."""
-        for name in os.listdir(self.folder) if self.folder.is_dir() else []:
-            match = slots.HEAD_FILE.match(name)
-            if match and int(match.group(1)) == self.rank and int(match.group(3)) == slot:
-                (self.folder / name).unlink(missing_ok=True)
+        for step, held in slots.own_heads(self.folder, self.rank):
+            if held == slot:
+                (self.folder / slots.head_name(self.rank, step, slot)).unlink(missing_ok=True)
 
     def _make_slot(self, slot: int, plan: slots.Plan) -> slots.Slot:
         """Map (and on CUDA page-lock) `slot` for `plan`, its content unchanged: a header of
         this slot still names what it holds until it is overwritten (`_slot_for`), except
         when its size changes."""
-        layout, size = plan.layout, plan.size
         path = self.folder / slots.slot_name(self.rank, slot)
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            if path.exists() and path.stat().st_size != size:
+            if path.exists() and path.stat().st_size != plan.size:
                 # Resizing it invalidates what it held (and a mapping of it still in use).
                 self.cache.drop(self.key, slot)
                 self._drop_heads(slot)
-            made = slots.Slot(path, layout, size)
+            made = slots.Slot(path, plan.layout, plan.size)
         except OSError as exc:  # no room for the file: keep the copy in memory only
             self.write_errors += 1
             path.unlink(missing_ok=True)
@@ -335,11 +324,11 @@ class LocalTier:
                     "checkpoint.local_dir to a larger node-local folder.",
                     path,
                     exc.strerror or exc,
-                    slots.gib(2 * size),
+                    slots.gib(2 * plan.size),
                     slots.gib(slots.free_bytes(self.folder)),
                 )
-            made = slots.Slot(None, layout, size)
-        if self.params and self.params[0].is_cuda:
+            made = slots.Slot(None, plan.layout, plan.size)
+        if self._cuda:
             made.pin()
         made.plan = plan
         others = sum(s.size for i, s in enumerate(self._slots) if s is not None and i != slot)
@@ -356,16 +345,11 @@ class LocalTier:
             if step_done is None:
                 torch._foreach_copy_(target.tensors, sources)
                 return
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(device=self.params[0].device)
             with torch.cuda.device(self.params[0].device), torch.cuda.stream(self._stream):
                 self._stream.wait_event(step_done)
-                began = torch.cuda.Event(enable_timing=True)
-                began.record(self._stream)
+                self._cuda_copy_began = self._stream.record_event(torch.cuda.Event(enable_timing=True))
                 torch._foreach_copy_(target.tensors, sources, non_blocking=True)
-                copied = torch.cuda.Event(enable_timing=True)
-                copied.record(self._stream)
-                self._cuda_copy_began, self._cuda_copied = began, copied
+                self._cuda_copied = self._stream.record_event(torch.cuda.Event(enable_timing=True))
 
     def _write_head(self, slot: int, plan: slots.Plan, dynamic: dict[str, Any]) -> Path:
         final = self.folder / slots.head_name(self.rank, int(dynamic["step"]), slot)
@@ -373,11 +357,6 @@ class LocalTier:
         temporary.write_bytes(fmt.header_bytes(plan.static, dynamic))
         os.replace(temporary, final)
         return final
-
-    def _write_failed(self, exc: BaseException) -> None:
-        self.write_errors += 1
-        if self.write_errors == 1:
-            log.warning("fast checkpoint tier: cannot write to %s: %s", self.folder, exc)
 
     def wait_copy(self) -> float:
         """Wait for the last `capture()`'s thread to finish (its header written); returns
@@ -439,9 +418,8 @@ class LocalTier:
 
     # ---- restore -------------------------------------------------------------------
 
-    def restore(self, durable_step: int) -> int | None:
-        """Collective: if every rank's state after the same step newer than `durable_step` is
-        held (by the rank itself, or as a peer's replica), load the newest such into model,
-        optimizer, scheduler and RNG and return its step; else None (load the durable
-        checkpoint). Also starts this attempt's replica receiver and learns its peers'."""
-        return tier_resume.restore(self, durable_step)
+    restore = tier_resume.restore
+    """`restore(durable_step)`, collective: if every rank's state after the same step newer
+    than `durable_step` is held (by the rank itself, or as a peer's replica), load the newest
+    such into model, optimizer, scheduler and RNG and return its step; else None (load the
+    durable checkpoint). Also starts this attempt's replica receiver and learns its peers'."""

@@ -13,13 +13,13 @@ travels as before.
 from __future__ import annotations
 
 import mmap
-import os
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainer.checkpointing import tier_format as fmt
 from trainer.checkpointing import tier_slots as slots
 from trainer.checkpointing.tier_slots import Slot
 
@@ -47,15 +47,12 @@ def by_reference(buckets: list[Any], slot: Slot | None) -> list[Any]:
     def ref(tensor: Any) -> Any:
         if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu" or not tensor.is_contiguous():
             return tensor
-        start = tensor.data_ptr() - base
-        nbytes = tensor.numel() * tensor.element_size()
-        if nbytes == 0 or start < 0 or start + nbytes > slot.size:
-            return tensor
-        return SlotRef(path, start, tensor.dtype, tuple(tensor.shape), nbytes)
+        start, nbytes = tensor.data_ptr() - base, tensor.numel() * tensor.element_size()
+        inside = nbytes and start >= 0 and start + nbytes <= slot.size
+        return SlotRef(path, start, tensor.dtype, tuple(tensor.shape), nbytes) if inside else tensor
 
     return [
-        (file_path, name, (bytes_data, [(item, ref(tensor)) for item, tensor in tensor_data]))
-        for file_path, name, (bytes_data, tensor_data) in buckets
+        (where, name, (data, [(item, ref(t)) for item, t in items])) for where, name, (data, items) in buckets
     ]
 
 
@@ -67,22 +64,15 @@ def resolve(buckets: list[Any]) -> list[Any]:
     def tensor(value: Any) -> Any:
         if not isinstance(value, SlotRef):
             return value
-        data = mappings.get(value.path)
-        if data is None:
-            fd = os.open(value.path, os.O_RDWR)
-            try:
-                data = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-            finally:
-                os.close(fd)
-            mappings[value.path] = data
-        count = value.nbytes // torch.empty((), dtype=value.dtype).element_size()
-        return torch.frombuffer(data, dtype=value.dtype, count=count, offset=value.offset).reshape(
-            value.shape
-        )
+        if value.path not in mappings:
+            with open(value.path, "r+b", buffering=0) as handle:
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                mappings[value.path] = mmap.mmap(handle.fileno(), 0, flags=flags)
+        return fmt.view(mappings[value.path], value.dtype, list(value.shape), value.offset, value.nbytes)
 
     return [
-        (file_path, name, (bytes_data, [(item, tensor(value)) for item, value in tensor_data]))
-        for file_path, name, (bytes_data, tensor_data) in buckets
+        (where, name, (data, [(item, tensor(t)) for item, t in items]))
+        for where, name, (data, items) in buckets
     ]
 
 

@@ -118,8 +118,8 @@ def read_snapshot_bytes(payload: bytes | bytearray) -> dict[str, Any]:
     return snapshot
 
 
-def view(data: Any, dtype: str, shape: list[int], place: int, nbytes: int) -> torch.Tensor:
-    kind = getattr(torch, dtype)
+def view(data: Any, dtype: str | torch.dtype, shape: list[int], place: int, nbytes: int) -> torch.Tensor:
+    kind = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
     if not nbytes:
         return torch.empty(shape, dtype=kind)
     count = nbytes // torch.empty((), dtype=kind).element_size()

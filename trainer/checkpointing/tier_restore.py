@@ -41,17 +41,13 @@ def restorable_steps(
     """The steps every rank's state can be restored from, newer than `durable_step`, newest first."""
     steps = {s for report in gathered for s in report["own"]}
     steps |= {s for report in gathered for held in report["held"].values() for s in held}
-    return sorted(
-        (
-            s
-            for s in steps
-            if s > durable_step
-            and all(
-                s in report["own"]
-                or replica_holders(gathered, owner, s)
-                or twin_holders(gathered, owner, s, twins or {})
-                for owner, report in enumerate(gathered)
-            )
-        ),
-        reverse=True,
-    )
+
+    def everyone_held(s: int) -> bool:
+        return all(
+            s in report["own"]
+            or replica_holders(gathered, owner, s)
+            or twin_holders(gathered, owner, s, twins or {})
+            for owner, report in enumerate(gathered)
+        )
+
+    return sorted((s for s in steps if s > durable_step and everyone_held(s)), reverse=True)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -23,17 +22,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainer.checkpointing.local_tier")
 
 
-def _candidates(tier: LocalTier) -> dict[int, str]:
-    """step -> where this rank holds it ("memory" or a header path), matching this run."""
-    found: dict[int, str] = {}
-    if tier.folder.is_dir():
-        for path in tier.folder.iterdir():
-            match = slots.HEAD_FILE.match(path.name)
-            if match and int(match.group(1)) == tier.rank:
-                found[int(match.group(2))] = str(path)
+def _candidates(tier: LocalTier) -> dict[int, int | None]:
+    """step -> the slot this rank holds it in (None: in this process's memory), matching this run."""
+    found: dict[int, int | None] = dict(slots.own_heads(tier.folder, tier.rank))
     memory = tier.cache.get(tier.key)
     if memory is not None and memory["identity"] == tier.identity:
-        found[int(memory["step"])] = "memory"
+        found[int(memory["step"])] = None
     return found
 
 
@@ -56,48 +50,42 @@ def restore(tier: LocalTier, durable_step: int) -> int | None:
     dist.all_gather_object(gathered, info)
     _start_replication(tier, gathered)
     world = len(gathered)
-    usable = tier_restore.restorable_steps(gathered, durable_step, tier.twins)
-    for step in usable:
-        snapshot, problem = _read(tier, mine[step]) if step in mine else (None, None)
-        ok = problem is None and snapshot is not None and _matches(tier, snapshot, durable_step)
+    for step in tier_restore.restorable_steps(gathered, durable_step, tier.twins):
+        payload, snapshot, problem = _own(tier, step, mine[step]) if step in mine else (None, None, None)
+        ok = snapshot is not None and _matches(tier, snapshot, durable_step)  # None: `problem` says why
         own_ok: list[Any] = [None] * world
         dist.all_gather_object(own_ok, bool(ok))
         # A rank whose own copy is missing or unreadable takes a peer's replica, else (HSDP)
         # a twin's own capture; either is checked before it is trained on.
         source: int | None = None
         for owner in range(world):
-            if own_ok[owner]:
-                continue
             replicas = tier_restore.replica_holders(gathered, owner, step)
             twins = [t for t in tier_restore.twin_holders(gathered, owner, step, tier.twins) if own_ok[t]]
-            sender = replicas[0] if replicas else twins[0] if twins else None
-            if sender is None:
+            if own_ok[owner] or not replicas + twins:
                 continue
-            if tier.rank == sender:
-                payload = fmt.read_bytes(held[owner][step]) if replicas else _own_payload(tier, mine[step])
-                dist.send_object_list([payload], dst=owner)
+            sender = (replicas + twins)[0]
+            if tier.rank == sender:  # a twin sends what it read its own capture from
+                dist.send_object_list([fmt.read_bytes(held[owner][step]) if replicas else payload], dst=owner)
             elif tier.rank == owner:
-                received: list[Any] = [None]
-                dist.recv_object_list(received, src=sender)
+                got: list[Any] = [None]
+                dist.recv_object_list(got, src=sender)
                 what = f"rank {sender}'s {'replica' if replicas else 'capture (its HSDP twin)'}"
                 snapshot, problem = (
-                    (received[0], None)
-                    if isinstance(received[0], dict)
-                    else fmt.load_bytes(received[0], what)
+                    (got[0], None) if isinstance(got[0], dict) else fmt.load_bytes(got[0], what)
                 )
-                if snapshot is not None and problem is None and (bad := slots.non_finite(snapshot)):
+                if snapshot is not None and (bad := slots.non_finite(snapshot)):
                     snapshot, problem = None, f"{what}: {bad}"
-                ok = problem is None and snapshot is not None and _matches(tier, snapshot, durable_step)
+                ok = snapshot is not None and _matches(tier, snapshot, durable_step)
                 source = sender
         verdicts: list[Any] = [None] * world
         dist.all_gather_object(verdicts, (bool(ok), source))
         if all(good for good, _ in verdicts):
             assert snapshot is not None
             slots.load_capture(snapshot, tier.params, tier.optimizer, tier.scheduler)
-            if source is not None or mine[step] != "memory":  # the cached capture stays where it is
+            if source is not None or mine[step] is not None:  # the cached capture stays where it is
                 tier.cache.put(tier.key, snapshot, None)
-            if source is None and (match := slots.HEAD_FILE.match(Path(mine[step]).name)):
-                tier.next_slot = 1 - int(match.group(3))  # the first capture keeps this one
+            if source is None and (slot := mine[step]) is not None:
+                tier.next_slot = 1 - slot  # the first capture keeps this one
             tier.restored_from = {r: peer for r, (_, peer) in enumerate(verdicts) if peer is not None}
             return step
         if problem:
@@ -122,20 +110,16 @@ def _start_replication(tier: LocalTier, gathered: list[Any]) -> None:
     }
 
 
-def _own_payload(tier: LocalTier, where: str) -> Any:
-    """This rank's own capture for a twin: the file's bytes (checked on arrival like a
-    replica's), or the capture itself when only memory holds it."""
-    if where == "memory":
-        return tier.cache.get(tier.key)
-    head = Path(where)
-    match = slots.HEAD_FILE.match(head.name)
-    assert match is not None
-    return fmt.read_bytes(head, head.with_name(slots.slot_name(tier.rank, int(match.group(3)))))
-
-
-def _read(tier: LocalTier, where: str) -> tuple[dict[str, Any] | None, str | None]:
-    payload = _own_payload(tier, where)
-    return (payload, None) if where == "memory" else fmt.load_bytes(payload, where)
+def _own(tier: LocalTier, step: int, slot: int | None) -> tuple[Any, dict[str, Any] | None, str | None]:
+    """This rank's own capture of `step` in `slot` (None: in memory only): what a twin is
+    sent (the file's bytes, checked on arrival like a replica's, or the capture itself when
+    only memory holds it), then the capture read from it, or what is wrong with it."""
+    if slot is None:
+        capture = tier.cache.get(tier.key)
+        return capture, capture, None
+    head = tier.folder / slots.head_name(tier.rank, step, slot)
+    payload = fmt.read_bytes(head, head.with_name(slots.slot_name(tier.rank, slot)))
+    return payload, *fmt.load_bytes(payload, str(head))
 
 
 def _matches(tier: LocalTier, snapshot: dict[str, Any], durable_step: int) -> bool:

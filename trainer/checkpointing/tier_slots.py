@@ -12,11 +12,12 @@ an in-process restart finds it.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
-import operator
 import os
 import re
 import shutil
+import tempfile
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ import torch
 from trainer.checkpointing import storage
 from trainer.checkpointing import tier_format as fmt
 
+MADV_POPULATE_WRITE = 23
+"""Linux >= 5.14 (Python 3.11's mmap module does not name it)."""
 HEAD_FILE = re.compile(r"^rank_(\d+)_step_(\d+)_slot_([01])\.head$")
 """A capture's header: its rank, step and slot."""
 SLOT_FILE = re.compile(r"^rank_(\d+)_slot_[01]\.data$")
@@ -41,14 +44,16 @@ def slot_name(rank: int, slot: int) -> str:
     return f"rank_{rank}_slot_{slot}.data"
 
 
+def own_heads(folder: Path, rank: int) -> list[tuple[int, int]]:
+    """(step, slot) of each capture header of `rank`'s in `folder`."""
+    matches = [HEAD_FILE.match(name) for name in (os.listdir(folder) if folder.is_dir() else [])]
+    return [(int(m[2]), int(m[3])) for m in matches if m and int(m[1]) == rank]
+
+
 def default_local_root() -> Path:
     """Node-local and memory-backed where there is one (a pod's /dev/shm)."""
     shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK):
-        return shm / "rtp-local"
-    import tempfile
-
-    return Path(tempfile.gettempdir()) / "rtp-local"
+    return (shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())) / "rtp-local"
 
 
 def run_key(checkpoint_dir: str | Path) -> str:
@@ -83,28 +88,23 @@ class CaptureCache:
         self._lock = threading.Lock()
         self._captures: dict[str, dict[int | None, dict[str, Any]]] = {}
 
-    def _newest(self, key: str) -> tuple[int | None, dict[str, Any]] | None:
+    def _newest(self, key: str) -> tuple[int | None, dict[str, Any] | None]:
         held = self._captures.get(key) or {}
-        return max(held.items(), key=lambda item: int(item[1]["step"]), default=None)
+        return max(held.items(), key=lambda item: int(item[1]["step"]), default=(None, None))
 
     def get(self, key: str) -> dict[str, Any] | None:
         with self._lock:
-            newest = self._newest(key)
-            return None if newest is None else newest[1]
+            return self._newest(key)[1]
 
     def newest_slot(self, key: str) -> int | None:
         with self._lock:
-            newest = self._newest(key)
-            return None if newest is None else newest[0]
+            return self._newest(key)[0]
 
     def put(self, key: str, capture: dict[str, Any], slot: int | None) -> None:
         """A complete capture in `slot`; one outside the slots replaces every other."""
         with self._lock:
-            held = self._captures.setdefault(key, {})
-            if slot is None:
-                held.clear()
-            held.pop(None, None)
-            held[slot] = capture
+            held = {} if slot is None else self._captures.get(key, {})
+            self._captures[key] = {**{s: c for s, c in held.items() if s is not None}, slot: capture}
 
     def drop(self, key: str, slot: int | None = None) -> None:
         """Forget the run's captures (only the one in `slot`, when given: about to be overwritten)."""
@@ -147,31 +147,20 @@ def plan_state(
                 sources.append(local_shard(value))
             else:
                 stable = False  # a plain value in the state: it goes in the skeleton
-    if (
-        previous is not None
-        and stable
-        and len(previous.sources) == len(sources)
-        and all(map(operator.is_, previous.sources, sources))
-    ):
-        return previous, True
-    index = iter(range(len(sources)))
-    skeleton = {
-        "params": [{fmt.TENSOR_KEY: next(index)} for _ in params],
-        "optim": [
-            {
-                k: {fmt.TENSOR_KEY: next(index)} if torch.is_tensor(v) else v
-                for k, v in state.get(p, {}).items()
-            }
-            for p in params
-        ],
-    }
+    if stable and previous is not None and list(map(id, previous.sources)) == list(map(id, sources)):
+        return previous, True  # the same tensor objects (both lists hold them: ids are theirs)
+    index = iter(range(len(params), len(sources)))  # the optimizer state's, after the shards'
+    optim = [
+        {k: {fmt.TENSOR_KEY: next(index)} if torch.is_tensor(v) else v for k, v in state.get(p, {}).items()}
+        for p in params
+    ]
+    skeleton = {"params": [{fmt.TENSOR_KEY: i} for i in range(len(params))], "optim": optim}
     names = [k for k, v in meta.items() if torch.is_tensor(v)]
     dynamic_index = {k: len(sources) + i for i, k in enumerate(names)}
     layout = fmt.layout_of([*sources, *(meta[k] for k in names)])
     size = fmt.aligned(layout[-1][2] + layout[-1][3]) if layout else 0
-    return Plan(
-        sources, skeleton, dynamic_index, layout, size, fmt.static_section(skeleton, layout, size)
-    ), stable
+    static = fmt.static_section(skeleton, layout, size)
+    return Plan(sources, skeleton, dynamic_index, layout, size, static), stable
 
 
 class Slot:
@@ -189,26 +178,26 @@ class Slot:
         self.plan: Plan | None = None
         self.filled: Any = None  # the plan's skeleton over this slot's tensors
         self.stale_heads = True  # headers of what it held before may still name it
-        data: Any
-        if path is None:
-            data = bytearray(max(size, 1))
-        else:
+        self.data: Any = bytearray(max(size, 1) if path is None else 1)
+        if path is not None:
             with path.open("a+b") as handle:
                 handle.truncate(size)
                 if size:
                     # Reserve the pages now: a full tmpfs makes this fail with ENOSPC here,
                     # instead of a SIGBUS at the first write into the mapping.
                     os.posix_fallocate(handle.fileno(), 0, size)
-                data = mmap.mmap(handle.fileno(), max(size, 1), mmap.MAP_SHARED) if size else bytearray(1)
-        self.data = data
-        self.tensors = [fmt.view(data, dtype, shape, place, nbytes) for dtype, shape, place, nbytes in layout]
-        if path is not None and size:
-            populate(self.address(), size)
+                    self.data = mmap.mmap(handle.fileno(), size, mmap.MAP_SHARED)
+                    # Fault the pages in now, content unchanged: a fresh tmpfs page is zeroed
+                    # at its first touch, which would otherwise land in the first capture's
+                    # copy, one the loop waits for. Through ctypes, which lets go of the
+                    # interpreter lock (mmap.madvise keeps it). Refused by kernels older than
+                    # 5.14: the first copy pays then.
+                    libc = ctypes.CDLL(None, use_errno=True)
+                    libc.madvise(ctypes.c_void_p(self.address()), ctypes.c_size_t(size), MADV_POPULATE_WRITE)
+        self.tensors = [fmt.view(self.data, *entry) for entry in layout]  # (dtype, shape, place, bytes)
 
     def address(self) -> int:
         """Where the mapping starts in this process's memory."""
-        import ctypes
-
         return ctypes.addressof(ctypes.c_char.from_buffer(self.data))
 
     def pin(self) -> bool:
@@ -222,21 +211,6 @@ class Slot:
             return False
         weakref.finalize(self, cudart.cudaHostUnregister, self.address())
         return True
-
-
-MADV_POPULATE_WRITE = 23
-"""Linux >= 5.14 (Python 3.11's mmap module does not name it)."""
-
-
-def populate(address: int, size: int) -> bool:
-    """Fault a new slot's pages in now, content unchanged: a fresh tmpfs page is zeroed at
-    its first touch, which would otherwise land in the first capture's copy, one the loop
-    waits for. Through ctypes, which lets go of the interpreter lock (mmap.madvise keeps
-    it). False where the kernel refuses (older than 5.14): the first copy pays then."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(size), MADV_POPULATE_WRITE) == 0
 
 
 def gib(n: int | None) -> str:
@@ -257,9 +231,7 @@ def capture_fits(
 ) -> bool:
     """Whether a capture belongs to this run and state: identity, taken before no newer durable
     checkpoint than this attempt knows (else another run's), the shards' shapes."""
-    if snapshot.get("identity") != identity:
-        return False
-    if int(snapshot.get("durable_step", -1)) > durable_step:
+    if snapshot.get("identity") != identity or int(snapshot.get("durable_step", -1)) > durable_step:
         return False
     return [tuple(t.shape) for t in snapshot["params"]] == [tuple(local_shard(p).shape) for p in params]
 
@@ -270,8 +242,7 @@ def non_finite(snapshot: dict[str, Any]) -> str | None:
     copy corrupted on the way)."""
     for kind in ("params", "optim"):
         for index, entry in enumerate(snapshot[kind]):
-            values = entry.values() if isinstance(entry, dict) else [entry]
-            for value in values:
+            for value in entry.values() if isinstance(entry, dict) else [entry]:
                 if torch.is_tensor(value) and value.is_floating_point() and not torch.isfinite(value).all():
                     return f"{kind} tensor {index} holds NaN or Inf"
     return None
@@ -281,11 +252,8 @@ def mesh_grid(params: Sequence[torch.Tensor]) -> list[list[int]] | None:
     """An HSDP state's (replicate, shard) grid of ranks; None for FSDP or an unsharded state."""
     from torch.distributed.tensor import DTensor
 
-    for p in params:
-        if isinstance(p, DTensor):
-            mesh = p.device_mesh
-            return mesh.mesh.tolist() if mesh.ndim == 2 else None
-    return None
+    mesh = next((p.device_mesh for p in params if isinstance(p, DTensor)), None)
+    return mesh.mesh.tolist() if mesh is not None and mesh.ndim == 2 else None
 
 
 def forget_rank(folder: Path, rank: int) -> None:
@@ -314,19 +282,13 @@ def load_capture(
         for p, saved in zip(params, snapshot["optim"], strict=True):
             state: dict[str, Any] = {}
             for k, v in saved.items():
-                if torch.is_tensor(v) and isinstance(p, DTensor) and v.shape == local_shard(p).shape:
-                    state[k] = DTensor.from_local(
-                        v.to(local_shard(p).device, copy=True),
-                        p.device_mesh,
-                        p.placements,
-                        run_check=False,
-                        shape=p.shape,
-                        stride=p.stride(),
-                    )
-                elif torch.is_tensor(v):
-                    state[k] = v.clone().to(local_shard(p).device)
-                else:
-                    state[k] = v
+                if torch.is_tensor(v):
+                    v = v.to(local_shard(p).device, copy=True)
+                    if isinstance(p, DTensor) and v.shape == local_shard(p).shape:
+                        v = DTensor.from_local(
+                            v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                        )
+                state[k] = v
             if state:
                 optimizer.state[p] = state
     for group, saved_group in zip(optimizer.param_groups, snapshot["groups"], strict=True):
