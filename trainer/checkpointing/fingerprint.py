@@ -44,19 +44,13 @@ def model_sha256(model: torch.nn.Module) -> str:
     drops it once rank 0 hashed it; rank 0's digest is then broadcast."""
     # The sharded state dict has the full one's keys (FQNs, tied weights under each name,
     # no non-persistent buffers) and its values are the parameters themselves, not copies.
-    local = trained_model_state(
-        get_model_state_dict(
-            model,
-            options=StateDictOptions(full_state_dict=False, cpu_offload=False, ignore_frozen_params=True),
-        ),
-        model,
-    )
+    options = StateDictOptions(full_state_dict=False, cpu_offload=False, ignore_frozen_params=True)
+    local = trained_model_state(get_model_state_dict(model, options=options), model)
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     hashes_here = not distributed or dist.get_rank() == 0
     digest = hashlib.sha256()
     device = torch.device("cpu")
-    for key in sorted(local):
-        value = local[key]
+    for key, value in sorted(local.items()):
         assert isinstance(value, torch.Tensor), key
         device = value.device
         full = value.full_tensor() if isinstance(value, DTensor) else value

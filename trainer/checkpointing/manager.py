@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -33,7 +32,7 @@ from trainer.checkpointing import storage
 from trainer.checkpointing import tier_slots as slots
 from trainer.checkpointing.fingerprint import model_sha256
 from trainer.checkpointing.local_tier import LocalTier
-from trainer.checkpointing.replicas import REPLICA_FILE
+from trainer.checkpointing.replicas import REPLICA_FILE, folder_names
 from trainer.checkpointing.slot_refs import Lease
 from trainer.checkpointing.writer import CheckpointWriter, PendingSave, SaveRecord
 from trainer.config import ConfigError, TrainConfig
@@ -98,8 +97,7 @@ class CheckpointManager:
         if settings.mode not in WRITERS:
             raise ValueError(f"checkpoint mode {settings.mode!r} is not one of {', '.join(WRITERS)}")
         self.states = dict(states or {})
-        clashing = sorted(self.states.keys() & _META_KEYS)
-        if clashing:
+        if clashing := sorted(self.states.keys() & _META_KEYS):
             raise ValueError(f"checkpoint states {clashing} clash with the metadata's own keys; rename them")
         self.config = config
         self.settings = settings
@@ -117,9 +115,8 @@ class CheckpointManager:
         self.adapters = adapter_identity(config)
         self._queued: list[SaveRecord] = []  # queued by the writer, not yet told to `on_queued`
         self.records: list[SaveRecord] = []
-        self.durable_step = 0  # the newest committed durable checkpoint this attempt knows of
-        self.resumed_durable_step = 0
-        self.local_tier_s = 0.0
+        # The newest committed durable checkpoint this attempt knows of, and the one it resumed with.
+        self.durable_step = self.resumed_durable_step = 0
         self.deferred_saves: list[int] = []
         # The run is the tier's folder's name (its checkpoint folder, hashed); what must match too:
         identity = {
@@ -142,10 +139,7 @@ class CheckpointManager:
         )
         self._last_step = 0  # the step of the latest `save()` call
         self.resumed_from: str | None = None
-        self.load_s = 0.0
-        self.start_s = 0.0
-        self.final_drain_s = 0.0
-        self.teardown_s = 0.0
+        self.local_tier_s = self.load_s = self.start_s = self.final_drain_s = self.teardown_s = 0.0
 
     def load(self, background: bool = False, init_trained: Callable[[], None] | None = None) -> int:
         """Collective, before the first step: restore model, optimizer, scheduler, RNG and
@@ -198,8 +192,7 @@ class CheckpointManager:
             return 0
         # Before reading tensors that may not fit:
         self._refuse_other_model(durable_meta, str(latest), "use a new checkpoint dir to train this model")
-        restored = storage.load_checkpoint(latest, self.model, self.optimizer)
-        meta = restored["meta"]
+        meta = storage.load_checkpoint(latest, self.model, self.optimizer)["meta"]
         self.sampler.check_resumable(meta.get("sampler", {}), str(latest))  # the same data, or refused
         self.scheduler.load_state_dict(meta["scheduler"])
         self._restore_states(meta)
@@ -381,12 +374,9 @@ class CheckpointManager:
 
     def _state_bytes(self) -> int:
         """This rank's parameters and optimizer state, in bytes (its shards under FSDP)."""
-        from trainer.checkpointing.tier_slots import local_shard
-
         params = [p for p in self.model.parameters() if p.requires_grad]  # what a checkpoint holds
-        tensors: list[torch.Tensor] = [*params]
-        tensors += [v for p in params for v in self.optimizer.state.get(p, {}).values() if torch.is_tensor(v)]
-        return sum(local_shard(t).numel() * local_shard(t).element_size() for t in tensors)
+        moments = [v for p in params for v in self.optimizer.state.get(p, {}).values() if torch.is_tensor(v)]
+        return sum(slots.local_shard(t).nbytes for t in params + moments)
 
     def _on_commit(self, record: SaveRecord) -> None:
         self.durable_step = max(self.durable_step, record.step)
@@ -422,18 +412,12 @@ def resume_expected(config: TrainConfig, cache: slots.CaptureCache) -> bool:
 
 
 def _holds_tier_files(folder: Path) -> bool:
-    try:
-        names = [entry.name for entry in os.scandir(folder)]
-    except (FileNotFoundError, NotADirectoryError):
-        return False
-    return any(slots.HEAD_FILE.match(name) or REPLICA_FILE.match(name) for name in names)
+    return any(slots.HEAD_FILE.match(name) or REPLICA_FILE.match(name) for name in folder_names(folder))
 
 
 def efficiency_pct(blocked_s_total: float, wall_s: float) -> float:
     """AWS's definition: 100 - 100 * (time the loop was blocked by checkpointing) / wall time."""
-    if wall_s <= 0:
-        return 100.0
-    return 100.0 - 100.0 * blocked_s_total / wall_s
+    return 100.0 - 100.0 * blocked_s_total / wall_s if wall_s > 0 else 100.0
 
 
 def _layout(model: nn.Module) -> list[int]:

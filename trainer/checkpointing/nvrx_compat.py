@@ -53,7 +53,7 @@ And on CPU and GPU alike:
    imported already, where NVRx's spawn imports torch and NVRx again), else spawned.
 7. Shard writes. NVRx's bucket writer opens each shard with the builtin `open`
    (filesystem_async.py:386);
-   `hash_shards_as_written` makes that `storage.ShardWriter`, which hashes the bytes on
+   `prepare_shard_writer_process` makes that `storage.ShardWriter`, which hashes the bytes on
    their way (the shard is not read back for the manifest), and the worker skips torch.save's
    per-record CRC-32, which torch.load never checks.
 """
@@ -73,15 +73,8 @@ import torch
 import torch.distributed as dist
 from nvidia_resiliency_ext.checkpointing.async_ckpt import core, filesystem_async
 
-from trainer import env, forkserver, waiting
-
-
-def hash_shards_as_written() -> None:
-    """(7) NVRx's bucket writer (its module's only `open`) writes through `ShardWriter`."""
-    from trainer.checkpointing import storage
-
-    filesystem_async.open = storage.ShardWriter  # type: ignore[attr-defined]
-
+from trainer import env, forkserver, lifecycle, waiting
+from trainer.checkpointing import slot_refs, storage
 
 _shard_writer_prepared = False
 
@@ -93,7 +86,8 @@ def prepare_shard_writer_process() -> None:
     global _shard_writer_prepared
     if _shard_writer_prepared:
         return
-    hash_shards_as_written()
+    # NVRx's bucket writer (its module's only `open`) writes through `ShardWriter`.
+    filesystem_async.open = storage.ShardWriter  # type: ignore[attr-defined]
     torch.serialization.set_crc32_options(False)
     gc.freeze()
     _shard_writer_prepared = True
@@ -111,44 +105,27 @@ class DyingWithRankAsyncCaller(core.PersistentAsyncCaller):
         """NVRx's own start of the worker (`schedule_async_call`), with `_worker_main` first."""
         self.rank = rank = dist.get_rank()  # NVRx's own start sets it the same way
         context, parent = forkserver.context()  # the rank's fork server, else spawn (NVRx's own)
-        self.process = context.Process(
-            target=_worker_main,
-            args=(
-                parent,
-                env.local_rank(),
-                rank,
-                self.queue,
-                self.preload_q,
-                self.comp_q,
-                core.logger.getEffectiveLevel(),
-            ),
-            name="rtp-ckpt-writer",
-        )
+        loop_args = (rank, self.queue, self.preload_q, self.comp_q, core.logger.getEffectiveLevel())
+        args = (parent, env.local_rank(), *loop_args)
+        self.process = context.Process(target=_worker_main, args=args, name="rtp-ckpt-writer")
         self.process.start()
 
 
 _results_manager: Any = None
 
 
-def _results_queue_of_this_attempt() -> None:
-    """(5) A write-results queue for this attempt only; (6) from a Manager that dies with the rank."""
+def new_calls_queue() -> core.AsyncCallsQueue:
+    """A persistent-worker queue whose worker dies with its rank, with a write-results queue
+    of its own: (5) for this attempt only, (6) from a Manager that dies with the rank."""
     global _results_manager
     if _results_manager is None:
         from multiprocessing.managers import SyncManager
 
-        from trainer.lifecycle import die_with_parent
-
         # On the main thread: Linux sends the death signal when the thread that started it ends.
         manager = SyncManager(ctx=forkserver.context()[0])
-        manager.start(initializer=die_with_parent, initargs=(forkserver.context()[1],))
+        manager.start(initializer=lifecycle.die_with_parent, initargs=(forkserver.context()[1],))
         _results_manager = manager  # keep it referenced: a collected manager shuts down
     filesystem_async._results_queue = waiting.off_main_thread("rtp-ckpt-results", _results_manager.Queue)
-
-
-def new_calls_queue() -> core.AsyncCallsQueue:
-    """A persistent-worker queue whose worker dies with its rank, with a write-results queue
-    of its own."""
-    _results_queue_of_this_attempt()
     calls = core.AsyncCallsQueue(persistent=True)
     calls.persistent_caller = DyingWithRankAsyncCaller()
     return calls
@@ -174,15 +151,13 @@ def wait_for_write(calls: core.AsyncCallsQueue, call_idx: int, abandoned: thread
     caller = calls.persistent_caller
     while True:
         try:
-            done = caller.comp_q.get(timeout=0.05)
+            if caller.comp_q.get(timeout=0.05) == call_idx:
+                return True
         except queue.Empty:
             if abandoned.is_set():
                 return False
             if caller.process is None or not caller.process.is_alive():
                 raise RuntimeError("the checkpoint writer process died before finishing the write") from None
-            continue
-        if done == call_idx:
-            return True
 
 
 def forget(calls: core.AsyncCallsQueue) -> None:
@@ -211,9 +186,7 @@ def only_the_ranks_gpu(local_rank: int, environ: dict[str, str] | Any = os.envir
 def _worker_main(parent_pid: int, local_rank: int, *loop_args: Any) -> None:
     """(6) The persistent worker: set it up to die with its parent (the rank, or the rank's
     fork server, which dies with it), then NVRx's loop."""
-    from trainer.lifecycle import prepare_background_writer
-
-    prepare_background_writer(parent_pid=parent_pid)
+    lifecycle.prepare_background_writer(parent_pid=parent_pid)
     only_the_ranks_gpu(local_rank)
     core.PersistentAsyncCaller.async_loop(*loop_args)
 
@@ -248,8 +221,6 @@ def warm_up(calls: core.AsyncCallsQueue, scratch_dir: Path, group: Any) -> Calla
 
 def write_then_hash(save_fn: Callable[..., None], staging: str, rank: int, *args: Any) -> None:
     """The NVRx writer's job plus the shard hashes (runs in the background worker)."""
-    from trainer.checkpointing import slot_refs, storage
-
     prepare_shard_writer_process()
     if len(args) > 1:
         args = (args[0], slot_refs.resolve(args[1]), *args[2:])

@@ -68,12 +68,11 @@ class NvrxAsyncWriter(CheckpointWriter):
         self._planner: Planner | None = None
         self._planned: Future[Callable[[], None]] | None = None
         self._finished: Future[None] | None = None  # the pending save's finish (`_finish`)
-        self._plan_cache: Any = None
+        self._plan_cache = CheckpointMetadataCache()
         self._abandoned = threading.Event()  # tells a finish to stop waiting
         self._commit_lock = threading.Lock()  # abandoned, or committing: never both
         self._committing = False
         self._last_state: dict[str, Any] | None = None
-        self._stepped = False  # a step ended: the captures' slot may be made ahead
         self._warm_up: Future[None] | None = None  # this rank's warm-up write (`nvrx_compat.warm_up`)
 
     def open(self, background: bool) -> None:
@@ -85,7 +84,6 @@ class NvrxAsyncWriter(CheckpointWriter):
         with peer_abort.tracking():  # an in-process restart shuts its connections down
             self._group = dist.new_group(backend="gloo")
         self._planner = Planner()
-        self._plan_cache = CheckpointMetadataCache()
         with lifecycle.children_ignore_sigterm():  # the results Manager starts here too
             self._calls = nvrx_compat.new_calls_queue()
             written = nvrx_compat.warm_up(self._calls, self.root / ".warm-up", self._group)
@@ -114,23 +112,20 @@ class NvrxAsyncWriter(CheckpointWriter):
 
         The attempt's last save (`pending.last`) is only remembered: `wait("committed")`
         writes it."""
-        if pending.lend is not None and not pending.last:
-            pending.lend()
         if pending.last:
-            self._pending = self._handoff = pending
             self._last_state = state
             pending.queued_at = time.perf_counter()
-            pending.record.blocked_s = pending.queued_at - pending.started_at
-            return
-
-        if pending.lease is None or self._planner is None:
-            raise RuntimeError("an async save needs the host capture of its step (PendingSave.lend)")
-        writer = FileSystemWriterAsync(str(pending.staging))
-        call_idx = nvrx_compat.number_request(self._calls)
-        # The group is bound now: an in-process restart's `_abandon` drops `self._group` while
-        # the planner may still run, and a plan on no group would run on the training group.
-        job = partial(self._plan_and_send, writer, pending, call_idx, state, self._group)
-        self._planned = self._planner.submit(job)
+        else:
+            if pending.lend is not None:
+                pending.lend()
+            if pending.lease is None or self._planner is None:
+                raise RuntimeError("an async save needs the host capture of its step (PendingSave.lend)")
+            writer = FileSystemWriterAsync(str(pending.staging))
+            call_idx = nvrx_compat.number_request(self._calls)
+            # The group is bound now: an in-process restart's `_abandon` drops `self._group` while
+            # the planner may still run, and a plan on no group would run on the training group.
+            job = partial(self._plan_and_send, writer, pending, call_idx, state, self._group)
+            self._planned = self._planner.submit(job)
         self._pending = self._handoff = pending
         pending.record.blocked_s = time.perf_counter() - pending.started_at
 
@@ -157,23 +152,15 @@ class NvrxAsyncWriter(CheckpointWriter):
         save_fn, _preload_fn, save_args = writer.get_save_function_and_args()
         if save_args and pending.lease.serving is not None:
             # The lent slot's tensors travel as references into its file: no copy on the way.
-            save_args = [
-                save_args[0],
-                slot_refs.by_reference(save_args[1], pending.lease.serving),
-                *save_args[2:],
-            ]
+            save_args = list(save_args)  # a copy
+            save_args[1] = slot_refs.by_reference(save_args[1], pending.lease.serving)
+        write = partial(nvrx_compat.write_then_hash, save_fn, str(pending.staging), dist.get_rank())
+        # The capture already is the device-to-host copy; NVRx's preload would copy
+        # again and make the loop wait for the worker to do it.
         request = core.AsyncRequest(
-            partial(nvrx_compat.write_then_hash, save_fn, str(pending.staging), dist.get_rank())
-            if save_fn
-            else None,
-            save_args,
-            [],
-            # The capture already is the device-to-host copy; NVRx's preload would copy
-            # again and make the loop wait for the worker to do it.
-            preload_fn=None,
-            call_idx=call_idx,
-        ).freeze()
-        nvrx_compat.send(self._calls, request)
+            write if save_fn else None, save_args, [], preload_fn=None, call_idx=call_idx
+        )
+        nvrx_compat.send(self._calls, request.freeze())
         pending.queued_at = time.perf_counter()
         return partial(self._finish, writer, metadata, dist_wrapper, pending, call_idx, save_fn is not None)
 
@@ -182,9 +169,9 @@ class NvrxAsyncWriter(CheckpointWriter):
             self._wait_staged()
         elif until == "step":
             self._poll()
-            if not self._stepped and self.prepare_captures is not None:
+            if self.prepare_captures is not None:  # after the first step only
                 self.prepare_captures()  # the state's layout is known after the first step
-            self._stepped = True
+                self.prepare_captures = None
         else:
             self._finalize()
 
@@ -218,13 +205,7 @@ class NvrxAsyncWriter(CheckpointWriter):
         self._finished = self._planner.submit(finish)  # the next save's planning queues behind it
 
     def _finish(
-        self,
-        writer: Any,
-        metadata: Any,
-        dist_wrapper: Any,
-        pending: PendingSave,
-        call_idx: int,
-        sent: bool,
+        self, writer: Any, metadata: Any, dist_wrapper: Any, pending: PendingSave, call_idx: int, sent: bool
     ) -> None:
         """The planner thread, after the loop's hand-off, on every rank: wait for this rank's
         write, gather all ranks' write results over the writer's group (the request numbers
@@ -235,9 +216,8 @@ class NvrxAsyncWriter(CheckpointWriter):
             if sent and not nvrx_compat.wait_for_write(self._calls, call_idx, self._abandoned):
                 return  # abandoned
         finally:
-            _release(
-                pending
-            )  # this rank's files are written (or never will be): the tier may overwrite the slot
+            # This rank's files are written (or never will be): the tier may overwrite the slot.
+            _release(pending)
         gathered = dist_wrapper.gather_object((call_idx, writer.retrieve_write_results()))
         if not dist_wrapper.is_coordinator:
             return
@@ -248,19 +228,16 @@ class NvrxAsyncWriter(CheckpointWriter):
                 "every rank must save at the same steps"
             )
         all_results = [results for _, results in gathered]
-        failures = _get_failure_dict(all_results)
-        if failures:
+        if failures := _get_failure_dict(all_results):
             raise CheckpointException("write", failures)
         with self._commit_lock:
             if self._abandoned.is_set():
                 return
             self._committing = True
         writer.finish(metadata, all_results)  # DCP's .metadata: the checkpoint is readable
-        storage.commit_files(
-            pending.staging, pending.final, pending.record.step, pending.meta, dist.get_world_size()
-        )
+        storage.commit_files(pending.staging, pending.final, pending.record.step, pending.meta)
         pending.record.bytes_total = storage.checkpoint_bytes(pending.final)
-        storage.apply_retention(self.root, self.keep_last, self.keep_every)
+        self._retain()
 
     def _join_finish(self) -> None:
         """Wait for the pending save's finish (on every rank: it ended in the same gather) and
@@ -309,10 +286,8 @@ class NvrxAsyncWriter(CheckpointWriter):
         is the live one: nothing changed it since `save()`."""
 
         state, self._last_state = self._last_state, None
-        pending, self._handoff = self._pending, None
-        assert state is not None and pending is not None
-        self._join_finish()
-        self._pending = None
+        pending, self._pending, self._handoff = self._pending, None, None
+        assert state is not None and pending is not None and self._finished is None
         self._write_now(state, pending, self._group, loop_waits=False)
 
     def close(self, commit: bool = True) -> None:
@@ -338,10 +313,8 @@ class NvrxAsyncWriter(CheckpointWriter):
 
     def _abandon(self) -> None:
         """The staging folder is never committed."""
-        if self._pending is not None:  # the save handed off, or still to be
-            _release(self._pending)
-        self._pending = self._handoff = None
-        self._last_state = None
+        _release(self._pending)  # the save handed off, or still to be
+        self._pending = self._handoff = self._last_state = None
         self.warming_up, self._warm_up = False, None
         with self._commit_lock:
             self._abandoned.set()
@@ -367,8 +340,8 @@ class NvrxAsyncWriter(CheckpointWriter):
         self._group = None
 
 
-def _release(pending: PendingSave) -> None:
-    if pending.lease is not None:
+def _release(pending: PendingSave | None) -> None:
+    if pending is not None and pending.lease is not None:
         pending.lease.release()
 
 

@@ -75,14 +75,18 @@ def listen_host(world: int, local_world: int) -> str:
     return env.replica_host() or socket.gethostbyname(socket.gethostname())
 
 
+def folder_names(folder: Path) -> list[str]:
+    """The names in a node-local folder, in one listing; none where there is no folder."""
+    try:
+        return [entry.name for entry in os.scandir(folder)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
 def held_replicas(folder: Path, holder: int, owners: list[int]) -> dict[int, dict[int, Path]]:
     """owner -> step -> file, for the replicas this rank holds of `owners`."""
     found: dict[int, dict[int, Path]] = {owner: {} for owner in owners}
-    try:
-        names = [entry.name for entry in os.scandir(folder)]
-    except FileNotFoundError:
-        return found
-    for name in names:
+    for name in folder_names(folder):
         match = REPLICA_FILE.match(name)
         if match and int(match.group(3)) == holder and int(match.group(1)) in found:
             found[int(match.group(1))][int(match.group(2))] = folder / name
@@ -183,14 +187,11 @@ class ReplicaSender:
         self.rank, self.sends_to, self._lookup = rank, sends_to, lookup
         self.holders: dict[int, tuple[str, int]] = {}  # rank -> its receiver's address
         self.token = b""
-        self.sent = 0
-        self.errors = 0
-        self._lock = lock
-        self._wake = threading.Condition(lock)
+        self.sent = self.errors = 0
+        self._wake = threading.Condition(lock)  # entered: the tier's lock taken
         self._queued: int | None = None
         self._sending: int | None = None
-        self._closed = False
-        self._flush = True
+        self._closed, self._flush = False, True
         self._thread: threading.Thread | None = None
 
     def reading(self, slot: int) -> bool:
@@ -212,7 +213,7 @@ class ReplicaSender:
 
     def close(self, flush: bool) -> None:
         """Stop the thread; the queued capture is sent first when `flush`."""
-        with self._lock:
+        with self._wake:
             self._closed, self._flush = True, flush
             self._wake.notify()
         if self._thread is not None:
@@ -221,7 +222,7 @@ class ReplicaSender:
 
     def _run(self) -> None:
         while True:
-            with self._lock:
+            with self._wake:
                 while self._queued is None and not self._closed:
                     self._wake.wait()
                 if self._closed and (self._queued is None or not self._flush):
@@ -234,7 +235,7 @@ class ReplicaSender:
                 if target is not None and target.head is not None and target.path is not None:
                     self._send(target.head, target.path, target.step)
             finally:
-                with self._lock:
+                with self._wake:
                     self._sending = None
 
     def _send(self, head: Path, path: Path, step: int) -> None:

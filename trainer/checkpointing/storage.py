@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import logging
 import os
@@ -100,13 +101,8 @@ def _load_training_state(path: str | Path, model: nn.Module, optimizer: torch.op
 def committed_steps(root: str | Path) -> list[tuple[int, Path]]:
     """(step, folder) of every folder that looks committed, newest first (not verified)."""
     base = Path(root)
-    if not base.is_dir():
-        return []
-    found = []
-    for child in base.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and child.is_dir():
-            found.append((int(match.group(1)), child))
+    children = base.iterdir() if base.is_dir() else []
+    found = [(int(m.group(1)), c) for c in children if (m := _STEP_DIR.match(c.name)) and c.is_dir()]
     return sorted(found, reverse=True)
 
 
@@ -125,8 +121,7 @@ def verify_checkpoint(path: str | Path, verify_hashes: bool = False) -> None:
         if not (folder / required).is_file():
             raise CheckpointError(f"{folder / required} is missing: the checkpoint is incomplete")
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-        entries = manifest["files"]
+        entries = json.loads((folder / MANIFEST).read_text())["files"]
     except (ValueError, KeyError) as exc:
         raise CheckpointError(f"{folder / MANIFEST} is unreadable: {exc}") from exc
     for entry in entries:
@@ -145,10 +140,9 @@ def latest_committed_checkpoint(root: str | Path, verify_hashes: bool = False) -
     for _, folder in committed_steps(root):
         try:
             verify_checkpoint(folder, verify_hashes=verify_hashes)
+            return folder
         except CheckpointError as exc:
             log.warning("skipping checkpoint %s: %s", folder, exc)
-            continue
-        return folder
     return None
 
 
@@ -168,8 +162,7 @@ def verify_published(path: str | Path, expected_manifest_sha256: str) -> None:
     (DCP metadata included) is read."""
     if not expected_manifest_sha256:
         raise CheckpointError(f"no published manifest SHA-256 for {path}: cannot verify it before loading")
-    got = manifest_sha256(path)
-    if got != expected_manifest_sha256:
+    if (got := manifest_sha256(path)) != expected_manifest_sha256:
         raise CheckpointError(
             f"{path} is not the checkpoint the train step published: its manifest SHA-256 is {got}, "
             f"expected {expected_manifest_sha256}"
@@ -213,7 +206,7 @@ def write_hash_sidecars(staging: str | Path, rank: int) -> None:
             sidecar.write_text(sha256_file(shard))
 
 
-class ShardWriter:
+class ShardWriter(io.BufferedWriter):
     """A DCP shard written from its start that hashes its bytes on their way to the file, so
     the shard is never read back to be hashed; closed without an error, it leaves its
     `.sha256` sidecar (an error leaves none: `write_hash_sidecars` then reads the file)."""
@@ -221,36 +214,24 @@ class ShardWriter:
     def __init__(self, path: str | os.PathLike[str], mode: str = "wb") -> None:
         if mode != "wb":
             raise ValueError(f"ShardWriter writes a shard whole, from its start (mode 'wb'), not {mode!r}")
+        super().__init__(io.FileIO(path, "wb"))
         self.path = Path(path)
-        self._file = self.path.open("wb")
         self._digest = hashlib.sha256()
 
     def write(self, data: Any) -> int:
         self._digest.update(data)
-        return self._file.write(data)
-
-    def tell(self) -> int:
-        return self._file.tell()
+        return super().write(data)
 
     def seekable(self) -> bool:
         return False  # a seek would leave the digest behind what the file holds
 
-    def flush(self) -> None:
-        self._file.flush()
-
-    def fileno(self) -> int:
-        return self._file.fileno()
-
     def close(self) -> None:
         """DCP's writer closes its stream inside the `with` block that owns the file: only a
         flush here; the file is closed, and its sidecar written, when that block ends."""
-        self._file.flush()
-
-    def __enter__(self) -> ShardWriter:
-        return self
+        self.flush()
 
     def __exit__(self, error_type: type[BaseException] | None, *_: Any) -> None:
-        self._file.close()
+        super().close()
         if error_type is None:
             self.path.with_name(self.path.name + HASH_SIDECAR).write_text(self._digest.hexdigest())
 
@@ -271,19 +252,14 @@ def _build_manifest(folder: Path) -> dict[str, Any]:
     """Sizes and SHA-256 of every file; a shard's hash comes from its sidecar when present
     (the sidecars are then removed: they are not part of the checkpoint)."""
     files = []
-    sidecars = []
     for file_path in sorted(p for p in folder.rglob("*") if p.is_file()):
         relative = file_path.relative_to(folder).as_posix()
         if relative in (MANIFEST, COMMIT_MARKER) or relative.endswith(HASH_SIDECAR):
             continue
         sidecar = file_path.with_name(file_path.name + HASH_SIDECAR)
-        if sidecar.is_file():
-            digest = sidecar.read_text().strip()
-            sidecars.append(sidecar)
-        else:
-            digest = sha256_file(file_path)
+        digest = sidecar.read_text().strip() if sidecar.is_file() else sha256_file(file_path)
         files.append({"path": relative, "size": file_path.stat().st_size, "sha256": digest})
-    for sidecar in sidecars:
+    for sidecar in folder.rglob(f"*{HASH_SIDECAR}"):  # hashed above, each beside its file
         sidecar.unlink()
     return {"version": 1, "files": files}
 
@@ -318,11 +294,10 @@ def prepare_staging(
     Returns (staging, final). A leftover staging folder (a save that died) is discarded,
     and so is a committed folder of the same step (re-saving after resuming from older).
     """
-    base = Path(root)
     rank = dist.get_rank()
-    staging, final = staging_paths(base, step)
+    staging, final = staging_paths(root, step)
     if rank == 0:
-        base.mkdir(parents=True, exist_ok=True)
+        final.parent.mkdir(parents=True, exist_ok=True)
         if staging.exists():
             shutil.rmtree(staging)
         if final.exists():
@@ -342,16 +317,16 @@ def commit(staging: Path, final: Path, step: int, meta: dict[str, Any]) -> int:
     """
     waiting.barrier()
     if dist.get_rank() == 0:
-        commit_files(staging, final, step, meta, dist.get_world_size())
+        commit_files(staging, final, step, meta)
     waiting.barrier()
     return checkpoint_bytes(final)
 
 
-def commit_files(staging: Path, final: Path, step: int, meta: dict[str, Any], world_size: int) -> None:
+def commit_files(staging: Path, final: Path, step: int, meta: dict[str, Any]) -> None:
     """Rank 0's part of the commit, no collectives: meta.json, manifest, marker, rename.
 
     Only once every rank's shards and DCP's `.metadata` are written and durable."""
-    full_meta = {**meta, "step": step, "world_size": world_size, "saved_at": time.time()}
+    full_meta = {**meta, "step": step, "world_size": dist.get_world_size(), "saved_at": time.time()}
     _write_durable(staging / META, json.dumps(full_meta, indent=2, sort_keys=True).encode())
     manifest = _build_manifest(staging)
     _write_durable(staging / MANIFEST, json.dumps(manifest, indent=2).encode())
@@ -397,13 +372,10 @@ def remove_committed(folder: Path) -> None:
 def apply_retention(root: str | Path, keep_last: int, keep_every: int = 0) -> list[Path]:
     """Delete committed checkpoints beyond the newest `keep_last`, except every
     `keep_every`-th step (0 = none); never touches the newest one or *.tmp folders."""
-    removed = []
-    for step, folder in committed_steps(root)[max(1, keep_last) :]:
-        if keep_every > 0 and step % keep_every == 0:
-            continue
+    removed = [f for s, f in committed_steps(root)[max(1, keep_last) :] if keep_every <= 0 or s % keep_every]
+    for folder in removed:
         with contextlib.suppress(OSError):
             remove_committed(folder)
-        removed.append(folder)
     for leftover in Path(root).glob(f"step_*{_DELETING}"):  # a deletion a kill interrupted
         shutil.rmtree(leftover, ignore_errors=True)
     return removed

@@ -44,20 +44,17 @@ class CaptureInterval:
     """One attempt's capture schedule; `interval` 0 means the tier is off."""
 
     def __init__(self, setting: int | str, on_cuda: bool) -> None:
-        self.setting = setting
-        self.budget_pct = COPY_BUDGET_PCT
-        self.device = "CUDA" if on_cuda else "CPU"
         self.measuring = uses_copy_budget(setting, on_cuda)
         if self.measuring:
             self.interval = 2  # while measuring: a step after one without a capture is a clean step
             label = "budget" if setting == "budget" else "auto on CUDA"
-            self._budget_label = f"{label}: copies within {self.budget_pct:g}% of the loop's time"
+            self._budget_label = f"{label}: copies within {COPY_BUDGET_PCT:g}% of the loop's time"
+            self._on = f"checkpoint.local_every_steps={setting} on {'CUDA' if on_cuda else 'CPU'}"
             self.reason = f"{self._budget_label}, still measuring (a capture every other step)"
         elif setting == "auto":
             self.interval, self.reason = 1, "auto on CPU: every step"
         else:
-            self.interval = int(setting)
-            self.reason = f"checkpoint.local_every_steps={setting}"
+            self.interval, self.reason = int(setting), f"checkpoint.local_every_steps={setting}"
         self._window_start: int | None = None  # the step the current measuring window began at
         self._marks: list[tuple[float, bool]] = []  # per step measured: its time, whether it copied
         self._copy_seconds: list[float] = []  # the copy's own time per capture, while measuring
@@ -84,18 +81,17 @@ class CaptureInterval:
         it captured. While measuring: every other step for `CALIBRATION_STEPS` steps, timing
         each step after one without a copy (a capture slows the next step: its optimizer step
         waits for the copy); then the agreement (`_agree`)."""
-        if not self.measuring:
-            return (force or step % self.interval == 0) and capture()
-        now = time.perf_counter()
-        if self._window_start is None:
-            self._window_start = step
-        elif step - self._window_start >= CALIBRATION_STEPS:
-            self._agree(step, now, wait_copy)
-            if not self.measuring:
-                return (force or step % self.interval == 0) and capture()
-        copied = (force or (step - self._window_start) % 2 == 0) and capture()
-        self._marks.append((now, copied))
-        return copied
+        if self.measuring:
+            now = time.perf_counter()
+            if self._window_start is None:
+                self._window_start = step
+            elif step - self._window_start >= CALIBRATION_STEPS:
+                self._agree(step, now, wait_copy)
+            if self.measuring:
+                copied = (force or (step - self._window_start) % 2 == 0) and capture()
+                self._marks.append((now, copied))
+                return copied
+        return (force or step % self.interval == 0) and capture()
 
     def _agree(self, step: int, now: float, wait_copy: Callable[[], Any]) -> None:
         """Collective (one all-reduce, at the same step on every rank): the longest interval
@@ -109,28 +105,19 @@ class CaptureInterval:
         wanted = 0
         if copies and steps:
             copy_s, step_s = statistics.median(copies), statistics.median(steps)
-            wanted = budget_interval(copy_s, step_s, self.budget_pct)
+            wanted = budget_interval(copy_s, step_s, COPY_BUDGET_PCT)
             self.measured = {"copy_s": copy_s, "step_s": step_s, "wanted": float(wanted)}
         agreed = torch.tensor([wanted], dtype=torch.int64)  # a CPU tensor: gloo's side of the group
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        self._marks = []
+        self._marks, self._window_start = [], step  # a next window, while no rank has timed a copy
         if int(agreed.item()) == 0:
-            self._window_start = step
             return
         self.interval = int(agreed.item())
-        self.measuring = False
-        self.reason = self._budget_label
+        self.measuring, self.reason = False, self._budget_label
         if dist.get_rank() == 0:
-            copy_ms = 1e3 * self.measured["copy_s"] if self.measured else float("nan")
-            step_ms = 1e3 * self.measured["step_s"] if self.measured else float("nan")
+            copy_ms, step_ms = (1e3 * self.measured.get(key, math.nan) for key in ("copy_s", "step_s"))
             log.info(
-                "fast checkpoint tier: a capture every %d step(s), the longest interval any rank needs "
-                "for its copies to take at most %g%% of the loop's time (checkpoint.local_every_steps=%s "
-                "on %s; rank 0: a copy %.1f ms, a step %.1f ms)",
-                self.interval,
-                self.budget_pct,
-                self.setting,
-                self.device,
-                copy_ms,
-                step_ms,
+                f"fast checkpoint tier: a capture every {self.interval} step(s), the longest interval any "
+                f"rank needs for its copies to take at most {COPY_BUDGET_PCT:g}% of the loop's time "
+                f"({self._on}; rank 0: a copy {copy_ms:.1f} ms, a step {step_ms:.1f} ms)"
             )

@@ -25,7 +25,6 @@ import contextlib
 import os
 import threading
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -96,7 +95,7 @@ Outcome = Literal["queued", "deferred", "off"]
 Until = Literal["staged", "step", "committed"]
 
 
-class CheckpointWriter(ABC):
+class CheckpointWriter:
     """How one `checkpoint.mode` writes a save, in four operations:
 
     - `open(background)`, once before the first save: what the mode needs up front, so the
@@ -142,7 +141,7 @@ class CheckpointWriter(ABC):
         self.prepare_captures = prepare_captures
         self._retention: threading.Thread | None = None
 
-    def open(self, background: bool) -> None:  # noqa: B027 (optional: a default that does nothing)
+    def open(self, background: bool) -> None:  # optional: a default that does nothing
         """Collective, once: create what the mode needs before its first save."""
 
     def save(self, state: dict[str, Any], pending: PendingSave) -> Outcome:
@@ -153,8 +152,7 @@ class CheckpointWriter(ABC):
         self._write(state, pending)
         return "queued"
 
-    @abstractmethod
-    def wait(self, until: Until) -> None:
+    def wait(self, until: Until) -> None:  # a default that does nothing: nothing is pending
         """Collective: see the class doc."""
 
     def close(self, commit: bool = True) -> None:
@@ -191,13 +189,12 @@ class CheckpointWriter(ABC):
             # Deleting hundreds of MB is slow on some file systems; it need not block a step.
             if self._retention is not None:
                 waiting.join(self._retention)
-            self._retention = threading.Thread(
-                target=storage.apply_retention,
-                args=(self.root, self.keep_last, self.keep_every),
-                name="rtp-ckpt-retention",
-            )
+            self._retention = threading.Thread(target=self._retain, name="rtp-ckpt-retention")
             self._retention.start()
         self.on_commit(record)
+
+    def _retain(self) -> None:
+        storage.apply_retention(self.root, self.keep_last, self.keep_every)
 
     def _queued(self, record: SaveRecord) -> None:
         """The save is handed to the background (or written): tell `on_queued`."""
@@ -213,9 +210,6 @@ class NoCheckpoints(CheckpointWriter):
     def save(self, state: dict[str, Any], pending: PendingSave) -> Outcome:
         return "off"
 
-    def wait(self, until: Until) -> None:
-        pass
-
 
 SAVE_THREADS = 2
 """Writer threads per rank for a `sync` save (torch's FileSystemWriter `thread_count`, one by
@@ -228,12 +222,9 @@ class _HashingFileSystem(FileSystem):
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
-        if mode != "wb" or not str(path).endswith(".distcp"):  # `.metadata`, reads
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        with storage.ShardWriter(path) as shard:
-            yield shard
+        shard = mode == "wb" and str(path).endswith(".distcp")  # not `.metadata`, nor a read
+        with storage.ShardWriter(path) if shard else super().create_stream(path, mode) as stream:
+            yield stream
 
 
 def hashing_writer(staging: str | Path, thread_count: int = SAVE_THREADS) -> FileSystemWriter:
@@ -252,9 +243,6 @@ class SyncWriter(CheckpointWriter):
         pending.queued_at = pending.started_at
         self._write_now(state, pending, dist.group.WORLD, loop_waits=True)
         self._queued(pending.record)
-
-    def wait(self, until: Until) -> None:
-        pass  # nothing is ever pending
 
 
 def _stage_and_write(root: Path, state: dict[str, Any], pending: PendingSave, group: Any) -> None:
