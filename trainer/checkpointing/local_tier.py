@@ -51,7 +51,9 @@ forget_run = slots.forget_run  # what the launcher and tests call at a new run's
 
 
 class LocalTier:
-    """One per attempt and rank. `capture()` after an optimizer step; `restore()` at start."""
+    """One per attempt and rank. `capture()` after an optimizer step; `restore()` at start.
+    `identity`: what a capture must match besides the run (the model, its adapters); the
+    world size and the mesh's layout are added here."""
 
     def __init__(
         self,
@@ -70,7 +72,6 @@ class LocalTier:
         self.schedule = CaptureInterval(settings.local_every_steps, self._cuda)
         self.key = slots.run_key(checkpoint_dir)
         self.folder = slots.local_folder(settings.local_dir, checkpoint_dir)
-        self.identity = identity
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.rank = dist.get_rank()
@@ -78,7 +79,7 @@ class LocalTier:
         self.cache = cache if cache is not None else slots.CaptureCache()
         self._slots: list[slots.Slot | None] = [None, None]
         # The next capture's slot: not the newest capture's (0 when there is none).
-        self.next_slot = int(self.cache.newest_slot(self.key) == 0)
+        self.next_slot = int(self.cache.newest(self.key)[0] == 0)
         self._held: int | None = None  # the slot a durable save writes from (`capture_for_save`)
         self._lock = threading.Lock()
         # CUDA: the side stream of the copies.
@@ -98,8 +99,11 @@ class LocalTier:
         self._memory_only_said = False
         world = dist.get_world_size()
         local_world = env.local_world_size(default=world)
-        # HSDP: who holds this rank's state too.
-        self.twins = tier_restore.twins_of(slots.mesh_grid(self.params) or [])
+        grid = slots.mesh_grid(self.params)  # HSDP's (replicate, shard) grid of ranks
+        # What a capture must match too: a capture under another mesh holds other shards.
+        layout = [len(grid), len(grid[0])] if grid else [world]
+        self.identity = {**identity, "world_size": world, "layout": layout}
+        self.twins = tier_restore.twins_of(grid or [])  # HSDP: who holds this rank's state too
         self.sends_to, self.holds_for = peer_copies.peers(
             self.rank, world, local_world, settings.local_replicas if self.enabled else 0
         )
@@ -213,7 +217,6 @@ class LocalTier:
         if self._preparing is not None and not self._preparing.done():
             return wait  # a save's capture queues behind it (one copy thread)
         self.wait_prepared()  # done: raises what failed in the thread
-        self._preparing = None
         if all(s is not None and s.layout == plan.layout for s in self._slots[: 2 if self.enabled else 1]):
             return True
         self._preparing = self._copier.submit(self._prepare_slots, plan)
@@ -230,14 +233,11 @@ class LocalTier:
 
     def _capture_into(self, slot: int, meta: dict[str, Any], plan: slots.Plan, step_done: Any) -> None:
         """The copy thread: copy the state into `slot`, then write its header."""
-        dynamic = {k: v for k, v in meta.items() if k not in plan.dynamic_index}
-        dynamic.update({k: {fmt.TENSOR_KEY: i} for k, i in plan.dynamic_index.items()})
+        # The meta with each of its tensors replaced by its index in the slot.
+        dynamic = {**meta, **{k: {fmt.TENSOR_KEY: i} for k, i in plan.dynamic_index.items()}}
         try:
             self.cache.drop(self.key, slot)  # only after a failed capture: about to be overwritten
             target = self._slot_for(slot, plan)
-            if target.head is not None:  # the slot's capture is overwritten from here on
-                target.head.unlink(missing_ok=True)
-                target.head = target.step = None
             sources = [*plan.sources, *(meta[k] for k in plan.dynamic_index)]
             began = time.perf_counter()
             self._copy_into(target, sources, step_done)
@@ -261,17 +261,15 @@ class LocalTier:
                     log.warning("fast checkpoint tier: cannot write to %s: %s", self.folder, exc)
         if self.schedule.measuring:
             self.schedule.record_copy(copy_s)
-        if target.filled is None:
-            target.filled = fmt.fill(plan.skeleton, target.tensors)
-        captured = {**fmt.fill(dynamic, target.tensors), **target.filled}
-        if self.enabled:
-            self.cache.put(self.key, captured, slot)  # complete: what an in-process restart resumes from
+        if self.enabled:  # complete: what an in-process restart resumes from
+            if target.filled is None:
+                target.filled = fmt.fill(plan.skeleton, target.tensors)
+            self.cache.put(self.key, {**fmt.fill(dynamic, target.tensors), **target.filled}, slot)
         with self._lock:
             self.captures += 1
             if target.head is not None and self.sends_to:
                 self.sender.queue(slot)
-        if self.sends_to:
-            self.sender.start()
+                self.sender.start()  # once: its thread waits for the lock taken here
 
     def _plan_for(self, meta: dict[str, Any]) -> slots.Plan:
         plan, reusable = slots.plan_state(self.params, self.optimizer, meta, self._plan)
@@ -281,15 +279,14 @@ class LocalTier:
 
     def _slot_for(self, slot: int, plan: slots.Plan) -> slots.Slot:
         """The slot's mapping, made (again) when the state's layout is new, without the
-        headers of what it held (an earlier attempt's too): it is overwritten next."""
+        headers of what it held (an earlier attempt's too): it is overwritten from here on."""
         current = self._slots[slot]
         if current is None or current.layout != plan.layout:
             current = self._slots[slot] = self._make_slot(slot, plan)
         elif current.plan is not plan:
             current.plan, current.filled = plan, None
-        if current.stale_heads:
-            self._drop_heads(slot)
-            current.stale_heads = False
+        self._drop_heads(slot)
+        current.head = current.step = None
         return current
 
     def _drop_heads(self, slot: int) -> None:
@@ -358,15 +355,11 @@ class LocalTier:
         os.replace(temporary, final)
         return final
 
-    def wait_copy(self) -> float:
-        """Wait for the last `capture()`'s thread to finish (its header written); returns
-        the seconds waited."""
+    def wait_copy(self) -> None:
+        """Wait for the last `capture()`'s thread to finish (its header written; raises what failed)."""
         copy, self._copy = self._copy, None
-        if copy is None:
-            return 0.0
-        started = time.perf_counter()
-        copy.result()
-        return time.perf_counter() - started
+        if copy is not None:
+            copy.result()
 
     def before_optimizer_step(self) -> float:
         """The optimizer must not change the weights before the copies read them: on CPU
@@ -398,23 +391,10 @@ class LocalTier:
         if discard or not self.enabled:  # saves only: nothing to recover from
             self.cache.drop(self.key)
             self._slots = [None, None]
-            self._delete_files()
-
-    def _delete_files(self) -> None:
-        """This rank's files and the replicas it holds; the last rank out removes the folder.
-        One listing: the other ranks delete theirs at the same time, and the folder may be
-        gone by the time this rank looks again."""
-        try:
-            names = [entry.name for entry in os.scandir(self.folder)]
-        except FileNotFoundError:
-            return
-        for name in names:
-            own = slots.HEAD_FILE.match(name) or slots.SLOT_FILE.match(name)
-            held = peer_copies.REPLICA_FILE.match(name)
-            if (own and int(own.group(1)) == self.rank) or (held and int(held.group(3)) == self.rank):
-                (self.folder / name).unlink(missing_ok=True)
-        with contextlib.suppress(OSError):
-            self.folder.rmdir()
+            # This rank's files and the replicas it holds; the last rank out removes the folder.
+            slots.forget_rank(self.folder, self.rank)
+            with contextlib.suppress(OSError):
+                self.folder.rmdir()
 
     # ---- restore -------------------------------------------------------------------
 

@@ -119,12 +119,7 @@ class CheckpointManager:
         self.durable_step = self.resumed_durable_step = 0
         self.deferred_saves: list[int] = []
         # The run is the tier's folder's name (its checkpoint folder, hashed); what must match too:
-        identity = {
-            "model_hash": config.model_hash(),
-            "adapters": self.adapters,
-            "world_size": dist.get_world_size(),
-            "layout": _layout(model),  # a capture under another mesh holds other shards
-        }
+        identity = {"model_hash": config.model_hash(), "adapters": self.adapters}
         self.local = LocalTier(
             settings, self.root, identity, model, optimizer, scheduler, hooks.capture_cache()
         )
@@ -164,43 +159,37 @@ class CheckpointManager:
 
     def _load_latest(self, init_trained: Callable[[], None] | None) -> int:
         latest = storage.latest_committed_checkpoint(self.root, self.settings.verify_hashes)
-        durable_meta = storage.read_meta(latest) if latest is not None else {}
-        self.durable_step = self.resumed_durable_step = int(durable_meta.get("step", 0))
-        local_step = self.local.restore(self.durable_step)
-        if local_step is not None:
-            # The registered states (the launcher's learned timeouts) travel with the durable checkpoint only.
-            self._restore_states(durable_meta)
-            self.resumed_from = f"local:{local_step}"
+        meta = storage.read_meta(latest) if latest is not None else {}  # what `load_checkpoint` reads too
+        self.durable_step = self.resumed_durable_step = int(meta.get("step", 0))
+        step = self.local.restore(self.durable_step)
+        if step is None:
+            if latest is None:
+                if init_trained is not None:  # the build expected a resume: no weights yet
+                    if self.rank == 0:
+                        log.warning("nothing to resume from after all: initializing the weights now")
+                    init_trained()
+                self._warm_start_optimizer()
+                return 0
+            # Before reading tensors that may not fit:
+            self._refuse_other_model(meta, str(latest), "use a new checkpoint dir to train this model")
+            storage.load_checkpoint(latest, self.model, self.optimizer)
+            self.sampler.check_resumable(meta.get("sampler", {}), str(latest))  # the same data, or refused
+            self.scheduler.load_state_dict(meta["scheduler"])
+            step, self.resumed_from, fields = int(meta["step"]), str(latest), {}
+            message = f"resumed from {latest} at step {step}"
+        else:
+            self.resumed_from = f"local:{step}"
             # Ranks whose state came from a peer's replica: {rank: the peer that held it}.
             from_peers = {str(owner): peer for owner, peer in self.local.restored_from.items()}
-            self.events.emit(
-                "resume", step=local_step, checkpoint=self.resumed_from, tier="local", replicas=from_peers
+            fields = {"tier": "local", "replicas": from_peers}
+            message = (
+                f"resumed from the fast tier at step {step} (durable checkpoint: step {self.durable_step})"
             )
-            if self.rank == 0:
-                log.info(
-                    "resumed from the fast tier at step %d (durable checkpoint: step %d)",
-                    local_step,
-                    self.durable_step,
-                )
-            return local_step
-        if latest is None:
-            if init_trained is not None:  # the build expected a resume: no weights yet
-                if self.rank == 0:
-                    log.warning("nothing to resume from after all: initializing the weights now")
-                init_trained()
-            self._warm_start_optimizer()
-            return 0
-        # Before reading tensors that may not fit:
-        self._refuse_other_model(durable_meta, str(latest), "use a new checkpoint dir to train this model")
-        meta = storage.load_checkpoint(latest, self.model, self.optimizer)["meta"]
-        self.sampler.check_resumable(meta.get("sampler", {}), str(latest))  # the same data, or refused
-        self.scheduler.load_state_dict(meta["scheduler"])
+        # The registered states (the launcher's learned timeouts) travel with the durable checkpoint only.
         self._restore_states(meta)
-        step = int(meta["step"])
-        self.resumed_from = str(latest)
-        self.events.emit("resume", step=step, checkpoint=self.resumed_from)
+        self.events.emit("resume", step=step, checkpoint=self.resumed_from, **fields)
         if self.rank == 0:
-            log.info("resumed from %s at step %d", latest, step)
+            log.info(message)
         return step
 
     def _refuse_other_model(self, meta: dict[str, Any], what: str, remedy: str) -> None:
@@ -374,7 +363,7 @@ class CheckpointManager:
 
     def _state_bytes(self) -> int:
         """This rank's parameters and optimizer state, in bytes (its shards under FSDP)."""
-        params = [p for p in self.model.parameters() if p.requires_grad]  # what a checkpoint holds
+        params = self.local.params  # the trainable ones: what a checkpoint holds
         moments = [v for p in params for v in self.optimizer.state.get(p, {}).values() if torch.is_tensor(v)]
         return sum(slots.local_shard(t).nbytes for t in params + moments)
 
@@ -418,9 +407,3 @@ def _holds_tier_files(folder: Path) -> bool:
 def efficiency_pct(blocked_s_total: float, wall_s: float) -> float:
     """AWS's definition: 100 - 100 * (time the loop was blocked by checkpointing) / wall time."""
     return 100.0 - 100.0 * blocked_s_total / wall_s if wall_s > 0 else 100.0
-
-
-def _layout(model: nn.Module) -> list[int]:
-    """The data-parallel mesh's degrees: [replicate, shard] for HSDP, else [world size]."""
-    grid = slots.mesh_grid(list(model.parameters()))
-    return [len(grid), len(grid[0])] if grid else [dist.get_world_size()]

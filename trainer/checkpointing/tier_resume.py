@@ -9,11 +9,12 @@ import logging
 import secrets
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 
 from trainer.checkpointing import replicas as peer_copies
+from trainer.checkpointing import storage, tier_restore
 from trainer.checkpointing import tier_format as fmt
-from trainer.checkpointing import tier_restore
 from trainer.checkpointing import tier_slots as slots
 
 if TYPE_CHECKING:
@@ -38,13 +39,10 @@ def restore(tier: LocalTier, durable_step: int) -> int | None:
     checkpoint). Also starts this attempt's replica receiver and learns its peers'."""
     mine = _candidates(tier) if tier.enabled else {}
     held = peer_copies.held_replicas(tier.folder, tier.rank, tier.holds_for)
-    if tier.holds_for and tier.receiver is None:
-        tier.sender.token = secrets.token_bytes(32) if tier.rank == 0 else b""
     info = {
         "own": sorted(mine),
         "held": {owner: sorted(steps) for owner, steps in held.items()},
-        "token": tier.sender.token,
-        "holds": bool(tier.holds_for),
+        "token": secrets.token_bytes(32) if tier.rank == 0 else b"",  # the attempt's, for its replicas
     }
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, info)
@@ -52,7 +50,7 @@ def restore(tier: LocalTier, durable_step: int) -> int | None:
     world = len(gathered)
     for step in tier_restore.restorable_steps(gathered, durable_step, tier.twins):
         payload, snapshot, problem = _own(tier, step, mine[step]) if step in mine else (None, None, None)
-        ok = snapshot is not None and _matches(tier, snapshot, durable_step)  # None: `problem` says why
+        ok = _fits(tier, snapshot, durable_step)  # None: `problem` says why
         own_ok: list[Any] = [None] * world
         dist.all_gather_object(own_ok, bool(ok))
         # A rank whose own copy is missing or unreadable takes a peer's replica, else (HSDP)
@@ -75,13 +73,13 @@ def restore(tier: LocalTier, durable_step: int) -> int | None:
                 )
                 if snapshot is not None and (bad := slots.non_finite(snapshot)):
                     snapshot, problem = None, f"{what}: {bad}"
-                ok = snapshot is not None and _matches(tier, snapshot, durable_step)
+                ok = _fits(tier, snapshot, durable_step)
                 source = sender
         verdicts: list[Any] = [None] * world
         dist.all_gather_object(verdicts, (bool(ok), source))
         if all(good for good, _ in verdicts):
             assert snapshot is not None
-            slots.load_capture(snapshot, tier.params, tier.optimizer, tier.scheduler)
+            _load(tier, snapshot)
             if source is not None or mine[step] is not None:  # the cached capture stays where it is
                 tier.cache.put(tier.key, snapshot, None)
             if source is None and (slot := mine[step]) is not None:
@@ -96,15 +94,14 @@ def restore(tier: LocalTier, durable_step: int) -> int | None:
 def _start_replication(tier: LocalTier, gathered: list[Any]) -> None:
     """After the restore's all-gather: this attempt's receiver runs, the senders know
     where their holders listen. Not collective beyond that all-gather."""
-    if not any(g["holds"] for g in gathered):  # the same on every rank
+    if not tier.holds_for:  # the same on every rank (`replicas.peers`): no replicas
         return
     tier.sender.token = gathered[0]["token"]
-    if tier.holds_for and tier.receiver is None:
-        tier.receiver = peer_copies.ReplicaReceiver(
-            tier.folder, tier.rank, tier.holds_for, tier.sender.token, tier.listen_host
-        )
+    tier.receiver = peer_copies.ReplicaReceiver(
+        tier.folder, tier.rank, tier.holds_for, tier.sender.token, tier.listen_host
+    )
     addresses: list[Any] = [None] * len(gathered)
-    dist.all_gather_object(addresses, tier.receiver.address if tier.receiver else None)
+    dist.all_gather_object(addresses, tier.receiver.address)
     tier.sender.holders = {
         r: tuple(a) for r, a in enumerate(addresses) if a is not None and r in tier.sends_to
     }
@@ -122,5 +119,39 @@ def _own(tier: LocalTier, step: int, slot: int | None) -> tuple[Any, dict[str, A
     return payload, *fmt.load_bytes(payload, str(head))
 
 
-def _matches(tier: LocalTier, snapshot: dict[str, Any], durable_step: int) -> bool:
-    return slots.capture_fits(snapshot, tier.identity, durable_step, tier.params)
+def _fits(tier: LocalTier, snapshot: dict[str, Any] | None, durable_step: int) -> bool:
+    """Whether a capture (None: none could be read) belongs to this run and state: taken
+    before no newer durable checkpoint than this attempt knows (else another run's), the
+    identity, the shards' shapes."""
+    if snapshot is None or snapshot.get("identity") != tier.identity:
+        return False
+    fresh = int(snapshot.get("durable_step", -1)) <= durable_step
+    shapes = [tuple(t.shape) for t in snapshot["params"]]
+    return fresh and shapes == [tuple(slots.local_shard(p).shape) for p in tier.params]
+
+
+def _load(tier: LocalTier, snapshot: dict[str, Any]) -> None:
+    """Copy a capture into the shards, the optimizer state and groups, the scheduler and the RNG."""
+    from torch.distributed.tensor import DTensor
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # a copy in memory may still have been in flight
+    with torch.no_grad():
+        for p, saved, saved_state in zip(tier.params, snapshot["params"], snapshot["optim"], strict=True):
+            shard = slots.local_shard(p)
+            shard.copy_(saved)
+            state: dict[str, Any] = {}
+            for k, v in saved_state.items():
+                if torch.is_tensor(v):
+                    v = v.to(shard.device, copy=True)
+                    if isinstance(p, DTensor) and v.shape == shard.shape:
+                        v = DTensor.from_local(
+                            v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                        )
+                state[k] = v
+            if state:
+                tier.optimizer.state[p] = state
+    for group, saved_group in zip(tier.optimizer.param_groups, snapshot["groups"], strict=True):
+        group.update(saved_group)
+    tier.scheduler.load_state_dict(snapshot["scheduler"])
+    storage.restore_rng(snapshot)

@@ -26,14 +26,13 @@ from typing import Any
 
 import torch
 
-from trainer.checkpointing import storage
 from trainer.checkpointing import tier_format as fmt
+from trainer.checkpointing.replicas import folder_names
 
 MADV_POPULATE_WRITE = 23
 """Linux >= 5.14 (Python 3.11's mmap module does not name it)."""
 HEAD_FILE = re.compile(r"^rank_(\d+)_step_(\d+)_slot_([01])\.head$")
 """A capture's header: its rank, step and slot."""
-SLOT_FILE = re.compile(r"^rank_(\d+)_slot_[01]\.data$")
 
 
 def head_name(rank: int, step: int, slot: int) -> str:
@@ -46,7 +45,7 @@ def slot_name(rank: int, slot: int) -> str:
 
 def own_heads(folder: Path, rank: int) -> list[tuple[int, int]]:
     """(step, slot) of each capture header of `rank`'s in `folder`."""
-    matches = [HEAD_FILE.match(name) for name in (os.listdir(folder) if folder.is_dir() else [])]
+    matches = [HEAD_FILE.match(name) for name in folder_names(folder)]
     return [(int(m[2]), int(m[3])) for m in matches if m and int(m[1]) == rank]
 
 
@@ -88,17 +87,14 @@ class CaptureCache:
         self._lock = threading.Lock()
         self._captures: dict[str, dict[int | None, dict[str, Any]]] = {}
 
-    def _newest(self, key: str) -> tuple[int | None, dict[str, Any] | None]:
-        held = self._captures.get(key) or {}
-        return max(held.items(), key=lambda item: int(item[1]["step"]), default=(None, None))
+    def newest(self, key: str) -> tuple[int | None, dict[str, Any] | None]:
+        """(the slot it lives in, the newest complete capture of the run), or (None, None)."""
+        with self._lock:
+            held = self._captures.get(key) or {}
+            return max(held.items(), key=lambda item: int(item[1]["step"]), default=(None, None))
 
     def get(self, key: str) -> dict[str, Any] | None:
-        with self._lock:
-            return self._newest(key)[1]
-
-    def newest_slot(self, key: str) -> int | None:
-        with self._lock:
-            return self._newest(key)[0]
+        return self.newest(key)[1]
 
     def put(self, key: str, capture: dict[str, Any], slot: int | None) -> None:
         """A complete capture in `slot`; one outside the slots replaces every other."""
@@ -177,7 +173,6 @@ class Slot:
         self.step: int | None = None
         self.plan: Plan | None = None
         self.filled: Any = None  # the plan's skeleton over this slot's tensors
-        self.stale_heads = True  # headers of what it held before may still name it
         self.data: Any = bytearray(max(size, 1) if path is None else 1)
         if path is not None:
             with path.open("a+b") as handle:
@@ -226,16 +221,6 @@ def free_bytes(folder: Path) -> int | None:
     return None
 
 
-def capture_fits(
-    snapshot: dict[str, Any], identity: dict[str, Any], durable_step: int, params: Sequence[torch.Tensor]
-) -> bool:
-    """Whether a capture belongs to this run and state: identity, taken before no newer durable
-    checkpoint than this attempt knows (else another run's), the shards' shapes."""
-    if snapshot.get("identity") != identity or int(snapshot.get("durable_step", -1)) > durable_step:
-        return False
-    return [tuple(t.shape) for t in snapshot["params"]] == [tuple(local_shard(p).shape) for p in params]
-
-
 def non_finite(snapshot: dict[str, Any]) -> str | None:
     """What of a capture is not finite (NaN or Inf in a weight or optimizer tensor), or None;
     a peer's copy is checked before it is trained on (a rank that computed garbage, or a
@@ -258,40 +243,10 @@ def mesh_grid(params: Sequence[torch.Tensor]) -> list[list[int]] | None:
 
 def forget_rank(folder: Path, rank: int) -> None:
     """Remove what `rank` keeps in the node-local folder, its own captures and the replicas
-    it holds: what a node that is replaced takes with it (the `node-loss` drill)."""
+    it holds: what a node that is replaced takes with it (the `node-loss` drill), and what a
+    rank's copies of no further use hold (`LocalTier.close`). One listing: the other ranks
+    delete theirs at the same time, and the folder may be gone by the time this rank looks."""
     mine = re.compile(rf"^(rank_{rank}_|replica_rank_\d+_step_\d+_on_{rank}\.pt$)")
-    for path in folder.glob("*"):
-        if mine.match(path.name):
-            path.unlink(missing_ok=True)
-
-
-def load_capture(
-    snapshot: dict[str, Any],
-    params: Sequence[torch.Tensor],
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-) -> None:
-    """Copy a capture into the shards, the optimizer state and groups, the scheduler and the RNG."""
-    from torch.distributed.tensor import DTensor
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()  # a copy in memory may still have been in flight
-    with torch.no_grad():
-        for p, saved in zip(params, snapshot["params"], strict=True):
-            local_shard(p).copy_(saved)
-        for p, saved in zip(params, snapshot["optim"], strict=True):
-            state: dict[str, Any] = {}
-            for k, v in saved.items():
-                if torch.is_tensor(v):
-                    v = v.to(local_shard(p).device, copy=True)
-                    if isinstance(p, DTensor) and v.shape == local_shard(p).shape:
-                        v = DTensor.from_local(
-                            v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-                        )
-                state[k] = v
-            if state:
-                optimizer.state[p] = state
-    for group, saved_group in zip(optimizer.param_groups, snapshot["groups"], strict=True):
-        group.update(saved_group)
-    scheduler.load_state_dict(snapshot["scheduler"])
-    storage.restore_rng(snapshot)
+    for name in folder_names(folder):
+        if mine.match(name):
+            (folder / name).unlink(missing_ok=True)
