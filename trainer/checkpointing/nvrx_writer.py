@@ -62,17 +62,16 @@ class NvrxAsyncWriter(CheckpointWriter):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._pending: PendingSave | None = None  # not committed yet
-        self._handoff: PendingSave | None = None
+        # What completes `_pending`'s hand-off (`_queue_finish`, or `_write_last`), until it ran.
+        self._handoff: Callable[[], None] | None = None
         self._calls: Any = None
         self._group: Any = None
         self._planner: Planner | None = None
-        self._planned: Future[Callable[[], None]] | None = None
         self._finished: Future[None] | None = None  # the pending save's finish (`_finish`)
         self._plan_cache = CheckpointMetadataCache()
         self._abandoned = threading.Event()  # tells a finish to stop waiting
         self._commit_lock = threading.Lock()  # abandoned, or committing: never both
         self._committing = False
-        self._last_state: dict[str, Any] | None = None
         self._warm_up: Future[None] | None = None  # this rank's warm-up write (`nvrx_compat.warm_up`)
 
     def open(self, background: bool) -> None:
@@ -113,7 +112,8 @@ class NvrxAsyncWriter(CheckpointWriter):
         The attempt's last save (`pending.last`) is only remembered: `wait("committed")`
         writes it."""
         if pending.last:
-            self._last_state = state
+            # No optimizer step is to follow: the hand-off writes it, before one could.
+            self._handoff = partial(self._write_last, state, pending)
             pending.queued_at = time.perf_counter()
         else:
             if pending.lend is not None:
@@ -125,8 +125,8 @@ class NvrxAsyncWriter(CheckpointWriter):
             # The group is bound now: an in-process restart's `_abandon` drops `self._group` while
             # the planner may still run, and a plan on no group would run on the training group.
             job = partial(self._plan_and_send, writer, pending, call_idx, state, self._group)
-            self._planned = self._planner.submit(job)
-        self._pending = self._handoff = pending
+            self._handoff = partial(self._queue_finish, pending, self._planner.submit(job))
+        self._pending = pending
         pending.record.blocked_s = time.perf_counter() - pending.started_at
 
     def _plan_and_send(
@@ -178,8 +178,8 @@ class NvrxAsyncWriter(CheckpointWriter):
     def _wait_staged(self) -> None:
         """Completes the hand-off of a save captured and planned while forward and backward
         ran (waiting for the planner if needed), then reports it queued."""
-        pending = self._handoff
-        if pending is None:
+        pending = self._pending
+        if pending is None or self._handoff is None:
             return
         with self.keepalive():  # may wait for a capture of the whole state
             started = time.perf_counter()
@@ -188,12 +188,12 @@ class NvrxAsyncWriter(CheckpointWriter):
         self._queued(pending.record)
 
     def _hand_off(self) -> None:
-        if self._last_state is not None:
-            self._write_last()  # no optimizer step was to follow; write it before one does
-            return
-        pending, self._handoff = self._handoff, None
-        planned, self._planned = self._planned, None
-        assert pending is not None and planned is not None
+        hand_off, self._handoff = self._handoff, None
+        if hand_off is not None:
+            hand_off()
+
+    def _queue_finish(self, pending: PendingSave, planned: Future[Callable[[], None]]) -> None:
+        """The hand-off of a planned save: its finish queued on the planner thread."""
         try:
             finish = waiting.result(planned)  # planned and sent
         except Exception as exc:
@@ -275,54 +275,53 @@ class NvrxAsyncWriter(CheckpointWriter):
     def _finalize(self) -> None:
         if self.warming_up:
             self._finish_warm_up()
-        if self._handoff is not None:  # no optimizer step follows (the last save, or the loop's last step)
-            self._hand_off()
+        self._hand_off()  # no optimizer step follows (the last save, or the loop's last step)
         self._join_finish()
 
-    def _write_last(self) -> None:
+    def _write_last(self, state: dict[str, Any], pending: PendingSave) -> None:
         """Collective: write the attempt's last save here, as a `sync` save is written (DCP,
         each shard hashed as written) but over the writer's group, and commit it. Any earlier
         save was committed before this one started (`CheckpointWriter.save`), and the state
         is the live one: nothing changed it since `save()`."""
 
-        state, self._last_state = self._last_state, None
-        pending, self._pending, self._handoff = self._pending, None, None
-        assert state is not None and pending is not None and self._finished is None
+        self._pending = None
+        assert self._finished is None
         self._write_now(state, pending, self._group, loop_waits=False)
 
     def close(self, commit: bool = True) -> None:
-        """Also stops the writer process.
+        """Also stops the planner thread and the writer process.
 
-        Without `commit`, safe to call again after being interrupted half-way (an in-process
-        restart raises asynchronously into the main thread): each step is re-checked, and
-        the writer process is forgotten only once it is dead, so NVRx's `close()`/`__del__`
+        Without `commit` (`_abandon`), safe to call again after being interrupted half-way (an
+        in-process restart raises asynchronously into the main thread): each step is re-checked,
+        and the writer process is forgotten only once it is dead, so NVRx's `close()`/`__del__`
         never waits on a writer that can no longer answer."""
-        if not commit:
+        if commit:
+            super().close()
+        else:
             self._abandon()
-            return
-        super().close()
         if self._planner is not None:
+            # Without `commit`, a planning still running ends on its own (a gather fails once the
+            # peers' connections go).
             self._planner.close()
             self._planner = None
         if self._calls is not None:
-            self._calls.close()
+            if commit:
+                self._calls.close()
+            else:  # results it may have posted stay in this attempt's queue (`nvrx_compat`, 5)
+                nvrx_compat.forget(self._calls)
             self._calls = None
-        if self._group is not None:
+        if commit and self._group is not None:
             dist.destroy_process_group(self._group)
-            self._group = None
+        self._group = None  # without `commit`, it is gone with the default group
 
     def _abandon(self) -> None:
         """The staging folder is never committed."""
         _release(self._pending)  # the save handed off, or still to be
-        self._pending = self._handoff = self._last_state = None
+        self._pending = self._handoff = None
         self.warming_up, self._warm_up = False, None
         with self._commit_lock:
             self._abandoned.set()
             committing = self._committing
-        if self._planner is not None:
-            # Its planning ends on its own (a gather fails once the peers' connections go).
-            self._planner.close()
-            self._planner = self._planned = None
         if self._finished is not None:
             # Waiting for the write, the finish stops within 50 ms; in the writer group's gather
             # it may wait for a peer's write, and ends when the peers' connections go down (the
@@ -333,11 +332,6 @@ class NvrxAsyncWriter(CheckpointWriter):
             if committing:
                 futures.wait([self._finished], timeout=30)
             self._finished = None
-        if self._calls is not None:
-            # Results it may have posted stay in this attempt's queue (`nvrx_compat`, 5).
-            nvrx_compat.forget(self._calls)
-            self._calls = None
-        self._group = None
 
 
 def _release(pending: PendingSave | None) -> None:

@@ -36,7 +36,7 @@ import struct
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from trainer import env
 
@@ -117,17 +117,18 @@ class ReplicaReceiver:
                 continue
             except OSError:
                 return  # closed
-            with connection:
+            # The stream's `read(n)` returns n bytes unless the peer closed the connection first.
+            with connection, connection.makefile("rb") as stream:
                 try:
-                    self._receive(connection)
-                except (OSError, ValueError) as exc:
+                    self._receive(connection, stream)
+                except (OSError, ValueError, struct.error) as exc:  # struct.error: a header cut short
                     self.rejected += 1
                     if self.rejected == 1:
                         log.warning("fast checkpoint tier: a peer's copy was not received: %s", exc)
 
-    def _receive(self, connection: socket.socket) -> None:
+    def _receive(self, connection: socket.socket, stream: BinaryIO) -> None:
         connection.settimeout(_TIMEOUT_S)
-        magic, token, owner, step, size = _HEADER.unpack(_read_exactly(connection, _HEADER.size))
+        magic, token, owner, step, size = _HEADER.unpack(stream.read(_HEADER.size))
         if magic != _MAGIC or token != self.token or owner not in self.owners or size < 0:
             raise ValueError(f"refused a copy (owner {owner}, step {step}): not from this attempt's peers")
         final = self.folder / replica_name(owner, step, self.holder)
@@ -137,7 +138,7 @@ class ReplicaReceiver:
             with temporary.open("wb") as handle:
                 left = size
                 while left:
-                    chunk = connection.recv(min(left, 1 << 20))
+                    chunk = stream.read(min(left, 1 << 20))
                     if not chunk:
                         raise ValueError(f"the copy of rank {owner}'s step {step} ended early")
                     handle.write(chunk)
@@ -157,13 +158,10 @@ class ReplicaReceiver:
         self._thread.join(timeout=_TIMEOUT_S + 1)
 
 
-def send_replica(
-    address: tuple[str, int], token: bytes, owner: int, step: int, paths: Path | list[Path]
-) -> None:
+def send_replica(address: tuple[str, int], token: bytes, owner: int, step: int, *paths: Path) -> None:
     """Stream a node-local copy to a holder, as one file: the contents of `paths`, one
     after the other (a capture's header, then its slot); returns once the holder has it
     (raises OSError)."""
-    paths = [paths] if isinstance(paths, Path) else paths
     with contextlib.ExitStack() as stack:
         handles = [stack.enter_context(path.open("rb")) for path in paths]
         sizes = [os.fstat(handle.fileno()).st_size for handle in handles]
@@ -172,7 +170,7 @@ def send_replica(
         for handle, size in zip(handles, sizes, strict=True):
             if size:
                 connection.sendfile(handle, count=size)
-        if _read_exactly(connection, 1) != b"\x01":
+        if connection.recv(1) != b"\x01":  # nothing: the holder closed the connection
             raise OSError(f"holder {address} did not confirm the copy of step {step}")
 
 
@@ -223,8 +221,7 @@ class ReplicaSender:
     def _run(self) -> None:
         while True:
             with self._wake:
-                while self._queued is None and not self._closed:
-                    self._wake.wait()
+                self._wake.wait_for(lambda: self._queued is not None or self._closed)
                 if self._closed and (self._queued is None or not self._flush):
                     return
                 slot, self._queued = self._queued, None
@@ -244,19 +241,9 @@ class ReplicaSender:
             if holder not in self.holders:
                 continue
             try:
-                send_replica(self.holders[holder], self.token, self.rank, step, [head, path])
+                send_replica(self.holders[holder], self.token, self.rank, step, head, path)
                 self.sent += 1
             except (OSError, ValueError) as exc:  # a peer restarting must not stop training
                 self.errors += 1
                 if self.errors == 1:
                     log.warning("fast checkpoint tier: cannot send a copy to rank %d: %s", holder, exc)
-
-
-def _read_exactly(connection: socket.socket, size: int) -> bytes:
-    data = bytearray()
-    while len(data) < size:
-        chunk = connection.recv(size - len(data))
-        if not chunk:
-            raise ValueError("the connection closed early")
-        data += chunk
-    return bytes(data)

@@ -89,12 +89,9 @@ def _load_training_state(path: str | Path, model: nn.Module, optimizer: torch.op
     # On this attempt's group, bound now: on none, a load an in-process restart interrupts would
     # run its last gather on the next attempt's group (resolved when it runs).
     waiting.off_main_thread("rtp-ckpt-load", dcp.load, state, checkpoint_id=str(path), process_group=group)
+    options = trained_state_options(model)
     set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optim"],
-        options=trained_state_options(model),
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
     )
 
 
@@ -106,12 +103,9 @@ def committed_steps(root: str | Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
-def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
+def sha256_file(path: Path) -> str:
     with path.open("rb") as handle:
-        while chunk := handle.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def verify_checkpoint(path: str | Path, verify_hashes: bool = False) -> None:
