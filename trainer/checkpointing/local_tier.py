@@ -69,7 +69,7 @@ class LocalTier:
         # every step and are read from the model folder again by every attempt.
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._cuda = bool(self.params and self.params[0].is_cuda)
-        self.schedule = CaptureInterval(settings.local_every_steps, self._cuda)
+        self.schedule = CaptureInterval(settings.local_every_steps, self._cuda, self.wait_copy)
         self.key = slots.run_key(checkpoint_dir)
         self.folder = slots.local_folder(settings.local_dir, checkpoint_dir)
         self.optimizer = optimizer
@@ -109,7 +109,7 @@ class LocalTier:
         )
         self.listen_host = peer_copies.listen_host(world, local_world) if self.holds_for else ""
         self.receiver: peer_copies.ReplicaReceiver | None = None
-        self.sender = peer_copies.ReplicaSender(self.rank, self.sends_to, self._lock, self.slot)
+        self.sender = peer_copies.ReplicaSender(self.rank, self._lock, self.slot)
         self.restored_from: dict[int, int] = {}  # after restore(): owner -> the peer it came from
 
     @property
@@ -123,9 +123,7 @@ class LocalTier:
         the newest durable checkpoint step this attempt knows of. Not collective, except at
         the one step of an attempt where the ranks agree on a budget's interval (every rank
         calls it at every step)."""
-        return self.enabled and self.schedule.maybe_capture(
-            step, lambda: self._capture(step, durable_step), self.wait_copy
-        )
+        return self.enabled and self.schedule.maybe_capture(step, lambda: self._capture(step, durable_step))
 
     def capture_for_save(self, step: int, durable_step: int) -> Lease | None:
         """Capture step `step` (a durable save's) whatever the interval, also with the tier
@@ -136,7 +134,7 @@ class LocalTier:
             if self._held is not None:
                 return None
         if not self.schedule.maybe_capture(
-            step, lambda: self._capture(step, durable_step, hold=True), self.wait_copy, force=True
+            step, lambda: self._capture(step, durable_step, hold=True), force=True
         ):
             raise RuntimeError(f"the host capture of step {step} for its checkpoint was not taken")
         # Set by that capture; only this lease releases it.
@@ -273,8 +271,7 @@ class LocalTier:
 
     def _plan_for(self, meta: dict[str, Any]) -> slots.Plan:
         plan, reusable = slots.plan_state(self.params, self.optimizer, meta, self._plan)
-        if reusable:
-            self._plan = plan
+        self._plan = plan if reusable else None  # one that is not is made again at every capture
         return plan
 
     def _slot_for(self, slot: int, plan: slots.Plan) -> slots.Slot:
@@ -308,7 +305,6 @@ class LocalTier:
                 self._drop_heads(slot)
             made = slots.Slot(path, plan.layout, plan.size)
         except OSError as exc:  # no room for the file: keep the copy in memory only
-            self.write_errors += 1
             path.unlink(missing_ok=True)
             if not self._memory_only_said:
                 self._memory_only_said = True

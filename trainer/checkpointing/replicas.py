@@ -179,11 +179,10 @@ class ReplicaSender:
     a newer capture replaces one still queued. Shares the tier's lock, under which the
     tier asks `reading(slot)` before it overwrites a slot."""
 
-    def __init__(
-        self, rank: int, sends_to: list[int], lock: threading.Lock, lookup: Callable[[int], Any]
-    ) -> None:
-        self.rank, self.sends_to, self._lookup = rank, sends_to, lookup
-        self.holders: dict[int, tuple[str, int]] = {}  # rank -> its receiver's address
+    def __init__(self, rank: int, lock: threading.Lock, lookup: Callable[[int], Any]) -> None:
+        self.rank, self._lookup = rank, lookup
+        # Rank -> its receiver's address, for each rank this one sends its copies to (in order).
+        self.holders: dict[int, tuple[str, int]] = {}
         self.token = b""
         self.sent = self.errors = 0
         self._wake = threading.Condition(lock)  # entered: the tier's lock taken
@@ -237,11 +236,9 @@ class ReplicaSender:
 
     def _send(self, head: Path, path: Path, step: int) -> None:
         """The capture, as one file (header, then the slot's bytes), to every holder."""
-        for holder in self.sends_to:
-            if holder not in self.holders:
-                continue
+        for holder, address in self.holders.items():
             try:
-                send_replica(self.holders[holder], self.token, self.rank, step, head, path)
+                send_replica(address, self.token, self.rank, step, head, path)
                 self.sent += 1
             except (OSError, ValueError) as exc:  # a peer restarting must not stop training
                 self.errors += 1

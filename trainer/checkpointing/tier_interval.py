@@ -9,7 +9,6 @@ import itertools
 import logging
 import math
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -43,7 +42,8 @@ def budget_interval(copy_s: float, step_s: float, budget_pct: float = COPY_BUDGE
 class CaptureInterval:
     """One attempt's capture schedule; `interval` 0 means the tier is off."""
 
-    def __init__(self, setting: int | str, on_cuda: bool) -> None:
+    def __init__(self, setting: int | str, on_cuda: bool, wait_copy: Callable[[], Any]) -> None:
+        self._wait_copy = wait_copy  # waits for the copy thread's newest capture
         self.measuring = uses_copy_budget(setting, on_cuda)
         if self.measuring:
             self.interval = 2  # while measuring: a step after one without a capture is a clean step
@@ -57,8 +57,9 @@ class CaptureInterval:
             self.interval, self.reason = int(setting), f"checkpoint.local_every_steps={setting}"
         self._window_start: int | None = None  # the step the current measuring window began at
         self._marks: list[tuple[float, bool]] = []  # per step measured: its time, whether it copied
-        self._copy_seconds: list[float] = []  # the copy's own time per capture, while measuring
-        self._lock = threading.Lock()  # copy times come from the copy thread
+        # The copy's own time per capture, while measuring; appended by the copy thread, read
+        # by `_agree` only once that thread is idle (`_wait_copy`).
+        self._copy_seconds: list[float] = []
         self.measured: dict[str, float] = {}  # this rank's copy_s, step_s and the interval it wanted
 
     def summary(self) -> dict[str, Any]:
@@ -71,12 +72,9 @@ class CaptureInterval:
         }
 
     def record_copy(self, seconds: float) -> None:
-        with self._lock:
-            self._copy_seconds.append(seconds)
+        self._copy_seconds.append(seconds)
 
-    def maybe_capture(
-        self, step: int, capture: Callable[[], bool], wait_copy: Callable[[], Any], force: bool = False
-    ) -> bool:
+    def maybe_capture(self, step: int, capture: Callable[[], bool], force: bool = False) -> bool:
         """`capture()` if step `step` is a capture step (`force`: a save's, at any step); whether
         it captured. While measuring: every other step for `CALIBRATION_STEPS` steps, timing
         each step after one without a copy (a capture slows the next step: its optimizer step
@@ -86,20 +84,19 @@ class CaptureInterval:
             if self._window_start is None:
                 self._window_start = step
             elif step - self._window_start >= CALIBRATION_STEPS:
-                self._agree(step, now, wait_copy)
+                self._agree(step, now)
             if self.measuring:
                 copied = (force or (step - self._window_start) % 2 == 0) and capture()
                 self._marks.append((now, copied))
                 return copied
         return (force or step % self.interval == 0) and capture()
 
-    def _agree(self, step: int, now: float, wait_copy: Callable[[], Any]) -> None:
+    def _agree(self, step: int, now: float) -> None:
         """Collective (one all-reduce, at the same step on every rank): the longest interval
         any rank needs for its copies to fit the budget. While no rank has timed a copy yet
         (large slots are still being made), another window is measured."""
-        wait_copy()  # the newest copy's time is in
-        with self._lock:
-            copies = self._copy_seconds[2:]  # the first copy into each slot also faults its pages in
+        self._wait_copy()  # the newest copy's time is in
+        copies = self._copy_seconds[2:]  # the first copy into each slot also faults its pages in
         marks = [*self._marks, (now, False)]
         steps = [b - a for (a, copied), (b, _) in itertools.pairwise(marks) if not copied]
         wanted = 0

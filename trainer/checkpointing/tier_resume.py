@@ -102,9 +102,7 @@ def _start_replication(tier: LocalTier, gathered: list[Any]) -> None:
     )
     addresses: list[Any] = [None] * len(gathered)
     dist.all_gather_object(addresses, tier.receiver.address)
-    tier.sender.holders = {
-        r: tuple(a) for r, a in enumerate(addresses) if a is not None and r in tier.sends_to
-    }
+    tier.sender.holders = {r: tuple(addresses[r]) for r in tier.sends_to if addresses[r] is not None}
 
 
 def _own(tier: LocalTier, step: int, slot: int | None) -> tuple[Any, dict[str, Any] | None, str | None]:

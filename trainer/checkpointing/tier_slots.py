@@ -195,17 +195,15 @@ class Slot:
         """Where the mapping starts in this process's memory."""
         return ctypes.addressof(ctypes.c_char.from_buffer(self.data))
 
-    def pin(self) -> bool:
+    def pin(self) -> None:
         """Page-lock the mapping (for every device: flag 1, "portable") until the slot is
-        collected, so that device-to-host copies into it are asynchronous; False if CUDA
-        refused (still correct, only slower: copies then go through staging memory)."""
+        collected, so that device-to-host copies into it are asynchronous. If CUDA refuses,
+        copies are still correct, only slower (they then go through staging memory)."""
         import weakref
 
         cudart = torch.cuda.cudart()
-        if not self.size or int(cudart.cudaHostRegister(self.address(), self.size, 1)) != 0:
-            return False
-        weakref.finalize(self, cudart.cudaHostUnregister, self.address())
-        return True
+        if self.size and int(cudart.cudaHostRegister(self.address(), self.size, 1)) == 0:
+            weakref.finalize(self, cudart.cudaHostUnregister, self.address())
 
 
 def gib(n: int | None) -> str:
