@@ -16,10 +16,10 @@ import hashlib
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from trainer.checkpointing.storage import trained_model_state
+from trainer.checkpointing.storage import trained_model_state, trained_state_options
 
 
 def _update(digest: hashlib._Hash, key: str, tensor: torch.Tensor) -> None:
@@ -44,8 +44,7 @@ def model_sha256(model: torch.nn.Module) -> str:
     drops it once rank 0 hashed it; rank 0's digest is then broadcast."""
     # The sharded state dict has the full one's keys (FQNs, tied weights under each name,
     # no non-persistent buffers) and its values are the parameters themselves, not copies.
-    options = StateDictOptions(full_state_dict=False, cpu_offload=False, ignore_frozen_params=True)
-    local = trained_model_state(get_model_state_dict(model, options=options), model)
+    local = trained_model_state(get_model_state_dict(model, options=trained_state_options(model)), model)
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     hashes_here = not distributed or dist.get_rank() == 0
     digest = hashlib.sha256()

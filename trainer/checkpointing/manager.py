@@ -186,7 +186,8 @@ class CheckpointManager:
                 f"resumed from the fast tier at step {step} (durable checkpoint: step {self.durable_step})"
             )
         # The registered states (the launcher's learned timeouts) travel with the durable checkpoint only.
-        self._restore_states(meta)
+        for name, state in self.states.items():
+            state.load_state_dict(meta.get(name, {}))
         self.events.emit("resume", step=step, checkpoint=self.resumed_from, **fields)
         if self.rank == 0:
             log.info(message)
@@ -221,10 +222,6 @@ class CheckpointManager:
         self.events.emit("warm_start", checkpoint=source)
         if self.rank == 0:
             log.info("started from the weights and AdamW moments of %s", source)
-
-    def _restore_states(self, meta: dict[str, Any]) -> None:
-        for name, state in self.states.items():
-            state.load_state_dict(meta.get(name, {}))
 
     def maybe_wait_for_staging(self) -> None:
         """Collective; call right before every `optimizer.step()`: an async save's snapshot
@@ -390,18 +387,15 @@ def resume_expected(config: TrainConfig, cache: slots.CaptureCache) -> bool:
     finds is usable it initializes the weights then. The ranks agree on the guess (an
     initialization that reads the model folder is collective)."""
     root = Path(config.checkpoint_dir())
+    folder = slots.local_folder(config.checkpoint.local_dir, root)
     held = (
         storage.latest_committed_checkpoint(root) is not None
         or cache.get(slots.run_key(root)) is not None
-        or _holds_tier_files(slots.local_folder(config.checkpoint.local_dir, root))
+        or any(slots.HEAD_FILE.match(name) or REPLICA_FILE.match(name) for name in folder_names(folder))
     )
     flag = torch.tensor([int(held)])
     waiting.wait_polled(dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True))
     return bool(flag.item())
-
-
-def _holds_tier_files(folder: Path) -> bool:
-    return any(slots.HEAD_FILE.match(name) or REPLICA_FILE.match(name) for name in folder_names(folder))
 
 
 def efficiency_pct(blocked_s_total: float, wall_s: float) -> float:

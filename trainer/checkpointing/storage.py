@@ -63,8 +63,7 @@ def trained_state_options(model: nn.Module) -> StateDictOptions:
     """What a checkpoint holds of the model: the parameters training changes. A LoRA run's
     frozen base is left out (it is read from its model folder at every start; meta.json's
     `adapters` names it); loading is strict where nothing is frozen."""
-    frozen = any(not p.requires_grad for p in model.parameters())
-    return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
+    return StateDictOptions(ignore_frozen_params=True, strict=not frozen_parameter_names(model))
 
 
 def trained_model_state(model_state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
@@ -395,14 +394,13 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     return {"meta": read_meta(folder), "rank_state": rank_state}
 
 
-def load_parent_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def load_parent_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Collective: a warm start's weights and AdamW moments from the parent's checkpoint; the
     optimizer's hyperparameters (lr, warm-up start) stay this run's, and no RNG is restored."""
     fresh_groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     _load_training_state(path, model, optimizer)
     for group, fresh in zip(optimizer.param_groups, fresh_groups, strict=True):
         group.update(fresh)
-    return read_meta(path)
 
 
 def load_model_weights(path: str | Path, model: nn.Module) -> None:

@@ -90,7 +90,6 @@ class PendingSave:
 
 
 OnCommit = Callable[[SaveRecord], None]
-KeepAlive = Callable[[], contextlib.AbstractContextManager[None]]
 Outcome = Literal["queued", "deferred", "off"]
 Until = Literal["staged", "step", "committed"]
 
@@ -129,7 +128,7 @@ class CheckpointWriter:
         on_commit: OnCommit,
         *,
         on_queued: OnCommit | None = None,
-        keepalive: KeepAlive = contextlib.nullcontext,
+        keepalive: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
         prepare_captures: Callable[[], None] | None = None,
     ) -> None:
         self.root = root
@@ -139,7 +138,7 @@ class CheckpointWriter:
         self.on_queued = on_queued
         self.keepalive = keepalive  # around blocking waits the writer decides on itself
         self.prepare_captures = prepare_captures
-        self._retention: threading.Thread | None = None
+        self._retention = threading.Thread()  # rank 0's latest retention; one never started joins at once
 
     def open(self, background: bool) -> None:  # optional: a default that does nothing
         """Collective, once: create what the mode needs before its first save."""
@@ -159,8 +158,7 @@ class CheckpointWriter:
         """See the class doc; subclasses release what `open()` made after this."""
         if commit:
             self.wait("committed")
-            if self._retention is not None:
-                waiting.join(self._retention)
+            waiting.join(self._retention)
 
     def _write(self, state: dict[str, Any], pending: PendingSave) -> None:
         raise NotImplementedError
@@ -187,8 +185,7 @@ class CheckpointWriter:
             record.blocked_s = record.write_s
         if dist.get_rank() == 0:
             # Deleting hundreds of MB is slow on some file systems; it need not block a step.
-            if self._retention is not None:
-                waiting.join(self._retention)
+            waiting.join(self._retention)
             self._retention = threading.Thread(target=self._retain, name="rtp-ckpt-retention")
             self._retention.start()
         self.on_commit(record)
