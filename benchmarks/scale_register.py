@@ -63,7 +63,7 @@ def write_checkpoint(root: Path, model_dir: Path) -> tuple[Path, int]:
     import torch
     import torch.distributed as dist
 
-    from trainer.checkpointing.storage import save_checkpoint
+    from benchmarks.make_checkpoint import save_checkpoint
     from trainer.config import resolve_config
     from trainer.models import model_spec
 

@@ -65,10 +65,10 @@ def build_inputs(root: Path) -> dict[str, Any]:
     import torch.distributed as dist
     from transformers import AutoConfig
 
+    from benchmarks.make_checkpoint import save_checkpoint
     from rtp_support.demo_data import write_local_manifest
     from rtp_support.tiny_models import train_bpe_tokenizer
     from trainer.checkpointing import model_sha256
-    from trainer.checkpointing.storage import save_checkpoint
     from trainer.config import resolve_config
     from trainer.evaluation import write_eval_record
     from trainer.models import model_spec

@@ -11,13 +11,14 @@ import pandas as pd
 import pytest
 import torch
 
+from benchmarks.make_checkpoint import save_checkpoint
 from components.mlflow_access import RegistryUnavailable, RetryPolicy
 from components.register_model.lineage import Lineage
 from components.register_model.register import SHA_TAG, checkpoint_sha256, register_checkpoint
 from components.validate_checkpoint.champion import load_champion
 from components.validate_checkpoint.validate import load_validated_model, validate_checkpoint
 from tests.components.mlflow_server import FlakyProxy, RestartableMlflowServer
-from trainer.checkpointing.storage import CheckpointError, save_checkpoint
+from trainer.checkpointing.storage import CheckpointError
 from trainer.config import build_config
 from trainer.models import model_spec
 

@@ -4,7 +4,7 @@ from_pretrained loads with the checkpoint's exact logits; an fp32 export likewis
 weights left out as save_pretrained leaves them out; memory bounded by one read group; the
 header check catching damaged exports; an export reused on a retry, published atomically;
 and the benchmark's JSON shape at a tiny size. Checkpoints are one-rank DCP checkpoints
-written with the trainer's `save_checkpoint`, as tests/components/test_register_hf.py does."""
+written with `benchmarks.make_checkpoint.save_checkpoint`, as tests/components/test_register_hf.py does."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.make_checkpoint import save_checkpoint
 from components.register_model import streamed_export
 from components.register_model.register import checkpoint_sha256
 from components.register_model.streamed_export import (
@@ -30,7 +31,7 @@ from components.register_model.streamed_export import (
 )
 from tests.hf_tiny import write_tiny_model
 from trainer.checkpointing import load_model_weights
-from trainer.checkpointing.storage import CheckpointError, save_checkpoint
+from trainer.checkpointing.storage import CheckpointError
 from trainer.config import resolve_config
 from trainer.models import model_spec
 

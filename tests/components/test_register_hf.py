@@ -4,8 +4,8 @@ the Hugging Face-format version loaded three ways with the checkpoint's exact lo
 idempotent registration.
 
 The checkpoints are one-rank DCP checkpoints of a tiny Llama (tests/hf_tiny.py), written
-with the trainer's own `save_checkpoint` after a few AdamW steps on the training split:
-much faster than the launcher, and the same format."""
+with `benchmarks.make_checkpoint.save_checkpoint` (the trainer's on-disk format) after a
+few AdamW steps on the training split: much faster than the launcher, and the same format."""
 
 from __future__ import annotations
 
@@ -18,13 +18,13 @@ import mlflow
 import pytest
 import torch
 
+from benchmarks.make_checkpoint import save_checkpoint
 from components.mlflow_access import RetryPolicy
 from components.register_model.lineage import Lineage, validation_figures
 from components.register_model.register import register_checkpoint
 from components.validate_checkpoint.validate import report_markdown, validate_checkpoint
 from tests.hf_tiny import write_corpus, write_tiny_model, write_token_snapshot
 from trainer.checkpointing import load_model_weights
-from trainer.checkpointing.storage import save_checkpoint
 from trainer.config import resolve_config
 from trainer.data import StepSampler, load_tokens, split_files
 from trainer.models import model_spec

@@ -5,7 +5,7 @@ for each bad reference.
 
 The byte LM checkpoints are the session's one-rank run (`trained_run`, steps 10 and 20); the
 children are one-rank checkpoints of a model built from the staged parent folder, saved
-with the trainer's own `save_checkpoint`."""
+with `benchmarks.make_checkpoint.save_checkpoint` (the trainer's on-disk format)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import mlflow
 import pytest
 import torch
 
+from benchmarks.make_checkpoint import save_checkpoint
 from components.mlflow_access import RetryPolicy
 from components.register_model.file_manifest import FILES_TAG, MANIFEST_FILE
 from components.register_model.lineage import Lineage, walk_lineage
@@ -23,7 +24,6 @@ from components.register_model.register import register_checkpoint
 from components.stage_data.errors import StageError
 from components.stage_model.registry_source import origin_of, stage_registered_model
 from components.validate_checkpoint.validate import load_validated_model, validate_checkpoint
-from trainer.checkpointing.storage import save_checkpoint
 from trainer.config import resolve_config
 from trainer.models import model_spec
 

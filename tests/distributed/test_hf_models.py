@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from rtp_support.embedded_s3 import free_port
 from tests.hf_tiny import write_tiny_model
-from trainer.checkpointing import state_dict_sha256
+from tests.weights import state_dict_sha256
 from trainer.config import ModelConfig
 from trainer.models import model_spec
 

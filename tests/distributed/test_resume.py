@@ -9,7 +9,8 @@ import torch
 
 from benchmarks.checkpoint import mode_overrides
 from tests.distributed.conftest import PLAIN_EVERY, PLAIN_STEPS, events, run_config, train
-from trainer.checkpointing import latest_committed_checkpoint, load_model_weights, state_dict_sha256
+from tests.weights import state_dict_sha256
+from trainer.checkpointing import latest_committed_checkpoint, load_model_weights
 from trainer.checkpointing.storage import committed_steps, read_meta
 from trainer.config import TrainConfig
 from trainer.launch import TrainingFailed

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.checkpointing.storage import save_checkpoint
+from benchmarks.make_checkpoint import save_checkpoint
 from trainer.config import ModelConfig
 from trainer.models import model_spec
 from trainer.models.byte_lm import next_token_loss

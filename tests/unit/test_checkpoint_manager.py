@@ -11,7 +11,8 @@ from tests.unit.checkpoint_helpers import (
     _step,
     _trained_model,
 )
-from trainer.checkpointing import state_dict_sha256, storage
+from tests.weights import state_dict_sha256
+from trainer.checkpointing import storage
 from trainer.checkpointing.storage import (
     CheckpointError,
 )

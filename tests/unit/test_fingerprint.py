@@ -21,7 +21,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from trainer.checkpointing import model_sha256, state_dict_sha256
+from tests.weights import state_dict_sha256
+from trainer.checkpointing import model_sha256
 from trainer.config import ModelConfig
 from trainer.models import model_spec
 

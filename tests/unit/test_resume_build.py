@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.make_checkpoint import save_checkpoint
 from trainer import lora
-from trainer.checkpointing import resume_expected, storage
+from trainer.checkpointing import resume_expected
 from trainer.checkpointing import tier_slots as slots
 from trainer.config import build_config
 from trainer.hooks import StepResult, TrainHooks
@@ -346,5 +347,5 @@ def test_resume_is_expected_from_a_committed_checkpoint_a_capture_in_memory_or_a
 
     other = _config(tmp_path / "other", _byte_lm(dataset_dir))
     model = torch.nn.Linear(2, 2)
-    storage.save_checkpoint(other.checkpoint_dir(), 2, model, torch.optim.SGD(model.parameters()), {}, {})
+    save_checkpoint(other.checkpoint_dir(), 2, model, torch.optim.SGD(model.parameters()), {}, {})
     assert resume_expected(other, slots.CaptureCache())

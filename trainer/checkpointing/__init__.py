@@ -19,7 +19,7 @@ pyproject.toml); `storage` is public too, for single-process readers of checkpoi
 Importing this package does not import NVRx.
 """
 
-from trainer.checkpointing.fingerprint import model_sha256, state_dict_sha256
+from trainer.checkpointing.fingerprint import model_sha256
 from trainer.checkpointing.local_tier import forget_run
 from trainer.checkpointing.manager import WRITERS, CheckpointManager, efficiency_pct, resume_expected
 from trainer.checkpointing.storage import (
@@ -56,6 +56,5 @@ __all__ = [
     "plan_state",
     "read_meta",
     "resume_expected",
-    "state_dict_sha256",
     "verify_checkpoint",
 ]

@@ -1,11 +1,11 @@
-"""SHA-256 fingerprints of model weights: equal exactly when the weights are equal.
+"""The SHA-256 fingerprint of model weights: equal exactly when the weights are equal.
 
 What the exactness checks compare: the summary's `model_sha256` (a resumed run must end
 with the weights of one that never stopped) and, with `checkpoint.record_weight_hashes`,
 the weights at every save (a saved checkpoint must hold exactly those: never torn).
 
-Both hash the same bytes in the same order: each tensor's key, then its values, in sorted
-key order, over what a checkpoint holds of the model: its trained parameters (a LoRA run's
+It hashes each tensor's key, then its values as they lie in host memory, in sorted key
+order, over what a checkpoint holds of the model: its trained parameters (a LoRA run's
 adapters; the frozen base is named by the checkpoint's `adapters` record instead). `model_sha256` streams a sharded model one full tensor at a time, so its memory
 is the largest tensor, not the model, and its value does not depend on the world size.
 """
@@ -22,23 +22,10 @@ from torch.distributed.tensor import DTensor
 from trainer.checkpointing.storage import trained_model_state, trained_state_options
 
 
-def _update(digest: hashlib._Hash, key: str, tensor: torch.Tensor) -> None:
-    """One state-dict entry: its key, then its values as they lie in host memory."""
-    digest.update(key.encode())
-    digest.update(tensor.detach().to("cpu").contiguous().numpy().data)  # no copy, unlike tobytes()
-
-
-def state_dict_sha256(state: dict[str, torch.Tensor]) -> str:
-    """SHA-256 over tensors in sorted key order: equal exactly when the weights are equal."""
-    digest = hashlib.sha256()
-    for key in sorted(state):
-        _update(digest, key, state[key])
-    return digest.hexdigest()
-
-
 def model_sha256(model: torch.nn.Module) -> str:
-    """`state_dict_sha256` of the full (unsharded) model state a checkpoint holds (frozen
-    parameters left out: a LoRA run's adapters), the same string on every rank.
+    """SHA-256 of the full (unsharded) model state a checkpoint holds (frozen parameters left
+    out: a LoRA run's adapters), the same string on every rank; the tests' plain-state-dict
+    fingerprint (tests/weights.py) gives the same string for the same weights.
 
     Collective: every rank gathers the same tensor at the same time, in sorted key order, and
     drops it once rank 0 hashed it; rank 0's digest is then broadcast."""
@@ -54,7 +41,8 @@ def model_sha256(model: torch.nn.Module) -> str:
         device = value.device
         full = value.full_tensor() if isinstance(value, DTensor) else value
         if hashes_here:
-            _update(digest, key, full)
+            digest.update(key.encode())
+            digest.update(full.detach().to("cpu").contiguous().numpy().data)  # no copy, unlike tobytes()
         del full  # only one gathered tensor is alive at a time
     if not distributed:
         return digest.hexdigest()

@@ -332,23 +332,6 @@ def checkpoint_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def save_checkpoint(
-    root: str | Path,
-    step: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    meta: dict[str, Any],
-    rank_extra: dict[str, Any],
-) -> Path:
-    """Collective, synchronous: returns the folder once the checkpoint is committed everywhere."""
-    staging, final = prepare_staging(root, step, rank_state(rank_extra))
-    with shard_records_without_crc32():
-        dcp.save(training_state_dict(model, optimizer), checkpoint_id=str(staging))
-    write_hash_sidecars(staging, dist.get_rank())
-    commit(staging, final, step, meta)
-    return final
-
-
 _DELETING = ".deleting"
 
 
