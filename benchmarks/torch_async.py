@@ -73,7 +73,7 @@ class TorchAsyncWriter(CheckpointWriter):
         if self._stager is not None and not self.host_bytes:
             self.host_bytes = _host_bytes(state)  # the stager's buffers, kept for the attempt
         if self._staging is None:
-            self._queued(pending.record)
+            self.on_queued(pending.record)
 
     def wait(self, until: Until) -> None:
         pending = self._pending
@@ -103,7 +103,7 @@ class TorchAsyncWriter(CheckpointWriter):
             staging, self._staging = self._staging, None
             waiting.result(staging)
         pending.record.blocked_s += time.perf_counter() - started
-        self._queued(pending.record)
+        self.on_queued(pending.record)
 
     def _finish(self, pending: PendingSave) -> None:
         assert self._write_done is not None

@@ -162,7 +162,6 @@ class LocalTier:
                     return False
                 slot = 1 - slot  # a save's capture is not skipped: the newer one goes
                 self.sender.reading(slot)
-            self.next_slot = 1 - slot
             if hold:
                 self._held = slot
         # What changes outside the optimizer step is taken now; the shards are copied
@@ -176,9 +175,9 @@ class LocalTier:
         # compete with the training thread for the interpreter lock.
         plan = self._plan_for(meta)
         if not self._slots_ready(plan, wait=hold):
-            with self._lock:  # not taken (never a save's: `wait`): the next capture fills it
-                self.next_slot = slot
+            self.next_slot = slot  # not taken (never a save's: `wait`): the next capture fills it
             return False
+        self.next_slot = 1 - slot
         self._copied.clear()
         self._copy = self._copier.submit(self._capture_into, slot, meta, plan, step_done)
         return True
@@ -225,9 +224,8 @@ class LocalTier:
         earlier attempt's capture and its header stay usable until the slot is overwritten:
         its headers are removed then, see `_slot_for`)."""
         for slot in range(2 if self.enabled else 1):
-            current = self._slots[slot]  # the slot a save reads is remapped once released
-            if slot != self._held and (current is None or current.layout != plan.layout):
-                self._slots[slot] = self._make_slot(slot, plan)
+            if slot != self._held:  # the slot a save reads is remapped once released
+                self._map_slot(slot, plan)
 
     def _capture_into(self, slot: int, meta: dict[str, Any], plan: slots.Plan, step_done: Any) -> None:
         """The copy thread: copy the state into `slot`, then write its header."""
@@ -258,7 +256,7 @@ class LocalTier:
                 if self.write_errors == 1:
                     log.warning("fast checkpoint tier: cannot write to %s: %s", self.folder, exc)
         if self.schedule.measuring:
-            self.schedule.record_copy(copy_s)
+            self.schedule.copy_seconds.append(copy_s)
         if self.enabled:  # complete: what an in-process restart resumes from
             if target.filled is None:
                 target.filled = fmt.fill(plan.skeleton, target.tensors)
@@ -277,10 +275,8 @@ class LocalTier:
     def _slot_for(self, slot: int, plan: slots.Plan) -> slots.Slot:
         """The slot's mapping, made (again) when the state's layout is new, without the
         headers of what it held (an earlier attempt's too): it is overwritten from here on."""
-        current = self._slots[slot]
-        if current is None or current.layout != plan.layout:
-            current = self._slots[slot] = self._make_slot(slot, plan)
-        elif current.plan is not plan:
+        current = self._map_slot(slot, plan)
+        if current.plan is not plan:
             current.plan, current.filled = plan, None
         self._drop_heads(slot)
         current.head = current.step = None
@@ -292,10 +288,13 @@ class LocalTier:
             if held == slot:
                 (self.folder / slots.head_name(self.rank, step, slot)).unlink(missing_ok=True)
 
-    def _make_slot(self, slot: int, plan: slots.Plan) -> slots.Slot:
-        """Map (and on CUDA page-lock) `slot` for `plan`, its content unchanged: a header of
-        this slot still names what it holds until it is overwritten (`_slot_for`), except
-        when its size changes."""
+    def _map_slot(self, slot: int, plan: slots.Plan) -> slots.Slot:
+        """`slot`'s mapping for `plan`, mapped (and on CUDA page-locked) again when the
+        layout is new, its content unchanged: a header of this slot still names what it
+        holds until it is overwritten (`_slot_for`), except when its size changes."""
+        current = self._slots[slot]
+        if current is not None and current.layout == plan.layout:
+            return current
         path = self.folder / slots.slot_name(self.rank, slot)
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -323,9 +322,8 @@ class LocalTier:
             made = slots.Slot(None, plan.layout, plan.size)
         if self._cuda:
             made.pin()
-        made.plan = plan
-        others = sum(s.size for i, s in enumerate(self._slots) if s is not None and i != slot)
-        self.host_bytes = max(self.host_bytes, others + made.size)
+        self._slots[slot] = made
+        self.host_bytes = max(self.host_bytes, sum(s.size for s in self._slots if s is not None))
         return made
 
     def _copy_into(self, target: slots.Slot, sources: list[torch.Tensor], step_done: Any) -> None:

@@ -90,8 +90,8 @@ class CheckpointManager:
         hooks: TrainHooks,
         events: EventLog,
         states: Mapping[str, Stateful] | None = None,
-        on_queued: Callable[[int], None] | None = None,
-        during_save: Callable[[int], None] | None = None,
+        on_queued: Callable[[int], None] = lambda step: None,
+        during_save: Callable[[int], None] = lambda step: None,
     ) -> None:
         settings = config.checkpoint
         if settings.mode not in WRITERS:
@@ -267,7 +267,7 @@ class CheckpointManager:
             started_at=time.perf_counter(),
             last=final,
             deferrable=not final and previous > 0 and step - previous <= self.settings.every_steps,
-            during_write=None if self.during_save is None else functools.partial(self.during_save, step),
+            during_write=functools.partial(self.during_save, step),
         )
         pending.lend = functools.partial(self._lend, pending)
         # Waits for the previous write, writes a sync save whole: the progress signals go on.
@@ -307,11 +307,8 @@ class CheckpointManager:
 
     def _report_queued(self) -> None:
         """Tells `on_queued` of the saves the writer queued, after their event is logged."""
-        queued = list(self._queued)
-        self._queued.clear()  # the writer holds its `append`
-        if self.on_queued is not None:
-            for record in queued:
-                self.on_queued(record.step)
+        while self._queued:  # the writer holds the list's `append`
+            self.on_queued(self._queued.pop(0).step)
 
     def close(self) -> None:
         """Collective, at the end of the loop: the last checkpoint is committed (the run's

@@ -116,8 +116,7 @@ class NvrxAsyncWriter(CheckpointWriter):
             self._handoff = partial(self._write_last, state, pending)
             pending.queued_at = time.perf_counter()
         else:
-            if pending.lend is not None:
-                pending.lend()
+            pending.lend()
             if pending.lease is None or self._planner is None:
                 raise RuntimeError("an async save needs the host capture of its step (PendingSave.lend)")
             writer = FileSystemWriterAsync(str(pending.staging))
@@ -144,8 +143,7 @@ class NvrxAsyncWriter(CheckpointWriter):
             raise storage.CheckpointError(f"the save of step {pending.record.step} was abandoned")
         # The staging folder and this rank's RNG/loader file: a barrier over the writer's group.
         storage.prepare_staging(self.root, pending.record.step, pending.rank_state, group=group)
-        if pending.during_write is not None:
-            pending.during_write()
+        pending.during_write()
         writer, metadata, dist_wrapper = save_state_dict_async_plan(
             snapshot, writer, process_group=group, enable_cache=True, metadata_cache=self._plan_cache
         )
@@ -165,27 +163,29 @@ class NvrxAsyncWriter(CheckpointWriter):
         return partial(self._finish, writer, metadata, dist_wrapper, pending, call_idx, save_fn is not None)
 
     def wait(self, until: Until) -> None:
-        if until == "staged":
-            self._wait_staged()
-        elif until == "step":
-            self._poll()
-            if self.prepare_captures is not None:  # after the first step only
-                self.prepare_captures()  # the state's layout is known after the first step
-                self.prepare_captures = None
-        else:
-            self._finalize()
-
-    def _wait_staged(self) -> None:
-        """Completes the hand-off of a save captured and planned while forward and backward
-        ran (waiting for the planner if needed), then reports it queued."""
+        """At "staged", a save captured and planned while forward and backward ran is handed
+        off (waiting for the planner if needed) and reported queued; at "step" (cheap, without
+        collectives), a save whose finish ended is reported committed (the ranks may learn of
+        it a step apart; each commit is reported once per rank)."""
         pending = self._pending
-        if pending is None or self._handoff is None:
-            return
-        with self.keepalive():  # may wait for a capture of the whole state
+        if until == "committed":
+            if self.warming_up:
+                self._finish_warm_up()
+            self._hand_off()  # no optimizer step follows (the last save, or the loop's last step)
+            self._join_finish()
+        elif until == "staged" and pending is not None and self._handoff is not None:
+            with self.keepalive():  # may wait for a capture of the whole state
+                started = time.perf_counter()
+                self._hand_off()
+                pending.record.blocked_s += time.perf_counter() - started
+            self.on_queued(pending.record)
+        elif until == "step" and pending is not None and self._finished is not None and self._finished.done():
             started = time.perf_counter()
-            self._hand_off()
+            self._join_finish()
             pending.record.blocked_s += time.perf_counter() - started
-        self._queued(pending.record)
+        if until == "step":  # the state's layout is known after the first step: once
+            self.prepare_captures()
+            self.prepare_captures = lambda: None
 
     def _hand_off(self) -> None:
         hand_off, self._handoff = self._handoff, None
@@ -254,14 +254,6 @@ class NvrxAsyncWriter(CheckpointWriter):
         pending.record.write_s = time.perf_counter() - pending.queued_at
         self.on_commit(pending.record)
 
-    def _poll(self) -> None:
-        """Cheap and without collectives: reports a save whose finish ended (the ranks may
-        learn of it a step apart; each commit is reported once per rank)."""
-        if (pending := self._pending) is not None and self._finished is not None and self._finished.done():
-            started = time.perf_counter()
-            self._join_finish()
-            pending.record.blocked_s += time.perf_counter() - started
-
     def _finish_warm_up(self) -> None:
         """Collective: this rank's warm-up write, then every rank's; the scratch folder goes."""
         assert self._warm_up is not None
@@ -271,12 +263,6 @@ class NvrxAsyncWriter(CheckpointWriter):
         self.warming_up, self._warm_up = False, None
         if dist.get_rank() == 0:
             shutil.rmtree(self.root / ".warm-up", ignore_errors=True)
-
-    def _finalize(self) -> None:
-        if self.warming_up:
-            self._finish_warm_up()
-        self._hand_off()  # no optimizer step follows (the last save, or the loop's last step)
-        self._join_finish()
 
     def _write_last(self, state: dict[str, Any], pending: PendingSave) -> None:
         """Collective: write the attempt's last save here, as a `sync` save is written (DCP,

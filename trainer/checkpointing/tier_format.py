@@ -122,8 +122,7 @@ def view(data: Any, dtype: str | torch.dtype, shape: list[int], place: int, nbyt
     kind = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
     if not nbytes:
         return torch.empty(shape, dtype=kind)
-    count = nbytes // torch.empty((), dtype=kind).element_size()
-    return torch.frombuffer(data, dtype=kind, count=count, offset=place).reshape(shape)
+    return torch.frombuffer(data, dtype=kind, count=nbytes // kind.itemsize, offset=place).reshape(shape)
 
 
 def read_bytes(*paths: Path) -> bytearray | None:

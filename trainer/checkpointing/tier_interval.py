@@ -57,9 +57,9 @@ class CaptureInterval:
             self.interval, self.reason = int(setting), f"checkpoint.local_every_steps={setting}"
         self._window_start: int | None = None  # the step the current measuring window began at
         self._marks: list[tuple[float, bool]] = []  # per step measured: its time, whether it copied
-        # The copy's own time per capture, while measuring; appended by the copy thread, read
-        # by `_agree` only once that thread is idle (`_wait_copy`).
-        self._copy_seconds: list[float] = []
+        # The copy's own time per capture, while measuring; appended by the tier's copy thread,
+        # read by `_agree` only once that thread is idle (`_wait_copy`).
+        self.copy_seconds: list[float] = []
         self.measured: dict[str, float] = {}  # this rank's copy_s, step_s and the interval it wanted
 
     def summary(self) -> dict[str, Any]:
@@ -70,9 +70,6 @@ class CaptureInterval:
             "local_tier_copy_s": self.measured.get("copy_s"),
             "local_tier_step_s": self.measured.get("step_s"),
         }
-
-    def record_copy(self, seconds: float) -> None:
-        self._copy_seconds.append(seconds)
 
     def maybe_capture(self, step: int, capture: Callable[[], bool], force: bool = False) -> bool:
         """`capture()` if step `step` is a capture step (`force`: a save's, at any step); whether
@@ -96,7 +93,7 @@ class CaptureInterval:
         any rank needs for its copies to fit the budget. While no rank has timed a copy yet
         (large slots are still being made), another window is measured."""
         self._wait_copy()  # the newest copy's time is in
-        copies = self._copy_seconds[2:]  # the first copy into each slot also faults its pages in
+        copies = self.copy_seconds[2:]  # the first copy into each slot also faults its pages in
         marks = [*self._marks, (now, False)]
         steps = [b - a for (a, copied), (b, _) in itertools.pairwise(marks) if not copied]
         wanted = 0

@@ -80,11 +80,11 @@ class PendingSave:
     """A periodic save that a writer still warming up may skip: the fast tier covers
     recovery meanwhile (never the last save, never before a first durable one, never two in
     a row; the same on every rank)."""
-    lend: Callable[[], None] | None = None
+    lend: Callable[[], None] = lambda: None
     """Lends the host capture of this step (sets `lease`); called by a writer that writes from it."""
     lease: Lease | None = None
     """The lent capture: its slot is not overwritten until the writer releases it."""
-    during_write: Callable[[], None] | None = None
+    during_write: Callable[[], None] = lambda: None
     """A drill's slow file system (`slow-save`): the writer calls it where it writes this
     save, on the thread that writes (never the training thread)."""
 
@@ -127,9 +127,9 @@ class CheckpointWriter:
         keep_every: int,
         on_commit: OnCommit,
         *,
-        on_queued: OnCommit | None = None,
+        on_queued: OnCommit = lambda record: None,
         keepalive: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
-        prepare_captures: Callable[[], None] | None = None,
+        prepare_captures: Callable[[], None] = lambda: None,
     ) -> None:
         self.root = root
         self.keep_last = keep_last
@@ -193,11 +193,6 @@ class CheckpointWriter:
     def _retain(self) -> None:
         storage.apply_retention(self.root, self.keep_last, self.keep_every)
 
-    def _queued(self, record: SaveRecord) -> None:
-        """The save is handed to the background (or written): tell `on_queued`."""
-        if self.on_queued is not None:
-            self.on_queued(record)
-
 
 class NoCheckpoints(CheckpointWriter):
     """`off`: never saves."""
@@ -239,7 +234,7 @@ class SyncWriter(CheckpointWriter):
     def _write(self, state: dict[str, Any], pending: PendingSave) -> None:
         pending.queued_at = pending.started_at
         self._write_now(state, pending, dist.group.WORLD, loop_waits=True)
-        self._queued(pending.record)
+        self.on_queued(pending.record)
 
 
 def _stage_and_write(root: Path, state: dict[str, Any], pending: PendingSave, group: Any) -> None:
@@ -247,5 +242,4 @@ def _stage_and_write(root: Path, state: dict[str, Any], pending: PendingSave, gr
     storage.prepare_staging(root, pending.record.step, pending.rank_state, group=group)
     with storage.shard_records_without_crc32():
         dcp.save(state, storage_writer=hashing_writer(pending.staging), process_group=group)
-    if pending.during_write is not None:
-        pending.during_write()
+    pending.during_write()
