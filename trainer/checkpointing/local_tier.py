@@ -92,9 +92,8 @@ class LocalTier:
         self._cuda_copied: Any = None  # CUDA: the event after the newest capture's copies
         self._cuda_copy_began: Any = None  # CUDA: the event before them (to time the transfer)
         self._plan: slots.Plan | None = None
-        self.captures = 0
+        self.captures = self.write_errors = 0
         self.host_bytes = 0  # what its slots held at most
-        self.write_errors = 0
         self.checksum_s = 0.0  # spent checksumming captures for their files
         self._memory_only_said = False
         world = dist.get_world_size()
@@ -265,7 +264,6 @@ class LocalTier:
             self.captures += 1
             if target.head is not None and self.sends_to:
                 self.sender.queue(slot)
-                self.sender.start()  # once: its thread waits for the lock taken here
 
     def _plan_for(self, meta: dict[str, Any]) -> slots.Plan:
         plan, reusable = slots.plan_state(self.params, self.optimizer, meta, self._plan)

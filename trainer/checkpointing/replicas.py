@@ -199,11 +199,10 @@ class ReplicaSender:
         return self._sending == slot
 
     def queue(self, slot: int) -> None:
-        """Under the lock: send `slot`'s capture next."""
+        """Under the lock: send `slot`'s capture next (the first starts the thread, which
+        waits for the lock taken by the caller)."""
         self._queued = slot
         self._wake.notify()
-
-    def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="rtp-local-tier-send", daemon=True)
             self._thread.start()

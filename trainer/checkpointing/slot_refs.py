@@ -42,14 +42,13 @@ def by_reference(buckets: list[Any], slot: Slot | None) -> list[Any]:
     if slot is None or slot.path is None or not slot.size:
         return buckets
     base = slot.address()
-    path = str(slot.path)
 
     def ref(tensor: Any) -> Any:
         if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu" or not tensor.is_contiguous():
             return tensor
         start, nbytes = tensor.data_ptr() - base, tensor.numel() * tensor.element_size()
         inside = nbytes and start >= 0 and start + nbytes <= slot.size
-        return SlotRef(path, start, tensor.dtype, tuple(tensor.shape), nbytes) if inside else tensor
+        return SlotRef(str(slot.path), start, tensor.dtype, tuple(tensor.shape), nbytes) if inside else tensor
 
     return [
         (where, name, (data, [(item, ref(t)) for item, t in items])) for where, name, (data, items) in buckets
@@ -106,7 +105,7 @@ class Lease:
         tensors are views of the shards the capture copied. One the capture lacks is copied
         here, as is every tensor of a slot in memory only (the writer process reads it as a copy)."""
         from torch.distributed.tensor import DTensor
-        from torch.utils._pytree import tree_flatten, tree_unflatten
+        from torch.utils._pytree import tree_map_only
 
         slot = self.wait()
         self.serving = slot if slot.path is not None else None
@@ -116,15 +115,13 @@ class Lease:
             for s, host in zip(slot.plan.sources, slot.tensors, strict=False)
             if s.numel()
         }
-        leaves, spec = tree_flatten(state)
-        for index, value in enumerate(leaves):
-            if not isinstance(value, torch.Tensor):
-                continue
+
+        def host_copy(value: torch.Tensor) -> torch.Tensor:
             local = slots.local_shard(value)
             host = held.get((local.data_ptr(), tuple(local.shape), local.dtype))
             if host is None or slot.path is None:
                 host = local.detach().to("cpu", copy=True)
-            if isinstance(value, DTensor):  # built directly: this runs off the training thread
-                host = DTensor(host, value._spec, requires_grad=False)
-            leaves[index] = host
-        return tree_unflatten(leaves, spec)
+            # A DTensor is built directly: this runs off the training thread.
+            return DTensor(host, value._spec, requires_grad=False) if isinstance(value, DTensor) else host
+
+        return tree_map_only(torch.Tensor, host_copy, state)

@@ -23,21 +23,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainer.checkpointing.local_tier")
 
 
-def _candidates(tier: LocalTier) -> dict[int, int | None]:
-    """step -> the slot this rank holds it in (None: in this process's memory), matching this run."""
-    found: dict[int, int | None] = dict(slots.own_heads(tier.folder, tier.rank))
-    memory = tier.cache.get(tier.key)
-    if memory is not None and memory["identity"] == tier.identity:
-        found[int(memory["step"])] = None
-    return found
-
-
 def restore(tier: LocalTier, durable_step: int) -> int | None:
     """Collective: if every rank's state after the same step newer than `durable_step` is
     held (by the rank itself, or as a peer's replica), load the newest such into model,
     optimizer, scheduler and RNG and return its step; else None (load the durable
     checkpoint). Also starts this attempt's replica receiver and learns its peers'."""
-    mine = _candidates(tier) if tier.enabled else {}
+    # Step -> the slot this rank holds it in (None: in this process's memory), matching this run.
+    mine: dict[int, int | None] = dict(slots.own_heads(tier.folder, tier.rank)) if tier.enabled else {}
+    memory = tier.cache.get(tier.key)
+    if tier.enabled and memory is not None and memory["identity"] == tier.identity:
+        mine[int(memory["step"])] = None
     held = peer_copies.held_replicas(tier.folder, tier.rank, tier.holds_for)
     info = {
         "own": sorted(mine),

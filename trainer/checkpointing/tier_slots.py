@@ -12,6 +12,7 @@ an in-process restart finds it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from trainer.checkpointing import tier_format as fmt
 from trainer.checkpointing.replicas import folder_names
@@ -72,8 +74,6 @@ def forget_run(local_dir: str, checkpoint_dir: str | Path) -> None:
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (the tensor itself, not `to_local()`'s autograd view: this
     runs for every tensor at every capture, off the training thread), else the tensor."""
-    from torch.distributed.tensor import DTensor
-
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
@@ -135,14 +135,9 @@ def plan_state(
     optimizer updates them in place), then the meta's tensors (the RNG states). Returns the
     plan and whether it may be reused; `previous` when its shards are still the state's."""
     state = optimizer.state
-    sources = [local_shard(p) for p in params]
-    stable = True
-    for p in params:
-        for value in state.get(p, {}).values():
-            if torch.is_tensor(value):
-                sources.append(local_shard(value))
-            else:
-                stable = False  # a plain value in the state: it goes in the skeleton
+    values = [value for p in params for value in state.get(p, {}).values()]
+    sources = [*map(local_shard, params), *(local_shard(v) for v in values if torch.is_tensor(v))]
+    stable = all(map(torch.is_tensor, values))  # else a plain value in the state: it goes in the skeleton
     if stable and previous is not None and list(map(id, previous.sources)) == list(map(id, sources)):
         return previous, True  # the same tensor objects (both lists hold them: ids are theirs)
     index = iter(range(len(params), len(sources)))  # the optimizer state's, after the shards'
@@ -212,10 +207,8 @@ def gib(n: int | None) -> str:
 
 def free_bytes(folder: Path) -> int | None:
     for where in (folder, *folder.parents):
-        try:
+        with contextlib.suppress(OSError):
             return shutil.disk_usage(where).free
-        except OSError:
-            continue
     return None
 
 
@@ -233,8 +226,6 @@ def non_finite(snapshot: dict[str, Any]) -> str | None:
 
 def mesh_grid(params: Sequence[torch.Tensor]) -> list[list[int]] | None:
     """An HSDP state's (replicate, shard) grid of ranks; None for FSDP or an unsharded state."""
-    from torch.distributed.tensor import DTensor
-
     mesh = next((p.device_mesh for p in params if isinstance(p, DTensor)), None)
     return mesh.mesh.tolist() if mesh is not None and mesh.ndim == 2 else None
 
