@@ -20,6 +20,7 @@ import importlib
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -344,7 +345,7 @@ class CheckpointManager:
             "checkpoint": str(latest) if latest else None,
             "checkpoint_mode": self.writer.mode,
             "resumed_from": self.resumed_from,
-            "checkpoint_saves": [record.as_dict() for record in self.records],
+            "checkpoint_saves": [asdict(record) for record in self.records],
             "checkpoint_blocked_s": blocked_total,
             "efficiency_pct": efficiency_pct(blocked_total, loop_wall_s),
             "final_drain_s": self.final_drain_s,
@@ -363,7 +364,7 @@ class CheckpointManager:
 
     def _on_commit(self, record: SaveRecord) -> None:
         self.durable_step = max(self.durable_step, record.step)
-        self.events.emit("checkpoint_committed", **record.as_dict())
+        self.events.emit("checkpoint_committed", **asdict(record))
         if self.rank == 0:
             log.info(
                 "checkpoint step %d committed (blocked %.3fs, write %.3fs)",

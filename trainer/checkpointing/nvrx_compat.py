@@ -71,7 +71,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from nvidia_resiliency_ext.checkpointing.async_ckpt import core, filesystem_async
+from nvidia_resiliency_ext.checkpointing.async_ckpt import core, filesystem_async, state_dict_saver
 
 from trainer import env, forkserver, lifecycle, waiting
 from trainer.checkpointing import slot_refs, storage
@@ -196,8 +196,6 @@ def warm_up(calls: core.AsyncCallsQueue, scratch_dir: Path, group: Any) -> Calla
     same path on every rank) and send it, which starts the worker (a fresh interpreter:
     seconds) while the caller goes on. Returns what waits for this rank's write and reads
     its results (5: not on the main thread), until `abandoned` is set."""
-    from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
-
     if dist.get_rank() == 0:
         shutil.rmtree(scratch_dir, ignore_errors=True)
         scratch_dir.mkdir(parents=True)
@@ -206,7 +204,7 @@ def warm_up(calls: core.AsyncCallsQueue, scratch_dir: Path, group: Any) -> Calla
     # A key per rank: DCP writes a replicated tensor from one rank only, and a rank with
     # nothing to write would not start its worker.
     tiny_state = {f"warm_up_rank_{dist.get_rank()}": torch.zeros(1)}
-    writer, _, _ = save_state_dict_async_plan(tiny_state, writer, process_group=group)
+    writer, _, _ = state_dict_saver.save_state_dict_async_plan(tiny_state, writer, process_group=group)
     save_fn, _preload_fn, save_args = writer.get_save_function_and_args()
     call_idx = number_request(calls)
     # (2) The tiny state is on the host: nothing to preload, and no CUDA in the worker.

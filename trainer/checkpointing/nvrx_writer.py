@@ -221,8 +221,7 @@ class NvrxAsyncWriter(CheckpointWriter):
         gathered = dist_wrapper.gather_object((call_idx, writer.retrieve_write_results()))
         if not dist_wrapper.is_coordinator:
             return
-        numbers = {number for number, _ in gathered}
-        if numbers != {call_idx}:
+        if (numbers := {number for number, _ in gathered}) != {call_idx}:
             raise RuntimeError(
                 f"ranks finished different checkpoint requests ({sorted(numbers)}): "
                 "every rank must save at the same steps"

@@ -121,8 +121,7 @@ def verify_checkpoint(path: str | Path, verify_hashes: bool = False) -> None:
         file_path = folder / entry["path"]
         if not file_path.is_file():
             raise CheckpointError(f"{file_path} is listed in the manifest but missing")
-        size = file_path.stat().st_size
-        if size != entry["size"]:
+        if (size := file_path.stat().st_size) != entry["size"]:
             raise CheckpointError(f"{file_path} has {size} bytes, the manifest says {entry['size']}")
         if verify_hashes and sha256_file(file_path) != entry["sha256"]:
             raise CheckpointError(f"{file_path} does not match its SHA-256 in the manifest")

@@ -30,13 +30,15 @@ TENSOR_KEY = "__rtp_tensor__"
 _ALIGN = 64
 CHECKSUM_CHUNK = 64 * 2**20
 """The tensor bytes are checksummed in pieces this large (a multiple of 8)."""
+Layout = list[tuple[str, list[int], int, int]]
+"""(dtype, shape, place, bytes) of each tensor of a file."""
 
 
 def aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def layout_of(tensors: list[torch.Tensor]) -> list[tuple[str, list[int], int, int]]:
+def layout_of(tensors: list[torch.Tensor]) -> Layout:
     """(dtype, shape, place, bytes) of each tensor, each place at a 64-byte boundary."""
     layout = []
     offset = 0
@@ -53,9 +55,7 @@ def _section(value: Any) -> bytes:
     return len(buffer.getvalue()).to_bytes(8, "little") + buffer.getvalue()
 
 
-def static_section(
-    skeleton: dict[str, Any], layout: list[tuple[str, list[int], int, int]], size: int
-) -> bytes:
+def static_section(skeleton: dict[str, Any], layout: Layout, size: int) -> bytes:
     """The header's part that stays the same while the layout does (made once per layout)."""
     return _section({"skeleton": skeleton, "tensors": layout, "size": size})
 

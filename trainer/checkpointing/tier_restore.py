@@ -12,13 +12,18 @@ from __future__ import annotations
 
 from typing import Any
 
+Reports = list[dict[str, Any]]
+"""Every rank's report, indexed by rank: what the restore's all-gather returns."""
+Twins = dict[int, list[int]]
+"""rank -> the ranks of other replica groups holding the same state (HSDP)."""
 
-def replica_holders(gathered: list[dict[str, Any]], owner: int, step: int) -> list[int]:
+
+def replica_holders(gathered: Reports, owner: int, step: int) -> list[int]:
     """The ranks that hold `owner`'s state after `step` as a replica, lowest first."""
     return [rank for rank, report in enumerate(gathered) if step in report["held"].get(owner, ())]
 
 
-def twins_of(grid: list[list[int]]) -> dict[int, list[int]]:
+def twins_of(grid: list[list[int]]) -> Twins:
     """rank -> the ranks holding the same state, from an HSDP mesh's (replicate, shard) grid
     of ranks: the same column in the other rows."""
     return {
@@ -28,16 +33,12 @@ def twins_of(grid: list[list[int]]) -> dict[int, list[int]]:
     }
 
 
-def twin_holders(
-    gathered: list[dict[str, Any]], owner: int, step: int, twins: dict[int, list[int]]
-) -> list[int]:
+def twin_holders(gathered: Reports, owner: int, step: int, twins: Twins) -> list[int]:
     """`owner`'s twins that hold their own state after `step`, lowest first."""
     return sorted(t for t in twins.get(owner, ()) if step in gathered[t]["own"])
 
 
-def restorable_steps(
-    gathered: list[dict[str, Any]], durable_step: int, twins: dict[int, list[int]] | None = None
-) -> list[int]:
+def restorable_steps(gathered: Reports, durable_step: int, twins: Twins | None = None) -> list[int]:
     """The steps every rank's state can be restored from, newer than `durable_step`, newest first."""
     steps = {s for report in gathered for s in report["own"]}
     steps |= {s for report in gathered for held in report["held"].values() for s in held}

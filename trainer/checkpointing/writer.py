@@ -26,7 +26,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -53,9 +53,6 @@ class SaveRecord:
     """From queueing to commit (background write + finalize); the blocked time for sync."""
     bytes_total: int | None = None
     path: str | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass(slots=True)
@@ -132,8 +129,7 @@ class CheckpointWriter:
         prepare_captures: Callable[[], None] = lambda: None,
     ) -> None:
         self.root = root
-        self.keep_last = keep_last
-        self.keep_every = keep_every
+        self._retain = lambda: storage.apply_retention(root, keep_last, keep_every)
         self.on_commit = on_commit
         self.on_queued = on_queued
         self.keepalive = keepalive  # around blocking waits the writer decides on itself
@@ -189,9 +185,6 @@ class CheckpointWriter:
             self._retention = threading.Thread(target=self._retain, name="rtp-ckpt-retention")
             self._retention.start()
         self.on_commit(record)
-
-    def _retain(self) -> None:
-        storage.apply_retention(self.root, self.keep_last, self.keep_every)
 
 
 class NoCheckpoints(CheckpointWriter):
