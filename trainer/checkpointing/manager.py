@@ -357,10 +357,9 @@ class CheckpointManager:
         }
 
     def _state_bytes(self) -> int:
-        """This rank's parameters and optimizer state, in bytes (its shards under FSDP)."""
-        params = self.local.params  # the trainable ones: what a checkpoint holds
-        moments = [v for p in params for v in self.optimizer.state.get(p, {}).values() if torch.is_tensor(v)]
-        return sum(slots.local_shard(t).nbytes for t in params + moments)
+        """This rank's trained parameters and their optimizer state, in bytes (its shards under
+        FSDP): the tensors a capture copies."""
+        return sum(t.nbytes for t in slots.plan_state(self.local.params, self.optimizer, {}, None)[0].sources)
 
     def _on_commit(self, record: SaveRecord) -> None:
         self.durable_step = max(self.durable_step, record.step)

@@ -136,13 +136,11 @@ class ReplicaReceiver:
         self.folder.mkdir(parents=True, exist_ok=True)
         try:
             with temporary.open("wb") as handle:
-                left = size
-                while left:
-                    chunk = stream.read(min(left, 1 << 20))
-                    if not chunk:
+                for left in range(size, 0, -(1 << 20)):  # 1 MiB at a time
+                    chunk = stream.read(min(left, 1 << 20))  # all of it, unless the peer closed first
+                    if len(chunk) < min(left, 1 << 20):
                         raise ValueError(f"the copy of rank {owner}'s step {step} ended early")
                     handle.write(chunk)
-                    left -= len(chunk)
             os.replace(temporary, final)
         finally:
             temporary.unlink(missing_ok=True)

@@ -166,14 +166,6 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     return json.loads((Path(path) / META).read_text())
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_durable(path: Path, data: bytes) -> None:
     with path.open("wb") as handle:
         handle.write(data)
@@ -324,7 +316,11 @@ def commit_files(staging: Path, final: Path, step: int, meta: dict[str, Any]) ->
     _write_durable(staging / MANIFEST, json.dumps(manifest, indent=2).encode())
     _write_durable(staging / COMMIT_MARKER, f"step {step}\n".encode())
     os.replace(staging, final)
-    _fsync_dir(final.parent)
+    parent = os.open(final.parent, os.O_RDONLY)  # the rename itself made durable
+    try:
+        os.fsync(parent)
+    finally:
+        os.close(parent)
 
 
 def checkpoint_bytes(folder: Path) -> int:

@@ -41,8 +41,16 @@ def restore(tier: LocalTier, durable_step: int) -> int | None:
     }
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, info)
-    _start_replication(tier, gathered)
     world = len(gathered)
+    if tier.holds_for:  # the same on every rank (`replicas.peers`): this attempt's replicas
+        # This attempt's receiver runs, and the senders learn where their holders listen.
+        tier.sender.token = gathered[0]["token"]
+        tier.receiver = peer_copies.ReplicaReceiver(
+            tier.folder, tier.rank, tier.holds_for, tier.sender.token, tier.listen_host
+        )
+        addresses: list[Any] = [None] * world
+        dist.all_gather_object(addresses, tier.receiver.address)
+        tier.sender.holders = {r: tuple(addresses[r]) for r in tier.sends_to if addresses[r] is not None}
     for step in tier_restore.restorable_steps(gathered, durable_step, tier.twins):
         payload, snapshot, problem = _own(tier, step, mine[step]) if step in mine else (None, None, None)
         ok = _fits(tier, snapshot, durable_step)  # None: `problem` says why
@@ -84,20 +92,6 @@ def restore(tier: LocalTier, durable_step: int) -> int | None:
         if problem:
             log.warning("fast checkpoint tier: rank %d: step %d unusable: %s", tier.rank, step, problem)
     return None
-
-
-def _start_replication(tier: LocalTier, gathered: list[Any]) -> None:
-    """After the restore's all-gather: this attempt's receiver runs, the senders know
-    where their holders listen. Not collective beyond that all-gather."""
-    if not tier.holds_for:  # the same on every rank (`replicas.peers`): no replicas
-        return
-    tier.sender.token = gathered[0]["token"]
-    tier.receiver = peer_copies.ReplicaReceiver(
-        tier.folder, tier.rank, tier.holds_for, tier.sender.token, tier.listen_host
-    )
-    addresses: list[Any] = [None] * len(gathered)
-    dist.all_gather_object(addresses, tier.receiver.address)
-    tier.sender.holders = {r: tuple(addresses[r]) for r in tier.sends_to if addresses[r] is not None}
 
 
 def _own(tier: LocalTier, step: int, slot: int | None) -> tuple[Any, dict[str, Any] | None, str | None]:

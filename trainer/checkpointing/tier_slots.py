@@ -161,9 +161,7 @@ class Slot:
     def __init__(self, path: Path | None, layout: list[tuple[str, list[int], int, int]], size: int) -> None:
         import mmap
 
-        self.path = path
-        self.layout = layout
-        self.size = size
+        self.path, self.layout, self.size = path, layout, size
         self.head: Path | None = None  # the header of the capture it holds, if written
         self.step: int | None = None
         self.plan: Plan | None = None
