@@ -5,13 +5,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.make_checkpoint import save_checkpoint
 from components.validate_checkpoint.validate import report_markdown, validate_checkpoint
 from trainer.checkpointing.storage import (
     CheckpointError,
     commit,
     prepare_staging,
     rank_state,
-    save_checkpoint,
 )
 from trainer.config import build_config
 from trainer.models import model_spec
